@@ -1,0 +1,204 @@
+"""Tiny DeepSeek-V3 checkpoints in the exact on-disk format of the real one (`allsync make-tiny`).
+
+Same config.json keys, same per-expert tensor keys, router correction bias, sharded safetensors with
+an index, optionally FP8 e4m3 weights with one float32 `weight_scale_inv` per 128x128 block, and a
+byte-level tokenizer with DeepSeek's special tokens and chat template. kv_lora_rank 512 and
+qk_rope_head_dim 64 stay at the real values because vLLM's CPU MLA kernel supports only those.
+
+Weights are seeded Gaussians scaled so activations keep unit size (std 1/sqrt(fan_in)) and the
+lm_head gives peaked logits: greedy decoding then has clear margins, which keeps different engines
+(transformers, vLLM) on the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quant.checkpoint_io import atomic_output_dir, split_into_shards, write_shards
+from quant.formats import fp8_block_quantize
+from quant.layout import FP8_BLOCK, expected_tensors, scale_key
+
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# Tokens the RL tasks use: reasoning spans and the memory summary that ends a conversation segment.
+TASK_SPECIAL_TOKENS = ["<think>", "</think>", "<memory>", "</memory>"]
+SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT, *TASK_SPECIAL_TOKENS]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    layers: int = 3
+    dense_layers: int = 1
+    experts: int = 8
+    experts_per_token: int = 2
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    moe_intermediate_size: int = 64
+    heads: int = 4
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 512  # vLLM CPU MLA supports only 512
+    qk_rope_head_dim: int = 64  # vLLM CPU MLA supports only 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    n_group: int = 2
+    topk_group: int = 1
+    shards: int = 2
+    fp8: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0 <= self.dense_layers <= self.layers:
+            raise ValueError(f"--dense-layers {self.dense_layers} must be between 0 and --layers {self.layers}")
+        if self.experts % self.n_group:
+            raise ValueError(f"--experts {self.experts} must be divisible by n_group {self.n_group}")
+        if self.experts_per_token > self.experts // self.n_group * self.topk_group:
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} exceeds the experts in topk_group groups "
+                f"({self.experts // self.n_group * self.topk_group})"
+            )
+        if self.shards < 2:
+            raise ValueError("--shards must be >= 2 (the real checkpoint is sharded)")
+
+
+def build_tokenizer():
+    """Byte-level BPE (every byte is a token, so any text encodes) plus DeepSeek's special tokens."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT, *TASK_SPECIAL_TOKENS],
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _portable_tokenizer_class(path: Path) -> None:
+    """transformers 5 writes its internal backend name; older readers (and vLLM's) know PreTrainedTokenizerFast."""
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def tiny_config(spec: TinySpec, vocab_size: int) -> dict:
+    """config.json with DeepSeek-V3's own keys and values, sizes from `spec`."""
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "ep_size": 1,
+        "first_k_dense_replace": spec.dense_layers,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "kv_lora_rank": spec.kv_lora_rank,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "moe_layer_freq": 1,
+        "n_group": spec.n_group,
+        "n_routed_experts": spec.experts,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": spec.heads,
+        "num_experts_per_tok": spec.experts_per_token,
+        "num_hidden_layers": spec.layers,
+        "num_key_value_heads": spec.heads,
+        "num_nextn_predict_layers": 0,
+        "q_lora_rank": spec.q_lora_rank,
+        "qk_nope_head_dim": spec.qk_nope_head_dim,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": spec.topk_group,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": spec.v_head_dim,
+        "vocab_size": vocab_size,
+    }
+    if spec.fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "activation_scheme": "dynamic",
+        }
+    return config
+
+
+def _init_tensor(key: str, shape: tuple[int, ...], group: str, gen: torch.Generator) -> torch.Tensor:
+    """Seeded init: embeddings N(0,1); linears N(0, 1/fan_in); norms 1 + N(0, 0.1^2); lm_head peaked."""
+    if key.endswith("e_score_correction_bias"):
+        return (0.1 * torch.randn(shape, generator=gen)).float()
+    if len(shape) == 1:
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    std = {"embed": 1.0, "lm_head": 6.0 / shape[1] ** 0.5}.get(group, 1.0 / shape[1] ** 0.5)
+    return (std * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+
+
+def tiny_tensors(config: dict, fp8: bool, seed: int) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors in on-disk order; with fp8, quantizable weights as e4m3 + block scales."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, spec in expected_tensors(config).items():
+        t = _init_tensor(key, spec.shape, spec.group, gen)
+        if fp8 and spec.quantizable:
+            q, scale_inv = fp8_block_quantize(t.float())
+            tensors[key], tensors[scale_key(key)] = q, scale_inv
+        else:
+            tensors[key] = t
+    return tensors
+
+
+def make_tiny(out: str | os.PathLike, spec: TinySpec = TinySpec(), overwrite: bool = False) -> Path:
+    """Write a tiny DeepSeek-V3 checkpoint to `out` atomically; returns its path."""
+    spec.validate()
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        tokenizer = build_tokenizer()
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)  # chat template inside tokenizer_config.json
+        _portable_tokenizer_class(tmp / "tokenizer_config.json")
+        config = tiny_config(spec, vocab_size=len(tokenizer))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, indent=2) + "\n"
+        )
+        write_shards(tmp, split_into_shards(tiny_tensors(config, spec.fp8, spec.seed), spec.shards))
+    return Path(out)

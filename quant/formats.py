@@ -1,0 +1,161 @@
+"""Frozen weight formats: bf16, fp8 (DeepSeek-V3's 128x128 block scales), nf4 and int8 (bitsandbytes).
+
+A `QuantizedWeight` is one frozen 2-D weight [out, in] in one format. It knows its bytes and how to
+dequantize itself; `frozen_linear` multiplies by it without ever keeping the dequantized copy alive
+for backward (the weight is dequantized again in backward), so activation memory never holds
+full-precision copies of frozen weights.
+
+Formats:
+  bf16  W stored as is.
+  fp8   W ~= Q * s[i // 128, j // 128], Q float8_e4m3fn, s float32 (`weight_scale_inv`), edge blocks partial.
+  nf4   bitsandbytes 4-bit NormalFloat, one absmax per 64 values (optionally double-quantized).
+  int8  bitsandbytes row-wise absmax int8: W ~= Q * s_row / 127.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quant.layout import FP8_BLOCK
+
+FORMATS = ("bf16", "fp8", "nf4", "int8")
+NF4_BLOCKSIZE = 64
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+
+
+def check_format(name: str, where: str = "format") -> str:
+    if name not in FORMATS:
+        raise ValueError(f"unknown quantization format {name!r} for {where}; valid formats: {', '.join(FORMATS)}")
+    return name
+
+
+def _bnb_functional():
+    # bitsandbytes warns on import that its optional hub-downloaded CPU kernel is absent; the
+    # built-in CPU path it falls back to is the one we use, so the warning is noise here.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import bitsandbytes.functional as bnb_functional
+    return bnb_functional
+
+
+# ----------------------------------------------------------------------------------------- fp8 blocks
+def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """W[i, j] = float(Q[i, j]) * scale_inv[i // block, j // block]   (float32 result).
+
+    Partial edge blocks use their own scale; scale_inv has shape (ceil(out/block), ceil(in/block)).
+    """
+    out_dim, in_dim = q.shape
+    expanded = scale_inv.float().repeat_interleave(block, 0)[:out_dim].repeat_interleave(block, 1)[:, :in_dim]
+    return q.float() * expanded
+
+
+def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per 128x128 tile: scale_inv = max|W_tile| / 448, Q = round_e4m3(W_tile / scale_inv).
+
+    Returns (Q float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)]).
+    """
+    out_dim, in_dim = w.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded[:out_dim, :in_dim] = w.float()
+    tiles = padded.view(rows, block, cols, block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(rows * block, cols * block)[:out_dim, :in_dim].contiguous(), scale_inv
+
+
+# ----------------------------------------------------------------------------------------- the weight
+@dataclass(eq=False)
+class QuantizedWeight:
+    """One frozen weight [out, in] in `fmt`; `data` and `scale` are what it costs in memory."""
+
+    fmt: str
+    shape: tuple[int, int]
+    data: torch.Tensor
+    scale: torch.Tensor | None = None  # fp8: scale_inv blocks; int8: row absmax; nf4: absmax (float32)
+    nf4_state: Any = field(default=None, repr=False)  # bitsandbytes QuantState (nf4 only)
+
+    @property
+    def nbytes(self) -> int:
+        total = self.data.numel() * self.data.element_size()
+        if self.nf4_state is not None:
+            st = self.nf4_state
+            total += st.absmax.numel() * st.absmax.element_size()
+            if st.nested:
+                total += st.state2.absmax.numel() * st.state2.absmax.element_size() + st.state2.code.numel() * 4
+        elif self.scale is not None:
+            total += self.scale.numel() * self.scale.element_size()
+        return total
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if self.fmt == "bf16":
+            return self.data.to(dtype)
+        if self.fmt == "fp8":
+            return fp8_block_dequantize(self.data, self.scale).to(dtype)
+        if self.fmt == "nf4":
+            return _bnb_functional().dequantize_4bit(self.data, self.nf4_state).to(dtype)
+        if self.fmt == "int8":
+            return (self.data.float() * (self.scale[:, None] / 127.0)).to(dtype)
+        raise AssertionError(self.fmt)
+
+
+def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> QuantizedWeight:
+    """Convert a floating weight [out, in] to `fmt` (for fp8, computes fresh 128x128 block scales)."""
+    check_format(fmt)
+    shape = (int(w.shape[0]), int(w.shape[1]))
+    if fmt == "bf16":
+        return QuantizedWeight("bf16", shape, w.to(torch.bfloat16).contiguous())
+    if fmt == "fp8":
+        q, scale_inv = fp8_block_quantize(w)
+        return QuantizedWeight("fp8", shape, q, scale_inv)
+    bnb = _bnb_functional()
+    if fmt == "nf4":
+        packed, state = bnb.quantize_4bit(
+            w.to(torch.bfloat16).contiguous(),
+            blocksize=NF4_BLOCKSIZE,
+            quant_type="nf4",
+            compress_statistics=double_quant,
+        )
+        return QuantizedWeight("nf4", shape, packed, None, state)
+    q, row_absmax, _ = bnb.int8_vectorwise_quant(w.float().contiguous())
+    return QuantizedWeight("int8", shape, q, row_absmax)
+
+
+def from_fp8_checkpoint(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, double_quant: bool = False) -> QuantizedWeight:
+    """An FP8 checkpoint tensor to `fmt`: kept as stored for fp8, otherwise dequantized (this one tensor only)."""
+    if fmt == "fp8":
+        return QuantizedWeight("fp8", (int(q.shape[0]), int(q.shape[1])), q.contiguous(), scale_inv.float().contiguous())
+    return quantize_weight(fp8_block_dequantize(q, scale_inv), fmt, double_quant)
+
+
+# ----------------------------------------------------------------------------------------- matmul
+class _FrozenLinearFn(torch.autograd.Function):
+    """y = x W^T. Backward: dx = dy W (W dequantized again; nothing full-size saved for backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        ctx.weight = weight
+        return torch.nn.functional.linear(x, weight.dequantize(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        w = ctx.weight.dequantize(grad_out.dtype)
+        return grad_out @ w, None
+
+
+def frozen_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return torch.nn.functional.linear(x, weight.dequantize(x.dtype))
+    return _FrozenLinearFn.apply(x, weight)

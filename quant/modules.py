@@ -1,0 +1,85 @@
+"""Frozen modules that replace transformers' nn.Linear and DeepseekV3Experts with quantized weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quant.formats import QuantizedWeight, frozen_linear
+
+EXPERT_PROJECTIONS = ("gate", "up", "down")
+
+
+class FrozenLinear(nn.Module):
+    """y = x W^T with W a QuantizedWeight (no bias: DeepSeek-V3 has attention_bias false)."""
+
+    def __init__(self, group: str, in_features: int, out_features: int):
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_q: QuantizedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_linear(x, self.weight_q)
+
+    def extra_repr(self) -> str:
+        fmt = self.weight_q.fmt if self.weight_q is not None else "unloaded"
+        return f"{self.in_features} -> {self.out_features}, group={self.group}, format={fmt}"
+
+
+def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Sort the T*k (token, slot) assignments by expert.
+
+    Assignment a = t*k + j goes to expert top_k_index[t, j]. Returns `order` (assignments sorted by
+    expert, stable) and `counts[e]`, so expert e's assignments are order[sum(counts[:e]) : sum(counts[:e+1])]
+    and their tokens are order // k.
+    """
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+class FrozenExperts(nn.Module):
+    """DeepSeek routed experts, each expert's gate/up/down a QuantizedWeight (per-expert, as on disk).
+
+    y_t = sum_{j<k} w_tj * down_e( silu(gate_e(x_t)) * up_e(x_t) ),  e = top_k_index[t, j].
+    Tokens are grouped by expert; only the routed experts' weights are dequantized, one expert at a time.
+    Same call signature as transformers' DeepseekV3Experts.
+    """
+
+    group = "routed_experts"
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.weights: dict[str, list[QuantizedWeight | None]] = {p: [None] * num_experts for p in EXPERT_PROJECTIONS}
+
+    def set_weight(self, expert: int, projection: str, weight: QuantizedWeight) -> None:
+        self.weights[projection][expert] = weight
+
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        hidden = nn.functional.silu(frozen_linear(x, w["gate"][expert])) * frozen_linear(x, w["up"][expert])
+        return frozen_linear(hidden, w["down"][expert])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        k = top_k_index.shape[-1]
+        with torch.no_grad():
+            order, counts = group_tokens_by_expert(top_k_index, self.num_experts)
+        flat_weights = top_k_weights.reshape(-1)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            assignments = order[start : start + count]
+            start += count
+            tokens = assignments // k
+            y = self.expert_mlp(expert, hidden_states[tokens]) * flat_weights[assignments, None].to(hidden_states.dtype)
+            out = out.index_add(0, tokens, y)
+        return out
+
+    def extra_repr(self) -> str:
+        fmts = {w.fmt for ws in self.weights.values() for w in ws if w is not None}
+        return f"{self.num_experts} experts, {self.hidden_size} -> {self.intermediate_size}, format={','.join(sorted(fmts))}"
