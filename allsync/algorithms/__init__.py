@@ -1,0 +1,58 @@
+"""RL algorithm math for allsync: torch-only pure functions selectable by name.
+
+No distributed calls, no I/O. Each function documents its formula.
+"""
+
+from .advantages import ADVANTAGE_ESTIMATORS, drgrpo_advantages, egae, gae, grpo_advantages
+from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizers
+from .dynamic_sampling import (
+    DynamicSamplingExhausted,
+    DynamicSamplingStats,
+    GroupBatch,
+    fill_batch_with_dynamic_sampling,
+    first_appearance_rank,
+    keep_groups,
+)
+from .policy_loss import PolicyLossStats, policy_loss
+from .registry import REGISTRIES, REWARD_SHAPERS, get
+from .regularizers import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_penalty
+from .reward_shaping import overlong_filter_mask, overlong_penalty
+from .selection import UnknownNameError
+from .tppo_windows import InFlight, WindowAdvance, advance_window
+from .value_loss import ValueLossStats, value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "REGISTRIES",
+    "REWARD_SHAPERS",
+    "DynamicSamplingExhausted",
+    "DynamicSamplingStats",
+    "GroupBatch",
+    "InFlight",
+    "PolicyLossStats",
+    "UnknownNameError",
+    "ValueLossStats",
+    "WindowAdvance",
+    "advance_window",
+    "aggregate_loss",
+    "drgrpo_advantages",
+    "egae",
+    "entropy_from_logits",
+    "fill_batch_with_dynamic_sampling",
+    "first_appearance_rank",
+    "gae",
+    "get",
+    "grpo_advantages",
+    "keep_groups",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "loss_normalizers",
+    "overlong_filter_mask",
+    "overlong_penalty",
+    "policy_loss",
+    "value_loss",
+]

@@ -1,0 +1,179 @@
+"""Advantage estimators: GRPO / Dr.GRPO (group-relative) and GAE / T-PPO's EGAE.
+
+All functions are pure torch: no distributed calls, no I/O, inputs are never
+modified and the outputs carry no autograd history (advantages are targets).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _group_ids(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group ids (any order, any values) to 0..G-1; return (ids, G)."""
+    if group_index.dim() != 1:
+        raise ValueError(f"group_index must be 1-D, got shape {tuple(group_index.shape)}")
+    unique, compact = torch.unique(group_index, return_inverse=True)
+    return compact, unique.numel()
+
+
+def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):
+    """Per-sample group mean, unbiased group std, group size and constant-group flag.
+
+    Computed with scatter/index_add (no python loop over groups) in float64.
+    """
+    ids, num_groups = _group_ids(group_index)
+    r = rewards.detach().to(torch.float64)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=r.device)
+    count = zeros.index_add(0, ids, torch.ones_like(r))
+    mean = zeros.index_add(0, ids, r) / count
+    centered = r - mean[ids]
+    sq_sum = zeros.index_add(0, ids, centered * centered)
+    std = torch.sqrt(sq_sum / (count - 1).clamp_min(1))  # unbiased; 0 for singletons
+    group_max = zeros.scatter_reduce(0, ids, r, reduce="amax", include_self=False)
+    group_min = zeros.scatter_reduce(0, ids, r, reduce="amin", include_self=False)
+    constant = group_max == group_min  # covers singletons too
+    return centered, std[ids], constant[ids]
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantage, one per sample (GRPO; Dr.GRPO with ``norm_by_std=False``).
+
+    For sample i of group g (n_g samples, rewards r_j)::
+
+        mean_g = (1/n_g) * sum_j r_j
+        std_g  = sqrt( sum_j (r_j - mean_g)^2 / (n_g - 1) )     # unbiased
+        A_i    = (r_i - mean_g) / (std_g + eps)   if norm_by_std   (GRPO)
+        A_i    =  r_i - mean_g                    otherwise        (Dr.GRPO)
+
+    A group whose rewards are all equal (in particular a group of one sample)
+    gets exactly 0, without float round-off blown up by ``1/eps``.
+
+    Args:
+        rewards: [N] float (or int) rewards, one per sample.
+        group_index: [N] LongTensor of group ids; ids need not be contiguous
+            or sorted, samples of a group need not be adjacent.
+    Returns:
+        [N] advantages, dtype of ``rewards`` (float32 for integer rewards).
+    """
+    if rewards.shape != group_index.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} differ in shape"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    centered, std, constant = _group_stats(rewards, group_index)
+    advantages = centered / (std + eps) if norm_by_std else centered
+    advantages = torch.where(constant, torch.zeros_like(advantages), advantages)
+    return advantages.to(out_dtype)
+
+
+def drgrpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO advantage: ``A_i = r_i - mean_g`` (no division by the group std)."""
+    return grpo_advantages(rewards, group_index, norm_by_std=False)
+
+
+def _response_lengths(mask: torch.Tensor) -> torch.Tensor:
+    return (mask != 0).sum(dim=-1)
+
+
+def egae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    truncated: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T-PPO's extended GAE: GAE that bootstraps responses cut at a generation window.
+
+    Token-level, right-padded [B, T] tensors; response b occupies tokens
+    0..l_b-1 (``mask`` 1 there, 0 on padding). For t < l_b::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}          (A_{l_b} = 0)
+        R_t     = A_t + V_t                                (value targets)
+
+    with the value after the last token::
+
+        V_{l_b} = 0             if the response finished (truncated[b] False)
+        V_{l_b} = V_{l_b - 1}   if it was cut at a window (truncated[b] True),
+                                i.e. delta_{l-1} = r_{l-1} + gamma*V_{l-1} - V_{l-1}
+
+    Example (the T-PPO oracle): gamma 1, lam 0.95, truncated at l=4,
+    V = [0.1, 0.2, 0.3, 0.5], r = 0 -> A = [0.3755, 0.29, 0.2, 0.0].
+
+    The recursion runs a python loop over T (vectorized over B). Padding
+    positions get A = R = 0. Inputs are detached.
+
+    Returns:
+        (advantages, returns), both [B, T] in the dtype of ``values``.
+    """
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(
+            "rewards, values and mask must all be [B, T]; got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    if truncated.shape != rewards.shape[:1]:
+        raise ValueError(f"truncated must be [B]={rewards.shape[0]}, got {tuple(truncated.shape)}")
+    values = values.detach()
+    rewards = rewards.detach().to(values.dtype)
+    valid = (mask != 0).to(values.dtype)
+    B, T = values.shape
+
+    # Value of the state after each token: the next token's value inside the
+    # response, and the bootstrap (0 or V_{l-1}) right after the last token.
+    next_valid = torch.zeros_like(valid)
+    next_valid[:, :-1] = valid[:, 1:]
+    next_values = torch.zeros_like(values)
+    next_values[:, :-1] = values[:, 1:]
+    next_values = next_values * next_valid
+    last_index = (_response_lengths(mask) - 1).clamp_min(0)
+    is_last = torch.zeros(B, T, dtype=torch.bool, device=values.device)
+    is_last[torch.arange(B, device=values.device), last_index] = True
+    is_last &= valid.bool()
+    bootstrap = is_last & truncated.to(torch.bool).to(values.device)[:, None]
+    next_values = torch.where(bootstrap, values, next_values)
+
+    deltas = (rewards + gamma * next_values - values) * valid
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(B, dtype=values.dtype, device=values.device)
+    for t in range(T - 1, -1, -1):
+        running = deltas[:, t] + gamma * lam * next_valid[:, t] * running
+        advantages[:, t] = running
+    advantages = advantages * valid
+    returns = (advantages + values) * valid
+    return advantages, returns
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard GAE on right-padded [B, T] token tensors, value after the last token = 0::
+
+        delta_t = r_t + gamma * V_{t+1} * [t+1 < l] - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t
+
+    Equal to :func:`egae` with no response truncated. Returns (advantages, returns).
+    """
+    truncated = torch.zeros(rewards.shape[0], dtype=torch.bool, device=rewards.device)
+    return egae(rewards, values, mask, truncated, gamma, lam)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "drgrpo": drgrpo_advantages,
+    "gae": gae,
+    "egae": egae,
+}

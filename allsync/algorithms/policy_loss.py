@@ -1,0 +1,110 @@
+"""PPO-style clipped policy-gradient loss with DAPO's clip-higher and dual clip."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .aggregation import Number, aggregate_loss
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossStats:
+    """Diagnostics of one :func:`policy_loss` call, 0-dim detached tensors.
+
+    Fractions and KLs are means over the micro-batch's unmasked tokens.
+    """
+
+    clipfrac_high: torch.Tensor  # A > 0 and r > 1 + clip_high (upper clip active)
+    clipfrac_low: torch.Tensor  # A < 0 and r < 1 - clip_low (lower clip active)
+    clipfrac_dual: torch.Tensor  # A < 0 and the dual bound -c*A is active
+    approx_kl: torch.Tensor  # k1: mean(old_logprobs - logprobs)
+    approx_kl_k3: torch.Tensor  # k3: mean(r - 1 - log r), r = exp(logprobs - old_logprobs)
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return asdict(self)
+
+
+def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over the True entries of ``valid`` (0 when there are none)."""
+    total = values.masked_fill(~valid, 0.0).sum()
+    return (total / valid.sum().clamp_min(1)).detach()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: Number | None = None,
+    global_seqs: Number | None = None,
+    *,
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Clipped surrogate loss (PPO/DAPO) aggregated over tokens.
+
+    Per token, with r = exp(clamp(logprobs - old_logprobs, -20, 20))::
+
+        pg = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))   # decoupled clip
+        pg = min(pg, -A * clip_c)            if clip_c is set and A < 0  # dual clip
+        loss = aggregate_loss(pg, mask, agg, global_tokens, global_seqs)
+
+    The loss is the negated objective: r = 1.5, A = +1 gives pg = -1.28; with
+    clip_c = 3, r = 10, A = -1 gives pg = 3. Clipped tokens have zero gradient.
+
+    Args:
+        logprobs, old_logprobs, mask: [B, T]. ``old_logprobs`` is treated as a constant.
+        advantages: [B, T], or [B] broadcast over tokens.
+        clip_c: dual-clip constant, > 1, or None for no dual clip.
+        agg: a name of ``LOSS_AGGREGATIONS`` (token-mean, seq-mean-token-sum,
+            seq-mean-token-mean, seq-mean-token-sum-norm).
+        global_tokens, global_seqs: whole-batch token / sequence counts for
+            micro-batching (see :mod:`allsync.algorithms.aggregation`).
+        norm_length: T_max of seq-mean-token-sum-norm (default ``mask.shape[-1]``).
+    Returns:
+        (scalar loss, :class:`PolicyLossStats`).
+    """
+    if not (logprobs.shape == old_logprobs.shape == mask.shape) or logprobs.dim() != 2:
+        raise ValueError(
+            "logprobs, old_logprobs and mask must all be [B, T]; got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"clip_c must be > 1 (or None), got {clip_c}")
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.detach().to(logprobs.dtype).expand_as(logprobs)
+
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+
+    negative = advantages < 0
+    if clip_c is not None:
+        dual_bound = -advantages * clip_c
+        dual_active = negative & (pg > dual_bound)
+        pg = torch.where(dual_active, dual_bound, pg)
+    else:
+        dual_active = torch.zeros_like(negative)
+
+    loss = aggregate_loss(pg, mask, agg, global_tokens, global_seqs, norm_length)
+
+    with torch.no_grad():
+        valid = mask != 0
+        stats = PolicyLossStats(
+            clipfrac_high=_masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(ratio.dtype), valid),
+            clipfrac_low=_masked_mean((negative & (ratio < 1.0 - clip_low)).to(ratio.dtype), valid),
+            clipfrac_dual=_masked_mean(dual_active.to(ratio.dtype), valid),
+            approx_kl=_masked_mean(-log_ratio, valid),
+            approx_kl_k3=_masked_mean(ratio - 1.0 - log_ratio, valid),
+        )
+    return loss, stats

@@ -1,0 +1,37 @@
+"""Registries: configs pick algorithm functions by name.
+
+    get("advantage", "grpo")                 -> grpo_advantages
+    get("loss_aggregation", "token-mean")    -> token_mean
+    get("kl", "k3")                          -> kl_k3
+    get("reward_shaping", "overlong")        -> overlong_penalty
+
+Unknown kinds or names raise :class:`UnknownNameError` (a ``ValueError``)
+naming the bad value and listing the valid ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .advantages import ADVANTAGE_ESTIMATORS
+from .aggregation import LOSS_AGGREGATIONS
+from .regularizers import KL_ESTIMATORS
+from .reward_shaping import overlong_penalty
+from .selection import UnknownNameError, select
+
+REWARD_SHAPERS = {"overlong": overlong_penalty}
+
+REGISTRIES: dict[str, dict[str, Callable[..., Any]]] = {
+    "advantage": ADVANTAGE_ESTIMATORS,
+    "loss_aggregation": LOSS_AGGREGATIONS,
+    "kl": KL_ESTIMATORS,
+    "reward_shaping": REWARD_SHAPERS,
+}
+
+
+def get(kind: str, name: str) -> Callable[..., Any]:
+    """The function registered as ``name`` in the registry ``kind`` (see module docstring)."""
+    return select(select(REGISTRIES, "registry kind", kind), kind, name)
+
+
+__all__ = ["REGISTRIES", "REWARD_SHAPERS", "UnknownNameError", "get"]
