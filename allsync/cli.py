@@ -1,0 +1,108 @@
+"""The `allsync` command.
+
+    allsync make-tiny OUT [--layers N --experts E --dense-layers K --fp8 --seed S ...]
+    allsync load CKPT [--routed-experts nf4 --attention fp8 ...] [--prompt TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+
+def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    from moe_lora.tiny import TinySpec
+
+    p = sub.add_parser("make-tiny", help="write a tiny DeepSeek-V3 checkpoint in the real on-disk format")
+    p.add_argument("out", help="output directory (must not exist or be empty, unless --overwrite)")
+    defaults = TinySpec()
+    for f in fields(TinySpec):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", help=f"(default {getattr(defaults, f.name)})")
+        else:
+            p.add_argument(flag, type=int, default=getattr(defaults, f.name), help=f"(default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT once the new checkpoint is complete")
+    p.set_defaults(run=_run_make_tiny)
+
+
+def _run_make_tiny(args: argparse.Namespace) -> None:
+    from moe_lora.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec)})
+    path = make_tiny(args.out, spec, overwrite=args.overwrite)
+    print(f"wrote {path} ({'fp8' if spec.fp8 else 'bf16'}, {spec.layers} layers, {spec.experts} experts)")
+
+
+def _add_quant_flags(p: argparse.ArgumentParser) -> None:
+    from quant.formats import FORMATS
+    from quant.layout import QUANTIZABLE_GROUPS
+    from quant.loader import QuantPlan
+
+    for group in QUANTIZABLE_GROUPS:
+        p.add_argument(
+            "--" + group.replace("_", "-"), default=getattr(QuantPlan(), group), choices=FORMATS,
+            help=f"frozen format of {group} (default %(default)s)",
+        )  # fmt: skip
+    p.add_argument("--double-quant", action="store_true", help="nf4: quantize the absmax statistics too")
+
+
+def _quant_plan(args: argparse.Namespace):
+    from quant.layout import QUANTIZABLE_GROUPS
+    from quant.loader import QuantPlan
+
+    return QuantPlan(**{g: getattr(args, g) for g in QUANTIZABLE_GROUPS}, double_quant=args.double_quant)
+
+
+def _add_load(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("load", help="load a checkpoint frozen and quantized; print its byte report and a greedy completion")
+    p.add_argument("checkpoint")
+    _add_quant_flags(p)
+    p.add_argument("--prompt", default="what is 12+30?", help="user message for the greedy completion")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.set_defaults(run=_run_load)
+
+
+def _run_load(args: argparse.Namespace) -> None:
+    from quant.loader import byte_report, format_byte_report, load_frozen_model
+
+    model = load_frozen_model(args.checkpoint, _quant_plan(args))
+    print(format_byte_report(byte_report(model)))
+    print(f"greedy completion: {greedy_completion(model, args.checkpoint, args.prompt, args.max_new_tokens)!r}")
+
+
+def greedy_completion(model, checkpoint: str, prompt: str, max_new_tokens: int) -> str:
+    """Chat-format the prompt with the checkpoint's tokenizer and decode greedily."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny(sub)
+    _add_load(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:
+        print(f"allsync {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
