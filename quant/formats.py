@@ -85,12 +85,13 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by this weight alone (nf4's constant code tables are shared by all weights)."""
         total = self.data.numel() * self.data.element_size()
         if self.nf4_state is not None:
             st = self.nf4_state
             total += st.absmax.numel() * st.absmax.element_size()
             if st.nested:
-                total += st.state2.absmax.numel() * st.state2.absmax.element_size() + st.state2.code.numel() * 4
+                total += st.state2.absmax.numel() * st.state2.absmax.element_size() + 4  # + float32 offset
         elif self.scale is not None:
             total += self.scale.numel() * self.scale.element_size()
         return total
@@ -111,6 +112,16 @@ class QuantizedWeight:
         raise AssertionError(self.fmt)
 
 
+_SHARED_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _shared_table(table: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes gives every QuantState its own copy of a constant lookup table (16 or 256 floats);
+    one copy per distinct table is enough."""
+    key = (table.dtype, table.device, tuple(table.flatten().tolist()))
+    return _SHARED_TABLES.setdefault(key, table)
+
+
 def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> QuantizedWeight:
     """Convert a floating weight [out, in] to `fmt` (for fp8, computes fresh 128x128 block scales)."""
     check_format(fmt)
@@ -128,6 +139,9 @@ def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> Qu
             quant_type="nf4",
             compress_statistics=double_quant,
         )
+        state.code = _shared_table(state.code)
+        if state.nested:
+            state.state2.code = _shared_table(state.state2.code)
         return QuantizedWeight("nf4", shape, packed, None, state)
     q, row_absmax, _ = bnb.int8_vectorwise_quant(w.float().contiguous())
     return QuantizedWeight("int8", shape, q, row_absmax)

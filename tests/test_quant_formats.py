@@ -1,0 +1,82 @@
+"""quant.formats: FP8 block dequantization against its definition, per-format error and byte bounds."""
+
+import pytest
+import torch
+
+from quant.formats import (
+    FORMATS,
+    fp8_block_dequantize,
+    fp8_block_quantize,
+    frozen_linear,
+    quantize_weight,
+)
+
+
+def test_fp8_block_dequantize_matches_definition_with_partial_edge_blocks():
+    gen = torch.Generator().manual_seed(1)
+    out_dim, in_dim = 130, 260  # 2 x 3 blocks; the last row/column of blocks are partial (2 and 4 wide)
+    q = (torch.randn(out_dim, in_dim, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 3, generator=gen) + 0.5
+    expected = torch.empty(out_dim, in_dim)
+    for i in range(out_dim):
+        for j in range(in_dim):
+            expected[i, j] = q[i, j].float() * scale_inv[i // 128, j // 128]
+    assert torch.equal(fp8_block_dequantize(q, scale_inv), expected)
+
+
+def test_fp8_block_quantize_scales_and_error():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 200, generator=gen)
+    w[:128, :128] *= 100  # blocks with very different ranges keep their own scale
+    q, scale_inv = fp8_block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (3, 2)
+    assert scale_inv[0, 0] == pytest.approx(w[:128, :128].abs().max().item() / 448, rel=1e-6)
+    assert scale_inv[2, 1] == pytest.approx(w[256:, 128:].abs().max().item() / 448, rel=1e-6)
+    err = (fp8_block_dequantize(q, scale_inv) - w).abs()
+    # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 for normal values
+    assert (err <= w.abs() * 2**-4 + scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200] * 2**-9).all()
+
+
+@pytest.mark.parametrize(
+    "fmt, max_rel_rms, max_bytes_per_param",
+    [("bf16", 0.004, 2.0), ("fp8", 0.035, 1.001), ("int8", 0.012, 1.02), ("nf4", 0.11, 0.5625)],
+)
+def test_formats_error_and_bytes(fmt, max_rel_rms, max_bytes_per_param):
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(3))
+    qw = quantize_weight(w, fmt)
+    rel_rms = ((qw.dequantize(torch.float32) - w).norm() / w.norm()).item()
+    assert rel_rms <= max_rel_rms
+    assert qw.nbytes / qw.numel <= max_bytes_per_param + 1e-9
+
+
+def test_nf4_double_quant_is_smaller():
+    w = torch.randn(256, 512)
+    single, double = quantize_weight(w, "nf4"), quantize_weight(w, "nf4", double_quant=True)
+    assert double.nbytes < single.nbytes
+    assert single.nbytes / single.numel == pytest.approx(0.5 + 4 / 64)  # packed 4 bits + one fp32 absmax per 64
+    assert torch.allclose(single.dequantize(torch.float32), double.dequantize(torch.float32), atol=0.05)
+
+
+def test_unknown_format_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown quantization format 'nf5'.*bf16, fp8, nf4, int8"):
+        quantize_weight(torch.randn(4, 4), "nf5")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frozen_linear_gradient_and_saved_memory(fmt):
+    qw = quantize_weight(torch.randn(384, 256), fmt)
+    x = torch.randn(8, 256, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = frozen_linear(x, qw)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w = qw.dequantize(torch.float32)
+    assert torch.allclose(y, x @ w.T, atol=1e-5)
+    assert torch.allclose(x.grad, g @ w, atol=1e-5)
+    assert sum(saved) == 0  # nothing saved for backward: the weight is dequantized again there
