@@ -127,7 +127,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> Qu
     check_format(fmt)
     shape = (int(w.shape[0]), int(w.shape[1]))
     if fmt == "bf16":
-        return QuantizedWeight("bf16", shape, w.to(torch.bfloat16).contiguous())
+        # copy: `w` may share a checkpoint shard's memory map, which must not stay alive through it
+        return QuantizedWeight("bf16", shape, w.to(torch.bfloat16, copy=True).contiguous())
     if fmt == "fp8":
         q, scale_inv = fp8_block_quantize(w)
         return QuantizedWeight("fp8", shape, q, scale_inv)
@@ -150,7 +151,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> Qu
 def from_fp8_checkpoint(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, double_quant: bool = False) -> QuantizedWeight:
     """An FP8 checkpoint tensor to `fmt`: kept as stored for fp8, otherwise dequantized (this one tensor only)."""
     if fmt == "fp8":
-        return QuantizedWeight("fp8", (int(q.shape[0]), int(q.shape[1])), q.contiguous(), scale_inv.float().contiguous())
+        shape = (int(q.shape[0]), int(q.shape[1]))
+        return QuantizedWeight("fp8", shape, q.clone(memory_format=torch.contiguous_format), scale_inv.float().clone())
     return quantize_weight(fp8_block_dequantize(q, scale_inv), fmt, double_quant)
 
 

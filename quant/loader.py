@@ -205,13 +205,18 @@ def build_skeleton(config: dict, specs: dict[str, TensorSpec]) -> nn.Module:
 
 
 def _place_kept_tensor(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    """Embeddings, norms, router, lm_head: unquantized, in the compute dtype (router bias float32)."""
+    """Embeddings, norms, router, lm_head: unquantized, in the compute dtype (router bias float32).
+
+    Always a copy: a tensor read from a shard may share the shard's memory map, and keeping it would
+    keep the whole shard resident.
+    """
     module = model.get_submodule(_module_path(key))
     name = key.rsplit(".", 1)[1]
+    dtype = torch.float32 if name == "e_score_correction_bias" else dtype
     if name in module._buffers:
-        module._buffers[name] = tensor.float() if name == "e_score_correction_bias" else tensor.to(dtype)
+        module._buffers[name] = tensor.to(dtype, copy=True)
     else:
-        module._parameters[name] = nn.Parameter(tensor.to(dtype), requires_grad=False)
+        module._parameters[name] = nn.Parameter(tensor.to(dtype, copy=True), requires_grad=False)
 
 
 def _finalize(model: nn.Module, config: dict, directory: Path) -> nn.Module:
