@@ -21,7 +21,7 @@ import torch
 
 from quant.checkpoint_io import atomic_output_dir, split_into_shards, write_shards
 from quant.formats import fp8_block_quantize
-from quant.layout import FP8_BLOCK, expected_tensors, scale_key
+from quant.layout import FP8_QUANTIZATION_CONFIG, expected_tensors, scale_key
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -155,12 +155,7 @@ def tiny_config(spec: TinySpec, vocab_size: int) -> dict:
         "vocab_size": vocab_size,
     }
     if spec.fp8:
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-            "activation_scheme": "dynamic",
-        }
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     return config
 
 

@@ -19,6 +19,13 @@ from dataclasses import dataclass
 QUANTIZABLE_GROUPS = ("routed_experts", "shared_experts", "attention", "dense_mlp")
 KEPT_GROUPS = ("embed", "lm_head", "norm", "router")
 FP8_BLOCK = 128
+# DeepSeek-V3's own quantization_config (config.json) for its FP8 release.
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    "activation_scheme": "dynamic",
+}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,299 @@
+"""LoRA adapters on disk: PEFT's format in, PEFT/vLLM adapters and merged checkpoints out.
+
+An `Adapter` holds tensors under PEFT's key names in the per-expert layout vLLM serves:
+    base_model.model.<module>.lora_A.weight  [r, in]     base_model.model.<module>.lora_B.weight  [out, r]
+with <module> e.g. `model.layers.3.self_attn.q_a_proj` or `model.layers.3.mlp.experts.17.down_proj`.
+The adapted weight is W + s * B @ A with s = alpha / r (rsLoRA: alpha / sqrt(r)).
+
+PEFT's fused `target_parameters` layout (transformers' stacked experts) is converted on read:
+    gate_up:  A [E*r, H] -> A_e = A.view(E, r, H)[e];  B [2I, E*r] -> B_e = B.view(2I, r, E)[:, :, e],
+              gate gets (A_e, B_e[:I]) and up gets (A_e, B_e[I:]) (the fused weight is cat(gate, up)).
+    down:     A [E*r, I], B [H, E*r] the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from quant.checkpoint_io import INDEX_NAME, atomic_output_dir, read_config, read_weight_map
+from quant.formats import fp8_block_dequantize, fp8_block_quantize
+from quant.layout import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX, expected_tensors, scale_key
+
+PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# vLLM's accepted max_lora_rank values (vllm/config/lora.py).
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM loads LoRA on kv_b_proj but never applies it (its MLA absorbs kv_b_proj into the attention kernel).
+VLLM_IGNORED_TARGETS = ("kv_b_proj",)
+_LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_FUSED_KEY = re.compile(r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\.experts(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that does not fit its base, or that a consumer (vLLM) would refuse; names key and shapes."""
+
+
+@dataclass
+class Adapter:
+    tensors: dict[str, torch.Tensor]
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        """s = alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def modules(self) -> list[str]:
+        """Adapted module paths (e.g. model.layers.1.mlp.experts.3.gate_proj), sorted."""
+        return sorted({m.group("module") for k in self.tensors if (m := _LORA_KEY.match(k))})
+
+    def target_modules(self) -> list[str]:
+        return sorted({m.rsplit(".", 1)[1] for m in self.modules()})
+
+    def pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensors[f"{PREFIX}{module}.lora_A.weight"], self.tensors[f"{PREFIX}{module}.lora_B.weight"]
+
+    def delta(self, module: str) -> torch.Tensor:
+        """s * B @ A in float32, [out, in]."""
+        a, b = self.pair(module)
+        return self.scale * (b.float() @ a.float())
+
+
+# --------------------------------------------------------------------------------------------- reading
+def resolve_adapter_dir(src: str | os.PathLike) -> Path:
+    """A PEFT adapter directory, or a training checkpoint holding one in `adapter/`."""
+    src = Path(src)
+    for candidate in (src, src / "adapter"):
+        if (candidate / ADAPTER_CONFIG).exists():
+            return candidate
+    raise AdapterError(f"{src}: no {ADAPTER_CONFIG} here or in {src / 'adapter'} (expected a PEFT adapter or a training checkpoint)")
+
+
+def read_adapter(src: str | os.PathLike, base_config: dict) -> Adapter:
+    """Read a PEFT adapter (per-expert or fused layout), convert to per-expert, and check it fits the base."""
+    directory = resolve_adapter_dir(src)
+    config_path = directory / ADAPTER_CONFIG
+    cfg = json.loads(config_path.read_text())
+    for key in ("r", "lora_alpha"):
+        if key not in cfg:
+            raise AdapterError(f"{config_path}: missing {key!r}")
+    if cfg.get("use_dora"):
+        raise AdapterError(f"{config_path}: use_dora is true; DoRA adapters are not supported")
+    weights = directory / ADAPTER_WEIGHTS
+    if not weights.exists():
+        raise AdapterError(f"{weights}: missing")
+    tensors = load_file(weights)
+    tensors = fused_to_per_expert(tensors, base_config, int(cfg["r"]))
+    adapter = Adapter(tensors, int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False)))
+    check_fits_base(adapter, base_config, source=str(weights))
+    return adapter
+
+
+def fused_to_per_expert(tensors: dict[str, torch.Tensor], config: dict, r: int) -> dict[str, torch.Tensor]:
+    """Convert PEFT `target_parameters` expert keys to per-expert keys (other keys pass through)."""
+    out, fused = {}, {}
+    for key, t in tensors.items():
+        m = _FUSED_KEY.match(key)
+        if m is None:
+            out[key] = t
+        else:
+            fused.setdefault((int(m.group("layer")), m.group("inner") or ""), {})[m.group("ab")] = t
+    hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    if fused and hidden == inter:
+        raise AdapterError("fused expert adapter: hidden_size == moe_intermediate_size, gate_up and down cannot be told apart")
+    for (layer, inner), ab in fused.items():
+        where = f"{PREFIX}model.layers.{layer}.mlp.experts{inner}.lora_A.weight"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{where}: fused expert adapter needs both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        if a.shape[0] != experts * r or b.shape[1] != experts * r:
+            raise AdapterError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not hold {experts} experts x rank {r}")
+        a_e, b_e = a.view(experts, r, a.shape[1]), b.view(b.shape[0], r, experts)
+        is_gate_up = a.shape[1] == hidden
+        for e in range(experts):
+            base = f"{PREFIX}model.layers.{layer}.mlp.experts.{e}"
+            ae, be = a_e[e].contiguous(), b_e[:, :, e].contiguous()
+            if is_gate_up:
+                for proj, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
+                    out[f"{base}.{proj}_proj.lora_A.weight"] = ae.clone()
+                    out[f"{base}.{proj}_proj.lora_B.weight"] = be[rows].contiguous()
+            else:
+                out[f"{base}.down_proj.lora_A.weight"] = ae
+                out[f"{base}.down_proj.lora_B.weight"] = be
+    return out
+
+
+def check_fits_base(adapter: Adapter, config: dict, source: str = "adapter") -> None:
+    """Every LoRA pair targets a quantizable base weight, with A [r, in] and B [out, r]."""
+    specs = expected_tensors(config)
+    for key, t in adapter.tensors.items():
+        m = _LORA_KEY.match(key)
+        if m is None:
+            raise AdapterError(f"{source}: {key!r} is not a LoRA tensor name (base_model.model.<module>.lora_A/B.weight)")
+        base_key = m.group("module") + ".weight"
+        spec = specs.get(base_key)
+        if spec is None or not spec.quantizable:
+            raise AdapterError(f"{source}: {key!r} targets {base_key!r}, which is not an adaptable weight of this base")
+        out_f, in_f = spec.shape
+        want = (adapter.r, in_f) if m.group("ab") == "A" else (out_f, adapter.r)
+        if tuple(t.shape) != want:
+            raise AdapterError(f"{source}: {key!r} has shape {list(t.shape)}, base weight {base_key} {list(spec.shape)} needs {list(want)}")
+        partner = key[: -len("lora_A.weight")] + ("lora_B.weight" if m.group("ab") == "A" else "lora_A.weight")
+        if partner not in adapter.tensors:
+            raise AdapterError(f"{source}: {key!r} has no partner {partner!r}")
+
+
+# --------------------------------------------------------------------------------------------- writing
+def with_all_expert_projections(adapter: Adapter, config: dict) -> Adapter:
+    """vLLM needs, in every MoE layer that has expert LoRA, all three projections of every expert: zeros fill gaps."""
+    specs = expected_tensors(config)
+    tensors = dict(adapter.tensors)
+    layers = {int(m.split(".")[2]) for m in adapter.modules() if ".mlp.experts." in m}
+    for layer in sorted(layers):
+        for e in range(config["n_routed_experts"]):
+            for proj in ("gate", "up", "down"):
+                module = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+                if f"{PREFIX}{module}.lora_A.weight" not in tensors:
+                    out_f, in_f = specs[module + ".weight"].shape
+                    tensors[f"{PREFIX}{module}.lora_A.weight"] = torch.zeros(adapter.r, in_f)
+                    tensors[f"{PREFIX}{module}.lora_B.weight"] = torch.zeros(out_f, adapter.r)
+    return Adapter(tensors, adapter.r, adapter.lora_alpha, adapter.use_rslora)
+
+
+def check_vllm_servable(adapter: Adapter) -> None:
+    """What vLLM would drop or refuse, as an error that points to the merged export instead."""
+    if adapter.r not in VLLM_RANKS:
+        raise AdapterError(
+            f"rank {adapter.r} is not one vLLM accepts ({', '.join(map(str, VLLM_RANKS))}); "
+            "use `--format merged` to serve this adapter folded into the weights"
+        )
+    ignored = [m for m in adapter.modules() if m.rsplit(".", 1)[1] in VLLM_IGNORED_TARGETS]
+    if ignored:
+        raise AdapterError(
+            f"{PREFIX}{ignored[0]}.lora_A.weight: vLLM loads LoRA on kv_b_proj but never applies it (its MLA absorbs "
+            "kv_b_proj), so the served model would silently differ; use `--format merged` for this adapter"
+        )
+
+
+def adapter_config_json(adapter: Adapter, base_model: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": adapter.r,
+        "lora_alpha": adapter.lora_alpha,
+        "use_rslora": adapter.use_rslora,
+        "target_modules": adapter.target_modules(),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "modules_to_save": None,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+
+
+def write_peft_adapter(adapter: Adapter, out: str | os.PathLike, base_model: str, overwrite: bool = False) -> Path:
+    """adapter_config.json + adapter_model.safetensors, written atomically."""
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config_json(adapter, base_model), indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in sorted(adapter.tensors.items())}, str(tmp / ADAPTER_WEIGHTS))
+    return Path(out)
+
+
+def peft_loader_caveat(adapter: Adapter) -> str | None:
+    """PEFT (0.21) on transformers 5 maps every `*.gate_proj/up_proj/down_proj` target of a DeepSeek-V3 adapter
+    to the fused routed-expert parameters, so LoRA on the dense MLP or the shared experts is dropped by
+    `PeftModel.from_pretrained` (vLLM and the merged export apply it)."""
+    dense = [m for m in adapter.modules() if m.rsplit(".", 1)[1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in m]
+    if not dense:
+        return None
+    return (
+        f"{len(dense)} adapted dense-MLP/shared-expert modules (e.g. {dense[0]}): vLLM serves them, but "
+        "PeftModel.from_pretrained on transformers 5 drops them (it maps gate/up/down_proj to the routed experts)"
+    )
+
+
+def export_peft(adapter: Adapter, base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """A PEFT adapter that PEFT loads onto the bf16 base and vLLM serves (checked before anything is written)."""
+    config = read_config(base)
+    check_fits_base(adapter, config)
+    check_vllm_servable(adapter)
+    if (caveat := peft_loader_caveat(adapter)) is not None:
+        warnings.warn(caveat, stacklevel=2)
+    return write_peft_adapter(with_all_expert_projections(adapter, config), out, str(Path(base).resolve()), overwrite)
+
+
+def _read_tensor(base: Path, weight_map: dict[str, str], key: str) -> torch.Tensor:
+    with safe_open(str(base / weight_map[key]), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def export_merged(
+    adapter: Adapter, base: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16", overwrite: bool = False
+) -> Path:
+    """A full checkpoint with W' = W + s B A folded in, sharded like the base, in bf16 or FP8 128x128 blocks.
+
+    Shard by shard: each output shard holds the weights of the same base shard (plus, for fp8, their scales).
+    """
+    if dtype not in ("bf16", "fp8"):
+        raise AdapterError(f"merged dtype {dtype!r}: choose bf16 or fp8")
+    base = Path(base)
+    config = read_config(base)
+    check_fits_base(adapter, config)
+    specs = expected_tensors(config)
+    weight_map = read_weight_map(base)
+    base_fp8 = "quantization_config" in config
+    adapted = set(adapter.modules())
+    shards = sorted({f for k, f in weight_map.items() if not k.endswith(SCALE_SUFFIX)})
+
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        new_map: dict[str, str] = {}
+        total = 0
+        for shard in shards:
+            tensors: dict[str, torch.Tensor] = {}
+            for key in [k for k, f in weight_map.items() if f == shard and not k.endswith(SCALE_SUFFIX)]:
+                t = _read_tensor(base, weight_map, key)
+                spec = specs.get(key)
+                module = key[: -len(".weight")]
+                if spec is None or not spec.quantizable:
+                    tensors[key] = t
+                    continue
+                if base_fp8 and dtype == "fp8" and module not in adapted:
+                    tensors[key], tensors[scale_key(key)] = t, _read_tensor(base, weight_map, scale_key(key))
+                    continue
+                w = fp8_block_dequantize(t, _read_tensor(base, weight_map, scale_key(key))) if base_fp8 else t.float()
+                if module in adapted:
+                    w = w + adapter.delta(module)
+                if dtype == "fp8":
+                    tensors[key], tensors[scale_key(key)] = fp8_block_quantize(w)
+                else:
+                    tensors[key] = w.to(torch.bfloat16)
+            save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+            for key, t in tensors.items():
+                new_map[key] = shard
+                total += t.numel() * t.element_size()
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2) + "\n")
+        merged_config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if dtype == "fp8":
+            merged_config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        (tmp / "config.json").write_text(json.dumps(merged_config, indent=2) + "\n")
+        for name in os.listdir(base):
+            if name.startswith(("tokenizer", "generation_config", "special_tokens", "chat_template")):
+                shutil.copy(base / name, tmp / name)
+    return Path(out)
+

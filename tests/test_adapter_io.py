@@ -1,0 +1,164 @@
+"""Adapter import/export: PEFT fused layout -> per-expert, merged checkpoints, PEFT loading our export."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moe_lora.adapter_io import (
+    ADAPTER_CONFIG,
+    PREFIX,
+    Adapter,
+    AdapterError,
+    export_merged,
+    export_peft,
+    read_adapter,
+)
+from quant.checkpoint_io import read_config
+from quant.layout import expected_tensors
+from quant.loader import QuantPlan, load_frozen_model
+
+TOKENS = torch.randint(8, 264, (2, 16), generator=torch.Generator().manual_seed(1))
+TARGETS = [
+    "model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+    "model.layers.1.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.shared_experts.up_proj",
+    "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.up_proj",
+    "model.layers.1.mlp.experts.0.down_proj", "model.layers.2.mlp.experts.5.down_proj",
+]  # fmt: skip
+
+
+def random_adapter(config, modules=TARGETS, r=8, alpha=16, seed=0) -> Adapter:
+    gen = torch.Generator().manual_seed(seed)
+    specs = expected_tensors(config)
+    tensors = {}
+    for m in modules:
+        out_f, in_f = specs[m + ".weight"].shape
+        tensors[f"{PREFIX}{m}.lora_A.weight"] = torch.randn(r, in_f, generator=gen) / in_f**0.5
+        tensors[f"{PREFIX}{m}.lora_B.weight"] = torch.randn(out_f, r, generator=gen) * 0.05
+    return Adapter(tensors, r, alpha)
+
+
+def merged_reference(checkpoint, adapter: Adapter, round_to_bf16: bool):
+    """transformers' fp32 model with W += s B A written into its (fused) parameters."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    inter = read_config(checkpoint)["moe_intermediate_size"]
+    for module in adapter.modules():
+        delta = adapter.delta(module)
+        parts = module.split(".")
+        if ".mlp.experts." in module:
+            experts = model.model.layers[int(parts[2])].mlp.experts
+            e, proj = int(parts[5]), parts[6]
+            target = {"gate": experts.gate_up_proj.data[e, :inter], "up": experts.gate_up_proj.data[e, inter:],
+                      "down_proj": None}.get(proj.removesuffix("_proj"), experts.down_proj.data[e])  # fmt: skip
+        else:
+            target = params[module + ".weight"].data
+        new = target + delta
+        target.copy_(new.to(torch.bfloat16).float() if round_to_bf16 else new)
+    return model
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+def test_merged_bf16_export_equals_weights_plus_delta(tiny_bf16, tmp_path):
+    adapter = random_adapter(read_config(tiny_bf16))
+    out = export_merged(adapter, tiny_bf16, tmp_path / "merged", dtype="bf16")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ref = merged_reference(tiny_bf16, adapter, round_to_bf16=True)
+    assert torch.allclose(logits(merged), logits(ref), atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
+    assert (logits(merged) - logits(base)).abs().max() > 0.1  # the adapter really changed the model
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(p.name for p in tiny_bf16.glob("*.safetensors"))
+
+
+def test_merged_fp8_export_from_fp8_base(tiny_fp8, tiny_bf16, tmp_path):
+    adapter = random_adapter(read_config(tiny_fp8))
+    out = export_merged(adapter, tiny_fp8, tmp_path / "merged-fp8", dtype="fp8")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    ours = logits(load_frozen_model(out, QuantPlan.uniform("fp8"), compute_dtype=torch.float32, progress=False))
+    # reference: the fp8 base dequantized, plus the delta, in fp32 (re-quantizing only adapted weights adds fp8 error)
+    bf16_merged = export_merged(adapter, tiny_fp8, tmp_path / "merged-bf16", dtype="bf16")
+    ref = logits(AutoModelForCausalLM.from_pretrained(bf16_merged, dtype=torch.float32))
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.2
+    untouched = "model.layers.2.self_attn.o_proj.weight"  # not adapted: FP8 bytes copied as stored
+    from safetensors import safe_open
+
+    def read(ckpt, key):
+        index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+        with safe_open(str(ckpt / index[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    assert torch.equal(read(out, untouched).view(torch.uint8), read(tiny_fp8, untouched).view(torch.uint8))
+
+
+def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_a_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    expected = logits(peft_model)
+    peft_model.save_pretrained(tmp_path / "fused")
+
+    adapter = read_adapter(tmp_path / "fused", read_config(tiny_bf16))
+    assert f"{PREFIX}model.layers.2.mlp.experts.7.up_proj.lora_B.weight" in adapter.tensors
+    assert adapter.pair("model.layers.1.mlp.experts.3.down_proj")[0].shape == (4, 64)
+    assert torch.allclose(logits(merged_reference(tiny_bf16, adapter, round_to_bf16=False)), expected, atol=1e-4)
+
+
+def test_peft_loads_our_export_onto_the_bf16_base(tiny_bf16, tmp_path):
+    from peft import PeftModel
+
+    attention_and_experts = [m for m in TARGETS if ".mlp." not in m or ".experts." in m]
+    adapter = random_adapter(read_config(tiny_bf16), attention_and_experts)
+    out = export_peft(adapter, tiny_bf16, tmp_path / "peft")
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert (cfg["bias"], cfg["modules_to_save"], cfg["r"]) == ("none", None, 8)
+    exported = read_adapter(out, read_config(tiny_bf16))
+    for e in range(8):  # vLLM needs every expert's three projections in adapted layers: zeros fill the gaps
+        for proj in ("gate", "up", "down"):
+            assert f"{PREFIX}model.layers.2.mlp.experts.{e}.{proj}_proj.lora_A.weight" in exported.tensors
+    assert not exported.delta("model.layers.2.mlp.experts.3.gate_proj").any()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32), out)
+    assert torch.allclose(logits(peft_model), logits(merged_reference(tiny_bf16, adapter, round_to_bf16=False)), atol=1e-4)
+
+
+def test_export_warns_that_peft_drops_dense_mlp_lora(tiny_bf16, tmp_path):
+    with pytest.warns(UserWarning, match=r"2 adapted dense-MLP/shared-expert modules.*PeftModel\.from_pretrained"):
+        export_peft(random_adapter(read_config(tiny_bf16)), tiny_bf16, tmp_path / "peft")
+    assert (tmp_path / "peft" / ADAPTER_CONFIG).exists()
+
+
+def test_export_refuses_what_vllm_would_drop(tiny_bf16, tmp_path):
+    config = read_config(tiny_bf16)
+    with pytest.raises(AdapterError, match=r"kv_b_proj.*never applies.*--format merged"):
+        export_peft(random_adapter(config, ["model.layers.0.self_attn.kv_b_proj"]), tiny_bf16, tmp_path / "a")
+    with pytest.raises(AdapterError, match=r"rank 4 is not one vLLM accepts.*--format merged"):
+        export_peft(random_adapter(config, r=4), tiny_bf16, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_adapter_that_does_not_fit_the_base(tiny_bf16, tmp_path):
+    config = read_config(tiny_bf16)
+    adapter = random_adapter(config)
+    key = f"{PREFIX}model.layers.0.self_attn.q_a_proj.lora_A.weight"
+    adapter.tensors[key] = torch.zeros(8, 100)
+    with pytest.raises(AdapterError, match=rf"'{key}' has shape \[8, 100\], base weight .* \[64, 128\] needs \[8, 128\]"):
+        export_merged(adapter, tiny_bf16, tmp_path / "m")
+    bad = random_adapter(config, ["model.layers.1.mlp.experts.0.gate_proj"])
+    bad.tensors = {k.replace("experts.0", "experts.9"): v for k, v in bad.tensors.items()}  # only 8 experts
+    with pytest.raises(AdapterError, match=r"experts\.9\.gate_proj\.weight', which is not an adaptable weight"):
+        export_peft(bad, tiny_bf16, tmp_path / "p")
+    assert list(tmp_path.iterdir()) == []
