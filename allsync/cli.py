@@ -2,6 +2,7 @@
 
     allsync make-tiny OUT [--layers N --experts E --dense-layers K --fp8 --seed S ...]
     allsync load CKPT [--routed-experts nf4 --attention fp8 ...] [--prompt TEXT]
+    allsync export SRC --base CKPT --out DIR --format peft|merged [--dtype bf16|fp8]
 """
 
 from __future__ import annotations
@@ -86,11 +87,35 @@ def greedy_completion(model, checkpoint: str, prompt: str, max_new_tokens: int) 
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a trained adapter as a PEFT/vLLM adapter or a merged checkpoint")
+    p.add_argument("src", help="a training checkpoint (with adapter/) or a PEFT adapter directory")
+    p.add_argument("--base", required=True, help="the base checkpoint the adapter was trained on")
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--format", required=True, choices=("peft", "merged"))
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="merged only: bf16 or FP8 128x128 blocks")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from moe_lora.adapter_io import export_merged, export_peft, read_adapter
+    from quant.checkpoint_io import read_config
+
+    adapter = read_adapter(args.src, read_config(args.base))
+    if args.format == "peft":
+        out = export_peft(adapter, args.base, args.out, overwrite=args.overwrite)
+    else:
+        out = export_merged(adapter, args.base, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {args.format} export of {len(adapter.modules())} adapted modules (rank {adapter.r}) to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_load(sub)
+    _add_export(sub)
     return parser
 
 

@@ -162,3 +162,20 @@ def test_adapter_that_does_not_fit_the_base(tiny_bf16, tmp_path):
     with pytest.raises(AdapterError, match=r"experts\.9\.gate_proj\.weight', which is not an adaptable weight"):
         export_peft(bad, tiny_bf16, tmp_path / "p")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_export_round_trip(tiny_bf16, tmp_path, capsys):
+    from allsync.cli import main
+    from moe_lora.adapter_io import write_peft_adapter
+
+    adapter = random_adapter(read_config(tiny_bf16), TARGETS[5:8])
+    run = tmp_path / "run"
+    write_peft_adapter(adapter, run / "adapter", str(tiny_bf16))  # a training checkpoint keeps its adapter in adapter/
+    assert main(["export", str(run), "--base", str(tiny_bf16), "--out", str(tmp_path / "p"), "--format", "peft"]) == 0
+    assert "3 adapted modules (rank 8)" in capsys.readouterr().out
+    again = read_adapter(tmp_path / "p", read_config(tiny_bf16))
+    assert len(again.modules()) == 24  # the adapted MoE layer's 8 experts x 3 projections
+    assert torch.equal(again.pair(TARGETS[5])[1], adapter.pair(TARGETS[5])[1])
+    assert main(["export", str(run), "--base", str(tiny_bf16), "--out", str(tmp_path / "m"), "--format", "merged"]) == 0
+    assert main(["export", str(tmp_path / "nothing"), "--base", str(tiny_bf16), "--out", str(tmp_path / "x"), "--format", "peft"]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err

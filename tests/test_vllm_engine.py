@@ -15,15 +15,20 @@ pytestmark = pytest.mark.vllm
 CHECK_SCRIPT = Path(__file__).with_name("vllm_greedy_check.py")
 
 
+def run_vllm(checkpoint, tmp_path, *extra_args) -> list[dict]:
+    """vLLM's greedy tokens and prompt logprobs for PROMPTS, from a fresh subprocess."""
+    out = tmp_path / "vllm.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, str(CHECK_SCRIPT), str(checkpoint), str(out), *map(str, extra_args)],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 def test_vllm_and_transformers_agree_on_tiny_checkpoint(tiny_bf16, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "vllm.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.run([sys.executable, str(CHECK_SCRIPT), str(tiny_bf16), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
+    results = run_vllm(tiny_bf16, tmp_path)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
     model = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)

@@ -1,23 +1,35 @@
-"""Run by tests/test_vllm_engine.py in a subprocess (vLLM spawns workers, so it needs a __main__ guard).
+"""Run by the vLLM tests in a subprocess (vLLM spawns workers, so it needs a __main__ guard).
 
-Usage: python tests/vllm_greedy_check.py CHECKPOINT OUT_JSON
-Writes vLLM's greedy tokens for fixed prompts and its teacher-forced logprobs of the prompt tokens.
+Usage: python tests/vllm_greedy_check.py CHECKPOINT OUT_JSON [--lora ADAPTER_DIR --max-lora-rank R]
+Writes vLLM's greedy tokens for fixed prompts and its teacher-forced logprobs of the prompt tokens;
+with --lora the adapter is hot-loaded through a LoRARequest.
 """
 
+import argparse
 import json
-import sys
 
 PROMPTS = ["what is 12+7?", "the cat sat on", "Answer: 42", "compute 3*(4+5) ="]
 MAX_TOKENS = 12
 
 
-def main(checkpoint: str, out: str) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--lora")
+    parser.add_argument("--max-lora-rank", type=int, default=8)
+    args = parser.parse_args()
+
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     from allsync.vllm_support import vllm_engine_kwargs
 
-    llm = LLM(**vllm_engine_kwargs(checkpoint, dtype="float32", max_model_len=256))
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True))
+    extra = {"enable_lora": True, "max_lora_rank": args.max_lora_rank, "max_loras": 1} if args.lora else {}
+    llm = LLM(**vllm_engine_kwargs(args.checkpoint, dtype="float32", max_model_len=256, **extra))
+    lora = LoRARequest("adapter", 1, args.lora) if args.lora else None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, lora_request=lora)
     result = [
         {
             "prompt_token_ids": list(o.prompt_token_ids),
@@ -26,9 +38,9 @@ def main(checkpoint: str, out: str) -> None:
         }
         for o in outs
     ]
-    with open(out, "w") as f:
+    with open(args.out, "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()
