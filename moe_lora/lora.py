@@ -1,0 +1,122 @@
+"""LoRA adapters on a frozen (quantized) DeepSeek-V3 model from `quant.loader.load_frozen_model`.
+
+    model = load_frozen_model(ckpt, QuantPlan(routed_experts="nf4"))
+    attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=("q_a_proj", "routed_experts")))
+    save_file(lora_state_dict(model), "adapter_model.safetensors")   # PEFT's key names
+
+Scale s = alpha / r, or alpha / sqrt(r) with rsLoRA. Only A and B train; router, norms, embeddings and
+lm_head stay frozen. Key names are PEFT's, routed experts one entry per expert:
+    base_model.model.model.layers.L.self_attn.q_a_proj.lora_A.weight          [r, in]
+    base_model.model.model.layers.L.mlp.experts.E.gate_proj.lora_B.weight     [out, r]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_lora.lora_layers import LoRAExperts, LoRALinear
+from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear
+
+ATTENTION_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+MLP_TARGETS = ("dense_mlp", "shared_experts", "routed_experts")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# q_proj exists only in models without q_lora_rank (DeepSeek-V3 has q_a_proj/q_b_proj instead).
+DEFAULT_TARGETS = tuple(t for t in TARGETS if t != "q_proj")
+PEFT_PREFIX = "base_model.model."
+
+__all__ = ["LoRAConfig", "LoRAExperts", "LoRALinear", "TARGETS", "attach_lora", "load_lora_state_dict", "lora_state_dict"]
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    dropout: float = 0.0
+    use_rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+    dtype: torch.dtype = torch.float32  # of A and B (what the optimizer updates)
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"unknown LoRA target {unknown[0]!r}; valid targets: {', '.join(TARGETS)}")
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def target_of(name: str, module: nn.Module) -> str | None:
+    """The target name a frozen module answers to (None for modules LoRA never wraps)."""
+    if isinstance(module, FrozenExperts):
+        return "routed_experts"
+    if isinstance(module, FrozenLinear):
+        return name.rsplit(".", 1)[-1] if module.group == "attention" else module.group
+    return None
+
+
+def attach_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
+    """Wrap every targeted frozen module in place; afterwards exactly the A/B tensors require grad."""
+    if any(isinstance(m, (LoRALinear, LoRAExperts)) for m in model.modules()):
+        raise ValueError("model already has LoRA adapters attached")
+    chosen = [(n, m) for n, m in model.named_modules() if target_of(n, m) in config.targets]
+    found = {target_of(n, m) for n, m in chosen}
+    absent = [t for t in config.targets if t not in found]
+    if absent:
+        raise ValueError(f"LoRA target {absent[0]!r} matches no frozen module in this model")
+    model.requires_grad_(False)
+    args = (config.rank, config.scale, config.dropout, config.dtype)
+    for name, module in chosen:
+        wrapper = LoRAExperts(module, *args) if isinstance(module, FrozenExperts) else LoRALinear(module, *args)
+        model.set_submodule(name, wrapper)
+    return model
+
+
+def _adapter_slots(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key -> the live tensor holding it (a per-expert view into the 3-D parameter for experts)."""
+    slots: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = PEFT_PREFIX + name
+        if isinstance(module, LoRALinear):
+            slots[f"{prefix}.lora_A.weight"] = module.lora_A
+            slots[f"{prefix}.lora_B.weight"] = module.lora_B
+        elif isinstance(module, LoRAExperts):
+            for e in range(module.num_experts):
+                for p in EXPERT_PROJECTIONS:
+                    slots[f"{prefix}.{e}.{p}_proj.lora_A.weight"] = module.lora_A[p][e]
+                    slots[f"{prefix}.{e}.{p}_proj.lora_B.weight"] = module.lora_B[p][e]
+    return slots
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every adapter tensor under PEFT's key names (separate storage: safetensors-ready)."""
+    with torch.no_grad():
+        return {k: t.detach().clone() for k, t in _adapter_slots(model).items()}
+
+
+def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Strict: every adapter key present with the model's shape, no extra keys; checked before any copy."""
+    with torch.no_grad():
+        slots = _adapter_slots(model)
+        missing = [k for k in slots if k not in tensors]
+        if missing:
+            raise KeyError(f"adapter tensor {missing[0]!r} missing from the state dict ({len(missing)} missing)")
+        extra = [k for k in tensors if k not in slots]
+        if extra:
+            raise KeyError(f"state dict has {extra[0]!r}, which is not an adapter tensor of this model ({len(extra)} such)")
+        for key, slot in slots.items():
+            if tuple(tensors[key].shape) != tuple(slot.shape):
+                raise ValueError(
+                    f"adapter tensor {key!r}: state dict shape {list(tensors[key].shape)}, model expects {list(slot.shape)}"
+                )
+        for key, slot in slots.items():
+            slot.copy_(tensors[key])

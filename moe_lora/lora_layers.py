@@ -1,0 +1,98 @@
+"""LoRA modules around the frozen quantized modules of `quant.modules`.
+
+    LoRALinear:  y = frozen_linear(x, W) + s * (dropout(x) A^T) B^T
+    LoRAExperts: every routed expert e gets its own A_e, B_e for gate, up and down (see grouped_lora)
+
+A [r, in] starts kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))) and B [out, r] at zero,
+as in PEFT, so a fresh adapter leaves the model unchanged. Adapters are kept in `dtype` (float32 by
+default: the optimizer's copy); their matmuls run in the activation dtype. W + s*B*A is never formed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing, factor_map, grouped_forward
+from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, group_tokens_by_expert
+
+
+def init_lora_a_(a: torch.Tensor) -> None:
+    """PEFT's init of A [r, in]: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))."""
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+
+
+class LoRALinear(nn.Module):
+    """A FrozenLinear plus a trainable low-rank update: y = x W^T + s * (dropout(x) A^T) B^T."""
+
+    def __init__(self, base: FrozenLinear, rank: int, scale: float, dropout: float = 0.0, dtype=torch.float32):
+        super().__init__()
+        self.base, self.rank, self.scale = base, rank, scale
+        device = base.weight_q.data.device
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        init_lora_a_(self.lora_A.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
+        return self.base(x) + self.scale * F.linear(z, self.lora_B.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, scale={self.scale:g}"
+
+
+def expert_shapes(base: FrozenExperts) -> dict[str, tuple[int, int]]:
+    """(out, in) of each expert projection."""
+    h, i = base.hidden_size, base.intermediate_size
+    return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+
+class LoRAExperts(nn.Module):
+    """FrozenExperts plus per-expert LoRA on gate, up and down; same forward signature (drops into
+    transformers' DeepseekV3MoE).
+
+    lora_A[p]: [E, r, in], lora_B[p]: [E, out, r]: one 3-D parameter per projection, so the optimizer
+    sees 6 tensors per layer instead of 6 * E.
+    """
+
+    group = "routed_experts"
+
+    def __init__(self, base: FrozenExperts, rank: int, scale: float, dropout: float = 0.0, dtype=torch.float32):
+        super().__init__()
+        self.base, self.rank, self.scale, self.dropout = base, rank, scale, dropout
+        device = base.weights["gate"][0].data.device
+        n = base.num_experts
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        for p, (out_f, in_f) in expert_shapes(base).items():
+            self.lora_A[p] = nn.Parameter(torch.empty(n, rank, in_f, dtype=dtype, device=device))
+            self.lora_B[p] = nn.Parameter(torch.zeros(n, out_f, rank, dtype=dtype, device=device))
+            for a in self.lora_A[p].data:  # per expert: kaiming on the 3-D tensor would use fan_in = r * in
+                init_lora_a_(a)
+
+    @property
+    def num_experts(self) -> int:
+        return self.base.num_experts
+
+    def factors(self) -> list[torch.Tensor]:
+        return [t for p in EXPERT_PROJECTIONS for t in (self.lora_A[p], self.lora_B[p])]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            order, counts = group_tokens_by_expert(top_k_index, self.num_experts)
+        p = self.dropout if self.training else 0.0
+        # One draw from the global generator: reproducible under manual_seed and under activation
+        # checkpointing, which replays the global RNG state on recompute.
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+        call = ExpertsCall(self.base.weights, Routing(order, counts, top_k_index.shape[-1]), self.scale, p, seed)
+        factors = self.factors()
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, *factors))
+        if needs_grad:
+            return GroupedLoRAExperts.apply(hidden_states, top_k_weights, *factors, call)
+        return grouped_forward(hidden_states, top_k_weights, factor_map(factors), call, keep_saved=False)[0]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} experts, rank={self.rank}, scale={self.scale:g}, dropout={self.dropout:g}"
