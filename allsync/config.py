@@ -1,0 +1,303 @@
+"""Run configuration: YAML -> nested dataclasses, validated before any work starts.
+
+An unknown key, a value of the wrong type, or an impossible combination is a `ConfigError` that names
+the file and the dotted key (with a suggestion for a misspelt key); nothing falls back to a silent default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import yaml
+
+from quant.formats import FORMATS
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class QuantSection:
+    routed_experts: str = "nf4"
+    shared_experts: str = "bf16"
+    attention: str = "bf16"
+    dense_mlp: str = "bf16"
+    double_quant: bool = False
+
+
+@dataclass
+class ModelSection:
+    base: str = "runs/tiny-base"  # checkpoint directory
+    warm_start: bool = False  # build `base` with allsync.warm_start (tiny model, supervised) when it is missing
+    compute_dtype: str = "float32"  # bfloat16 on GPUs
+    quant: QuantSection = field(default_factory=QuantSection)
+
+
+@dataclass
+class LoRASection:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=lambda: ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts"])
+    dropout: float = 0.0
+    use_rslora: bool = False
+
+
+@dataclass
+class RolloutSection:
+    engine: str = "torch"  # torch | vllm
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    window: int | None = None  # T-PPO generation window (tokens per step); None = generate to the end
+    logprob_gap_warn: float = 0.05  # warn when engine and trainer logprobs differ by more (mean abs, nats)
+
+
+@dataclass
+class OverlongSection:
+    max_len: int = 16
+    cache_len: int = 4
+    factor: float = 1.0
+    filter_truncated: bool = False
+
+
+@dataclass
+class AlgorithmSection:
+    advantage: str = "grpo"  # grpo | drgrpo | egae
+    loss_agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = None
+    dynamic_sampling: bool = True
+    max_sampling_rounds: int = 4
+    overlong: OverlongSection | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+@dataclass
+class OptimSection:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    grad_clip: float = 1.0
+    minibatches: int = 1  # optimizer steps per RL step (split of the batch)
+    warmup_steps: int = 0
+
+
+@dataclass
+class ParallelSection:
+    """Worker layout. Each worker is one GPU (or one CPU process)."""
+
+    nodes: int = 1
+    workers_per_node: int = 2
+    expert_parallel: int = 1  # routed experts sharded over this many workers
+    tensor_parallel: int = 1
+    layout: str = "colocated"  # colocated (all-sync) | disaggregated (half generate, half train)
+
+    @property
+    def workers(self) -> int:
+        return self.nodes * self.workers_per_node
+
+
+@dataclass
+class TaskSection:
+    name: str = "arithmetic"
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    train_size: int = 20000
+    heldout_size: int = 200
+    seed: int = 0
+
+    def spec(self):
+        from allsync.tasks import ArithmeticSpec
+
+        return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
+
+
+@dataclass
+class RunSection:
+    out_dir: str = "runs/dapo-tiny"
+    steps: int = 100
+    time_limit_minutes: float | None = None
+    eval_every: int = 10
+    eval_samples: int = 1
+    checkpoint_every: int = 10
+    seed: int = 0
+    max_consecutive_nan: int = 3
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoRASection = field(default_factory=LoRASection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    run: RunSection = field(default_factory=RunSection)
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def _type_ok(value, annotation) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    return isinstance(value, annotation)
+
+
+def _dataclass_of(annotation):
+    """The dataclass inside `X` or `X | None`, else None."""
+    candidates = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return next((c for c in candidates if is_dataclass(c)), None)
+
+
+def _build(cls, data: dict, where: str, source: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {where or 'the file'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"{source}: unknown key '{where + '.' if where else ''}{key}'{hint}")
+    kwargs = {}
+    for f in fields(cls):
+        key = f"{where}.{f.name}" if where else f.name
+        if f.name not in data:
+            continue
+        value, annotation = data[f.name], hints[f.name]
+        sub = _dataclass_of(annotation)
+        if sub is not None and isinstance(value, dict):
+            kwargs[f.name] = _build(sub, value, key, source)
+        elif _type_ok(value, annotation):
+            kwargs[f.name] = value
+        else:
+            raise ConfigError(f"{source}: '{key}' = {value!r} is not of type {annotation}")
+    return cls(**kwargs)
+
+
+def parse_config(data: dict, source: str = "<config>") -> RunConfig:
+    config = _build(RunConfig, data or {}, "", source)
+    validate(config, source)
+    return config
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML ({exc})") from exc
+    return parse_config(data, str(path))
+
+
+# ------------------------------------------------------------------------------------------ checks
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def validate(c: RunConfig, source: str = "<config>") -> None:
+    """Impossible combinations, each naming the key(s) involved."""
+    from allsync.algorithms import get  # registry lookups name the valid choices
+    from moe_lora.lora import TARGETS
+
+    def fail(msg: str):
+        raise ConfigError(f"{source}: {msg}")
+
+    for group in ("routed_experts", "shared_experts", "attention", "dense_mlp"):
+        if getattr(c.model.quant, group) not in FORMATS:
+            fail(f"model.quant.{group} = {getattr(c.model.quant, group)!r}: unknown format (valid: {', '.join(FORMATS)})")
+    if c.model.compute_dtype not in ("float32", "bfloat16"):
+        fail(f"model.compute_dtype = {c.model.compute_dtype!r}: use float32 or bfloat16")
+    unknown = [t for t in c.lora.targets if t not in TARGETS]
+    if unknown:
+        fail(f"lora.targets: unknown target {unknown[0]!r} (valid: {', '.join(TARGETS)})")
+    if c.lora.rank < 1:
+        fail(f"lora.rank = {c.lora.rank}: must be >= 1")
+    if c.rollout.engine not in ("torch", "vllm"):
+        fail(f"rollout.engine = {c.rollout.engine!r}: use torch or vllm")
+    if c.rollout.engine == "vllm":
+        if c.lora.rank not in VLLM_LORA_RANKS:
+            fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")
+        if "kv_b_proj" in c.lora.targets:
+            fail("lora.targets has kv_b_proj with rollout.engine vllm: vLLM never applies LoRA on kv_b_proj")
+    for name in ("advantage", "loss_agg"):
+        kind = {"advantage": "advantage", "loss_agg": "loss_aggregation"}[name]
+        try:
+            get(kind, getattr(c.algorithm, name))
+        except ValueError as exc:
+            fail(f"algorithm.{name}: {exc}")
+    if c.algorithm.advantage in ("grpo", "drgrpo") and c.rollout.group_size < 2:
+        fail(f"rollout.group_size = {c.rollout.group_size} with algorithm.advantage {c.algorithm.advantage}: a group needs >= 2 samples")
+    if c.algorithm.advantage == "egae" and c.rollout.window is None:
+        fail("algorithm.advantage egae needs rollout.window (T-PPO's truncated generation windows)")
+    if c.rollout.window is not None and not 0 < c.rollout.window <= c.rollout.max_new_tokens:
+        fail(f"rollout.window = {c.rollout.window}: must be in 1..rollout.max_new_tokens ({c.rollout.max_new_tokens})")
+    if c.algorithm.clip_c is not None and c.algorithm.clip_c <= 1:
+        fail(f"algorithm.clip_c = {c.algorithm.clip_c}: the dual clip constant must be > 1")
+    if not (0 < c.algorithm.clip_low < 1 and c.algorithm.clip_high > 0):
+        fail("algorithm.clip_low must be in (0, 1) and algorithm.clip_high > 0")
+    if c.algorithm.kl_coef > 0:
+        try:
+            get("kl", c.algorithm.kl_estimator)
+        except ValueError as exc:
+            fail(f"algorithm.kl_estimator: {exc}")
+    ov = c.algorithm.overlong
+    if ov is not None and not 0 < ov.cache_len < ov.max_len:
+        fail(f"algorithm.overlong: need 0 < cache_len ({ov.cache_len}) < max_len ({ov.max_len})")
+    if ov is not None and ov.max_len > c.rollout.max_new_tokens:
+        fail(f"algorithm.overlong.max_len = {ov.max_len} exceeds rollout.max_new_tokens = {c.rollout.max_new_tokens}")
+    if c.optim.minibatches < 1 or (c.rollout.prompts_per_step * c.rollout.group_size) % c.optim.minibatches:
+        fail(f"optim.minibatches = {c.optim.minibatches} must divide rollout.prompts_per_step x group_size")
+    if len(c.optim.betas) != 2:
+        fail("optim.betas must have two values")
+    p = c.parallel
+    if p.layout not in ("colocated", "disaggregated"):
+        fail(f"parallel.layout = {p.layout!r}: use colocated or disaggregated")
+    if p.layout == "disaggregated" and (p.workers < 2 or p.workers % 2):
+        fail(f"parallel.layout disaggregated needs an even number >= 2 of workers (nodes x workers_per_node = {p.workers})")
+    if p.workers % (p.expert_parallel * p.tensor_parallel):
+        fail(f"parallel: expert_parallel x tensor_parallel = {p.expert_parallel * p.tensor_parallel} must divide the {p.workers} workers")
+    data_parallel = p.workers // p.tensor_parallel  # experts are sharded over EP ranks, tokens still over every rank
+    if c.rollout.prompts_per_step % data_parallel:
+        fail(f"rollout.prompts_per_step = {c.rollout.prompts_per_step} must divide evenly over the {data_parallel} data-parallel workers")
+    if c.task.name != "arithmetic":
+        fail(f"task.name = {c.task.name!r}: the built-in task is 'arithmetic'")
+    try:
+        c.task.spec().validate()
+    except ValueError as exc:
+        fail(f"task: {exc}")
+    if c.run.steps < 1 or c.run.checkpoint_every < 1 or c.run.eval_every < 1:
+        fail("run.steps, run.checkpoint_every and run.eval_every must be >= 1")
+
+
+def config_with_model_checks(config: RunConfig, model_config: dict, source: str) -> None:
+    """Checks that need the base checkpoint's config.json (expert counts against the parallel layout)."""
+    experts = model_config.get("n_routed_experts") or 0
+    if experts % config.parallel.expert_parallel:
+        raise ConfigError(
+            f"{source}: parallel.expert_parallel = {config.parallel.expert_parallel} does not divide the "
+            f"{experts} routed experts of {config.model.base}"
+        )
+

@@ -1,0 +1,148 @@
+"""Synthetic verifiable tasks: seeded arithmetic problems with exact integer answers.
+
+    spec = ArithmeticSpec(max_digits=3)
+    splits = make_splits(spec, train_size=20000, heldout_size=200, seed=0)
+    splits.train[0]  # Problem(prompt="What is 47+385?", answer="432")
+
+The model is asked to reply `Answer: 432` (see `format_response`), a few tokens, so generation is cheap.
+
+Difficulty: each operand has d digits, d drawn uniformly from min_digits..max_digits, then the value
+uniformly among d-digit numbers (d=1 includes 0). More digits means more carries to get right.
+
+Splits: the held-out set is drawn first (distinct prompts); training problems are i.i.d. draws from
+the same distribution with every held-out prompt rejected, so no held-out prompt ever appears in
+train (train may repeat a problem when the problem space is small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+ANSWER_PREFIX = "Answer: "
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class ArithmeticSpec:
+    """Operands of min_digits..max_digits digits combined with one of `ops` ("+", "-", "*")."""
+
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: tuple[str, ...] = ("+",)
+    nonnegative: bool = True  # "-": put the larger operand first so answers are >= 0
+
+    def validate(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"need 1 <= min_digits ({self.min_digits}) <= max_digits ({self.max_digits})")
+        unknown = [op for op in self.ops if op not in OPERATIONS]
+        if unknown or not self.ops:
+            raise ValueError(f"ops {self.ops!r}: each must be one of {sorted(OPERATIONS)}")
+
+    def space_size(self) -> int:
+        """Distinct problems: (sum over d of count(d))^2 * len(ops), count(1) = 10, count(d) = 9 * 10^(d-1)."""
+        per_operand = sum(digit_count(d) for d in range(self.min_digits, self.max_digits + 1))
+        return per_operand**2 * len(self.ops)
+
+    def max_answer_chars(self) -> int:
+        """Longest answer string, from the extreme operands lo = smallest, hi = 10^max_digits - 1."""
+        lo, hi = (0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)), 10**self.max_digits - 1
+        results = [OPERATIONS[op](a, b) for op in self.ops for a in (lo, hi) for b in (lo, hi)]
+        if self.nonnegative:
+            results = [abs(r) for r in results]
+        return max(len(str(r)) for r in results)
+
+    def max_response_tokens(self) -> int:
+        """Tokens of the longest `Answer: N` reply plus eos (the tokenizer is byte-level: 1 char = 1 token)."""
+        return len(ANSWER_PREFIX) + self.max_answer_chars() + 1
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[Problem]
+    heldout: list[Problem]
+
+
+def digit_count(d: int) -> int:
+    """How many integers have exactly d digits (0 counts as one digit)."""
+    return 10 if d == 1 else 9 * 10 ** (d - 1)
+
+
+def random_operand(rng: random.Random, spec: ArithmeticSpec) -> int:
+    d = rng.randint(spec.min_digits, spec.max_digits)
+    return rng.randint(0, 9) if d == 1 else rng.randint(10 ** (d - 1), 10**d - 1)
+
+
+def make_problem(a: int, op: str, b: int) -> Problem:
+    return Problem(prompt=f"What is {a}{op}{b}?", answer=str(OPERATIONS[op](a, b)))
+
+
+def sample_problem(rng: random.Random, spec: ArithmeticSpec) -> Problem:
+    a, b = random_operand(rng, spec), random_operand(rng, spec)
+    op = rng.choice(spec.ops)
+    if op == "-" and spec.nonnegative and a < b:
+        a, b = b, a
+    return make_problem(a, op, b)
+
+
+def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+    """Seeded, disjoint splits: `heldout_size` distinct prompts, then `train_size` draws avoiding them."""
+    spec.validate()
+    if heldout_size > spec.space_size() // 2:
+        raise ValueError(f"heldout_size {heldout_size} is more than half of the {spec.space_size()} distinct problems")
+    rng = random.Random(f"arithmetic-{seed}")
+    heldout: dict[str, Problem] = {}
+    while len(heldout) < heldout_size:
+        p = sample_problem(rng, spec)
+        heldout.setdefault(p.prompt, p)
+    train: list[Problem] = []
+    while len(train) < train_size:
+        p = sample_problem(rng, spec)
+        if p.prompt not in heldout:
+            train.append(p)
+    return Splits(train=train, heldout=list(heldout.values()))
+
+
+def format_response(answer: str) -> str:
+    """The assistant's reply the warm start teaches and the verifier reads: `Answer: 432`."""
+    return f"{ANSWER_PREFIX}{answer}"
+
+
+def chat_messages(problem: Problem, with_answer: bool = False) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": problem.prompt}]
+    if with_answer:
+        messages.append({"role": "assistant", "content": format_response(problem.answer)})
+    return messages
+
+
+# ------------------------------------------------------------------------------------------ files
+def save_jsonl(problems: Iterable[Problem], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for p in problems:
+            f.write(json.dumps(asdict(p)) + "\n")
+    return path
+
+
+def load_jsonl(path: str | os.PathLike) -> list[Problem]:
+    problems = []
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or set(row) != {"prompt", "answer"}:
+                raise ValueError(f"{path}:{n}: expected an object with keys prompt and answer, got {line.strip()[:80]!r}")
+            problems.append(Problem(str(row["prompt"]), str(row["answer"])))
+    return problems

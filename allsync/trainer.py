@@ -1,0 +1,87 @@
+"""Trainer-side pieces of one RL step: sequences from a rollout, token logprobs, the policy update.
+
+Sequences are prompt + response, right-padded. Position t of `response_mask` marks that token t+1 is a
+response token, so `token_logprobs(...)[:, t]` = log p(token_{t+1} | tokens_{<=t}) lines up with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from allsync.algorithms import aggregate_loss, kl_penalty, policy_loss
+
+
+@dataclass
+class SequenceBatch:
+    input_ids: torch.Tensor  # [B, L] right-padded prompt + response
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1] float, 1 where the predicted token is a response token
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | list[int]) -> "SequenceBatch":
+        return SequenceBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
+
+
+def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SequenceBatch:
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(lengths), width), dtype=torch.long)
+    response = torch.zeros((len(lengths), width - 1))
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attention[i, : len(p) + len(r)] = 1
+        response[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+    return SequenceBatch(ids, attention, response)
+
+
+def token_logprobs(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
+    """[B, L-1]: log softmax(logits_t / T)[token_{t+1}] for every position."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+
+
+def scatter_response_values(values: list[list[float]], batch: SequenceBatch) -> torch.Tensor:
+    """Per-response-token lists (e.g. engine logprobs) placed at their [B, L-1] positions."""
+    out = torch.zeros_like(batch.response_mask)
+    for i, v in enumerate(values):
+        positions = batch.response_mask[i].nonzero().squeeze(-1)
+        out[i, positions] = torch.tensor(v[: len(positions)], dtype=out.dtype)
+    return out
+
+
+def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |engine - trainer| logprob over response tokens (nats); NaN anywhere makes it NaN."""
+    diff = (engine_logprobs - trainer_logprobs).abs() * mask
+    return float(diff.sum() / mask.sum().clamp_min(1))
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = None
+    agg: str = "token-mean"
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settings: LossSettings,
+                   global_tokens, global_seqs, norm_length: int | None = None, ref_logprobs=None):  # fmt: skip
+    """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss)."""
+    logprobs = token_logprobs(model, batch, settings.temperature)
+    loss, stats = policy_loss(
+        logprobs, old_logprobs, advantages, batch.response_mask, clip_low=settings.clip_low,
+        clip_high=settings.clip_high, clip_c=settings.clip_c, agg=settings.agg, global_tokens=global_tokens,
+        global_seqs=global_seqs, norm_length=norm_length,
+    )  # fmt: skip
+    if settings.kl_coef and ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, settings.kl_estimator)
+        loss = loss + settings.kl_coef * aggregate_loss(kl, batch.response_mask, settings.agg, global_tokens, global_seqs)
+    return loss, stats

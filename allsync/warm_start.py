@@ -1,0 +1,268 @@
+"""Supervised warm start: teach a tiny DeepSeek-V3 the task's format and part of its skill before RL.
+
+    path = warm_start("runs/tiny-base")   # cached: a second call with the same settings returns at once
+
+Steps: build a random tiny checkpoint (`moe_lora.tiny.make_tiny`), load it in transformers (fp32),
+train ALL weights with AdamW on chat-formatted (prompt, "Answer: N") pairs with the loss on the answer
+tokens only, round the weights to bf16, evaluate greedy and temperature-1 accuracy on the held-out split,
+and write a checkpoint in DeepSeek-V3's on-disk format (per-expert keys, sharded safetensors + index,
+config, tokenizer) plus `warm_start.json` (settings and measured metrics). The output is written
+atomically; an existing output with the same settings is reused, one with other settings is refused.
+
+Learning rate: linear warm-up then cosine decay to 10%,
+    lr(s) = lr * min(1, (s+1)/warmup) * (0.1 + 0.9 * 0.5 * (1 + cos(pi * s / steps))).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from allsync.tasks import ArithmeticSpec, Problem, chat_messages, make_splits
+from evals.generation import EvalSettings, evaluate_model
+from moe_lora.tiny import TinySpec, make_tiny
+from quant.checkpoint_io import atomic_output_dir, split_into_shards, write_shards
+from quant.layout import expected_tensors
+
+SETTINGS_FILE = "warm_start.json"
+IGNORE_INDEX = -100
+# Tuned on the 2-core CPU machine (see the report in warm_start.json of a run).
+DEFAULT_SPEC = TinySpec(layers=2, dense_layers=1, experts=4, experts_per_token=2, hidden_size=128,
+                        intermediate_size=256, moe_intermediate_size=128, heads=2, n_group=2, topk_group=1)  # fmt: skip
+DEFAULT_TASK = ArithmeticSpec(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
+DEFAULT_STEPS = 700
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    model: TinySpec = DEFAULT_SPEC
+    task: ArithmeticSpec = DEFAULT_TASK
+    steps: int = DEFAULT_STEPS
+    seed: int = 0
+    train: TrainSettings = field(default_factory=TrainSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+
+    @property
+    def train_size(self) -> int:
+        """steps * batch_size i.i.d. draws (a problem may repeat; a held-out one never appears)."""
+        return self.steps * self.train.batch_size
+
+    def as_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))  # tuples -> lists, as they come back from disk
+
+
+# ------------------------------------------------------------------------------------------ data
+def encode_problems(tokenizer, problems: list[Problem], with_answer: bool) -> list[list[int]]:
+    """Chat-formatted token ids; with_answer appends `Answer: N<eos>` (the template's assistant turn)."""
+    texts = [
+        tokenizer.apply_chat_template(chat_messages(p, with_answer), add_generation_prompt=not with_answer, tokenize=False)
+        for p in problems
+    ]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def answer_start(prompt_ids: list[int], full_ids: list[int]) -> int:
+    """Index of the first answer token: the prompt (ending in `<｜Assistant｜>`) must prefix the example."""
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError("the chat template's prompt is not a prefix of the full example")
+    return len(prompt_ids)
+
+
+def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch; labels are the answer tokens (incl. eos), IGNORE_INDEX elsewhere.
+
+    transformers shifts labels inside the model: position t's logits are scored on labels[t+1].
+    """
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for i, (ids, start) in enumerate(examples):
+        t = torch.tensor(ids, dtype=torch.long)
+        input_ids[i, : len(ids)], attention_mask[i, : len(ids)] = t, 1
+        labels[i, start : len(ids)] = t[start:]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def training_examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
+    full = encode_problems(tokenizer, problems, with_answer=True)
+    prompts = encode_problems(tokenizer, problems, with_answer=False)
+    return [(f, answer_start(p, f)) for p, f in zip(prompts, full)]
+
+
+# ------------------------------------------------------------------------------------------ training
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of lr (formula in the module docstring)."""
+    ramp = min(1.0, (step + 1) / max(warmup, 1))
+    return lr * ramp * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * step / max(steps, 1))))
+
+
+def train_steps(model, examples, settings: WarmStartSettings, pad_id: int, progress: bool = True) -> list[float]:
+    """`settings.steps` AdamW steps over consecutive batches of `examples`; returns the loss per step."""
+    from tqdm.auto import tqdm
+
+    t = settings.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.98))
+    model.train()
+    losses = []
+    bar = tqdm(range(settings.steps), desc="warm start", unit="step", disable=not progress)
+    for step in bar:
+        batch = collate(examples[step * t.batch_size : (step + 1) * t.batch_size], pad_id)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, settings.steps, t.lr, t.warmup_steps)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def round_to_bf16_(model) -> None:
+    """Round every float weight to bf16 in place (kept in its dtype), except the fp32 router bias."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith("e_score_correction_bias") and "rotary_emb" not in name:
+            t.copy_(t.to(torch.bfloat16).to(t.dtype))
+
+
+# ------------------------------------------------------------------------------------------ on-disk format
+def to_disk_tensors(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """transformers' in-memory state dict -> DeepSeek-V3's on-disk tensors, in `expected_tensors` order.
+
+    Fused experts split per expert: gate_up_proj[e] = cat(gate_e, up_e) ([2I, H]), down_proj[e] = down_e
+    ([H, I]). Weights are bf16, the router's e_score_correction_bias float32. The key set must equal
+    `expected_tensors(config)` and every shape must match it.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in state_dict.items():
+        if "rotary_emb" in key:
+            continue
+        if key.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = key[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                tensors[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+        elif key.endswith("mlp.experts.down_proj"):
+            prefix = key[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            tensors[key] = t
+    specs = expected_tensors(config)
+    if set(tensors) != set(specs):
+        extra, missing = sorted(set(tensors) - set(specs)), sorted(set(specs) - set(tensors))
+        raise ValueError(f"state dict does not match the DeepSeek-V3 layout: extra {extra[:3]}, missing {missing[:3]}")
+    out = {}
+    for key, spec in specs.items():
+        t = tensors[key]
+        if tuple(t.shape) != spec.shape:
+            raise ValueError(f"{key}: shape {tuple(t.shape)}, the layout expects {spec.shape}")
+        dtype = torch.float32 if key.endswith("e_score_correction_bias") else torch.bfloat16
+        out[key] = t.detach().to(dtype).contiguous().clone()
+    return out
+
+
+def save_checkpoint(out_tmp: Path, model, base_dir: Path, shards: int, report: dict) -> None:
+    """Write shards + index, and copy config, generation config and tokenizer files from the base."""
+    config = json.loads((base_dir / "config.json").read_text())
+    write_shards(out_tmp, split_into_shards(to_disk_tensors(model.state_dict(), config), shards))
+    for f in base_dir.iterdir():
+        if f.suffix == ".json" and not f.name.startswith("model.safetensors"):
+            shutil.copy(f, out_tmp / f.name)
+    (out_tmp / SETTINGS_FILE).write_text(json.dumps(report, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def evaluate(model, tokenizer, problems: list[Problem], settings: EvalSettings, seed: int = 0) -> dict:
+    """evals.generation.evaluate_model on chat-formatted prompts; examples carry their prompts."""
+    prompts = encode_problems(tokenizer, problems, with_answer=False)
+    report = evaluate_model(model, tokenizer, prompts, [p.answer for p in problems], settings, seed)
+    for example, p in zip(report["greedy_examples"], problems):
+        example["prompt"] = p.prompt
+    return report
+
+
+# ------------------------------------------------------------------------------------------ entry point
+def cached_report(out: Path, settings: WarmStartSettings) -> dict | None:
+    """The stored report when `out` holds a warm start with these settings; raises when it holds another."""
+    path = out / SETTINGS_FILE
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    if stored.get("settings") != settings.as_json():
+        raise FileExistsError(f"{out} exists but is not a warm start with these settings; use another directory or overwrite=True")
+    return stored
+
+
+@dataclass
+class WarmStartResult:
+    model: object  # transformers' DeepseekV3ForCausalLM, fp32 weights rounded to bf16 values, eval mode
+    tokenizer: object
+    report: dict
+
+
+def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool = True) -> WarmStartResult:
+    """Load the random base in transformers (fp32), train all weights, round them to bf16, evaluate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.time()
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    splits = make_splits(settings.task, settings.train_size, settings.eval.heldout_size, settings.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    losses = train_steps(model, training_examples(tokenizer, splits.train), settings, tokenizer.pad_token_id, progress)
+    train_s = time.time() - start
+    round_to_bf16_(model)
+    metrics = evaluate(model, tokenizer, splits.heldout, settings.eval, settings.seed)
+    report = {
+        "settings": settings.as_json(),
+        "train_seconds": round(train_s, 1),
+        "eval_seconds": round(time.time() - start - train_s, 1),
+        "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
+        "heldout": metrics,
+    }
+    return WarmStartResult(model, tokenizer, report)
+
+
+def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", spec: TinySpec = DEFAULT_SPEC, steps: int = DEFAULT_STEPS,
+               seed: int = 0, task: ArithmeticSpec = DEFAULT_TASK, train: TrainSettings = TrainSettings(),
+               eval: EvalSettings = EvalSettings(), overwrite: bool = False, progress: bool = True) -> Path:  # fmt: skip
+    """Train (or reuse) the warm-started checkpoint at `out_dir`; returns its path."""
+    if spec.fp8:
+        raise ValueError("warm_start trains from and writes a bf16 checkpoint; use a TinySpec with fp8=False")
+    out = Path(out_dir)
+    settings = WarmStartSettings(spec, task, steps, seed, train, eval)
+    if not overwrite and cached_report(out, settings) is not None:
+        return out
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp, atomic_output_dir(out, overwrite=True) as out_tmp:
+        base = make_tiny(Path(tmp) / "base", spec)
+        result = train_and_evaluate(settings, base, progress)
+        result.report["total_seconds"] = round(time.time() - start, 1)
+        save_checkpoint(out_tmp, result.model, base, spec.shards, result.report)
+    return out

@@ -1,0 +1,342 @@
+"""One RL worker: the frozen base loaded once, used by its rollout engine and its trainer.
+
+All-sync (colocated): every worker generates its share of the batch, then every worker trains on it,
+gradients of the replicated LoRA tensors are all-reduced (gloo/NCCL) so the replicas stay identical,
+and the new adapter is synced to the engine. Strictly on-policy: every sample records the adapter
+version that produced it, and training checks it equals the version being trained (staleness 0).
+
+The class is plain Python; the recipe wraps it in a Ray actor (one per device) or runs it in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from allsync.algorithms import (
+    DynamicSamplingExhausted,
+    GroupBatch,
+    fill_batch_with_dynamic_sampling,
+    get,
+    overlong_filter_mask,
+    overlong_penalty,
+)
+from allsync.config import RunConfig
+from allsync.rollout import Rollout, Sampling, TorchEngine
+from allsync.tasks import Problem, chat_messages
+from allsync.trainer import LossSettings, SequenceBatch, build_sequences, logprob_gap, minibatch_loss, scatter_response_values, token_logprobs
+from evals.verify import answer_reward
+from moe_lora.lora import LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict
+from quant.loader import QuantPlan, load_frozen_model
+
+
+class RewardError(RuntimeError):
+    """The reward function raised on a sample; the message names it."""
+
+
+class NaNLossError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss."""
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    finish_reason: str
+    reward: float
+    correct: bool
+    adapter_version: int
+
+
+@dataclass
+class Timeline:
+    """(phase, start, end) in wall-clock seconds; utilization = busy time / wall time of a window."""
+
+    events: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def record(self, phase: str, start: float) -> float:
+        end = time.time()
+        self.events.append((phase, start, end))
+        return end
+
+    def busy_seconds(self, since: float) -> float:
+        return sum(end - max(start, since) for _, start, end in self.events if end > since)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class RLWorker:
+    def __init__(self, config: RunConfig, problems: list[Problem], rank: int = 0, world_size: int = 1,
+                 dist_address: str | None = None, threads: int | None = None):  # fmt: skip
+        self.config, self.rank, self.world_size = config, rank, world_size
+        if threads:
+            torch.set_num_threads(threads)
+        if world_size > 1:
+            dist.init_process_group("gloo", init_method=dist_address, rank=rank, world_size=world_size)
+        self._seed_everything(config.run.seed * 1000 + rank)
+        from transformers import AutoTokenizer
+
+        base = config.model.base
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
+        q = config.model.quant
+        plan = QuantPlan(q.routed_experts, q.shared_experts, q.attention, q.dense_mlp, q.double_quant)
+        self.model = load_frozen_model(base, plan, compute_dtype=_dtype(config.model.compute_dtype), progress=rank == 0)
+        lc = config.lora
+        attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in self.params:  # gradients exist from the start, so every rank all-reduces the same tensors
+            p.grad = torch.zeros_like(p)
+        self._broadcast_params()  # replicas start identical whatever their seeds
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.engine = TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.adapter_version = 0
+        self.problems = problems
+        self.position = 0  # prompts taken so far by this worker (data position)
+        self.consecutive_nan = 0
+        self.timeline = Timeline()
+        self.loss_settings = LossSettings(
+            config.algorithm.clip_low, config.algorithm.clip_high, config.algorithm.clip_c, config.algorithm.loss_agg,
+            config.rollout.temperature, config.algorithm.kl_coef, config.algorithm.kl_estimator,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def _broadcast_params(self) -> None:
+        if self.world_size > 1:
+            for p in self.params:
+                dist.broadcast(p.data, src=0)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        return self.tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def take_problems(self, count: int) -> list[Problem]:
+        """The next `count` training problems of this worker's stride through the shared train split."""
+        n = len(self.problems)
+        picked = [self.problems[((self.position + i) * self.world_size + self.rank) % n] for i in range(count)]
+        self.position += count
+        return picked
+
+    def sampling(self) -> Sampling:
+        r = self.config.rollout
+        return Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+
+    # ------------------------------------------------------------------------------ rollout + reward
+    def score(self, rollout: Rollout, problems: list[Problem], n: int) -> list[Sample]:
+        samples = []
+        for i, (prompt, response) in enumerate(zip(rollout.prompt_ids, rollout.response_ids)):
+            problem = problems[i // n]
+            text = self.tokenizer.decode(response, skip_special_tokens=True)
+            try:
+                correct = answer_reward(text, problem) > 0.5
+            except Exception as exc:  # a user-supplied reward may raise anything: name the sample
+                raise RewardError(
+                    f"reward function failed on sample {i} of worker {self.rank} (prompt {problem.prompt!r}, "
+                    f"response {text!r}): {type(exc).__name__}: {exc}"
+                ) from exc
+            samples.append(Sample(prompt, response, rollout.logprobs[i], rollout.finish_reasons[i], float(correct),
+                                  correct, rollout.adapter_version))  # fmt: skip
+        overlong = self.config.algorithm.overlong
+        if overlong is not None:
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            penalty = overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor)
+            for s, p in zip(samples, penalty.tolist()):
+                s.reward += p
+        return samples
+
+    def generate_groups(self, count: int) -> GroupBatch:
+        problems = self.take_problems(count)
+        n = self.config.rollout.group_size
+        rollout = self.engine.generate([self.encode_prompt(p) for p in problems], n, self.sampling())
+        samples = self.score(rollout, problems, n)
+        return GroupBatch(torch.tensor(rollout.group_index), torch.tensor([s.reward for s in samples]), samples)
+
+    def collect(self, groups_wanted: int) -> tuple[list[Sample], dict]:
+        """Generate groups; with dynamic sampling keep groups with mixed rewards and refill (DAPO)."""
+        if not self.config.algorithm.dynamic_sampling:
+            batch = self.generate_groups(groups_wanted)
+            return batch.payloads, {"groups_generated": groups_wanted, "sampling_rounds": 1, "groups_kept": groups_wanted,
+                                    "generated": list(batch.payloads), "group_index": batch.group_index}  # fmt: skip
+        generated: list[Sample] = []
+
+        def round_fn(_round: int) -> GroupBatch:
+            batch = self.generate_groups(groups_wanted)
+            generated.extend(batch.payloads)
+            return batch
+
+        try:
+            batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, self.config.algorithm.max_sampling_rounds)
+        except DynamicSamplingExhausted as exc:  # every group had equal rewards: nothing to learn from this step
+            return [], {"groups_generated": len(generated) // self.config.rollout.group_size,
+                        "sampling_rounds": exc.rounds_run, "groups_kept": 0, "generated": generated,
+                        "group_index": torch.zeros(0, dtype=torch.long)}  # fmt: skip
+        return batch.payloads, {"groups_generated": stats.groups_generated, "sampling_rounds": stats.rounds,
+                                "groups_kept": batch.num_groups, "generated": generated,
+                                "group_index": batch.group_index}  # fmt: skip
+
+    # ------------------------------------------------------------------------------ the step
+    def step(self, step_index: int) -> dict:
+        """One all-sync step on this worker; returns sums/counts the controller aggregates over workers."""
+        c = self.config
+        wall0 = t = time.time()
+        groups_wanted = c.rollout.prompts_per_step // self.world_size
+        samples, ds = self.collect(groups_wanted)
+        t = self.timeline.record("generate", t)
+        generated = ds.pop("generated")
+        metrics = {
+            "samples_generated": len(generated),
+            "reward_sum": sum(s.reward for s in generated),
+            "correct_sum": sum(s.correct for s in generated),
+            "response_tokens": sum(len(s.response_ids) for s in generated),
+            "truncated": sum(s.finish_reason == "length" for s in generated),
+            **{k: v for k, v in ds.items() if k != "group_index"},
+        }
+        stale = [s.adapter_version for s in samples if s.adapter_version != self.adapter_version]
+        if stale:
+            raise RuntimeError(f"worker {self.rank}: samples from adapter version {stale[0]} while training {self.adapter_version}")
+        metrics.update(self.train(samples, ds["group_index"]))
+        t = self.timeline.record("train", t)
+        self.adapter_version += 1
+        metrics["sync_bytes"] = self.engine.load_adapter(None, self.adapter_version)
+        self.timeline.record("sync", t)
+        metrics["wall_seconds"] = time.time() - wall0
+        metrics["busy_seconds"] = self.timeline.busy_seconds(wall0)
+        metrics["staleness_max"] = 0
+        return metrics
+
+    def train(self, samples: list[Sample], group_index: torch.Tensor) -> dict:
+        """Advantages, then `optim.minibatches` updates; every worker runs the same collectives (empty batches too)."""
+        c = self.config
+        minibatches = c.optim.minibatches
+        out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "logprob_gap": 0.0,
+               "trained_samples": len(samples), "trained_tokens": 0, "nan_steps": 0, "grad_norm": 0.0}  # fmt: skip
+        if samples:
+            rewards = torch.tensor([s.reward for s in samples])
+            advantages = get("advantage", c.algorithm.advantage)(rewards, group_index)
+            batch = build_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.tokenizer.pad_token_id)
+            if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
+                batch.response_mask = overlong_filter_mask([s.finish_reason for s in samples], batch.response_mask)
+            with torch.no_grad():
+                old_logprobs = token_logprobs(self.model, batch, c.rollout.temperature)
+            engine = scatter_response_values([s.engine_logprobs for s in samples], batch)
+            out["logprob_gap"] = logprob_gap(engine, old_logprobs, batch.response_mask)
+            if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
+                print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
+                      f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
+            chunks = torch.arange(len(samples)).chunk(minibatches) if len(samples) >= minibatches else [torch.arange(len(samples))]
+        else:
+            batch, chunks = None, []
+        for m in range(minibatches):
+            rows = chunks[m] if m < len(chunks) else None
+            self.optimizer.zero_grad(set_to_none=False)
+            local = torch.zeros(3)  # tokens, sequences, non-finite flag
+            if rows is not None and len(rows):
+                mb = batch.select(rows)
+                local[0], local[1] = mb.response_mask.sum(), float((mb.response_mask.sum(-1) > 0).sum())
+            totals = self._all_reduce(local.clone())
+            if rows is not None and len(rows) and totals[0] > 0:
+                adv = advantages[rows][:, None].expand_as(mb.response_mask)
+                loss, stats = minibatch_loss(self.model, mb, old_logprobs[rows], adv, self.loss_settings,
+                                             totals[0], totals[1], norm_length=c.rollout.max_new_tokens)  # fmt: skip
+                if torch.isfinite(loss):
+                    loss.backward()
+                    out["loss_sum"] += float(loss.detach())
+                    out["clipfrac_high_sum"] += float(stats.clipfrac_high) * local[0].item()
+                    out["clipfrac_low_sum"] += float(stats.clipfrac_low) * local[0].item()
+                    out["kl_sum"] += float(stats.approx_kl) * local[0].item()
+                    out["trained_tokens"] += int(local[0])
+                else:
+                    local[2] = 1
+            flags = self._all_reduce(torch.tensor([local[2].item()]))
+            for p in self.params:  # sum of per-rank shares = the full-batch gradient
+                self._all_reduce(p.grad)
+            if flags.item() > 0:  # some rank saw a NaN/inf loss: every rank skips this update
+                out["nan_steps"] += 1
+                continue
+            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, c.optim.grad_clip))
+            self.optimizer.step()
+        self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
+        return out
+
+    # ------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, problems: list[Problem], samples: int = 1) -> dict:
+        """Greedy (samples=1) or temperature-sampled accuracy on this worker's share of `problems`."""
+        mine = problems[self.rank :: self.world_size]
+        if not mine:
+            return {"correct": 0, "total": 0, "tokens": 0}
+        greedy = samples == 1
+        s = Sampling(temperature=1.0 if greedy else self.config.rollout.temperature,
+                     max_new_tokens=self.config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
+        rollout = self.engine.generate([self.encode_prompt(p) for p in mine], samples, s)
+        correct = sum(
+            answer_reward(self.tokenizer.decode(r, skip_special_tokens=True), mine[i // samples]) > 0.5
+            for i, r in enumerate(rollout.response_ids)
+        )
+        return {"correct": int(correct), "total": len(rollout), "tokens": sum(rollout.response_lengths)}
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        return lora_state_dict(self.model)
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The LoRA gradients of the last minibatch, after the all-reduce (what every rank applied)."""
+        return [p.grad.detach().clone() for p in self.params]
+
+    def save_state(self, directory: str) -> None:
+        """This worker's part of a checkpoint: replicated adapter/optimizer from rank 0, RNG and data position per rank."""
+        directory = Path(directory)
+        if self.rank == 0:
+            from moe_lora.adapter_io import Adapter, write_peft_adapter
+
+            lc = self.config.lora
+            adapter = Adapter(self.adapter_tensors(), lc.rank, lc.alpha, lc.use_rslora)
+            write_peft_adapter(adapter, directory / "adapter", self.config.model.base, overwrite=True)
+            torch.save({"optimizer": self.optimizer.state_dict(), "adapter_version": self.adapter_version}, directory / "trainer.pt")
+        torch.save(
+            {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+             "position": self.position, "consecutive_nan": self.consecutive_nan},
+            directory / f"rank{self.rank}.pt",
+        )  # fmt: skip
+
+    def load_state(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        load_lora_state_dict(self.model, load_file(directory / "adapter" / "adapter_model.safetensors"))
+        trainer = torch.load(directory / "trainer.pt", weights_only=False)
+        self.optimizer.load_state_dict(trainer["optimizer"])
+        self.adapter_version = trainer["adapter_version"]
+        self.engine.load_adapter(None, self.adapter_version)
+        mine = torch.load(directory / f"rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(mine["torch"])
+        random.setstate(mine["python"])
+        np.random.set_state(mine["numpy"])
+        self.position, self.consecutive_nan = mine["position"], mine["consecutive_nan"]
+
+    def timeline_events(self) -> list[tuple[str, float, float]]:
+        return list(self.timeline.events)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

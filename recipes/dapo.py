@@ -1,0 +1,131 @@
+"""DAPO with LoRA on a frozen, quantized DeepSeek-V3, all-sync: the same workers generate and learn.
+
+    accelerate launch recipes/dapo.py [--config recipes/configs/tiny_cpu.yaml] [--resume]
+
+Per step, on every worker (allsync/worker.py): generate groups with the current adapter -> rewards
+(+ overlong shaping) -> dynamic sampling keeps groups with mixed rewards and refills -> GRPO advantages
+-> minibatch updates of the LoRA tensors (gradients all-reduced) -> adapter sync to the engine.
+This script is the controller: it validates the config, builds (or reuses) the warm-started base,
+starts the workers, evaluates held-out accuracy, logs, checkpoints, and exports the adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
+from allsync.metrics import MetricsLog, aggregate, plot_run
+from allsync.placement import WorkerGroup
+from allsync.tasks import make_splits
+from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
+
+
+def ensure_base(config: RunConfig) -> None:
+    """The frozen base: an existing checkpoint, or the tiny model after its supervised warm start (cached)."""
+    if (Path(config.model.base) / "config.json").exists():
+        return
+    if not config.model.warm_start:
+        raise ConfigError(f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)")
+    from allsync.warm_start import warm_start
+
+    warm_start(config.model.base)
+
+
+def heldout_accuracy(group: WorkerGroup, problems, samples: int) -> float:
+    results = group.call("evaluate", problems, samples)
+    return sum(r["correct"] for r in results) / max(sum(r["total"] for r in results), 1)
+
+
+def save_checkpoint(group: WorkerGroup, out_dir: Path, step: int, extra: dict) -> Path:
+    """Adapter, optimizer, RNG states and data positions of every worker, written atomically."""
+    path = out_dir / "checkpoints" / f"step-{step:06d}"
+    with atomic_output_dir(path, overwrite=True) as tmp:
+        group.call("save_state", str(tmp))
+        (tmp / "controller.json").write_text(json.dumps({"step": step, **extra}))
+    atomic_write_text(out_dir / "checkpoints" / "latest", path.name)
+    return path
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    pointer = out_dir / "checkpoints" / "latest"
+    return out_dir / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
+    parser.add_argument("--steps", type=int, help="override run.steps")
+    parser.add_argument("--no-ray", action="store_true", help="run one worker in this process")
+    args = parser.parse_args(argv)
+
+    try:  # every config problem is reported before any work starts
+        config = load_config(args.config)
+        if args.steps:
+            config.run.steps = args.steps
+        ensure_base(config)
+        config_with_model_checks(config, read_config(config.model.base), args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    out_dir = Path(config.run.out_dir)
+    t = config.task
+    splits = make_splits(t.spec(), t.train_size, t.heldout_size, t.seed)
+    group = WorkerGroup(config, splits.train, use_ray=not args.no_ray)
+    start_step, base_accuracy = 0, None
+    checkpoint = latest_checkpoint(out_dir) if args.resume else None
+    if checkpoint is not None:
+        group.call("load_state", str(checkpoint))
+        state = json.loads((checkpoint / "controller.json").read_text())
+        start_step, base_accuracy = state["step"], state["base_accuracy"]
+        print(f"resumed from {checkpoint} (step {start_step})")
+    log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None)
+    if base_accuracy is None:
+        base_accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
+        log.write(0, {"heldout_accuracy": base_accuracy})
+    print(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}%")
+
+    started, accuracy, nan_run = time.time(), base_accuracy, 0
+    bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step")
+    for step in bar:
+        metrics = aggregate(group.call("step", step))
+        nan_run = nan_run + 1 if metrics["nan_steps"] else 0
+        if step % config.run.eval_every == 0 or step == config.run.steps:
+            accuracy = metrics["heldout_accuracy"] = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
+        log.write(step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward']:.2f}", heldout=f"{100 * accuracy:.1f}%", util=f"{metrics['utilization']:.2f}")
+        out_of_time = config.run.time_limit_minutes and time.time() - started > 60 * config.run.time_limit_minutes
+        if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
+            save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy})
+        if nan_run >= config.run.max_consecutive_nan:
+            print(f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint", file=sys.stderr)
+            return 3
+        if out_of_time and step < config.run.steps:
+            accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
+            log.write(step, {"heldout_accuracy": accuracy})
+            print(f"time limit of {config.run.time_limit_minutes} min reached after step {step}")
+            break
+
+    from moe_lora.adapter_io import Adapter, export_peft
+
+    adapter = Adapter(group.call_rank0("adapter_tensors"), config.lora.rank, config.lora.alpha, config.lora.use_rslora)
+    exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
+    plot = plot_run(log.records(), out_dir / "run.png")
+    log.close()
+    group.shutdown()
+    print(f"adapter: {exported}  metrics: {log.path}  plot: {plot}")
+    print(f"held-out accuracy: base {100 * base_accuracy:.1f}% -> trained {100 * accuracy:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

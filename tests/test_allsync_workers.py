@@ -1,0 +1,83 @@
+"""Workers: two Ray workers with half a batch each make exactly the update one worker makes with all of it."""
+
+import pytest
+import torch
+
+import allsync.worker as worker_module
+from allsync.config import parse_config
+from allsync.placement import WorkerGroup
+from allsync.tasks import Problem
+from allsync.worker import RewardError, RLWorker, Sample
+
+PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in range(10)]
+
+
+def config(base, workers, lr=1e-2):
+    return parse_config({
+        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+        "lora": {"rank": 4, "alpha": 8},
+        "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
+        "optim": {"lr": lr, "minibatches": 2},
+        "parallel": {"workers_per_node": workers},
+    })  # fmt: skip
+
+
+def synthetic_groups(first_group: int, groups: int) -> tuple[list[Sample], torch.Tensor]:
+    gen = torch.Generator().manual_seed(first_group)
+    samples, index = [], []
+    for g in range(first_group, first_group + groups):
+        prompt = [0, 3] + torch.randint(8, 200, (4 + g,), generator=gen).tolist() + [4]
+        for k in range(3):
+            response = torch.randint(8, 200, (2 + (g + k) % 4,), generator=gen).tolist()
+            samples.append(Sample(prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0))
+            index.append(g - first_group)
+    return samples, torch.tensor(index)
+
+
+def test_two_workers_gradient_equals_one_worker_full_batch(tiny_bf16):
+    """Loss shares use the global token count, so the all-reduced sum is the full-batch gradient.
+    (lr 0: parameters stay put, so each minibatch's gradient is compared at the same point; Adam would
+    amplify float summation-order noise on near-zero gradients into visible parameter differences.)"""
+    samples, index = synthetic_groups(0, 4)  # groups 0, 1 go to rank 0 and 2, 3 to rank 1
+    # optim.minibatches = 2: minibatch m is the union of every rank's m-th chunk, here groups {0, 2} then {1, 3}
+    order = [i for g in (0, 2, 1, 3) for i in range(3 * g, 3 * g + 3)]
+    single = WorkerGroup(config(tiny_bf16, 1, lr=0.0), PROBLEMS, use_ray=False)
+    single.call("train", [samples[i] for i in order], index[order])
+    expected = single.call_rank0("gradient_tensors")
+
+    pair = WorkerGroup(config(tiny_bf16, 2, lr=0.0), PROBLEMS, use_ray=True)
+    try:
+        import ray
+
+        first, first_index = synthetic_groups(0, 2)
+        second, _ = synthetic_groups(0, 4)
+        second, second_index = second[6:], index[6:] - 2
+        ray.get([pair.workers[0].train.remote(first, first_index), pair.workers[1].train.remote(second, second_index)])
+        got = pair.call("gradient_tensors")
+    finally:
+        pair.shutdown()
+    assert sum(float(g.abs().sum()) for g in expected) > 0
+    for mine, theirs, ref in zip(got[0], got[1], expected):
+        assert torch.equal(mine, theirs)  # both ranks apply the same all-reduced gradient
+        assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_reward_error_names_the_sample(tiny_bf16, monkeypatch):
+    def broken(response, problem):
+        raise ZeroDivisionError("bad verifier")
+
+    monkeypatch.setattr(worker_module, "answer_reward", broken)
+    w = RLWorker(config(tiny_bf16, 1), PROBLEMS)
+    with pytest.raises(RewardError, match=r"reward function failed on sample 0 of worker 0 \(prompt 'what is .*', response .*ZeroDivisionError: bad verifier"):
+        w.step(1)
+
+
+def test_trained_samples_must_come_from_the_current_adapter(tiny_bf16, monkeypatch):
+    w = RLWorker(config(tiny_bf16, 1), PROBLEMS)
+    samples, index = synthetic_groups(0, 2)
+    for s in samples:
+        s.adapter_version = 7
+    monkeypatch.setattr(w, "collect", lambda groups: (samples, {"groups_generated": 2, "sampling_rounds": 1, "groups_kept": 2,
+                                                                 "generated": samples, "group_index": index}))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"samples from adapter version 7 while training 0"):
+        w.step(1)

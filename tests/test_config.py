@@ -1,0 +1,65 @@
+"""Config files: unknown keys and impossible combinations are errors naming the key, before any work."""
+
+import pytest
+
+from allsync.config import ConfigError, RunConfig, load_config, parse_config
+
+
+def test_defaults_are_valid_and_nested_values_parse():
+    c = parse_config({"rollout": {"group_size": 4, "temperature": 0.9}, "algorithm": {"overlong": {"max_len": 16, "cache_len": 4}}})
+    assert isinstance(c, RunConfig)
+    assert (c.rollout.group_size, c.rollout.temperature, c.algorithm.overlong.cache_len) == (4, 0.9, 4)
+    assert c.model.quant.routed_experts == "nf4"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"rollout": {"temprature": 1.0}}, r"unknown key 'rollout\.temprature' \(did you mean rollout\.temperature\?\)"),
+        ({"optimiser": {}}, r"unknown key 'optimiser' \(did you mean optim\?\)"),
+        ({"rollout": {"group_size": "eight"}}, r"'rollout\.group_size' = 'eight' is not of type"),
+        ({"model": {"quant": {"routed_experts": "nf5"}}}, r"model\.quant\.routed_experts = 'nf5': unknown format"),
+        ({"lora": {"targets": ["q_a_proj", "lm_head"]}}, r"lora\.targets: unknown target 'lm_head'"),
+        ({"rollout": {"engine": "vllm"}, "lora": {"rank": 4}}, r"lora\.rank = 4 with rollout\.engine vllm"),
+        ({"rollout": {"engine": "vllm"}, "lora": {"targets": ["kv_b_proj"]}}, r"kv_b_proj with rollout\.engine vllm"),
+        ({"algorithm": {"advantage": "ppo2"}}, r"algorithm\.advantage: .*'ppo2'"),
+        ({"rollout": {"group_size": 1}}, r"rollout\.group_size = 1 with algorithm\.advantage grpo"),
+        ({"algorithm": {"advantage": "egae"}}, r"egae needs rollout\.window"),
+        ({"algorithm": {"clip_c": 0.5}}, r"algorithm\.clip_c = 0\.5"),
+        ({"parallel": {"layout": "disaggregated", "workers_per_node": 3}}, r"disaggregated needs an even number"),
+        ({"optim": {"minibatches": 3}}, r"optim\.minibatches = 3 must divide"),
+        ({"algorithm": {"overlong": {"max_len": 64, "cache_len": 8}}}, r"overlong\.max_len = 64 exceeds rollout\.max_new_tokens = 16"),
+    ],
+)
+def test_bad_configs_name_the_key(data, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data, "x.yaml")
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing\.yaml: config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML"):
+        load_config(bad)
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    configs = Path(__file__).parents[1] / "recipes" / "configs"
+    big = load_config(configs / "deepseek_v3_671b_48xh100.yaml")
+    assert big.parallel.workers == 48 and big.model.quant.routed_experts == "nf4"
+    assert "kv_b_proj" not in big.lora.targets and big.lora.rank == 32
+    for path in configs.glob("*.yaml"):
+        load_config(path)
+
+
+def test_expert_parallel_must_divide_the_experts():
+    from allsync.config import config_with_model_checks
+
+    c = parse_config({"parallel": {"workers_per_node": 4, "expert_parallel": 4}, "rollout": {"prompts_per_step": 16}})
+    config_with_model_checks(c, {"n_routed_experts": 256}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"expert_parallel = 4 does not divide the 6 routed experts"):
+        config_with_model_checks(c, {"n_routed_experts": 6}, "x.yaml")

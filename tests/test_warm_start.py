@@ -1,0 +1,138 @@
+"""allsync.warm_start: training batches, DeepSeek-V3 on-disk format, reload through quant's loader, caching."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from allsync import warm_start as ws
+from allsync.tasks import ArithmeticSpec, Problem
+from allsync.warm_start import (
+    DEFAULT_SPEC, EvalSettings, TrainSettings, WarmStartSettings, collate, lr_at, save_checkpoint, to_disk_tensors,
+    train_and_evaluate, training_examples, warm_start,
+)  # fmt: skip
+from moe_lora.tiny import build_tokenizer, make_tiny, tiny_config
+from quant.checkpoint_io import INDEX_NAME, atomic_output_dir
+from quant.layout import expected_tensors
+from quant.loader import QuantPlan, load_frozen_model
+
+FAST = dict(steps=4, seed=0, task=ArithmeticSpec(1, 2), train=TrainSettings(batch_size=8, warmup_steps=2),
+            eval=EvalSettings(heldout_size=6, samples_per_problem=2, max_new_tokens=6), progress=False)  # fmt: skip
+
+
+def _disk_tensors(path):
+    index = json.loads((path / INDEX_NAME).read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(path / shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return index, out
+
+
+def test_training_example_labels_only_the_answer():
+    tok = build_tokenizer()
+    (ids, start), (ids2, start2) = training_examples(tok, [Problem("What is 1+2?", "3"), Problem("What is 10+20?", "30")])
+    assert tok.decode(ids) == "<｜begin▁of▁sentence｜><｜User｜>What is 1+2?<｜Assistant｜>Answer: 3<｜end▁of▁sentence｜>"
+    assert tok.decode(ids[start:]) == "Answer: 3<｜end▁of▁sentence｜>" and len(ids) - start == 10
+    batch = collate([(ids, start), (ids2, start2)], pad_id=tok.pad_token_id)
+    assert batch["input_ids"].shape == (2, len(ids2)) and len(ids2) == len(ids) + 3
+    assert batch["labels"][0, :start].eq(-100).all() and batch["labels"][0, len(ids) :].eq(-100).all()
+    assert batch["labels"][0, start:len(ids)].tolist() == ids[start:]
+    assert batch["attention_mask"].sum(1).tolist() == [len(ids), len(ids2)]
+
+
+def test_lr_schedule():
+    assert lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)  # warm-up 1/10, cosine ~1
+    assert lr_at(9, 100, 1.0, 10) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(0.09 * torch.pi)).item()))
+    assert lr_at(50, 100, 1.0, 10) == pytest.approx(0.55)  # halfway: 0.1 + 0.9 * 0.5
+    assert lr_at(100, 100, 1.0, 10) == pytest.approx(0.1)  # ends at 10%
+
+
+def test_to_disk_tensors_inverts_transformers_fusing(tmp_path):
+    """A make_tiny checkpoint loaded by transformers (experts fused) maps back to its exact on-disk tensors."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny(tmp_path / "tiny", DEFAULT_SPEC)
+    config = json.loads((path / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 256, 128)  # [E, 2I, H]
+    disk = to_disk_tensors(model.state_dict(), config)
+    _, original = _disk_tensors(path)
+    assert list(disk) == list(expected_tensors(config))
+    for key, t in original.items():
+        assert disk[key].dtype == t.dtype and torch.equal(disk[key], t), key
+
+
+def test_to_disk_tensors_rejects_a_foreign_state_dict():
+    config = tiny_config(DEFAULT_SPEC, vocab_size=265)
+    with pytest.raises(ValueError, match="missing"):
+        to_disk_tensors({"model.embed_tokens.weight": torch.zeros(265, 128)}, config)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A few warm-start steps and the checkpoint saved from them (shared by the checks below)."""
+    root = tmp_path_factory.mktemp("ws")
+    settings = WarmStartSettings(DEFAULT_SPEC, FAST["task"], FAST["steps"], 0, FAST["train"], FAST["eval"])
+    base = make_tiny(root / "base", DEFAULT_SPEC)
+    result = train_and_evaluate(settings, base, progress=False)
+    with atomic_output_dir(root / "out") as tmp:
+        save_checkpoint(tmp, result.model, base, DEFAULT_SPEC.shards, result.report)
+    return result, root / "out", base
+
+
+def test_saved_checkpoint_has_deepseek_v3_layout(trained):
+    result, out, base = trained
+    config = json.loads((out / "config.json").read_text())
+    index, tensors = _disk_tensors(out)
+    assert config == json.loads((base / "config.json").read_text())
+    assert set(tensors) == set(index["weight_map"]) == set(expected_tensors(config))
+    assert len(set(index["weight_map"].values())) == DEFAULT_SPEC.shards
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in tensors
+    for key, t in tensors.items():
+        assert t.dtype == (torch.float32 if key.endswith("e_score_correction_bias") else torch.bfloat16), key
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).exists(), name
+    _, before = _disk_tensors(base)
+    key = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    assert not torch.equal(tensors[key], before[key])  # training changed the experts
+
+
+def test_report_records_settings_and_metrics(trained):
+    result, out, _ = trained
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["settings"]["steps"] == 4 and report["settings"]["model"]["hidden_size"] == 128
+    assert report["settings"]["task"]["ops"] == ["+"]
+    heldout = report["heldout"]
+    assert heldout["greedy"]["samples"] == 6 and heldout["sampled"]["samples"] == 12
+    assert 0.0 <= heldout["greedy"]["accuracy"] <= 1.0 and heldout["greedy"]["mean_length"] <= 6
+    assert len(heldout["greedy_examples"]) == 5
+    assert report["final_loss"] > 0
+
+
+def test_bf16_checkpoint_reloads_with_the_same_logits(trained):
+    """quant's frozen loader on the saved checkpoint == the trained model with bf16-rounded weights."""
+    result, out, _ = trained
+    frozen = load_frozen_model(out, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
+    ids = torch.tensor([[0, 3, 63, 80, 73, 92, 229, 25, 19, 26, 39, 4, 41, 86], [0, 3, 25, 19, 26, 17, 18, 19, 20, 21, 22, 23, 24, 4]])
+    with torch.no_grad():
+        want, got = result.model(input_ids=ids).logits, frozen(input_ids=ids).logits
+    assert want.abs().max() > 1.0  # non-trivial logits
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+
+
+def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
+    out = warm_start(tmp_path / "base", **FAST)
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["total_seconds"] >= report["train_seconds"]
+
+    def fail(*a, **k):
+        raise AssertionError("a cached warm start must not train again")
+
+    monkeypatch.setattr(ws, "train_and_evaluate", fail)
+    assert warm_start(tmp_path / "base", **FAST) == out
+    with pytest.raises(FileExistsError, match="not a warm start with these settings"):
+        warm_start(tmp_path / "base", **{**FAST, "steps": 5})
+    assert json.loads((out / "warm_start.json").read_text()) == report  # untouched
