@@ -133,6 +133,7 @@ class RunSection:
     checkpoint_every: int = 10
     seed: int = 0
     max_consecutive_nan: int = 3
+    export: str = "peft"  # the trained adapter at the end: peft (vLLM serves it) | merged (full bf16 checkpoint)
 
 
 @dataclass
@@ -237,6 +238,13 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"lora.rank = {c.lora.rank}: must be >= 1")
     if c.rollout.engine not in ("torch", "vllm"):
         fail(f"rollout.engine = {c.rollout.engine!r}: use torch or vllm")
+    if c.run.export not in ("peft", "merged"):
+        fail(f"run.export = {c.run.export!r}: use peft or merged")
+    if c.run.export == "peft":  # the export at the end must not fail after the whole run
+        if c.lora.rank not in VLLM_LORA_RANKS:
+            fail(f"lora.rank = {c.lora.rank} with run.export peft: vLLM serves only ranks {VLLM_LORA_RANKS} (or set run.export: merged)")
+        if "kv_b_proj" in c.lora.targets:
+            fail("lora.targets has kv_b_proj with run.export peft: vLLM ignores LoRA on kv_b_proj (or set run.export: merged)")
     if c.rollout.engine == "vllm":
         if c.lora.rank not in VLLM_LORA_RANKS:
             fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")

@@ -1,13 +1,20 @@
-"""Starting the colocated workers: Ray actors in a placement group (one bundle per device), or in-process.
+"""Starting the workers: Ray actors in a placement group (one bundle per device), or in-process.
 
-Each actor is an `RLWorker`; the controller only sends small things (step numbers, problem lists,
-checkpoint paths) and receives metric sums. Gradients move between workers over torch.distributed
-(gloo on CPU), never through the controller.
+Each actor is an `RLWorker`. Two layouts drive them step by step:
+- `WorkerGroup` (colocated, all-sync): every worker generates its share, then every worker trains; the
+  controller only sends step numbers and receives metric sums. Gradients move between workers over
+  torch.distributed (gloo on CPU), never through the controller.
+- `DisaggregatedGroup` (the baseline all-sync is measured against): half the workers only generate, the
+  other half only train; samples go from generators to trainers and the adapter back every step, so each
+  half waits while the other works.
 """
 
 from __future__ import annotations
 
 import socket
+import time
+
+import torch
 
 from allsync.config import RunConfig
 from allsync.tasks import Problem
@@ -31,24 +38,9 @@ class WorkerGroup:
             self.workers = [RLWorker(config, problems)]
             self.size = 1
             return
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from allsync.worker import RLWorker
-
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(self.size, 1), include_dashboard=False, log_to_driver=True, configure_logging=False)
-        bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-        self.placement = placement_group([bundle] * self.size, strategy="PACK")
-        ray.get(self.placement.ready())
-        actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(RLWorker)
+        self.placement, start = start_placement(self.size, gpus_per_worker)
         address = f"tcp://127.0.0.1:{free_port()}"
-        self.workers = [
-            actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i))
-            .remote(config, problems, rank=i, world_size=self.size, dist_address=address, threads=1)
-            for i in range(self.size)
-        ]
+        self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address) for i in range(self.size)]
 
     def call(self, method: str, *args) -> list:
         if not self.use_ray:
@@ -67,13 +59,130 @@ class WorkerGroup:
 
         return ray.get([getattr(self.workers[r], method).remote(*args) for r in ranks])
 
+    def step(self, step: int) -> list[dict]:
+        """One all-sync step on every worker; per-worker metric sums."""
+        return self.call("step", step)
+
     def shutdown(self) -> None:
         self.call("shutdown")
         if self.use_ray:
-            import ray
+            stop_placement(self.workers, self.placement)
 
-            from ray.util.placement_group import remove_placement_group
 
-            for w in self.workers:
-                ray.kill(w)
-            remove_placement_group(self.placement)
+def start_placement(size: int, gpus_per_worker: float = 0):
+    """A placement group of `size` bundles (1 CPU [+ GPUs] each) and a function starting an RLWorker actor in bundle i."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from allsync.worker import RLWorker
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(size, 1), include_dashboard=False, log_to_driver=True, configure_logging=False)
+    bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    placement = placement_group([bundle] * size, strategy="PACK")
+    ray.get(placement.ready())
+    actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(RLWorker)
+
+    def start(bundle_index: int, *args, **kwargs):
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle_index)
+        return actor.options(scheduling_strategy=strategy).remote(*args, threads=1, **kwargs)
+
+    return placement, start
+
+
+def stop_placement(workers, placement) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for w in workers:
+        ray.kill(w)
+    remove_placement_group(placement)
+
+
+# keys every per-worker metric dict carries (see allsync.metrics.aggregate); a worker reports 0 for a phase it does not run
+ROLLOUT_KEYS = ("samples_generated", "reward_sum", "correct_sum", "response_tokens", "truncated", "staleness_max",
+                "groups_generated", "sampling_rounds", "groups_kept")  # fmt: skip
+TRAIN_KEYS = ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "logprob_gap", "trained_samples",
+              "trained_tokens", "nan_steps", "grad_norm")  # fmt: skip
+
+
+def split_groups(samples: list, group_index: torch.Tensor, parts: int) -> list[tuple[list, torch.Tensor]]:
+    """Whole groups dealt into `parts` contiguous chunks (as even as possible), group ids renumbered from 0."""
+    groups = sorted(set(group_index.tolist()))
+    bounds = [round(k * len(groups) / parts) for k in range(parts + 1)]
+    out = []
+    for k in range(parts):
+        mine = {g: j for j, g in enumerate(groups[bounds[k] : bounds[k + 1]])}
+        rows = [i for i, g in enumerate(group_index.tolist()) if g in mine]
+        out.append(([samples[i] for i in rows], torch.tensor([mine[int(group_index[i])] for i in rows], dtype=torch.long)))
+    return out
+
+
+class DisaggregatedGroup:
+    """Synchronous RL with separate roles: workers/2 generators and workers/2 trainers (Ray actors).
+
+    Per step: generators make the whole batch (prompts strided over them) -> samples to the trainers (whole
+    groups each) -> trainers update with all-reduced gradients -> trainer 0's adapter goes to every
+    generator. Still on-policy (staleness 0), but each half idles while the other half works.
+    """
+
+    def __init__(self, config: RunConfig, problems: list[Problem], gpus_per_worker: float = 0):
+        import ray
+
+        self.size = config.parallel.workers
+        self.config = config
+        n_gen = self.size // 2
+        self.placement, start = start_placement(self.size, gpus_per_worker)
+        address = f"tcp://127.0.0.1:{free_port()}"
+        self.trainers = [start(i, config, problems, rank=i, world_size=self.size - n_gen, dist_address=address)
+                         for i in range(self.size - n_gen)]  # fmt: skip
+        self.generators = [start(self.size - n_gen + i, config, problems, rank=i, world_size=n_gen) for i in range(n_gen)]
+        self.workers = self.trainers + self.generators
+        self.version = 0
+        self.sync_bytes = self._sync()  # generators start from the trainers' initial adapter
+
+    def _sync(self) -> list[int]:
+        import ray
+
+        tensors = self.trainers[0].adapter_tensors.remote()
+        return ray.get([g.receive_adapter.remote(tensors, self.version) for g in self.generators])
+
+    def step(self, step: int) -> list[dict]:
+        """One synchronous step; per-worker metric sums, trainers first."""
+        import ray
+
+        wall0 = time.time()
+        per_generator = self.config.rollout.prompts_per_step // len(self.generators)
+        rollouts = ray.get([g.rollout_phase.remote(per_generator) for g in self.generators])
+        samples, index, offset = [], [], 0
+        for s, g, _ in rollouts:
+            samples += s
+            index.append(g + offset)
+            offset += int(g.max()) + 1 if len(g) else 0
+        group_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+        parts = split_groups(samples, group_index, len(self.trainers))
+        trained = ray.get([t.train_phase.remote(s, g) for t, (s, g) in zip(self.trainers, parts)])
+        self.version += 1
+        received = self._sync()
+        reports = ray.get([w.busy_report.remote(wall0) for w in self.workers])
+        out = []
+        for i, report in enumerate(reports):
+            m = dict.fromkeys(ROLLOUT_KEYS + TRAIN_KEYS, 0)
+            if i < len(self.trainers):
+                m.update(trained[i])
+            else:
+                m.update(rollouts[i - len(self.trainers)][2])
+                m["sync_bytes"] = received[i - len(self.trainers)]
+            m.setdefault("sync_bytes", 0)
+            out.append({**m, **report})
+        return out
+
+    def call(self, method: str, *args) -> list:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def shutdown(self) -> None:
+        self.call("shutdown")
+        stop_placement(self.workers, self.placement)

@@ -71,6 +71,11 @@ class Timeline:
         return sum(end - max(start, since) for _, start, end in self.events if end > since)
 
 
+def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
+    """lr(step) = lr * min(1, (step + 1) / warmup_steps), step counted from 0 (the adapter version)."""
+    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
@@ -78,10 +83,13 @@ def _dtype(name: str) -> torch.dtype:
 class RLWorker:
     def __init__(self, config: RunConfig, problems: list[Problem], rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, threads: int | None = None):  # fmt: skip
+        """rank / world_size: this worker's place among the workers that share the data (prompts are strided
+        over them). dist_address: join a gloo process group of `world_size` workers that all-reduce LoRA
+        gradients; None for a worker that only generates (the disaggregated baseline's generators)."""
         self.config, self.rank, self.world_size = config, rank, world_size
         if threads:
             torch.set_num_threads(threads)
-        if world_size > 1:
+        if world_size > 1 and dist_address is not None:
             dist.init_process_group("gloo", init_method=dist_address, rank=rank, world_size=world_size)
         self._seed_everything(config.run.seed * 1000 + rank)
         from transformers import AutoTokenizer
@@ -118,12 +126,12 @@ class RLWorker:
         torch.manual_seed(seed)
 
     def _broadcast_params(self) -> None:
-        if self.world_size > 1:
+        if dist.is_initialized():
             for p in self.params:
                 dist.broadcast(p.data, src=0)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        if dist.is_initialized():
             dist.all_reduce(tensor)
         return tensor
 
@@ -196,38 +204,66 @@ class RLWorker:
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step_index: int) -> dict:
-        """One all-sync step on this worker; returns sums/counts the controller aggregates over workers."""
-        c = self.config
-        wall0 = t = time.time()
-        groups_wanted = c.rollout.prompts_per_step // self.world_size
+        """One all-sync (colocated) step: generate this worker's share, train on it with every worker, sync.
+        Returns sums/counts that the controller aggregates over workers."""
+        wall0 = time.time()
+        samples, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
+        metrics.update(self.train_phase(samples, group_index))
+        t = time.time()
+        metrics["sync_bytes"] = self.engine.load_adapter(None, self.adapter_version)
+        self.timeline.record("sync", t)
+        metrics.update(self.busy_report(wall0))
+        return metrics
+
+    def rollout_phase(self, groups_wanted: int) -> tuple[list[Sample], torch.Tensor, dict]:
+        """Generate with the current adapter, score, and (DAPO) keep mixed groups; timed as "generate"."""
+        t = time.time()
         samples, ds = self.collect(groups_wanted)
-        t = self.timeline.record("generate", t)
+        self.timeline.record("generate", t)
         generated = ds.pop("generated")
+        group_index = ds.pop("group_index")
         metrics = {
             "samples_generated": len(generated),
             "reward_sum": sum(s.reward for s in generated),
             "correct_sum": sum(s.correct for s in generated),
             "response_tokens": sum(len(s.response_ids) for s in generated),
             "truncated": sum(s.finish_reason == "length" for s in generated),
-            **{k: v for k, v in ds.items() if k != "group_index"},
+            "staleness_max": max((self.adapter_version - s.adapter_version for s in samples), default=0),
+            **ds,
         }
+        return samples, group_index, metrics
+
+    def train_phase(self, samples: list[Sample], group_index: torch.Tensor) -> dict:
+        """Strictly on-policy update: every sample must come from the adapter being trained (staleness 0);
+        timed as "train". The adapter version advances by one."""
+        t = time.time()
         stale = [s.adapter_version for s in samples if s.adapter_version != self.adapter_version]
         if stale:
             raise RuntimeError(f"worker {self.rank}: samples from adapter version {stale[0]} while training {self.adapter_version}")
-        metrics.update(self.train(samples, ds["group_index"]))
-        t = self.timeline.record("train", t)
+        metrics = self.train(samples, group_index)
         self.adapter_version += 1
-        metrics["sync_bytes"] = self.engine.load_adapter(None, self.adapter_version)
-        self.timeline.record("sync", t)
-        metrics["wall_seconds"] = time.time() - wall0
-        metrics["busy_seconds"] = self.timeline.busy_seconds(wall0)
-        metrics["staleness_max"] = 0
+        self.timeline.record("train", t)
         return metrics
+
+    def receive_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Load LoRA tensors trained elsewhere (a generator of the disaggregated layout); returns bytes received."""
+        t = time.time()
+        load_lora_state_dict(self.model, tensors)
+        self.adapter_version = version
+        self.engine.load_adapter(None, version)
+        self.timeline.record("sync", t)
+        return sum(v.numel() * v.element_size() for v in tensors.values())
+
+    def busy_report(self, since: float) -> dict:
+        wall = time.time() - since
+        return {"wall_seconds": wall, "busy_seconds": self.timeline.busy_seconds(since)}
 
     def train(self, samples: list[Sample], group_index: torch.Tensor) -> dict:
         """Advantages, then `optim.minibatches` updates; every worker runs the same collectives (empty batches too)."""
         c = self.config
         minibatches = c.optim.minibatches
+        for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
+            group["lr"] = warmup_lr(c.optim.lr, self.adapter_version, c.optim.warmup_steps)
         out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "logprob_gap": 0.0,
                "trained_samples": len(samples), "trained_tokens": 0, "nan_steps": 0, "grad_norm": 0.0}  # fmt: skip
         if samples:
@@ -338,5 +374,5 @@ class RLWorker:
         return list(self.timeline.events)
 
     def shutdown(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()

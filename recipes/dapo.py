@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.steps:
             config.run.steps = args.steps
+        if config.parallel.layout != "colocated":
+            raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
+                              "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
         ensure_base(config)
         config_with_model_checks(config, read_config(config.model.base), args.config)
     except ConfigError as exc:
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     started, accuracy, nan_run = time.time(), base_accuracy, 0
     bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step")
     for step in bar:
-        metrics = aggregate(group.call("step", step))
+        metrics = aggregate(group.step(step))
         nan_run = nan_run + 1 if metrics["nan_steps"] else 0
         if step % config.run.eval_every == 0 or step == config.run.steps:
             accuracy = metrics["heldout_accuracy"] = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
@@ -115,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"time limit of {config.run.time_limit_minutes} min reached after step {step}")
             break
 
-    from moe_lora.adapter_io import Adapter, export_peft
+    from moe_lora.adapter_io import Adapter, export_merged, export_peft
 
     adapter = Adapter(group.call_rank0("adapter_tensors"), config.lora.rank, config.lora.alpha, config.lora.use_rslora)
-    exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
+    if config.run.export == "peft":
+        exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
+    else:
+        exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16", overwrite=True)
     plot = plot_run(log.records(), out_dir / "run.png")
     log.close()
     group.shutdown()

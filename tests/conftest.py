@@ -18,3 +18,17 @@ def tiny_bf16(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_fp8(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny-fp8", TinySpec(seed=0, fp8=True))
+
+
+@pytest.fixture(scope="session")
+def warm_tiny(tmp_path_factory):
+    """A tiny DeepSeek-V3 given a short supervised warm start on 1-digit addition: it answers in the
+    "Answer: N" format and is right often enough that sampled groups have mixed rewards."""
+    from allsync.tasks import ArithmeticSpec
+    from allsync.warm_start import EvalSettings, TrainSettings, warm_start
+
+    return warm_start(
+        tmp_path_factory.mktemp("warm") / "tiny-warm", steps=60, task=ArithmeticSpec(1, 1),
+        train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
+    )  # fmt: skip

@@ -16,6 +16,7 @@ def config(base, workers, lr=1e-2):
     return parse_config({
         "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
         "lora": {"rank": 4, "alpha": 8},
+        "run": {"export": "merged"},
         "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
         "optim": {"lr": lr, "minibatches": 2},
         "parallel": {"workers_per_node": workers},
@@ -81,3 +82,42 @@ def test_trained_samples_must_come_from_the_current_adapter(tiny_bf16, monkeypat
                                                                  "generated": samples, "group_index": index}))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"samples from adapter version 7 while training 0"):
         w.step(1)
+
+
+def test_warmup_lr_ramps_linearly_then_holds():
+    assert [round(worker_module.warmup_lr(1e-3, s, 4), 6) for s in range(6)] == [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
+    assert worker_module.warmup_lr(1e-3, 0, 0) == 1e-3
+
+
+def test_split_groups_deals_whole_groups_and_renumbers():
+    from allsync.placement import split_groups
+
+    samples = list("aabbbccdd")
+    index = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3])
+    (first, first_index), (second, second_index) = split_groups(samples, index, 2)
+    assert first == list("aabbb") and first_index.tolist() == [0, 0, 1, 1, 1]
+    assert second == list("ccdd") and second_index.tolist() == [0, 0, 1, 1]
+
+
+def test_disaggregated_generators_receive_the_trained_adapter(warm_tiny):
+    """The baseline layout: one generator, one trainer; after a step the generator serves the trainer's adapter."""
+    from allsync.placement import DisaggregatedGroup
+    from allsync.tasks import ArithmeticSpec, make_splits
+
+    cfg = config(warm_tiny, 2)
+    cfg.algorithm.dynamic_sampling = False  # exactly 4 prompts x 3 samples
+    cfg.rollout.max_new_tokens = 12  # "Answer: N<eos>"
+    group = DisaggregatedGroup(cfg, make_splits(ArithmeticSpec(1, 1), 100, 20).train)
+    try:
+        (trainer_metrics, generator_metrics) = group.step(1)
+        import ray
+
+        trained = ray.get(group.trainers[0].adapter_tensors.remote())
+        served = ray.get(group.generators[0].adapter_tensors.remote())
+    finally:
+        group.shutdown()
+    assert generator_metrics["samples_generated"] == 4 * 3 and trainer_metrics["samples_generated"] == 0
+    assert trainer_metrics["trained_samples"] == 12 and generator_metrics["trained_samples"] == 0
+    assert generator_metrics["sync_bytes"] == sum(t.numel() * t.element_size() for t in trained.values())
+    assert trained.keys() == served.keys() and all(torch.equal(trained[k], served[k]) for k in trained)
+    assert any(float(t.abs().sum()) > 0 for k, t in trained.items() if "lora_B" in k)  # the step changed B

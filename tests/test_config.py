@@ -20,8 +20,11 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"rollout": {"group_size": "eight"}}, r"'rollout\.group_size' = 'eight' is not of type"),
         ({"model": {"quant": {"routed_experts": "nf5"}}}, r"model\.quant\.routed_experts = 'nf5': unknown format"),
         ({"lora": {"targets": ["q_a_proj", "lm_head"]}}, r"lora\.targets: unknown target 'lm_head'"),
-        ({"rollout": {"engine": "vllm"}, "lora": {"rank": 4}}, r"lora\.rank = 4 with rollout\.engine vllm"),
-        ({"rollout": {"engine": "vllm"}, "lora": {"targets": ["kv_b_proj"]}}, r"kv_b_proj with rollout\.engine vllm"),
+        ({"rollout": {"engine": "vllm"}, "lora": {"rank": 4}, "run": {"export": "merged"}}, r"lora\.rank = 4 with rollout\.engine vllm"),
+        ({"lora": {"rank": 4}}, r"lora\.rank = 4 with run\.export peft"),
+        ({"run": {"export": "gguf"}}, r"run\.export = .gguf."),
+        ({"rollout": {"engine": "vllm"}, "lora": {"targets": ["kv_b_proj"]}, "run": {"export": "merged"}}, r"kv_b_proj with rollout\.engine vllm"),
+        ({"lora": {"targets": ["kv_b_proj"]}}, r"kv_b_proj with run\.export peft"),
         ({"algorithm": {"advantage": "ppo2"}}, r"algorithm\.advantage: .*'ppo2'"),
         ({"rollout": {"group_size": 1}}, r"rollout\.group_size = 1 with algorithm\.advantage grpo"),
         ({"algorithm": {"advantage": "egae"}}, r"egae needs rollout\.window"),
@@ -51,7 +54,7 @@ def test_shipped_configs_validate():
     configs = Path(__file__).parents[1] / "recipes" / "configs"
     big = load_config(configs / "deepseek_v3_671b_48xh100.yaml")
     assert big.parallel.workers == 48 and big.model.quant.routed_experts == "nf4"
-    assert "kv_b_proj" not in big.lora.targets and big.lora.rank == 32
+    assert "kv_b_proj" not in big.lora.targets and big.lora.rank == 16 and big.parallel.expert_parallel == 16
     for path in configs.glob("*.yaml"):
         load_config(path)
 

@@ -1,0 +1,140 @@
+"""All-sync (colocated) against disaggregated synchronous RL: same workers, same work.
+
+    python benchmarks/allsync.py [--workers 2] [--steps 6] [--base CHECKPOINT] [--json PATH]
+
+Both layouts run the same config on the same number of Ray workers (one CPU core or one GPU each) for
+the same steps, with the torch engine:
+  colocated      every worker generates its share of the batch, then every worker trains (all-reduced
+                 LoRA gradients): nobody waits for another phase.
+  disaggregated  workers/2 generate the whole batch, workers/2 train on it, the adapter goes back to the
+                 generators: each half idles while the other half works.
+Dynamic sampling is off so every step holds exactly prompts x group_size samples in both layouts.
+Reported: samples/s (after one warm-up step), per-worker utilization = busy / wall, and bytes per sync:
+the adapter tensors actually moved, against the full merged weights a weight-sync engine would need,
+for the benchmarked model and for DeepSeek-V3 671B (computed from its shapes, bf16).
+Last line: `all-sync/disaggregated throughput: R.RRx` (goal >= 1.8x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from allsync.config import parse_config
+from allsync.placement import DisaggregatedGroup, WorkerGroup
+from allsync.tasks import ArithmeticSpec, make_splits
+from quant.layout import expected_tensors
+
+# DeepSeek-V3 / R1 (671B) shapes from its config.json
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, first_k_dense_replace=3, moe_layer_freq=1, n_routed_experts=256,
+                   n_shared_experts=1, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)  # fmt: skip
+
+
+def lora_target(key: str, group: str) -> str | None:
+    """The LoRA target a checkpoint weight belongs to (None: never adapted)."""
+    if group == "attention":
+        return key.rsplit(".", 2)[-2]
+    return group if group in ("dense_mlp", "shared_experts", "routed_experts") else None
+
+
+def sync_sizes(config: dict, targets: list[str], rank: int, bytes_per_value: int = 2) -> dict[str, int]:
+    """Bytes of one sync: adapter only, r (in + out) per adapted weight, against every weight of the model."""
+    adapter = full = 0
+    for key, spec in expected_tensors(config).items():
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        full += numel * bytes_per_value
+        if len(spec.shape) == 2 and lora_target(key, spec.group) in targets:
+            adapter += rank * sum(spec.shape) * bytes_per_value
+    return {"adapter_bytes": adapter, "merged_bytes": full}
+
+
+def bench_config(base: str, workers: int, layout: str) -> dict:
+    return {
+        "model": {"base": base, "quant": {"routed_experts": "nf4"}},
+        "lora": {"rank": 8, "alpha": 16},
+        "rollout": {"prompts_per_step": 8 * workers, "group_size": 8, "max_new_tokens": 12},
+        "algorithm": {"dynamic_sampling": False},
+        "optim": {"lr": 1e-4},
+        "parallel": {"workers_per_node": workers, "layout": layout},
+        "task": {"min_digits": 2, "max_digits": 2, "train_size": 4000, "heldout_size": 50},
+    }
+
+
+def run_layout(base: str, workers: int, layout: str, steps: int) -> dict:
+    config = parse_config(bench_config(base, workers, layout))
+    problems = make_splits(config.task.spec(), config.task.train_size, config.task.heldout_size).train
+    group = WorkerGroup(config, problems, use_ray=True) if layout == "colocated" else DisaggregatedGroup(config, problems)
+    try:
+        group.step(0)  # warm-up: first-call costs out of the measurement
+        per_step = []
+        for step in tqdm(range(1, steps + 1), desc=layout, unit="step"):
+            per_step.append(group.step(step))
+    finally:
+        group.shutdown()
+    wall = sum(max(m["wall_seconds"] for m in workers_metrics) for workers_metrics in per_step)
+    samples = sum(sum(w["samples_generated"] for w in m) for m in per_step)
+    busy = [sum(m[i]["busy_seconds"] for m in per_step) for i in range(len(per_step[0]))]
+    walls = [sum(m[i]["wall_seconds"] for m in per_step) for i in range(len(per_step[0]))]
+    return {
+        "layout": layout,
+        "workers": len(busy),
+        "steps": steps,
+        "samples": samples,
+        "seconds": round(wall, 2),
+        "samples_per_second": samples / wall,
+        "utilization": [round(b / w, 3) for b, w in zip(busy, walls)],
+        "sync_bytes_per_step": sum(sum(w["sync_bytes"] for w in m) for m in per_step) / steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2, help="Ray workers in both layouts (even)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--base", help="checkpoint (default: a fresh tiny DeepSeek-V3 from allsync.warm_start's spec)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = args.base
+        if base is None:
+            from allsync.warm_start import DEFAULT_SPEC
+            from moe_lora.tiny import make_tiny
+
+            base = str(make_tiny(Path(tmp) / "tiny", DEFAULT_SPEC))
+        rows = [run_layout(base, args.workers, layout, args.steps) for layout in ("colocated", "disaggregated")]
+        tiny_config = json.loads((Path(base) / "config.json").read_text())
+    targets = parse_config(bench_config(base, args.workers, "colocated")).lora.targets
+    sizes = {
+        "benchmarked model (rank 8)": sync_sizes(tiny_config, targets, 8),
+        "DeepSeek-V3 671B (rank 32)": sync_sizes(DEEPSEEK_V3, targets, 32),
+    }
+    ratio = rows[0]["samples_per_second"] / rows[1]["samples_per_second"]
+
+    print(f"{'layout':<14} {'workers':>7} {'samples':>8} {'seconds':>8} {'samples/s':>10}  utilization per worker")
+    for r in rows:
+        print(f"{r['layout']:<14} {r['workers']:>7} {r['samples']:>8} {r['seconds']:>8.2f} {r['samples_per_second']:>10.1f}  "
+              + " ".join(f"{u:.2f}" for u in r["utilization"]))  # fmt: skip
+    print()
+    print(f"{'bytes per sync (bf16)':<28} {'adapter only':>14} {'merged weights':>16} {'ratio':>8}")
+    for name, s in sizes.items():
+        print(f"{name:<28} {s['adapter_bytes']:>14,} {s['merged_bytes']:>16,} {s['merged_bytes'] / s['adapter_bytes']:>7.0f}x")
+    print(f"(measured: disaggregated moved {rows[1]['sync_bytes_per_step']:,.0f} adapter bytes (fp32) per step to its generators; "
+          "colocated workers share the model with their engine and move none)")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "sync_sizes": sizes, "ratio": ratio}, indent=2))
+    print(f"all-sync/disaggregated throughput: {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
