@@ -39,7 +39,7 @@ IGNORE_INDEX = -100
 DEFAULT_SPEC = TinySpec(layers=2, dense_layers=1, experts=4, experts_per_token=2, hidden_size=128,
                         intermediate_size=256, moe_intermediate_size=128, heads=2, n_group=2, topk_group=1)  # fmt: skip
 DEFAULT_TASK = ArithmeticSpec(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
-DEFAULT_STEPS = 700
+DEFAULT_STEPS = 1000
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,15 @@ class Timeline:
         return sum(end - max(start, since) for _, start, end in self.events if end > since)
 
 
+def gradient_group(address: str, rank: int, world_size: int):
+    """A gloo process group of the workers that all-reduce LoRA gradients, built on its own TCP store
+    (`tcp://host:port`, rank 0 hosts it) rather than torch.distributed's default group, which an in-process
+    vLLM engine initializes for itself."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(minutes=10))
+    return dist.ProcessGroupGloo(store, rank, world_size)
+
+
 def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
     """lr(step) = lr * min(1, (step + 1) / warmup_steps), step counted from 0 (the adapter version)."""
     return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
@@ -87,10 +97,11 @@ class RLWorker:
         over them). dist_address: join a gloo process group of `world_size` workers that all-reduce LoRA
         gradients; None for a worker that only generates (the disaggregated baseline's generators)."""
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.group = None
         if threads:
             torch.set_num_threads(threads)
         if world_size > 1 and dist_address is not None:
-            dist.init_process_group("gloo", init_method=dist_address, rank=rank, world_size=world_size)
+            self.group = gradient_group(dist_address, rank, world_size)
         self._seed_everything(config.run.seed * 1000 + rank)
         from transformers import AutoTokenizer
 
@@ -107,7 +118,7 @@ class RLWorker:
         self._broadcast_params()  # replicas start identical whatever their seeds
         o = config.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        self.engine = TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.engine = self._make_engine()
         self.adapter_version = 0
         self.problems = problems
         self.position = 0  # prompts taken so far by this worker (data position)
@@ -119,6 +130,23 @@ class RLWorker:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------ helpers
+    def _make_engine(self):
+        """torch: generate with the training model itself. vllm: a vLLM engine in this process on the same
+        checkpoint, given the LoRA tensors after every update (adapter-only sync)."""
+        if self.config.rollout.engine == "torch":
+            return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        from allsync.config import ConfigError
+        from allsync.vllm_engine import VLLMEngine, unsupported_targets
+
+        lc = self.config.lora
+        if (reason := unsupported_targets(lc.targets)) is not None:
+            raise ConfigError(f"rollout.engine vllm with lora.targets {lc.targets}: {reason}")
+        engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype)
+        moved = engine.load_adapter(self.adapter_tensors(), 0)
+        if self.rank == 0:
+            print(f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update")
+        return engine
+
     @staticmethod
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
@@ -126,13 +154,13 @@ class RLWorker:
         torch.manual_seed(seed)
 
     def _broadcast_params(self) -> None:
-        if dist.is_initialized():
+        if self.group is not None:
             for p in self.params:
-                dist.broadcast(p.data, src=0)
+                self.group.broadcast(p.data, 0).wait()
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized():
-            dist.all_reduce(tensor)
+        if self.group is not None:
+            self.group.allreduce([tensor]).wait()  # sum
         return tensor
 
     def encode_prompt(self, problem: Problem) -> list[int]:
@@ -210,7 +238,7 @@ class RLWorker:
         samples, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
         metrics.update(self.train_phase(samples, group_index))
         t = time.time()
-        metrics["sync_bytes"] = self.engine.load_adapter(None, self.adapter_version)
+        metrics["sync_bytes"] = self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
         self.timeline.record("sync", t)
         metrics.update(self.busy_report(wall0))
         return metrics
@@ -250,7 +278,7 @@ class RLWorker:
         t = time.time()
         load_lora_state_dict(self.model, tensors)
         self.adapter_version = version
-        self.engine.load_adapter(None, version)
+        self.engine.load_adapter(tensors, version)
         self.timeline.record("sync", t)
         return sum(v.numel() * v.element_size() for v in tensors.values())
 
@@ -363,7 +391,7 @@ class RLWorker:
         trainer = torch.load(directory / "trainer.pt", weights_only=False)
         self.optimizer.load_state_dict(trainer["optimizer"])
         self.adapter_version = trainer["adapter_version"]
-        self.engine.load_adapter(None, self.adapter_version)
+        self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
         mine = torch.load(directory / f"rank{self.rank}.pt", weights_only=False)
         torch.set_rng_state(mine["torch"])
         random.setstate(mine["python"])
@@ -374,5 +402,6 @@ class RLWorker:
         return list(self.timeline.events)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.group = None
+        if hasattr(self.engine, "close"):
+            self.engine.close()

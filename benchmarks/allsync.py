@@ -1,6 +1,6 @@
 """All-sync (colocated) against disaggregated synchronous RL: same workers, same work.
 
-    python benchmarks/allsync.py [--workers 2] [--steps 6] [--base CHECKPOINT] [--json PATH]
+    python benchmarks/allsync.py [--workers 2] [--steps 6] [--prompts-per-worker 16] [--base CHECKPOINT] [--json PATH]
 
 Both layouts run the same config on the same number of Ray workers (one CPU core or one GPU each) for
 the same steps, with the torch engine:
@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
+if __package__ in (None, ""):  # run as a file, this folder would shadow the allsync package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from allsync.config import parse_config
-from allsync.placement import DisaggregatedGroup, WorkerGroup
-from allsync.tasks import ArithmeticSpec, make_splits
-from quant.layout import expected_tensors
+from tqdm.auto import tqdm  # noqa: E402
+
+from allsync.config import parse_config  # noqa: E402
+from allsync.placement import DisaggregatedGroup, WorkerGroup  # noqa: E402
+from allsync.tasks import make_splits  # noqa: E402
+from quant.layout import expected_tensors  # noqa: E402
 
 # DeepSeek-V3 / R1 (671B) shapes from its config.json
 DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -57,11 +60,11 @@ def sync_sizes(config: dict, targets: list[str], rank: int, bytes_per_value: int
     return {"adapter_bytes": adapter, "merged_bytes": full}
 
 
-def bench_config(base: str, workers: int, layout: str) -> dict:
+def bench_config(base: str, workers: int, layout: str, prompts_per_worker: int = 16) -> dict:
     return {
         "model": {"base": base, "quant": {"routed_experts": "nf4"}},
         "lora": {"rank": 8, "alpha": 16},
-        "rollout": {"prompts_per_step": 8 * workers, "group_size": 8, "max_new_tokens": 12},
+        "rollout": {"prompts_per_step": prompts_per_worker * workers, "group_size": 8, "max_new_tokens": 12},
         "algorithm": {"dynamic_sampling": False},
         "optim": {"lr": 1e-4},
         "parallel": {"workers_per_node": workers, "layout": layout},
@@ -69,8 +72,8 @@ def bench_config(base: str, workers: int, layout: str) -> dict:
     }
 
 
-def run_layout(base: str, workers: int, layout: str, steps: int) -> dict:
-    config = parse_config(bench_config(base, workers, layout))
+def run_layout(base: str, workers: int, layout: str, steps: int, prompts_per_worker: int) -> dict:
+    config = parse_config(bench_config(base, workers, layout, prompts_per_worker))
     problems = make_splits(config.task.spec(), config.task.train_size, config.task.heldout_size).train
     group = WorkerGroup(config, problems, use_ray=True) if layout == "colocated" else DisaggregatedGroup(config, problems)
     try:
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="Ray workers in both layouts (even)")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts-per-worker", type=int, default=16, help="x 8 samples each, per step (the default run's size)")
     parser.add_argument("--base", help="checkpoint (default: a fresh tiny DeepSeek-V3 from allsync.warm_start's spec)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             from moe_lora.tiny import make_tiny
 
             base = str(make_tiny(Path(tmp) / "tiny", DEFAULT_SPEC))
-        rows = [run_layout(base, args.workers, layout, args.steps) for layout in ("colocated", "disaggregated")]
+        rows = [run_layout(base, args.workers, layout, args.steps, args.prompts_per_worker) for layout in ("colocated", "disaggregated")]
         tiny_config = json.loads((Path(base) / "config.json").read_text())
     targets = parse_config(bench_config(base, args.workers, "colocated")).lora.targets
     sizes = {

@@ -44,6 +44,11 @@ def heldout_accuracy(group: WorkerGroup, problems, samples: int) -> float:
     return sum(r["correct"] for r in results) / max(sum(r["total"] for r in results), 1)
 
 
+def metric_name(config: RunConfig) -> str:
+    n = config.run.eval_samples
+    return "greedy" if n == 1 else f"avg@{n} at temperature {config.rollout.temperature:g}"
+
+
 def save_checkpoint(group: WorkerGroup, out_dir: Path, step: int, extra: dict) -> Path:
     """Adapter, optimizer, RNG states and data positions of every worker, written atomically."""
     path = out_dir / "checkpoints" / f"step-{step:06d}"
@@ -71,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.steps:
             config.run.steps = args.steps
+        if config.rollout.engine == "vllm":
+            from allsync.vllm_engine import unsupported_targets
+
+            if (reason := unsupported_targets(config.lora.targets)) is not None:
+                raise ConfigError(f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}")
         if config.parallel.layout != "colocated":
             raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
@@ -94,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None)
     if base_accuracy is None:
         base_accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
-        log.write(0, {"heldout_accuracy": base_accuracy})
-    print(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}%")
+        base_greedy = heldout_accuracy(group, splits.heldout, 1)
+        log.write(0, {"heldout_accuracy": base_accuracy, "heldout_greedy_accuracy": base_greedy})
+    else:
+        base_greedy = state.get("base_greedy")
+    print(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}% ({metric_name(config)})")
 
-    started, accuracy, nan_run = time.time(), base_accuracy, 0
+    started, accuracy, nan_run, step = time.time(), base_accuracy, 0, start_step
     bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step")
     for step in bar:
         metrics = aggregate(group.step(step))
@@ -108,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", heldout=f"{100 * accuracy:.1f}%", util=f"{metrics['utilization']:.2f}")
         out_of_time = config.run.time_limit_minutes and time.time() - started > 60 * config.run.time_limit_minutes
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
-            save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy})
+            save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy})
         if nan_run >= config.run.max_consecutive_nan:
             print(f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint", file=sys.stderr)
             return 3
@@ -118,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"time limit of {config.run.time_limit_minutes} min reached after step {step}")
             break
 
+    greedy = heldout_accuracy(group, splits.heldout, 1)
+    log.write(step, {"heldout_greedy_accuracy": greedy})
     from moe_lora.adapter_io import Adapter, export_merged, export_peft
 
     adapter = Adapter(group.call_rank0("adapter_tensors"), config.lora.rank, config.lora.alpha, config.lora.use_rslora)
@@ -129,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     log.close()
     group.shutdown()
     print(f"adapter: {exported}  metrics: {log.path}  plot: {plot}")
+    if base_greedy is not None:
+        print(f"held-out greedy accuracy: base {100 * base_greedy:.1f}% -> trained {100 * greedy:.1f}%")
+    print(f"held-out accuracy is {metric_name(config)} on {len(splits.heldout)} problems")
     print(f"held-out accuracy: base {100 * base_accuracy:.1f}% -> trained {100 * accuracy:.1f}%")
     return 0
 

