@@ -70,7 +70,7 @@ class OverlongSection:
 
 @dataclass
 class AlgorithmSection:
-    advantage: str = "grpo"  # grpo | drgrpo | egae
+    advantage: str = "grpo"  # grpo | drgrpo (group baselines) | gae | egae (PPO with a critic; egae = T-PPO)
     loss_agg: str = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -80,6 +80,14 @@ class AlgorithmSection:
     overlong: OverlongSection | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    gamma: float = 1.0  # gae / egae discount
+    lam: float = 0.95  # gae / egae lambda
+    value_coef: float = 0.5  # weight of the critic's value loss (gae / egae)
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO (gae) and T-PPO (egae) learn a value head; grpo / drgrpo use group baselines."""
+        return self.advantage in ("gae", "egae")
 
 
 @dataclass
@@ -90,6 +98,7 @@ class OptimSection:
     grad_clip: float = 1.0
     minibatches: int = 1  # optimizer steps per RL step (split of the batch)
     warmup_steps: int = 0
+    value_lr: float = 1e-3  # the critic's value head (gae / egae)
 
 
 @dataclass
@@ -260,6 +269,17 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"rollout.group_size = {c.rollout.group_size} with algorithm.advantage {c.algorithm.advantage}: a group needs >= 2 samples")
     if c.algorithm.advantage == "egae" and c.rollout.window is None:
         fail("algorithm.advantage egae needs rollout.window (T-PPO's truncated generation windows)")
+    if c.rollout.window is not None and c.algorithm.advantage != "egae":
+        fail(f"rollout.window = {c.rollout.window} with algorithm.advantage {c.algorithm.advantage}: responses cut at a "
+             "window have no reward yet; T-PPO trains them with a critic, so use algorithm.advantage egae")  # fmt: skip
+    if c.algorithm.uses_critic and c.algorithm.dynamic_sampling:
+        fail(f"algorithm.dynamic_sampling with algorithm.advantage {c.algorithm.advantage}: dynamic sampling filters "
+             "groups for group baselines (grpo / drgrpo); set it to false for the critic's advantages")  # fmt: skip
+    if c.algorithm.uses_critic and c.parallel.layout != "colocated":
+        fail(f"parallel.layout {c.parallel.layout} with algorithm.advantage {c.algorithm.advantage}: the critic's "
+             "in-flight responses live on colocated workers; use parallel.layout colocated")  # fmt: skip
+    if not (0 <= c.algorithm.gamma <= 1 and 0 <= c.algorithm.lam <= 1):
+        fail(f"algorithm.gamma = {c.algorithm.gamma} and algorithm.lam = {c.algorithm.lam} must be in [0, 1]")
     if c.rollout.window is not None and not 0 < c.rollout.window <= c.rollout.max_new_tokens:
         fail(f"rollout.window = {c.rollout.window}: must be in 1..rollout.max_new_tokens ({c.rollout.max_new_tokens})")
     if c.algorithm.clip_c is not None and c.algorithm.clip_c <= 1:

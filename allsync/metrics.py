@@ -31,7 +31,8 @@ def aggregate(per_worker: list[dict]) -> dict:
         "grad_norm": per_worker[0]["grad_norm"],
         "nan_steps": per_worker[0]["nan_steps"],
         "sync_bytes": total("sync_bytes"),
-        "staleness_max": max(m["staleness_max"] for m in per_worker),
+        "staleness_max": max(m["staleness_max"] for m in per_worker),  # T-PPO: context of continuing responses
+        "continuing": total("continuing"),  # T-PPO: responses cut at the window, continued next step
         "step_seconds": wall,
         "samples_per_second": total("samples_generated") / wall,
         "utilization": sum(m["busy_seconds"] for m in per_worker) / (wall * len(per_worker)),

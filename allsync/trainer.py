@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from allsync.algorithms import aggregate_loss, kl_penalty, policy_loss
+from torch import nn
+
+from allsync.algorithms import aggregate_loss, kl_penalty, policy_loss, value_loss
 
 
 @dataclass
@@ -39,11 +41,56 @@ def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], 
     return SequenceBatch(ids, attention, response)
 
 
+class ValueHead(nn.Module):
+    """PPO's critic: V(s_t) = w . h_t + b on the policy's final hidden state h_t, detached, so the value
+    loss trains this head only and never moves the policy's LoRA tensors. Starts at V = 0."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.detach().float()).squeeze(-1)
+
+
+def forward_logprobs(model, batch: SequenceBatch, temperature: float = 1.0, value_head: ValueHead | None = None):
+    """One forward pass -> (logprobs, values), both [B, L-1]:
+    logprobs[:, t] = log softmax(logits_t / T)[token_{t+1}], values[:, t] = V(tokens_{<=t}) (None without a head)."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                output_hidden_states=value_head is not None)  # fmt: skip
+    logp = torch.log_softmax(out.logits[:, :-1].float() / temperature, dim=-1)
+    logprobs = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    values = value_head(out.hidden_states[-1][:, :-1]) if value_head is not None else None
+    return logprobs, values
+
+
 def token_logprobs(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
     """[B, L-1]: log softmax(logits_t / T)[token_{t+1}] for every position."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    return forward_logprobs(model, batch, temperature)[0]
+
+
+def response_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's response tokens sit in a [B, L-1] mask (contiguous per row): index [B, T] (padded
+    with 0) and valid [B, T], T = the longest response. Moves sequence-aligned values to response-aligned
+    ones, where token 0 of every response is column 0 (the layout gae/egae expect)."""
+    lengths = mask.sum(-1).long()
+    width = int(lengths.max()) if len(lengths) else 0
+    starts = mask.float().argmax(-1)
+    offsets = torch.arange(width)[None, :]
+    valid = offsets < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + offsets, torch.zeros_like(offsets))
+    return index, valid
+
+
+def to_response_layout(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, index) * valid
+
+
+def to_sequence_layout(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype)
+    return out.scatter_add_(1, index, x * valid)
 
 
 def scatter_response_values(values: list[list[float]], batch: SequenceBatch) -> torch.Tensor:
@@ -72,10 +119,22 @@ class LossSettings:
     kl_estimator: str = "k3"
 
 
+@dataclass
+class ValueTargets:
+    """What the critic learns from in a micro-batch: EGAE returns on the tokens of finished responses."""
+
+    returns: torch.Tensor  # [B, L-1]
+    mask: torch.Tensor  # [B, L-1], 1 on response tokens of finished responses only (T-PPO)
+    global_tokens: torch.Tensor | float  # such tokens in the whole batch, over every rank
+    coef: float = 0.5
+
+
 def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settings: LossSettings,
-                   global_tokens, global_seqs, norm_length: int | None = None, ref_logprobs=None):  # fmt: skip
-    """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss)."""
-    logprobs = token_logprobs(model, batch, settings.temperature)
+                   global_tokens, global_seqs, norm_length: int | None = None, ref_logprobs=None,
+                   value_head: ValueHead | None = None, value_targets: ValueTargets | None = None):  # fmt: skip
+    """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss), plus
+    value_targets.coef * the critic's value loss when a value head is given."""
+    logprobs, values = forward_logprobs(model, batch, settings.temperature, value_head)
     loss, stats = policy_loss(
         logprobs, old_logprobs, advantages, batch.response_mask, clip_low=settings.clip_low,
         clip_high=settings.clip_high, clip_c=settings.clip_c, agg=settings.agg, global_tokens=global_tokens,
@@ -84,4 +143,9 @@ def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settin
     if settings.kl_coef and ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, settings.kl_estimator)
         loss = loss + settings.kl_coef * aggregate_loss(kl, batch.response_mask, settings.agg, global_tokens, global_seqs)
+    if value_head is not None:
+        v = value_targets
+        finished = v.mask.sum(-1) > 0
+        vloss, _ = value_loss(values, v.returns, v.mask, finished, agg="token-mean", global_tokens=max(float(v.global_tokens), 1.0))
+        loss = loss + v.coef * vloss
     return loss, stats

@@ -24,6 +24,9 @@ import torch.distributed as dist
 from allsync.algorithms import (
     DynamicSamplingExhausted,
     GroupBatch,
+    InFlight,
+    advance_window,
+    egae,
     fill_batch_with_dynamic_sampling,
     get,
     overlong_filter_mask,
@@ -32,7 +35,20 @@ from allsync.algorithms import (
 from allsync.config import RunConfig
 from allsync.rollout import Rollout, Sampling, TorchEngine
 from allsync.tasks import Problem, chat_messages
-from allsync.trainer import LossSettings, SequenceBatch, build_sequences, logprob_gap, minibatch_loss, scatter_response_values, token_logprobs
+from allsync.trainer import (
+    LossSettings,
+    SequenceBatch,
+    ValueHead,
+    ValueTargets,
+    build_sequences,
+    forward_logprobs,
+    logprob_gap,
+    minibatch_loss,
+    response_positions,
+    scatter_response_values,
+    to_response_layout,
+    to_sequence_layout,
+)
 from evals.verify import answer_reward
 from moe_lora.lora import LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict
 from quant.loader import QuantPlan, load_frozen_model
@@ -55,6 +71,30 @@ class Sample:
     reward: float
     correct: bool
     adapter_version: int
+
+
+@dataclass
+class PartialResponse:
+    """A response generated over several T-PPO windows: its tokens so far and who produced them."""
+
+    problem: Problem
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    engine_logprobs: list[float] = field(default_factory=list)
+    started_version: int = 0  # adapter version of its first window
+    window_start: int = 0  # index of the first token generated in the latest window
+
+
+@dataclass
+class TrainBatch:
+    """What the minibatch loop needs: sequences whose response_mask marks the tokens to train, and
+    per-token tensors [B, L-1] aligned with them. Critic fields are None for group baselines."""
+
+    sequences: SequenceBatch
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    value_mask: torch.Tensor | None = None  # response tokens of finished responses (the critic learns from those)
 
 
 @dataclass
@@ -113,16 +153,25 @@ class RLWorker:
         lc = config.lora
         attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        lora_params = list(self.params)
+        self.value_head = ValueHead(self.model.config.hidden_size) if config.algorithm.uses_critic else None
+        if self.value_head is not None:
+            self.params += list(self.value_head.parameters())
         for p in self.params:  # gradients exist from the start, so every rank all-reduces the same tensors
             p.grad = torch.zeros_like(p)
         self._broadcast_params()  # replicas start identical whatever their seeds
         o = config.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        groups = [{"params": lora_params, "base_lr": o.lr}]
+        if self.value_head is not None:
+            groups.append({"params": list(self.value_head.parameters()), "base_lr": o.value_lr})
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.engine = self._make_engine()
         self.adapter_version = 0
         self.problems = problems
         self.position = 0  # prompts taken so far by this worker (data position)
         self.consecutive_nan = 0
+        self.in_flight: list[PartialResponse] = []  # gae / egae: the pool of responses being generated
+        self.waiting: list[PartialResponse] = []  # samples of problems already taken that have not started
         self.timeline = Timeline()
         self.loss_settings = LossSettings(
             config.algorithm.clip_low, config.algorithm.clip_high, config.algorithm.clip_c, config.algorithm.loss_agg,
@@ -178,27 +227,34 @@ class RLWorker:
         return Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
 
     # ------------------------------------------------------------------------------ rollout + reward
-    def score(self, rollout: Rollout, problems: list[Problem], n: int) -> list[Sample]:
-        samples = []
-        for i, (prompt, response) in enumerate(zip(rollout.prompt_ids, rollout.response_ids)):
-            problem = problems[i // n]
+    def rewards(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool]]:
+        """Verifier reward (1 if the answer is right) plus DAPO's overlong shaping, per response."""
+        correct = []
+        for i, (problem, response) in enumerate(zip(problems, responses)):
             text = self.tokenizer.decode(response, skip_special_tokens=True)
             try:
-                correct = answer_reward(text, problem) > 0.5
+                correct.append(answer_reward(text, problem) > 0.5)
             except Exception as exc:  # a user-supplied reward may raise anything: name the sample
                 raise RewardError(
                     f"reward function failed on sample {i} of worker {self.rank} (prompt {problem.prompt!r}, "
                     f"response {text!r}): {type(exc).__name__}: {exc}"
                 ) from exc
-            samples.append(Sample(prompt, response, rollout.logprobs[i], rollout.finish_reasons[i], float(correct),
-                                  correct, rollout.adapter_version))  # fmt: skip
+        rewards = [float(c) for c in correct]
         overlong = self.config.algorithm.overlong
-        if overlong is not None:
-            lengths = torch.tensor([len(s.response_ids) for s in samples])
+        if overlong is not None and responses:
+            lengths = torch.tensor([len(r) for r in responses])
             penalty = overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor)
-            for s, p in zip(samples, penalty.tolist()):
-                s.reward += p
-        return samples
+            rewards = [r + p for r, p in zip(rewards, penalty.tolist())]
+        return rewards, correct
+
+    def score(self, rollout: Rollout, problems: list[Problem], n: int) -> list[Sample]:
+        rewards, correct = self.rewards([problems[i // n] for i in range(len(rollout))], rollout.response_ids)
+        return [
+            Sample(prompt, response, logprobs, reason, reward, ok, rollout.adapter_version)
+            for prompt, response, logprobs, reason, reward, ok in zip(
+                rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rollout.finish_reasons, rewards, correct
+            )
+        ]
 
     def generate_groups(self, count: int) -> GroupBatch:
         problems = self.take_problems(count)
@@ -235,8 +291,11 @@ class RLWorker:
         """One all-sync (colocated) step: generate this worker's share, train on it with every worker, sync.
         Returns sums/counts that the controller aggregates over workers."""
         wall0 = time.time()
-        samples, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
-        metrics.update(self.train_phase(samples, group_index))
+        if self.value_head is not None:
+            metrics = self.window_step()
+        else:
+            samples, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
+            metrics.update(self.train_phase(samples, group_index))
         t = time.time()
         metrics["sync_bytes"] = self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
         self.timeline.record("sync", t)
@@ -257,6 +316,7 @@ class RLWorker:
             "response_tokens": sum(len(s.response_ids) for s in generated),
             "truncated": sum(s.finish_reason == "length" for s in generated),
             "staleness_max": max((self.adapter_version - s.adapter_version for s in samples), default=0),
+            "continuing": 0,
             **ds,
         }
         return samples, group_index, metrics
@@ -287,41 +347,54 @@ class RLWorker:
         return {"wall_seconds": wall, "busy_seconds": self.timeline.busy_seconds(since)}
 
     def train(self, samples: list[Sample], group_index: torch.Tensor) -> dict:
-        """Advantages, then `optim.minibatches` updates; every worker runs the same collectives (empty batches too)."""
+        """Group baselines (GRPO / Dr.GRPO): one advantage per sample from its group's rewards."""
+        return self.update(self.group_batch(samples, group_index) if samples else None, [s.engine_logprobs for s in samples])
+
+    def group_batch(self, samples: list[Sample], group_index: torch.Tensor) -> TrainBatch:
+        c = self.config
+        advantages = get("advantage", c.algorithm.advantage)(torch.tensor([s.reward for s in samples]), group_index)
+        batch = build_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.tokenizer.pad_token_id)
+        if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
+            batch.response_mask = overlong_filter_mask([s.finish_reason for s in samples], batch.response_mask)
+        with torch.no_grad():
+            old_logprobs, _ = forward_logprobs(self.model, batch, c.rollout.temperature)
+        return TrainBatch(batch, old_logprobs, advantages[:, None].expand_as(batch.response_mask))
+
+    def update(self, tb: TrainBatch | None, engine_logprobs: list[list[float]]) -> dict:
+        """`optim.minibatches` updates on tb's masked tokens; every worker runs the same collectives (empty
+        batches too). Loss shares use all-reduced token counts, so the summed gradient is the full batch's."""
         c = self.config
         minibatches = c.optim.minibatches
         for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
-            group["lr"] = warmup_lr(c.optim.lr, self.adapter_version, c.optim.warmup_steps)
+            group["lr"] = warmup_lr(group["base_lr"], self.adapter_version, c.optim.warmup_steps)
         out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "logprob_gap": 0.0,
-               "trained_samples": len(samples), "trained_tokens": 0, "nan_steps": 0, "grad_norm": 0.0}  # fmt: skip
-        if samples:
-            rewards = torch.tensor([s.reward for s in samples])
-            advantages = get("advantage", c.algorithm.advantage)(rewards, group_index)
-            batch = build_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.tokenizer.pad_token_id)
-            if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
-                batch.response_mask = overlong_filter_mask([s.finish_reason for s in samples], batch.response_mask)
-            with torch.no_grad():
-                old_logprobs = token_logprobs(self.model, batch, c.rollout.temperature)
-            engine = scatter_response_values([s.engine_logprobs for s in samples], batch)
-            out["logprob_gap"] = logprob_gap(engine, old_logprobs, batch.response_mask)
+               "trained_samples": len(tb.sequences) if tb else 0, "trained_tokens": 0, "nan_steps": 0, "grad_norm": 0.0}  # fmt: skip
+        chunks = []
+        if tb is not None:
+            engine = scatter_response_values(engine_logprobs, tb.sequences)
+            out["logprob_gap"] = logprob_gap(engine, tb.old_logprobs, tb.sequences.response_mask)
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
                 print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
                       f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
-            chunks = torch.arange(len(samples)).chunk(minibatches) if len(samples) >= minibatches else [torch.arange(len(samples))]
-        else:
-            batch, chunks = None, []
+            rows_all = torch.arange(len(tb.sequences))
+            chunks = rows_all.chunk(minibatches) if len(rows_all) >= minibatches else [rows_all]
         for m in range(minibatches):
             rows = chunks[m] if m < len(chunks) else None
             self.optimizer.zero_grad(set_to_none=False)
-            local = torch.zeros(3)  # tokens, sequences, non-finite flag
+            local = torch.zeros(4)  # policy tokens, sequences, critic tokens, non-finite flag
             if rows is not None and len(rows):
-                mb = batch.select(rows)
+                mb = tb.sequences.select(rows)
                 local[0], local[1] = mb.response_mask.sum(), float((mb.response_mask.sum(-1) > 0).sum())
+                if tb.value_mask is not None:
+                    local[2] = tb.value_mask[rows].sum()
             totals = self._all_reduce(local.clone())
             if rows is not None and len(rows) and totals[0] > 0:
-                adv = advantages[rows][:, None].expand_as(mb.response_mask)
-                loss, stats = minibatch_loss(self.model, mb, old_logprobs[rows], adv, self.loss_settings,
-                                             totals[0], totals[1], norm_length=c.rollout.max_new_tokens)  # fmt: skip
+                targets = None
+                if tb.returns is not None:
+                    targets = ValueTargets(tb.returns[rows], tb.value_mask[rows], totals[2], c.algorithm.value_coef)
+                loss, stats = minibatch_loss(self.model, mb, tb.old_logprobs[rows], tb.advantages[rows], self.loss_settings,
+                                             totals[0], totals[1], norm_length=c.rollout.max_new_tokens,
+                                             value_head=self.value_head, value_targets=targets)  # fmt: skip
                 if torch.isfinite(loss):
                     loss.backward()
                     out["loss_sum"] += float(loss.detach())
@@ -330,8 +403,8 @@ class RLWorker:
                     out["kl_sum"] += float(stats.approx_kl) * local[0].item()
                     out["trained_tokens"] += int(local[0])
                 else:
-                    local[2] = 1
-            flags = self._all_reduce(torch.tensor([local[2].item()]))
+                    local[3] = 1
+            flags = self._all_reduce(torch.tensor([local[3].item()]))
             for p in self.params:  # sum of per-rank shares = the full-batch gradient
                 self._all_reduce(p.grad)
             if flags.item() > 0:  # some rank saw a NaN/inf loss: every rank skips this update
@@ -341,6 +414,94 @@ class RLWorker:
             self.optimizer.step()
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         return out
+
+    # ------------------------------------------------------------------------------ PPO / T-PPO windows
+    def start_responses(self, count: int) -> list[PartialResponse]:
+        """`count` new samples (group_size per problem), taken from `waiting`, topped up from the data."""
+        n = self.config.rollout.group_size
+        while len(self.waiting) < count:
+            (problem,) = self.take_problems(1)
+            prompt = self.encode_prompt(problem)
+            self.waiting += [PartialResponse(problem, prompt) for _ in range(n)]
+        started, self.waiting = self.waiting[:count], self.waiting[count:]
+        for r in started:
+            r.started_version = self.adapter_version
+        return started
+
+    def window_step(self) -> dict:
+        """PPO (gae) or T-PPO (egae): generate one window of `rollout.window` tokens (without a window: the
+        whole response) for every in-flight response with the current adapter, then update on exactly the
+        tokens of this window. Finished responses (eos or max_new_tokens) are scored and leave the pool;
+        new samples refill it to prompts_per_step / workers x group_size. Each token is trained once, by the
+        adapter that generated it (staleness 0, checked); a continuing response's earlier windows came from
+        older adapters, and that context staleness is reported as staleness_max."""
+        c = self.config
+        pool_size = c.rollout.prompts_per_step // self.world_size * c.rollout.group_size
+        window = c.rollout.window or c.rollout.max_new_tokens
+        t = time.time()
+        if not self.in_flight:
+            self.in_flight = self.start_responses(pool_size)
+        pool = self.in_flight
+        sampling = Sampling(temperature=c.rollout.temperature, top_p=c.rollout.top_p, max_new_tokens=window)
+        rollout = self.engine.generate([r.prompt_ids + r.response_ids for r in pool], 1, sampling)
+        if rollout.adapter_version != self.adapter_version:
+            raise RuntimeError(f"worker {self.rank}: window generated by adapter version {rollout.adapter_version} while training {self.adapter_version}")
+        counts, eos = [], []
+        for r, tokens, logprobs, reason in zip(pool, rollout.response_ids, rollout.logprobs, rollout.finish_reasons):
+            room = c.rollout.max_new_tokens - len(r.response_ids)  # the last window may hold fewer tokens
+            r.window_start = len(r.response_ids)
+            r.response_ids = r.response_ids + tokens[:room]
+            r.engine_logprobs = r.engine_logprobs + logprobs[:room]
+            counts.append(min(len(tokens), room))
+            eos.append(reason == "stop" and len(tokens) <= room)
+        advance = advance_window([InFlight(i, r.window_start) for i, r in enumerate(pool)], counts, eos,
+                                 list(range(len(pool), len(pool) + pool_size)), pool_size, window, c.rollout.max_new_tokens)  # fmt: skip
+        finished = dict(zip(advance.finished_ids, advance.finish_reasons))
+        done = [pool[i] for i in finished]
+        rewards, correct = self.rewards([r.problem for r in done], [r.response_ids for r in done])
+        self.timeline.record("generate", t)
+
+        t = time.time()
+        reward_of = dict(zip(finished, rewards))
+        metrics = self.update(self.window_batch(pool, finished, reward_of), [r.engine_logprobs[r.window_start :] for r in pool])
+        metrics.update({
+            "samples_generated": len(done), "reward_sum": sum(rewards), "correct_sum": sum(correct),
+            "response_tokens": sum(len(r.response_ids) for r in done),
+            "truncated": sum(reason == "length" for reason in finished.values()),
+            "staleness_max": max(self.adapter_version - r.started_version for r in pool),
+            "continuing": len(advance.continuing_ids), "groups_generated": 0, "groups_kept": 0, "sampling_rounds": 1,
+        })  # fmt: skip
+        self.adapter_version += 1
+        self.timeline.record("train", t)
+        self.in_flight = [pool[i] for i in advance.continuing_ids] + self.start_responses(len(advance.refilled_ids))
+        return metrics
+
+    def window_batch(self, pool: list[PartialResponse], finished: dict[int, str], reward_of: dict[int, float]) -> TrainBatch:
+        """Advantages by EGAE over each response so far (reward on the last token of finished ones; a cut
+        response bootstraps V(s_l) = V(s_{l-1})), computed with the current critic; the policy trains on
+        this window's tokens, the critic on every token of finished responses."""
+        c = self.config
+        seqs = build_sequences([r.prompt_ids for r in pool], [r.response_ids for r in pool], self.tokenizer.pad_token_id)
+        with torch.no_grad():
+            old_logprobs, old_values = forward_logprobs(self.model, seqs, c.rollout.temperature, self.value_head)
+        index, valid = response_positions(seqs.response_mask)
+        width = seqs.response_mask.shape[1]
+        token_rewards = torch.zeros(valid.shape)
+        for i, reward in reward_of.items():
+            token_rewards[i, len(pool[i].response_ids) - 1] = reward
+        is_finished = torch.tensor([i in finished for i in range(len(pool))])
+        advantages, returns = egae(token_rewards, to_response_layout(old_values, index, valid), valid.float(), ~is_finished,
+                                   c.algorithm.gamma, c.algorithm.lam)  # fmt: skip
+        in_window = valid & (torch.arange(valid.shape[1])[None, :] >= torch.tensor([r.window_start for r in pool])[:, None])
+        policy_mask = to_sequence_layout(in_window.float(), index, valid, width)
+        if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
+            policy_mask = overlong_filter_mask([finished.get(i, "continuing") for i in range(len(pool))], policy_mask)
+        return TrainBatch(
+            SequenceBatch(seqs.input_ids, seqs.attention_mask, policy_mask), old_logprobs,
+            advantages=to_sequence_layout(advantages, index, valid, width),
+            returns=to_sequence_layout(returns, index, valid, width),
+            value_mask=seqs.response_mask * is_finished[:, None],
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -376,10 +537,13 @@ class RLWorker:
             lc = self.config.lora
             adapter = Adapter(self.adapter_tensors(), lc.rank, lc.alpha, lc.use_rslora)
             write_peft_adapter(adapter, directory / "adapter", self.config.model.base, overwrite=True)
-            torch.save({"optimizer": self.optimizer.state_dict(), "adapter_version": self.adapter_version}, directory / "trainer.pt")
+            torch.save({"optimizer": self.optimizer.state_dict(), "adapter_version": self.adapter_version,
+                        "value_head": self.value_head.state_dict() if self.value_head is not None else None},
+                       directory / "trainer.pt")  # fmt: skip
         torch.save(
             {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-             "position": self.position, "consecutive_nan": self.consecutive_nan},
+             "position": self.position, "consecutive_nan": self.consecutive_nan,
+             "in_flight": self.in_flight, "waiting": self.waiting},
             directory / f"rank{self.rank}.pt",
         )  # fmt: skip
 
@@ -391,12 +555,15 @@ class RLWorker:
         trainer = torch.load(directory / "trainer.pt", weights_only=False)
         self.optimizer.load_state_dict(trainer["optimizer"])
         self.adapter_version = trainer["adapter_version"]
+        if self.value_head is not None:
+            self.value_head.load_state_dict(trainer["value_head"])
         self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
         mine = torch.load(directory / f"rank{self.rank}.pt", weights_only=False)
         torch.set_rng_state(mine["torch"])
         random.setstate(mine["python"])
         np.random.set_state(mine["numpy"])
         self.position, self.consecutive_nan = mine["position"], mine["consecutive_nan"]
+        self.in_flight, self.waiting = mine["in_flight"], mine["waiting"]
 
     def timeline_events(self) -> list[tuple[str, float, float]]:
         return list(self.timeline.events)

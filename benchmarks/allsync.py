@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = parse_config(bench_config(base, args.workers, "colocated")).lora.targets
     sizes = {
         "benchmarked model (rank 8)": sync_sizes(tiny_config, targets, 8),
-        "DeepSeek-V3 671B (rank 32)": sync_sizes(DEEPSEEK_V3, targets, 32),
+        "DeepSeek-V3 671B (rank 16, the 48xH100 plan)": sync_sizes(DEEPSEEK_V3, targets, 16),
     }
     ratio = rows[0]["samples_per_second"] / rows[1]["samples_per_second"]
 
@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['layout']:<14} {r['workers']:>7} {r['samples']:>8} {r['seconds']:>8.2f} {r['samples_per_second']:>10.1f}  "
               + " ".join(f"{u:.2f}" for u in r["utilization"]))  # fmt: skip
     print()
-    print(f"{'bytes per sync (bf16)':<28} {'adapter only':>14} {'merged weights':>16} {'ratio':>8}")
+    print(f"{'bytes per sync (bf16)':<44} {'adapter only':>14} {'merged weights':>16} {'ratio':>8}")
     for name, s in sizes.items():
-        print(f"{name:<28} {s['adapter_bytes']:>14,} {s['merged_bytes']:>16,} {s['merged_bytes'] / s['adapter_bytes']:>7.0f}x")
+        print(f"{name:<44} {s['adapter_bytes']:>14,} {s['merged_bytes']:>16,} {s['merged_bytes'] / s['adapter_bytes']:>7.0f}x")
     print(f"(measured: disaggregated moved {rows[1]['sync_bytes_per_step']:,.0f} adapter bytes (fp32) per step to its generators; "
           "colocated workers share the model with their engine and move none)")  # fmt: skip
     if args.json:

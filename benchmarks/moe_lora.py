@@ -65,6 +65,7 @@ class Row:
     peak_mib: float | None = None
     time_vs_base: float | None = None
     mem_vs_base: float | None = None
+    tokens_per_s: float | None = None  # tokens through forward + backward per second
     note: str = ""
 
 
@@ -273,6 +274,7 @@ def bench_one(spec: BenchSpec, num_experts: int, fmt: str) -> list[Row]:
             rows.append(Row(num_experts, fmt, "peft", note=f"failed: {str(err).splitlines()[0][:60]}"))
     for r in rows:
         if r.time_ms is not None:
+            r.tokens_per_s = spec.tokens / (r.time_ms / 1e3)
             r.time_vs_base, r.mem_vs_base = r.time_ms / rows[0].time_ms, r.peak_mib / rows[0].peak_mib
     return rows
 
@@ -298,11 +300,11 @@ def format_table(spec: BenchSpec, rows: list[Row]) -> str:
         f"time = best of {spec.repeats} ({'process CPU time' if cpu_clock(spec) else 'wall clock'})",
         "base = FrozenExperts (grad to input); ours = LoRAExperts (grad to input + A/B); "
         "peft = PEFT target_parameters on DeepseekV3Experts (bf16 only: PEFT needs plain tensors)",
-        f"{'experts':>7}  {'format':<6}  {'variant':<7}{'time ms':>10}{'peak MiB':>11}{'time/base':>11}{'mem/base':>10}  note",
+        f"{'experts':>7}  {'format':<6}  {'variant':<7}{'time ms':>10}{'tokens/s':>10}{'peak MiB':>11}{'time/base':>11}{'mem/base':>10}  note",
     ]
     for r in rows:
         lines.append(
-            f"{r.experts:>7}  {r.format:<6}  {r.variant:<7}{fmt_num(r.time_ms, '.1f'):>10}{fmt_num(r.peak_mib, '.1f'):>11}"
+            f"{r.experts:>7}  {r.format:<6}  {r.variant:<7}{fmt_num(r.time_ms, '.1f'):>10}{fmt_num(r.tokens_per_s, '.0f'):>10}{fmt_num(r.peak_mib, '.1f'):>11}"
             f"{fmt_num(r.time_vs_base, '.2f'):>11}{fmt_num(r.mem_vs_base, '.2f'):>10}  {r.note}".rstrip()
         )
     t, m = worst_ours(rows)

@@ -27,22 +27,30 @@ def ours_with_random_adapter(checkpoint, config: LoRAConfig, seed=0):
 
 
 def assert_vllm_matches_ours(model, checkpoint, results, logprob_tol):
+    """vLLM's prompt logprobs equal ours within logprob_tol, and vLLM's greedy continuation is greedy for
+    our model too: teacher-forced through our model, each token vLLM chose is our argmax, or within
+    2 * logprob_tol of it (a near-tie that the engines' rounding may break either way)."""
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     for prompt, r in zip(PROMPTS, results):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
+        full = torch.cat([ids[0], torch.tensor(r["greedy"])])
+        assert len(r["greedy"]) == MAX_TOKENS, prompt
         with torch.no_grad():
-            greedy = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
-            logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
-        ours = [logprobs[i, ids[0, i + 1]].item() for i in range(ids.shape[1] - 1)]
+            logprobs = torch.log_softmax(model(full[None]).logits[0].float(), -1)
+        ours = [logprobs[i, full[i + 1]].item() for i in range(ids.shape[1] - 1)]
         assert max(abs(a - b) for a, b in zip(ours, r["prompt_logprobs"][1:])) < logprob_tol, prompt
-        assert greedy.tolist() == r["greedy"], prompt
+        positions = torch.arange(ids.shape[1] - 1, full.shape[0] - 1)
+        chosen = logprobs[positions, full[positions + 1]]
+        shortfall = logprobs[positions].max(-1).values - chosen  # 0 where vLLM's token is our argmax
+        assert shortfall.max().item() <= 2 * logprob_tol, (prompt, shortfall.tolist())
 
 
 def test_merged_export_served_by_vllm_matches_our_lora_model(tiny_bf16, tmp_path):
     model, adapter = ours_with_random_adapter(tiny_bf16, LoRAConfig(rank=8, alpha=16))  # every target, kv_b_proj too
     merged = export_merged(adapter, tiny_bf16, tmp_path / "merged", dtype="bf16")
     # merged weights are W + sBA rounded to bf16, ours keep it in fp32: logprobs differ by that rounding
-    # (measured 0.08 nats at most on these prompts); greedy tokens must still be identical
+    # (measured 0.08 nats at most on these prompts), enough to flip a near-tie in greedy decoding
+    # (seen once in CI: token 12 of one prompt), so greedy is checked teacher-forced, not token for token
     assert_vllm_matches_ours(model, tiny_bf16, run_vllm(merged, tmp_path), logprob_tol=0.15)
 
 

@@ -1,0 +1,111 @@
+"""T-PPO in the loop: generation windows over a pool of in-flight responses, EGAE advantages from a value
+head, each token trained once by the adapter that generated it, staleness of continuing responses reported."""
+
+import pytest
+import torch
+
+from allsync.algorithms import egae
+from allsync.config import ConfigError, parse_config
+from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.trainer import build_sequences, forward_logprobs, response_positions, to_response_layout, to_sequence_layout
+from allsync.worker import PartialResponse, RLWorker
+
+WINDOW, MAX_NEW = 4, 12  # "Answer: N<eos>" takes 6-7 tokens: every response spans two windows
+
+
+def tppo_config(base, lr=1e-3, **algorithm):
+    return parse_config({
+        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+        "lora": {"rank": 8, "alpha": 16},
+        "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": MAX_NEW, "window": WINDOW},
+        "algorithm": {"advantage": "egae", "dynamic_sampling": False, **algorithm},
+        "optim": {"lr": lr, "value_lr": 1e-2},
+        "parallel": {"workers_per_node": 1},
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return make_splits(ArithmeticSpec(1, 1), 100, 20).train
+
+
+def test_layouts_move_response_tokens_to_column_zero_and_back():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.float)
+    x = torch.arange(18, dtype=torch.float).view(3, 6)
+    index, valid = response_positions(mask)
+    aligned = to_response_layout(x, index, valid)
+    assert aligned.tolist() == [[2, 3, 4], [7, 8, 0], [17, 0, 0]]
+    assert torch.equal(to_sequence_layout(aligned, index, valid, 6), x * mask)
+
+
+def test_window_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_tiny, problems):
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    torch.nn.init.normal_(worker.value_head.linear.weight, std=0.3)  # a critic with nonzero values
+    prompt = worker.encode_prompt(problems[0])
+    finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
+    cut = PartialResponse(problems[0], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0)
+    tb = worker.window_batch([finished, cut], {0: "stop"}, {0: 1.0})
+
+    full = build_sequences([prompt, prompt], [finished.response_ids, cut.response_ids], worker.tokenizer.pad_token_id)
+    index, valid = response_positions(full.response_mask)
+    policy = to_response_layout(tb.sequences.response_mask, index, valid)
+    assert policy.tolist() == [[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]]  # this window's tokens only
+    assert tb.value_mask[0].sum() == 6 and tb.value_mask[1].sum() == 0  # the critic learns from finished ones only
+    with torch.no_grad():
+        _, values = forward_logprobs(worker.model, full, 1.0, worker.value_head)
+    v = to_response_layout(values, index, valid)
+    adv = to_response_layout(tb.advantages, index, valid)
+    # finished, gamma 1: the last token's advantage is reward - V(s_5); cut: r + V(s_3) - V(s_3) = 0 (bootstrap)
+    assert adv[0, 5].item() == pytest.approx(1.0 - v[0, 5].item(), abs=1e-5)
+    assert adv[1, 3].item() == pytest.approx(0.0, abs=1e-6)
+    expected, _ = egae(torch.tensor([[0, 0, 0, 0, 0, 1.0], [0] * 6]), v, valid.float(), torch.tensor([False, True]), 1.0, 0.95)
+    assert torch.allclose(adv, expected, atol=1e-5) and adv[1, 0].abs() > 1e-4
+
+
+def test_windows_continue_responses_train_each_token_once_and_report_staleness(warm_tiny, problems):
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    pool_size = 3 * 2
+    history = []
+    for step in range(1, 5):
+        m = worker.step(step)
+        history.append(m)
+        assert len(worker.in_flight) == pool_size  # refilled to a constant pool
+        assert m["trained_tokens"] <= pool_size * WINDOW
+        assert m["logprob_gap"] < 1e-3  # continuation tokens and logprobs line up with the trainer's
+    first, second = history[0], history[1]
+    assert first["continuing"] == pool_size and first["samples_generated"] == 0  # nothing ends inside 4 tokens
+    assert first["staleness_max"] == 0 and second["staleness_max"] == 1  # continued from the previous adapter
+    assert first["trained_tokens"] == pool_size * WINDOW
+    finished = sum(m["samples_generated"] for m in history)
+    assert finished >= pool_size and sum(m["response_tokens"] for m in history) >= finished * 5
+    assert worker.adapter_version == 4
+
+
+def test_window_state_survives_a_checkpoint(warm_tiny, problems, tmp_path):
+    a = RLWorker(tppo_config(warm_tiny, lr=1e-2), problems)
+    for step in (1, 2, 3):
+        a.step(step)
+    a.save_state(str(tmp_path))
+    in_flight = [r.response_ids for r in a.in_flight]
+    expected = a.step(4)
+    b = RLWorker(tppo_config(warm_tiny, lr=1e-2), problems)
+    b.load_state(str(tmp_path))
+    assert [r.response_ids for r in b.in_flight] == in_flight and len(in_flight) == 6
+    got = b.step(4)
+    for key in ("reward_sum", "samples_generated", "continuing", "trained_tokens", "loss_sum", "staleness_max"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"rollout": {"window": 4}, "algorithm": {"dynamic_sampling": False}}, r"rollout\.window = 4 with algorithm\.advantage grpo"),
+        ({"rollout": {"window": 4}, "algorithm": {"advantage": "egae"}}, r"algorithm\.dynamic_sampling with algorithm\.advantage egae"),
+        ({"algorithm": {"advantage": "gae", "dynamic_sampling": False, "lam": 1.5}}, r"algorithm\.lam = 1\.5"),
+        ({"algorithm": {"advantage": "gae", "dynamic_sampling": False}, "parallel": {"layout": "disaggregated"}},
+         r"parallel\.layout disaggregated with algorithm\.advantage gae"),
+    ],
+)
+def test_critic_configs_name_the_key(data, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data, "x.yaml")
