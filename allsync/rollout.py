@@ -78,6 +78,9 @@ class TorchEngine:
         self.adapter_version = version
         return 0
 
+    def release_memory(self) -> None:
+        """Nothing to hand to the trainer between phases: the engine is the trainer's model (no KV cache kept)."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
         expanded = [p for p in prompts for _ in range(n)]

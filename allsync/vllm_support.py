@@ -5,6 +5,10 @@ is rotated correctly), and vLLM's MLA passes exactly such a query slice: every p
 gets wrong attention. Disabling that custom op makes vLLM use its own PyTorch RoPE, which matches
 transformers exactly (measured: max |logprob difference| 0.0 on a 1-layer tiny DeepSeek-V3 in fp32,
 against 4.0 with the kernel). GPUs use a different kernel and keep it.
+
+On CPUs with AMX tiles (recent Intel Xeons) vLLM picks its AMX MLA kernel, which refuses float32 weights
+("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8") and is not the kernel the agreement
+above was measured on; the CPU_MLA reference kernel runs on every x86 CPU, so it is chosen explicitly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def vllm_engine_kwargs(model: str, dtype: str = "bfloat16", max_model_len: int =
             gpu_memory_utilization=0.3,
             enforce_eager=True,
             compilation_config={"custom_ops": ["-rotary_embedding"]},
+            attention_config={"backend": "CPU_MLA"},
         )
     kwargs.update(overrides)
     return kwargs

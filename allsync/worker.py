@@ -306,6 +306,7 @@ class RLWorker:
         """Generate with the current adapter, score, and (DAPO) keep mixed groups; timed as "generate"."""
         t = time.time()
         samples, ds = self.collect(groups_wanted)
+        self.engine.release_memory()  # vLLM on GPUs: its KV cache's memory goes to the trainer
         self.timeline.record("generate", t)
         generated = ds.pop("generated")
         group_index = ds.pop("group_index")
@@ -459,6 +460,7 @@ class RLWorker:
         finished = dict(zip(advance.finished_ids, advance.finish_reasons))
         done = [pool[i] for i in finished]
         rewards, correct = self.rewards([r.problem for r in done], [r.response_ids for r in done])
+        self.engine.release_memory()
         self.timeline.record("generate", t)
 
         t = time.time()

@@ -12,6 +12,12 @@ Dynamic sampling is off so every step holds exactly prompts x group_size samples
 Reported: samples/s (after one warm-up step), per-worker utilization = busy / wall, and bytes per sync:
 the adapter tensors actually moved, against the full merged weights a weight-sync engine would need,
 for the benchmarked model and for DeepSeek-V3 671B (computed from its shapes, bf16).
+Also measured: this machine's ceiling for that ratio. Disaggregated keeps workers/2 processes busy at a
+time, colocated keeps all of them busy; if k concurrent single-threaded processes each run at speed s_k
+(the same fixed torch work, timed alone and side by side), the ratio cannot exceed
+    ceiling = (workers * s_workers) / (workers/2 * s_{workers/2}),
+which is 2 where cores do not slow each other down (one GPU per worker) and less where they share caches,
+memory bandwidth or a host's physical core.
 Last line: `all-sync/disaggregated throughput: R.RRx` (goal >= 1.8x).
 """
 
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file, this folder would shadow the allsync package
@@ -99,6 +107,42 @@ def run_layout(base: str, workers: int, layout: str, steps: int, prompts_per_wor
     }
 
 
+def _fixed_work(iterations: int, start, done) -> None:
+    """Single-threaded forward + backward of a small MLP, the tiny model's scale (hidden 128, 256 tokens)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.SiLU(), torch.nn.Linear(512, 128))
+    x = torch.randn(256, 128)
+    start.wait()
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        net(x).square().mean().backward()
+    done.put(time.perf_counter() - t0)
+
+
+def per_process_speed(concurrent: int, iterations: int = 2000) -> float:
+    """Iterations per second of one process while `concurrent` run the same work side by side (mean)."""
+    ctx = multiprocessing.get_context("spawn")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_fixed_work, args=(iterations, start, done)) for _ in range(concurrent)]
+    for proc in procs:
+        proc.start()
+    time.sleep(2.0)  # let every process import torch before the clock starts
+    start.set()
+    seconds = [done.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return iterations / (sum(seconds) / len(seconds))
+
+
+def concurrency_ceiling(workers: int) -> dict[str, float]:
+    """The best all-sync/disaggregated ratio this machine allows (see the module docstring)."""
+    half, full = per_process_speed(workers // 2), per_process_speed(workers)
+    return {"speed_half": half, "speed_all": full, "ceiling": (workers * full) / (workers // 2 * half)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="Ray workers in both layouts (even)")
@@ -123,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "DeepSeek-V3 671B (rank 16, the 48xH100 plan)": sync_sizes(DEEPSEEK_V3, targets, 16),
     }
     ratio = rows[0]["samples_per_second"] / rows[1]["samples_per_second"]
+    ceiling = concurrency_ceiling(args.workers)
 
     print(f"{'layout':<14} {'workers':>7} {'samples':>8} {'seconds':>8} {'samples/s':>10}  utilization per worker")
     for r in rows:
@@ -134,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<44} {s['adapter_bytes']:>14,} {s['merged_bytes']:>16,} {s['merged_bytes'] / s['adapter_bytes']:>7.0f}x")
     print(f"(measured: disaggregated moved {rows[1]['sync_bytes_per_step']:,.0f} adapter bytes (fp32) per step to its generators; "
           "colocated workers share the model with their engine and move none)")  # fmt: skip
+    print(f"this machine's ceiling: one process alone {ceiling['speed_half']:.0f} it/s with {args.workers // 2} busy, "
+          f"{ceiling['speed_all']:.0f} it/s each with {args.workers} busy -> at most {ceiling['ceiling']:.2f}x; "
+          f"measured {ratio:.2f}x = {ratio / ceiling['ceiling']:.0%} of it")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "sync_sizes": sizes, "ratio": ratio}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "sync_sizes": sizes, "ratio": ratio, "ceiling": ceiling}, indent=2))
     print(f"all-sync/disaggregated throughput: {ratio:.2f}x")
     return 0
 
