@@ -11,14 +11,17 @@ from quant.checkpoint_io import atomic_write_text
 def aggregate(per_worker: list[dict]) -> dict:
     """Worker sums -> run metrics (means over samples/tokens; utilization = busy / wall per worker)."""
     total = lambda key: sum(m[key] for m in per_worker)  # noqa: E731
-    samples = max(total("samples_generated"), 1)
+    samples = total("samples_generated")
     tokens = max(total("trained_tokens"), 1)
     wall = max(m["wall_seconds"] for m in per_worker)
-    return {
+    per_sample = {  # means over the samples finished this step; absent when none finished (T-PPO windows)
         "reward": total("reward_sum") / samples,
         "accuracy": total("correct_sum") / samples,
         "response_length": total("response_tokens") / samples,
         "truncated_fraction": total("truncated") / samples,
+    } if samples else {}  # fmt: skip
+    return {
+        **per_sample,
         "groups_kept": total("groups_kept"),
         "groups_generated": total("groups_generated"),
         "sampling_rounds": max(m["sampling_rounds"] for m in per_worker),

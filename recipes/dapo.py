@@ -29,14 +29,19 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
 
 
 def ensure_base(config: RunConfig) -> None:
-    """The frozen base: an existing checkpoint, or the tiny model after its supervised warm start (cached)."""
-    if (Path(config.model.base) / "config.json").exists():
-        return
+    """The frozen base: an existing checkpoint, or the tiny model after its supervised warm start (built
+    once, then reused while its stored settings equal this allsync's)."""
     if not config.model.warm_start:
-        raise ConfigError(f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)")
+        if not (Path(config.model.base) / "config.json").exists():
+            raise ConfigError(f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)")
+        return
     from allsync.warm_start import warm_start
 
-    warm_start(config.model.base)
+    try:
+        warm_start(config.model.base)
+    except FileExistsError as exc:
+        raise ConfigError(f"model.base = {config.model.base!r} with model.warm_start: {exc} (e.g. a cache from an older "
+                          "allsync: delete it to rebuild)") from exc  # fmt: skip
 
 
 def heldout_accuracy(group: WorkerGroup, problems, samples: int) -> float:
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if step % config.run.eval_every == 0 or step == config.run.steps:
             accuracy = metrics["heldout_accuracy"] = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
         log.write(step, metrics)
-        bar.set_postfix(reward=f"{metrics['reward']:.2f}", heldout=f"{100 * accuracy:.1f}%", util=f"{metrics['utilization']:.2f}")
+        bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.2f}", heldout=f"{100 * accuracy:.1f}%", util=f"{metrics['utilization']:.2f}")
         out_of_time = config.run.time_limit_minutes and time.time() - started > 60 * config.run.time_limit_minutes
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
             save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy})

@@ -69,3 +69,19 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_metrics(warm_tiny, tmp_pa
         assert got[step] == expected[step], f"step {step} differs after resume"
     trained = [expected[s]["trained_samples"] for s in range(4, 10)]
     assert sum(trained) > 0  # the steps compared did update the adapter
+
+
+def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path):
+    """A warm-start cache whose stored settings differ (e.g. an older allsync's step count) is never reused
+    silently: the run stops before any work, naming the key."""
+    stale = tmp_path / "tiny-base"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    (stale / "warm_start.json").write_text(json.dumps({"settings": {"steps": 1000}}))
+    config = {"model": {"base": str(stale), "warm_start": True}, "run": {"out_dir": str(tmp_path / "run")}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert f"model.base = '{stale}' with model.warm_start" in done.stderr and "delete it to rebuild" in done.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,6 +1,6 @@
 """The README's main job from nothing (warm start included): held-out accuracy rises at least 25 points
-within the run's 14.5 minutes of RL, and the whole run takes under 20 minutes. About 17 minutes on the
-2-core machine, so it is marked slow: `python -m pytest -m slow`."""
+within the run's 14.5 minutes of RL, and the whole run takes under 20 minutes. 16.4 minutes on the
+2-core machine (BENCHMARKS.md), so it is marked slow: `python -m pytest -m slow`."""
 
 import re
 import subprocess

@@ -6,6 +6,7 @@ import torch
 
 from allsync.algorithms import egae
 from allsync.config import ConfigError, parse_config
+from allsync.metrics import aggregate
 from allsync.tasks import ArithmeticSpec, make_splits
 from allsync.trainer import build_sequences, forward_logprobs, response_positions, to_response_layout, to_sequence_layout
 from allsync.worker import PartialResponse, RLWorker
@@ -76,6 +77,9 @@ def test_windows_continue_responses_train_each_token_once_and_report_staleness(w
     assert first["continuing"] == pool_size and first["samples_generated"] == 0  # nothing ends inside 4 tokens
     assert first["staleness_max"] == 0 and second["staleness_max"] == 1  # continued from the previous adapter
     assert first["trained_tokens"] == pool_size * WINDOW
+    assert "reward" not in aggregate([first])  # no response finished: no mean reward, rather than a false 0
+    done = next(m for m in history if m["samples_generated"])
+    assert aggregate([done])["reward"] == pytest.approx(done["reward_sum"] / done["samples_generated"])
     finished = sum(m["samples_generated"] for m in history)
     assert finished >= pool_size and sum(m["response_tokens"] for m in history) >= finished * 5
     assert worker.adapter_version == 4
