@@ -1,7 +1,7 @@
 """Trainer-side pieces of one RL step: sequences from a rollout, token logprobs, the policy update.
 
 Sequences are prompt + response, right-padded. Position t of `response_mask` marks that token t+1 is a
-response token, so `token_logprobs(...)[:, t]` = log p(token_{t+1} | tokens_{<=t}) lines up with it.
+response token, so `forward_logprobs(...)[0][:, t]` = log p(token_{t+1} | tokens_{<=t}) lines up with it.
 """
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ def forward_logprobs(model, batch: SequenceBatch, temperature: float = 1.0, valu
     logprobs = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     values = value_head(out.hidden_states[-1][:, :-1]) if value_head is not None else None
     return logprobs, values
-
-
-def token_logprobs(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, L-1]: log softmax(logits_t / T)[token_{t+1}] for every position."""
-    return forward_logprobs(model, batch, temperature)[0]
 
 
 def response_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,8 @@ from allsync.algorithms import (
     get,
     overlong_filter_mask,
     overlong_penalty,
+    whiten_advantages,
+    whitening_sums,
 )
 from allsync.config import RunConfig
 from allsync.rollout import Rollout, Sampling, TorchEngine
@@ -455,8 +457,9 @@ class RLWorker:
             r.engine_logprobs = r.engine_logprobs + logprobs[:room]
             counts.append(min(len(tokens), room))
             eos.append(reason == "stop" and len(tokens) <= room)
-        advance = advance_window([InFlight(i, r.window_start) for i, r in enumerate(pool)], counts, eos,
-                                 list(range(len(pool), len(pool) + pool_size)), pool_size, window, c.rollout.max_new_tokens)  # fmt: skip
+        new_ids = list(range(len(pool), len(pool) + pool_size))  # enough new samples to refill any pool
+        advance = advance_window([InFlight(i, r.window_start) for i, r in enumerate(pool)], counts, eos, new_ids,
+                                 pool_size, window, c.rollout.max_new_tokens)  # fmt: skip
         finished = dict(zip(advance.finished_ids, advance.finish_reasons))
         done = [pool[i] for i in finished]
         rewards, correct = self.rewards([r.problem for r in done], [r.response_ids for r in done])
@@ -480,8 +483,9 @@ class RLWorker:
 
     def window_batch(self, pool: list[PartialResponse], finished: dict[int, str], reward_of: dict[int, float]) -> TrainBatch:
         """Advantages by EGAE over each response so far (reward on the last token of finished ones; a cut
-        response bootstraps V(s_l) = V(s_{l-1})), computed with the current critic; the policy trains on
-        this window's tokens, the critic on every token of finished responses."""
+        response bootstraps V(s_l) = V(s_{l-1})), computed with the current critic and whitened over this
+        window's tokens of every worker; the policy trains on this window's tokens, the critic on every
+        token of finished responses."""
         c = self.config
         seqs = build_sequences([r.prompt_ids for r in pool], [r.response_ids for r in pool], self.tokenizer.pad_token_id)
         with torch.no_grad():
@@ -498,9 +502,11 @@ class RLWorker:
         policy_mask = to_sequence_layout(in_window.float(), index, valid, width)
         if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
             policy_mask = overlong_filter_mask([finished.get(i, "continuing") for i in range(len(pool))], policy_mask)
+        advantages = to_sequence_layout(advantages, index, valid, width)
+        sums = self._all_reduce(whitening_sums(advantages, policy_mask))  # the whole batch's statistics
         return TrainBatch(
             SequenceBatch(seqs.input_ids, seqs.attention_mask, policy_mask), old_logprobs,
-            advantages=to_sequence_layout(advantages, index, valid, width),
+            advantages=whiten_advantages(advantages, policy_mask, sums).float(),
             returns=to_sequence_layout(returns, index, valid, width),
             value_mask=seqs.response_mask * is_finished[:, None],
         )  # fmt: skip

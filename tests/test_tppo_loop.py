@@ -4,7 +4,7 @@ head, each token trained once by the adapter that generated it, staleness of con
 import pytest
 import torch
 
-from allsync.algorithms import egae
+from allsync.algorithms import egae, whiten_advantages, whitening_sums
 from allsync.config import ConfigError, parse_config
 from allsync.metrics import aggregate
 from allsync.tasks import ArithmeticSpec, make_splits
@@ -56,11 +56,19 @@ def test_window_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
         _, values = forward_logprobs(worker.model, full, 1.0, worker.value_head)
     v = to_response_layout(values, index, valid)
     adv = to_response_layout(tb.advantages, index, valid)
+    raw, _ = egae(torch.tensor([[0, 0, 0, 0, 0, 1.0], [0] * 6]), v, valid.float(), torch.tensor([False, True]), 1.0, 0.95)
     # finished, gamma 1: the last token's advantage is reward - V(s_5); cut: r + V(s_3) - V(s_3) = 0 (bootstrap)
-    assert adv[0, 5].item() == pytest.approx(1.0 - v[0, 5].item(), abs=1e-5)
-    assert adv[1, 3].item() == pytest.approx(0.0, abs=1e-6)
-    expected, _ = egae(torch.tensor([[0, 0, 0, 0, 0, 1.0], [0] * 6]), v, valid.float(), torch.tensor([False, True]), 1.0, 0.95)
-    assert torch.allclose(adv, expected, atol=1e-5) and adv[1, 0].abs() > 1e-4
+    assert raw[0, 5].item() == pytest.approx(1.0 - v[0, 5].item(), abs=1e-5) and raw[1, 3].item() == pytest.approx(0.0, abs=1e-6)
+    expected = whiten_advantages(raw, policy, whitening_sums(raw, policy)).float()  # over this window's tokens
+    assert torch.allclose(adv, expected, atol=1e-5) and (adv * policy).sum().abs() < 1e-4
+
+
+def test_whitening_is_hand_computed_and_shards_add_up():
+    a = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # mean 2, variance 2/3
+    assert whiten_advantages(a, m).tolist()[0] == pytest.approx([-1.224745, 0.0, 1.224745, 0.0], abs=1e-5)
+    halves = whitening_sums(a[:, :2], m[:, :2]) + whitening_sums(a[:, 2:], m[:, 2:])  # what the all-reduce adds
+    assert torch.equal(halves, whitening_sums(a, m))
 
 
 def test_windows_continue_responses_train_each_token_once_and_report_staleness(warm_tiny, problems):

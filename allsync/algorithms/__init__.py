@@ -3,7 +3,7 @@
 No distributed calls, no I/O. Each function documents its formula.
 """
 
-from .advantages import ADVANTAGE_ESTIMATORS, drgrpo_advantages, egae, gae, grpo_advantages
+from .advantages import ADVANTAGE_ESTIMATORS, drgrpo_advantages, egae, gae, grpo_advantages, whiten_advantages, whitening_sums
 from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizers
 from .dynamic_sampling import (
     DynamicSamplingExhausted,
@@ -22,6 +22,8 @@ from .tppo_windows import InFlight, WindowAdvance, advance_window
 from .value_loss import ValueLossStats, value_loss
 
 __all__ = [
+    "whiten_advantages",
+    "whitening_sums",
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",

@@ -171,6 +171,29 @@ def gae(
     return egae(rewards, values, mask, truncated, gamma, lam)
 
 
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """PPO's batch normalization of advantages over the masked tokens::
+
+        mu = sum(m A) / sum(m),  var = sum(m A^2) / sum(m) - mu^2,  A' = m (A - mu) / sqrt(var + eps)
+
+    It removes a critic's bias (a critic that over-estimates every state makes every advantage negative
+    and pushes the sampled tokens down). ``sums`` = [sum(m A), sum(m A^2), sum(m)] over the whole batch
+    (e.g. all-reduced over workers, so every worker whitens with the same statistics); default: this
+    tensor's own (see :func:`whitening_sums`).
+    """
+    sums = whitening_sums(advantages, mask) if sums is None else sums
+    count = sums[2].clamp_min(1)
+    mean = sums[0] / count
+    var = (sums[1] / count - mean**2).clamp_min(0)
+    return (advantages - mean) / torch.sqrt(var + eps) * mask
+
+
+def whitening_sums(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum(m A), sum(m A^2), sum(m)] in float64, the statistics :func:`whiten_advantages` needs."""
+    a, m = advantages.double(), mask.double()
+    return torch.stack([(m * a).sum(), (m * a * a).sum(), m.sum()])
+
+
 ADVANTAGE_ESTIMATORS = {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
