@@ -121,7 +121,7 @@ class ValueTargets:
     returns: torch.Tensor  # [B, L-1]
     mask: torch.Tensor  # [B, L-1], 1 on response tokens of finished responses only (T-PPO)
     global_tokens: torch.Tensor | float  # such tokens in the whole batch, over every rank
-    coef: float = 0.5
+    coef: float  # algorithm.value_coef
 
 
 def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settings: LossSettings,
