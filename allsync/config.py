@@ -7,6 +7,7 @@ the file and the dotted key (with a suggestion for a misspelt key); nothing fall
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import types
 import typing
@@ -77,8 +78,10 @@ class AlgorithmSection:
     clip_c: float | None = None
     dynamic_sampling: bool = True
     max_sampling_rounds: int = 4
+    filter_metric: str = "acc"  # dynamic sampling keeps groups whose acc (correctness, DAPO/verl) | reward (shaped) varies
+    on_sampling_cap: str = "partial"  # max_sampling_rounds reached: partial (train on the groups kept) | error
     overlong: OverlongSection | None = None
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # beta of the KL penalty to the reference policy (the frozen base, adapters off)
     kl_estimator: str = "k3"
     gamma: float = 1.0  # gae / egae discount
     lam: float = 0.95  # gae / egae lambda
@@ -135,11 +138,13 @@ class TaskSection:
 @dataclass
 class RunSection:
     out_dir: str = "runs/dapo-tiny"
-    steps: int = 100
-    time_limit_minutes: float | None = None
+    steps: int = 100  # the run ends here; results reproduce for a seed whatever the machine's speed
+    time_limit_minutes: float | None = None  # a guard only: stops early (and says so) on a slow machine
     eval_every: int = 10
     eval_samples: int = 1
+    eval_top_p: float = 1.0  # nucleus sampling for sampled evaluation (eval_samples > 1); training samples at top_p 1
     checkpoint_every: int = 10
+    keep_checkpoints: int | None = None  # keep only the newest N checkpoints (None: keep all)
     seed: int = 0
     max_consecutive_nan: int = 3
     export: str = "peft"  # the trained adapter at the end: peft (vLLM serves it) | merged (full bf16 checkpoint)
@@ -245,6 +250,37 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"lora.targets: unknown target {unknown[0]!r} (valid: {', '.join(TARGETS)})")
     if c.lora.rank < 1:
         fail(f"lora.rank = {c.lora.rank}: must be >= 1")
+    if c.lora.dropout != 0:
+        fail(f"lora.dropout = {c.lora.dropout}: RL trains on-policy, so the trainer's forward must be the policy that "
+             "sampled (ratio 1 before the first update); dropout would make every ratio noise. Use 0")  # fmt: skip
+    r = c.rollout
+    if not (r.temperature > 0 and math.isfinite(r.temperature)):
+        fail(f"rollout.temperature = {r.temperature}: must be > 0 (greedy decoding has no policy to train)")
+    if r.top_p != 1.0:
+        fail(f"rollout.top_p = {r.top_p}: training samples from the full softmax at the rollout temperature (top_p 1), "
+             "because the trainer's logprobs are those of the full softmax and a nucleus sample is drawn from another "
+             "policy; use run.eval_top_p for sampled evaluation")  # fmt: skip
+    if not 0 < c.run.eval_top_p <= 1:
+        fail(f"run.eval_top_p = {c.run.eval_top_p}: must be in (0, 1]")
+    for key in ("prompts_per_step", "group_size", "max_new_tokens"):
+        if getattr(r, key) < 1:
+            fail(f"rollout.{key} = {getattr(r, key)}: must be >= 1")
+    if c.algorithm.max_sampling_rounds < 1:
+        fail(f"algorithm.max_sampling_rounds = {c.algorithm.max_sampling_rounds}: must be >= 1")
+    if c.algorithm.filter_metric not in ("acc", "reward"):
+        fail(f"algorithm.filter_metric = {c.algorithm.filter_metric!r}: use acc (correctness, as DAPO) or reward (shaped reward)")
+    if c.algorithm.on_sampling_cap not in ("partial", "error"):
+        fail(f"algorithm.on_sampling_cap = {c.algorithm.on_sampling_cap!r}: use partial (train on the groups kept) or error")
+    if c.algorithm.kl_coef < 0:
+        fail(f"algorithm.kl_coef = {c.algorithm.kl_coef}: must be >= 0")
+    if c.run.eval_samples < 1:
+        fail(f"run.eval_samples = {c.run.eval_samples}: must be >= 1 (1 = greedy, k = avg@k at the rollout temperature)")
+    if c.run.keep_checkpoints is not None and c.run.keep_checkpoints < 1:
+        fail(f"run.keep_checkpoints = {c.run.keep_checkpoints}: must be >= 1 (or null to keep all)")
+    if c.run.time_limit_minutes is not None and c.run.time_limit_minutes <= 0:
+        fail(f"run.time_limit_minutes = {c.run.time_limit_minutes}: must be > 0 (or null for none)")
+    if c.optim.lr < 0 or c.optim.weight_decay < 0 or c.optim.grad_clip <= 0:
+        fail("optim.lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
     if c.rollout.engine not in ("torch", "vllm"):
         fail(f"rollout.engine = {c.rollout.engine!r}: use torch or vllm")
     if c.run.export not in ("peft", "merged"):
@@ -296,8 +332,6 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"algorithm.overlong: need 0 < cache_len ({ov.cache_len}) < max_len ({ov.max_len})")
     if ov is not None and ov.max_len > c.rollout.max_new_tokens:
         fail(f"algorithm.overlong.max_len = {ov.max_len} exceeds rollout.max_new_tokens = {c.rollout.max_new_tokens}")
-    if c.optim.minibatches < 1 or (c.rollout.prompts_per_step * c.rollout.group_size) % c.optim.minibatches:
-        fail(f"optim.minibatches = {c.optim.minibatches} must divide rollout.prompts_per_step x group_size")
     if len(c.optim.betas) != 2:
         fail("optim.betas must have two values")
     p = c.parallel
@@ -310,6 +344,10 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     data_parallel = p.workers // p.tensor_parallel  # experts are sharded over EP ranks, tokens still over every rank
     if c.rollout.prompts_per_step % data_parallel:
         fail(f"rollout.prompts_per_step = {c.rollout.prompts_per_step} must divide evenly over the {data_parallel} data-parallel workers")
+    per_worker = c.rollout.prompts_per_step // data_parallel * c.rollout.group_size
+    if c.optim.minibatches < 1 or per_worker % c.optim.minibatches:
+        fail(f"optim.minibatches = {c.optim.minibatches} must divide each worker's samples per step (rollout.prompts_per_step "
+             f"/ {data_parallel} workers x rollout.group_size = {per_worker})")  # fmt: skip
     if c.task.name != "arithmetic":
         fail(f"task.name = {c.task.name!r}: the built-in task is 'arithmetic'")
     try:

@@ -9,7 +9,9 @@ from quant.checkpoint_io import atomic_write_text
 
 
 def aggregate(per_worker: list[dict]) -> dict:
-    """Worker sums -> run metrics (means over samples/tokens; utilization = busy / wall per worker)."""
+    """Worker sums -> run metrics. Means over samples finished this step (reward, accuracy, length) or over
+    trained tokens (clip fractions, approx_kl, entropy, kl_ref). utilization = busy / wall per worker, where
+    busy excludes the time a worker waits in collectives for the others (allsync.worker.Timeline)."""
     total = lambda key: sum(m[key] for m in per_worker)  # noqa: E731
     samples = total("samples_generated")
     tokens = max(total("trained_tokens"), 1)
@@ -20,19 +22,29 @@ def aggregate(per_worker: list[dict]) -> dict:
         "response_length": total("response_tokens") / samples,
         "truncated_fraction": total("truncated") / samples,
     } if samples else {}  # fmt: skip
-    return {
-        **per_sample,
-        "groups_kept": total("groups_kept"),
-        "groups_generated": total("groups_generated"),
-        "sampling_rounds": max(m["sampling_rounds"] for m in per_worker),
-        "trained_samples": total("trained_samples"),
-        "loss": total("loss_sum"),
+    per_token = {  # absent when no token was trained this step
         "clipfrac_high": total("clipfrac_high_sum") / tokens,
         "clipfrac_low": total("clipfrac_low_sum") / tokens,
         "approx_kl": total("kl_sum") / tokens,
+        "entropy": total("entropy_sum") / tokens,
+        "kl_ref": total("kl_ref_sum") / tokens,
+    } if total("trained_tokens") else {}  # fmt: skip
+    return {
+        **per_sample,
+        **per_token,
+        "groups_wanted": total("groups_wanted"),
+        "groups_kept": total("groups_kept"),
+        "groups_generated": total("groups_generated"),
+        "sampling_rounds": max(m["sampling_rounds"] for m in per_worker),
+        "sampling_cap_hits": total("sampling_cap_hits"),  # workers that reached max_sampling_rounds this step
+        "trained_samples": total("trained_samples"),
+        "trained_tokens": total("trained_tokens"),
+        "loss": total("loss_sum"),
         "logprob_gap": max(m["logprob_gap"] for m in per_worker),
         "grad_norm": per_worker[0]["grad_norm"],
-        "nan_steps": per_worker[0]["nan_steps"],
+        "optimizer_steps": per_worker[0]["optimizer_steps"],
+        "empty_minibatches": per_worker[0]["empty_minibatches"],  # no token on any worker: no optimizer step
+        "nan_steps": per_worker[0]["nan_steps"],  # non-finite loss or gradient norm: step skipped on every worker
         "sync_bytes": total("sync_bytes"),
         "staleness_max": max(m["staleness_max"] for m in per_worker),  # T-PPO: context of continuing responses
         "continuing": total("continuing"),  # T-PPO: responses cut at the window, continued next step
@@ -40,6 +52,23 @@ def aggregate(per_worker: list[dict]) -> dict:
         "samples_per_second": total("samples_generated") / wall,
         "utilization": sum(m["busy_seconds"] for m in per_worker) / (wall * len(per_worker)),
     }
+
+
+def read_records(path: Path) -> list[dict]:
+    """The JSON lines of metrics.jsonl. A last line cut short (a run killed while writing it) is dropped with
+    a warning: the resumed run redoes that step. A bad line before the last is an error naming file:line."""
+    lines = [line for line in Path(path).read_text().split("\n")]
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if any(rest.strip() for rest in lines[number:]):
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
+            print(f"warning: {path}:{number}: dropped a torn last line ({line[:60]!r}...)")
+    return records
 
 
 class MetricsLog:
@@ -52,7 +81,7 @@ class MetricsLog:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         if self.path.exists():
-            kept = [r for r in self.records() if resume_step is not None and r["step"] <= resume_step]
+            kept = [r for r in self.records() if r["step"] <= resume_step] if resume_step is not None else []
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         from torch.utils.tensorboard import SummaryWriter
 
@@ -67,22 +96,23 @@ class MetricsLog:
         self.tb.flush()
 
     def records(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_records(self.path)
 
     def close(self) -> None:
         self.tb.close()
 
 
 def plot_run(records: list[dict], path: str | Path) -> Path:
-    """Reward, held-out accuracy, response length and utilization per step, one panel each."""
+    """Reward, held-out accuracy, entropy, response length, samples/s and utilization per step, one panel each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [("reward", "train reward"), ("heldout_accuracy", "held-out accuracy"),
-              ("response_length", "response length (tokens)"), ("utilization", "worker utilization")]  # fmt: skip
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    panels = [("reward", "train reward"), ("heldout_accuracy", "held-out accuracy"), ("entropy", "policy entropy (nats/token)"),
+              ("response_length", "response length (tokens)"), ("samples_per_second", "samples generated / s"),
+              ("utilization", "utilization (busy outside collectives / wall)")]  # fmt: skip
     for ax, (key, title) in zip(axes.flat, panels):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:

@@ -26,28 +26,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class WorkerGroup:
-    """N workers behind one call interface: `call(method, *args)` runs it on every worker, returns all results."""
+class WorkerFailure(RuntimeError):
+    """A worker raised (or its process died); every other worker has been stopped. Names the rank."""
 
-    def __init__(self, config: RunConfig, problems: list[Problem], use_ray: bool = True, gpus_per_worker: float = 0):
+    def __init__(self, rank: int, method: str, error: BaseException):
+        self.rank, self.method, self.error = rank, method, error
+        super().__init__(f"worker {rank} failed in {method}: {type(error).__name__}: {error}")
+
+
+def gather_or_stop(refs: list, ranks: list[int], method: str, workers: list) -> list:
+    """ray.get of one call per worker, in rank order, that does not wait for the others after a failure:
+    the first worker to raise (or die) stops every worker (ray.kill), since the others may be blocked in
+    a collective that will never complete (gloo would wait for its timeout), and WorkerFailure names it."""
+    import ray
+
+    pending = {ref: rank for ref, rank in zip(refs, ranks)}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        rank = pending.pop(ready[0])
+        try:
+            ray.get(ready[0])
+        except Exception as exc:  # RayTaskError wraps the worker's exception; ActorDiedError for a lost process
+            for w in workers:
+                ray.kill(w)
+            raise WorkerFailure(rank, method, getattr(exc, "cause", None) or exc) from exc
+    return ray.get(refs)
+
+
+class WorkerGroup:
+    """N workers behind one call interface: `call(method, *args)` runs it on every worker, returns all results.
+    Under Ray, the first worker that fails stops them all (WorkerFailure names its rank and error)."""
+
+    def __init__(self, config: RunConfig, problems: list[Problem], use_ray: bool = True, gpus_per_worker: float = 0,
+                 max_model_len: int | None = None):  # fmt: skip
         self.size = config.parallel.workers
         self.use_ray = use_ray and self.size > 1
+        self.failed = False
         if not self.use_ray:
             from allsync.worker import RLWorker
 
-            self.workers = [RLWorker(config, problems)]
+            self.workers = [RLWorker(config, problems, max_model_len=max_model_len)]
             self.size = 1
             return
         self.placement, start = start_placement(self.size, gpus_per_worker)
         address = f"tcp://127.0.0.1:{free_port()}"
-        self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address) for i in range(self.size)]
+        self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address, max_model_len=max_model_len)
+                        for i in range(self.size)]  # fmt: skip
 
     def call(self, method: str, *args) -> list:
-        if not self.use_ray:
-            return [getattr(self.workers[0], method)(*args)]
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return self.call_ranks(list(range(self.size)), method, *args)
 
     def call_rank0(self, method: str, *args):
         return self.call_ranks([0], method, *args)[0]
@@ -55,18 +82,26 @@ class WorkerGroup:
     def call_ranks(self, ranks: list[int], method: str, *args) -> list:
         if not self.use_ray:
             return [getattr(self.workers[0], method)(*args)]
-        import ray
-
-        return ray.get([getattr(self.workers[r], method).remote(*args) for r in ranks])
+        refs = [getattr(self.workers[r], method).remote(*args) for r in ranks]
+        try:
+            return gather_or_stop(refs, ranks, method, self.workers)
+        except WorkerFailure:
+            self.failed = True
+            raise
 
     def step(self, step: int) -> list[dict]:
         """One all-sync step on every worker; per-worker metric sums."""
         return self.call("step", step)
 
     def shutdown(self) -> None:
-        self.call("shutdown")
+        """Stop the workers (once; later calls do nothing)."""
+        if self.workers is None:
+            return
+        if not self.failed:
+            self.call("shutdown")
         if self.use_ray:
             stop_placement(self.workers, self.placement)
+        self.workers = None
 
 
 def start_placement(size: int, gpus_per_worker: float = 0):
@@ -102,9 +137,9 @@ def stop_placement(workers, placement) -> None:
 
 # keys every per-worker metric dict carries (see allsync.metrics.aggregate); a worker reports 0 for a phase it does not run
 ROLLOUT_KEYS = ("samples_generated", "reward_sum", "correct_sum", "response_tokens", "truncated", "staleness_max",
-                "groups_generated", "sampling_rounds", "groups_kept")  # fmt: skip
-TRAIN_KEYS = ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "logprob_gap", "trained_samples",
-              "trained_tokens", "nan_steps", "grad_norm")  # fmt: skip
+                "groups_generated", "sampling_rounds", "groups_kept", "groups_wanted", "sampling_cap_hits")  # fmt: skip
+TRAIN_KEYS = ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "entropy_sum", "kl_ref_sum", "logprob_gap",
+              "trained_samples", "trained_tokens", "nan_steps", "optimizer_steps", "empty_minibatches", "grad_norm")  # fmt: skip
 
 
 def split_groups(samples: list, group_index: torch.Tensor, parts: int) -> list[tuple[list, torch.Tensor]]:

@@ -125,6 +125,30 @@ def chat_messages(problem: Problem, with_answer: bool = False) -> list[dict[str,
     return messages
 
 
+def encode_prompt(tokenizer, problem: Problem) -> list[int]:
+    """The problem as the model sees it: the chat template's token ids, ending with the assistant's turn."""
+    return tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def longest_prompt_tokens(tokenizer, problems: Iterable[Problem]) -> int:
+    """Token count of the longest encoded prompt (distinct prompt texts are encoded once)."""
+    return max((len(encode_prompt(tokenizer, Problem(text, ""))) for text in {p.prompt for p in problems}), default=0)
+
+
+def model_len_needed(longest_prompt: int, max_new_tokens: int, max_position_embeddings: int) -> int:
+    """Context a rollout engine needs: longest prompt + rollout.max_new_tokens (a T-PPO window's prompt is
+    the prompt plus the response so far, so the same bound holds). An engine with less would end
+    responses early as "length" (vLLM does so silently) and overlong shaping would see wrong lengths; a
+    model past its max_position_embeddings is outside what it was trained for: ValueError naming both."""
+    needed = longest_prompt + max_new_tokens
+    if needed > max_position_embeddings:
+        raise ValueError(
+            f"rollout.max_new_tokens = {max_new_tokens} plus the longest prompt ({longest_prompt} tokens) is {needed} "
+            f"tokens, more than the checkpoint's max_position_embeddings ({max_position_embeddings})"
+        )
+    return needed
+
+
 # ------------------------------------------------------------------------------------------ files
 def save_jsonl(problems: Iterable[Problem], path: str | os.PathLike) -> Path:
     path = Path(path)

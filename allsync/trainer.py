@@ -27,6 +27,15 @@ class SequenceBatch:
     def select(self, rows: torch.Tensor | list[int]) -> "SequenceBatch":
         return SequenceBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
 
+    @property
+    def width(self) -> int:
+        """Length of the longest row (rows are right-padded)."""
+        return int(self.attention_mask.sum(-1).max()) if len(self) else 0
+
+    def trimmed(self, width: int) -> "SequenceBatch":
+        """The first `width` columns (per-token [B, L-1] tensors keep width - 1)."""
+        return SequenceBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.response_mask[:, : width - 1])
+
 
 def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SequenceBatch:
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
@@ -55,15 +64,69 @@ class ValueHead(nn.Module):
         return self.linear(hidden.detach().float()).squeeze(-1)
 
 
+LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits held at once by `token_logprobs` (64 MiB in float32)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """z = (h W^T) / T in float32 -> (z[target] - logsumexp(z), entropy = logsumexp(z) - sum softmax(z) z)."""
+    z = torch.nn.functional.linear(hidden, weight).float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets[..., None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    with torch.no_grad():
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logprobs, entropy
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk_elements: int = LOGIT_CHUNK_ELEMENTS):  # fmt: skip
+    """log softmax(h_t W^T / T)[target_t] for hidden [B, L, H], targets [B, L] -> ([B, L], entropy [B, L]).
+
+    Computed over chunks of positions so that at most ~chunk_elements logits exist at once, never the
+    whole [B, L, V] (V = 129,280 for DeepSeek-V3); under autograd each chunk is recomputed in backward
+    (activation checkpointing), so the saved state is the hidden states, not the logits. Entropy (no
+    gradient) is zeros unless asked for."""
+    batch, length = targets.shape
+    step = max(1, chunk_elements // max(batch * weight.shape[0], 1))
+    logprobs, entropy = [], []
+    for start in range(0, length, step):
+        args = (hidden[:, start : start + step], weight, targets[:, start : start + step], temperature, with_entropy)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        logprobs.append(lp)
+        entropy.append(ent)
+    return torch.cat(logprobs, 1), torch.cat(entropy, 1)
+
+
+@dataclass
+class ForwardOut:
+    """Per-position quantities of one forward pass, all [B, L-1] (position t predicts token t+1)."""
+
+    logprobs: torch.Tensor  # log softmax(logits_t / T)[token_{t+1}]
+    values: torch.Tensor | None = None  # V(tokens_{<=t}) from the value head
+    entropy: torch.Tensor | None = None  # entropy of softmax(logits_t / T), no gradient
+
+
+def forward_pass(model, batch: SequenceBatch, temperature: float = 1.0, value_head: ValueHead | None = None,
+                 with_entropy: bool = False) -> ForwardOut:  # fmt: skip
+    """One forward pass of the decoder, then chunked token logprobs (`token_logprobs`) from its last
+    hidden state and the frozen lm_head: the [B, L, V] logits are never built."""
+    out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    hidden = out.last_hidden_state[:, :-1]
+    weight = model.get_output_embeddings().weight
+    logprobs, entropy = token_logprobs(hidden, weight, batch.input_ids[:, 1:], temperature, with_entropy)
+    values = value_head(hidden) if value_head is not None else None
+    return ForwardOut(logprobs, values, entropy if with_entropy else None)
+
+
 def forward_logprobs(model, batch: SequenceBatch, temperature: float = 1.0, value_head: ValueHead | None = None):
-    """One forward pass -> (logprobs, values), both [B, L-1]:
-    logprobs[:, t] = log softmax(logits_t / T)[token_{t+1}], values[:, t] = V(tokens_{<=t}) (None without a head)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                output_hidden_states=value_head is not None)  # fmt: skip
-    logp = torch.log_softmax(out.logits[:, :-1].float() / temperature, dim=-1)
-    logprobs = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    values = value_head(out.hidden_states[-1][:, :-1]) if value_head is not None else None
-    return logprobs, values
+    """(logprobs, values) of `forward_pass`, both [B, L-1] (values None without a head)."""
+    out = forward_pass(model, batch, temperature, value_head)
+    return out.logprobs, out.values
 
 
 def response_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,23 +187,42 @@ class ValueTargets:
     coef: float  # algorithm.value_coef
 
 
+@dataclass
+class LossStats:
+    """Token sums of one micro-batch (divide by the global token count for means)."""
+
+    clipfrac_high: float
+    clipfrac_low: float
+    approx_kl: float  # k1 between the policy and the sampling policy (old logprobs)
+    entropy: float  # policy entropy at the rollout temperature
+    kl_ref: float  # KL to the reference policy (the kl_estimator's value); 0 without reference logprobs
+
+
 def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settings: LossSettings,
                    global_tokens, global_seqs, norm_length: int | None = None, ref_logprobs=None,
                    value_head: ValueHead | None = None, value_targets: ValueTargets | None = None):  # fmt: skip
     """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss), plus
-    value_targets.coef * the critic's value loss when a value head is given."""
-    logprobs, values = forward_logprobs(model, batch, settings.temperature, value_head)
+    kl_coef * KL(policy || reference) aggregated the same way when reference logprobs are given
+    (reference = the frozen base with the adapters off), plus value_targets.coef * the critic's value
+    loss when a value head is given. Returns (loss, LossStats of token sums)."""
+    out = forward_pass(model, batch, settings.temperature, value_head, with_entropy=True)
+    mask = batch.response_mask
     loss, stats = policy_loss(
-        logprobs, old_logprobs, advantages, batch.response_mask, clip_low=settings.clip_low,
+        out.logprobs, old_logprobs, advantages, mask, clip_low=settings.clip_low,
         clip_high=settings.clip_high, clip_c=settings.clip_c, agg=settings.agg, global_tokens=global_tokens,
         global_seqs=global_seqs, norm_length=norm_length,
     )  # fmt: skip
-    if settings.kl_coef and ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs, settings.kl_estimator)
-        loss = loss + settings.kl_coef * aggregate_loss(kl, batch.response_mask, settings.agg, global_tokens, global_seqs)
+    kl_ref = 0.0
+    if ref_logprobs is not None:
+        kl = kl_penalty(out.logprobs, ref_logprobs, settings.kl_estimator)
+        loss = loss + settings.kl_coef * aggregate_loss(kl, mask, settings.agg, global_tokens, global_seqs, norm_length)
+        kl_ref = float((kl.detach() * mask).sum())
     if value_head is not None:
         v = value_targets
         finished = v.mask.sum(-1) > 0
-        vloss, _ = value_loss(values, v.returns, v.mask, finished, agg="token-mean", global_tokens=max(float(v.global_tokens), 1.0))
+        vloss, _ = value_loss(out.values, v.returns, v.mask, finished, agg="token-mean", global_tokens=max(float(v.global_tokens), 1.0))
         loss = loss + v.coef * vloss
-    return loss, stats
+    tokens = float(mask.sum())
+    sums = LossStats(float(stats.clipfrac_high) * tokens, float(stats.clipfrac_low) * tokens, float(stats.approx_kl) * tokens,
+                     float((out.entropy * mask).sum()), kl_ref)  # fmt: skip
+    return loss, sums

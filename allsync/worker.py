@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,9 +35,18 @@ from allsync.algorithms import (
     whiten_advantages,
     whitening_sums,
 )
-from allsync.config import RunConfig
+from allsync.checkpoint import (
+    VALUE_HEAD_PREFIX,
+    optimizer_state_from_files,
+    optimizer_state_to_files,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_state,
+)
+from allsync.config import ConfigError, RunConfig
 from allsync.rollout import Rollout, Sampling, TorchEngine
-from allsync.tasks import Problem, chat_messages
+from allsync.tasks import Problem, encode_prompt
 from allsync.trainer import (
     LossSettings,
     SequenceBatch,
@@ -52,7 +62,7 @@ from allsync.trainer import (
     to_sequence_layout,
 )
 from evals.verify import answer_reward
-from moe_lora.lora import LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict
+from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, load_lora_state_dict, lora_state_dict
 from quant.loader import QuantPlan, load_frozen_model
 
 
@@ -86,32 +96,71 @@ class PartialResponse:
     started_version: int = 0  # adapter version of its first window
     window_start: int = 0  # index of the first token generated in the latest window
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> "PartialResponse":
+        return PartialResponse(**{**data, "problem": Problem(**data["problem"])})
+
 
 @dataclass
 class TrainBatch:
     """What the minibatch loop needs: sequences whose response_mask marks the tokens to train, and
-    per-token tensors [B, L-1] aligned with them. Critic fields are None for group baselines."""
+    per-token tensors [B, L-1] aligned with them. Critic fields are None for group baselines;
+    ref_logprobs (the frozen base's, adapters off) only with algorithm.kl_coef > 0."""
 
     sequences: SequenceBatch
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor | None = None
     value_mask: torch.Tensor | None = None  # response tokens of finished responses (the critic learns from those)
+    ref_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def minibatch(self, rows: torch.Tensor) -> "TrainBatch":
+        """These rows, cut to their own longest row (sequences are right-padded to the whole batch's)."""
+        width = self.sequences.select(rows).width
+        cut = lambda t: None if t is None else t[rows][:, : width - 1]  # noqa: E731
+        return TrainBatch(self.sequences.select(rows).trimmed(width), cut(self.old_logprobs), cut(self.advantages),
+                          cut(self.returns), cut(self.value_mask), cut(self.ref_logprobs))  # fmt: skip
+
+    def counts(self, rows: torch.Tensor) -> torch.Tensor:
+        """[policy tokens, sequences with a policy token, critic tokens] of these rows."""
+        mask = self.sequences.response_mask[rows]
+        critic = self.value_mask[rows].sum() if self.value_mask is not None else 0.0
+        return torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum()), float(critic)])
+
+
+EVENTS_KEPT = 4096  # the most recent phases kept for inspection (benchmarks); busy time is a running total
 
 
 @dataclass
 class Timeline:
-    """(phase, start, end) in wall-clock seconds; utilization = busy time / wall time of a window."""
+    """Phases as (phase, start, end) in wall-clock seconds, and busy time: the time inside phases minus
+    the time blocked in collectives (waiting for other workers, plus the transfer itself). A worker that
+    finishes its share first and waits in the all-reduce for a slower one is idle for that wait, so
+    busy / wall is the worker's real utilization. O(1) per phase."""
 
-    events: list[tuple[str, float, float]] = field(default_factory=list)
+    events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
+    busy_total: float = 0.0
+    reported: float = 0.0  # busy_total at the last `busy_since_last_report`
 
     def record(self, phase: str, start: float) -> float:
         end = time.time()
         self.events.append((phase, start, end))
+        self.busy_total += end - start
         return end
 
-    def busy_seconds(self, since: float) -> float:
-        return sum(end - max(start, since) for _, start, end in self.events if end > since)
+    def waited(self, seconds: float) -> None:
+        """Time spent blocked in a collective inside a phase: not busy."""
+        self.busy_total -= seconds
+
+    def busy_since_last_report(self) -> float:
+        busy, self.reported = self.busy_total - self.reported, self.busy_total
+        return busy
 
 
 def gradient_group(address: str, rank: int, world_size: int):
@@ -121,6 +170,20 @@ def gradient_group(address: str, rank: int, world_size: int):
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(minutes=10))
     return dist.ProcessGroupGloo(store, rank, world_size)
+
+
+def flat_gradients(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One zeroed buffer holding every parameter's .grad as a view, plus one last slot for a flag (a
+    rank's non-finite loss): a minibatch's gradients and the flag are all-reduced in one collective."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise TypeError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; one flat gradient buffer needs one")
+    flat = torch.zeros(sum(p.numel() for p in params) + 1, dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
 
 
 def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
@@ -134,10 +197,12 @@ def _dtype(name: str) -> torch.dtype:
 
 class RLWorker:
     def __init__(self, config: RunConfig, problems: list[Problem], rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, threads: int | None = None):  # fmt: skip
+                 dist_address: str | None = None, threads: int | None = None, max_model_len: int | None = None):  # fmt: skip
         """rank / world_size: this worker's place among the workers that share the data (prompts are strided
         over them). dist_address: join a gloo process group of `world_size` workers that all-reduce LoRA
-        gradients; None for a worker that only generates (the disaggregated baseline's generators)."""
+        gradients; None for a worker that only generates (the disaggregated baseline's generators).
+        max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see
+        allsync.tasks.model_len_needed); None computes it from `problems`."""
         self.config, self.rank, self.world_size = config, rank, world_size
         self.group = None
         if threads:
@@ -159,17 +224,17 @@ class RLWorker:
         self.value_head = ValueHead(self.model.config.hidden_size) if config.algorithm.uses_critic else None
         if self.value_head is not None:
             self.params += list(self.value_head.parameters())
-        for p in self.params:  # gradients exist from the start, so every rank all-reduces the same tensors
-            p.grad = torch.zeros_like(p)
+        self.flat_grad = flat_gradients(self.params)  # every rank all-reduces one buffer per minibatch
         self._broadcast_params()  # replicas start identical whatever their seeds
         o = config.optim
         groups = [{"params": lora_params, "base_lr": o.lr}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "base_lr": o.value_lr})
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.problems = problems
+        self.max_model_len = max_model_len
         self.engine = self._make_engine()
         self.adapter_version = 0
-        self.problems = problems
         self.position = 0  # prompts taken so far by this worker (data position)
         self.consecutive_nan = 0
         self.in_flight: list[PartialResponse] = []  # gae / egae: the pool of responses being generated
@@ -186,16 +251,21 @@ class RLWorker:
         checkpoint, given the LoRA tensors after every update (adapter-only sync)."""
         if self.config.rollout.engine == "torch":
             return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
-        from allsync.config import ConfigError
+        from allsync.tasks import longest_prompt_tokens, model_len_needed
         from allsync.vllm_engine import VLLMEngine, unsupported_targets
 
         lc = self.config.lora
         if (reason := unsupported_targets(lc.targets)) is not None:
             raise ConfigError(f"rollout.engine vllm with lora.targets {lc.targets}: {reason}")
-        engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype)
+        model_len = self.max_model_len or model_len_needed(
+            longest_prompt_tokens(self.tokenizer, self.problems), self.config.rollout.max_new_tokens,
+            self.model.config.max_position_embeddings,
+        )  # fmt: skip
+        engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype,
+                            max_model_len=model_len)  # fmt: skip
         moved = engine.load_adapter(self.adapter_tensors(), 0)
         if self.rank == 0:
-            print(f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update")
+            print(f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}")
         return engine
 
     @staticmethod
@@ -210,12 +280,15 @@ class RLWorker:
                 self.group.broadcast(p.data, 0).wait()
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the workers, in place; the time blocked in it is not busy time (see Timeline)."""
         if self.group is not None:
-            self.group.allreduce([tensor]).wait()  # sum
+            t = time.time()
+            self.group.allreduce([tensor]).wait()
+            self.timeline.waited(time.time() - t)
         return tensor
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        return self.tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False)
+        return encode_prompt(self.tokenizer, problem)
 
     def take_problems(self, count: int) -> list[Problem]:
         """The next `count` training problems of this worker's stride through the shared train split."""
@@ -259,17 +332,25 @@ class RLWorker:
         ]
 
     def generate_groups(self, count: int) -> GroupBatch:
+        """`count` problems x group_size samples; the group metric dynamic sampling filters on is
+        correctness (algorithm.filter_metric acc, as DAPO and verl) or the shaped reward (reward)."""
         problems = self.take_problems(count)
         n = self.config.rollout.group_size
         rollout = self.engine.generate([self.encode_prompt(p) for p in problems], n, self.sampling())
         samples = self.score(rollout, problems, n)
-        return GroupBatch(torch.tensor(rollout.group_index), torch.tensor([s.reward for s in samples]), samples)
+        by_acc = self.config.algorithm.filter_metric == "acc"
+        metric = torch.tensor([float(s.correct) if by_acc else s.reward for s in samples])
+        return GroupBatch(torch.tensor(rollout.group_index), metric, samples)
 
     def collect(self, groups_wanted: int) -> tuple[list[Sample], dict]:
-        """Generate groups; with dynamic sampling keep groups with mixed rewards and refill (DAPO)."""
-        if not self.config.algorithm.dynamic_sampling:
+        """Generate groups; with dynamic sampling keep groups whose filter metric varies and refill (DAPO).
+        At algorithm.max_sampling_rounds the groups kept so far are trained on (on_sampling_cap partial),
+        or the step fails (error)."""
+        a = self.config.algorithm
+        base = {"groups_wanted": groups_wanted, "sampling_cap_hits": 0}
+        if not a.dynamic_sampling:
             batch = self.generate_groups(groups_wanted)
-            return batch.payloads, {"groups_generated": groups_wanted, "sampling_rounds": 1, "groups_kept": groups_wanted,
+            return batch.payloads, {**base, "groups_generated": groups_wanted, "sampling_rounds": 1, "groups_kept": groups_wanted,
                                     "generated": list(batch.payloads), "group_index": batch.group_index}  # fmt: skip
         generated: list[Sample] = []
 
@@ -279,12 +360,15 @@ class RLWorker:
             return batch
 
         try:
-            batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, self.config.algorithm.max_sampling_rounds)
-        except DynamicSamplingExhausted as exc:  # every group had equal rewards: nothing to learn from this step
-            return [], {"groups_generated": len(generated) // self.config.rollout.group_size,
-                        "sampling_rounds": exc.rounds_run, "groups_kept": 0, "generated": generated,
-                        "group_index": torch.zeros(0, dtype=torch.long)}  # fmt: skip
-        return batch.payloads, {"groups_generated": stats.groups_generated, "sampling_rounds": stats.rounds,
+            batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, a.max_sampling_rounds)
+            rounds, groups_generated = stats.rounds, stats.groups_generated
+        except DynamicSamplingExhausted as exc:
+            if a.on_sampling_cap == "error":
+                raise RuntimeError(f"worker {self.rank}: {exc} (algorithm.on_sampling_cap: error; partial trains on the "
+                                   "groups kept)") from exc  # fmt: skip
+            batch, rounds, groups_generated = exc.kept, exc.rounds_run, exc.groups_generated
+            base["sampling_cap_hits"] = 1
+        return batch.payloads, {**base, "groups_generated": groups_generated, "sampling_rounds": rounds,
                                 "groups_kept": batch.num_groups, "generated": generated,
                                 "group_index": batch.group_index}  # fmt: skip
 
@@ -299,7 +383,8 @@ class RLWorker:
             samples, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
             metrics.update(self.train_phase(samples, group_index))
         t = time.time()
-        metrics["sync_bytes"] = self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
+        shares_model = isinstance(self.engine, TorchEngine)  # its LoRA tensors are the trainer's: nothing to copy
+        metrics["sync_bytes"] = self.engine.load_adapter(None if shares_model else self.adapter_tensors(), self.adapter_version)
         self.timeline.record("sync", t)
         metrics.update(self.busy_report(wall0))
         return metrics
@@ -346,8 +431,8 @@ class RLWorker:
         return sum(v.numel() * v.element_size() for v in tensors.values())
 
     def busy_report(self, since: float) -> dict:
-        wall = time.time() - since
-        return {"wall_seconds": wall, "busy_seconds": self.timeline.busy_seconds(since)}
+        """Wall time since `since` (the step's start) and busy time since the last report (once per step)."""
+        return {"wall_seconds": time.time() - since, "busy_seconds": self.timeline.busy_since_last_report()}
 
     def train(self, samples: list[Sample], group_index: torch.Tensor) -> dict:
         """Group baselines (GRPO / Dr.GRPO): one advantage per sample from its group's rewards."""
@@ -359,64 +444,89 @@ class RLWorker:
         batch = build_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.tokenizer.pad_token_id)
         if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
             batch.response_mask = overlong_filter_mask([s.finish_reason for s in samples], batch.response_mask)
-        with torch.no_grad():
-            old_logprobs, _ = forward_logprobs(self.model, batch, c.rollout.temperature)
-        return TrainBatch(batch, old_logprobs, advantages[:, None].expand_as(batch.response_mask))
+        old_logprobs, _ = self.current_logprobs(batch)
+        return TrainBatch(batch, old_logprobs, advantages[:, None].expand_as(batch.response_mask).float(),
+                          ref_logprobs=self.reference_logprobs(batch))  # fmt: skip
+
+    @torch.no_grad()
+    def current_logprobs(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The current policy's logprobs (and values, with a critic) of the batch, before any update."""
+        return forward_logprobs(self.model, batch, self.config.rollout.temperature, self.value_head)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor | None:
+        """The reference policy's logprobs for the KL penalty: the frozen base with every adapter switched off,
+        the same forward pass and temperature as the policy's. None when algorithm.kl_coef is 0."""
+        if not self.config.algorithm.kl_coef:
+            return None
+        with adapters_disabled(self.model):
+            return forward_logprobs(self.model, batch, self.config.rollout.temperature)[0]
 
     def update(self, tb: TrainBatch | None, engine_logprobs: list[list[float]]) -> dict:
-        """`optim.minibatches` updates on tb's masked tokens; every worker runs the same collectives (empty
-        batches too). Loss shares use all-reduced token counts, so the summed gradient is the full batch's."""
+        """`optim.minibatches` updates on tb's masked tokens. Every worker runs the same collectives whatever
+        it holds: one all-reduce of every minibatch's token counts, then per minibatch one all-reduce of the
+        flat gradient buffer (with a non-finite-loss flag). Loss shares use the all-reduced counts, so the
+        summed gradient is the full batch's. A minibatch with no token on any worker is no optimizer step
+        (AdamW would still move the adapter through momentum and weight decay); a non-finite loss on any
+        worker or a non-finite gradient norm skips the step on every worker (`nan_steps`)."""
         c = self.config
         minibatches = c.optim.minibatches
         for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
             group["lr"] = warmup_lr(group["base_lr"], self.adapter_version, c.optim.warmup_steps)
-        out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "logprob_gap": 0.0,
-               "trained_samples": len(tb.sequences) if tb else 0, "trained_tokens": 0, "nan_steps": 0, "grad_norm": 0.0}  # fmt: skip
-        chunks = []
+        out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
+               "kl_ref_sum": 0.0, "logprob_gap": 0.0, "trained_samples": len(tb) if tb else 0, "trained_tokens": 0,
+               "nan_steps": 0, "optimizer_steps": 0, "empty_minibatches": 0, "grad_norm": 0.0}  # fmt: skip
+        parts: list[torch.Tensor | None] = [None] * minibatches
+        local = torch.zeros(minibatches, 3)  # per minibatch: policy tokens, sequences, critic tokens
         if tb is not None:
             engine = scatter_response_values(engine_logprobs, tb.sequences)
             out["logprob_gap"] = logprob_gap(engine, tb.old_logprobs, tb.sequences.response_mask)
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
                 print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
                       f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
-            rows_all = torch.arange(len(tb.sequences))
-            chunks = rows_all.chunk(minibatches) if len(rows_all) >= minibatches else [rows_all]
-        for m in range(minibatches):
-            rows = chunks[m] if m < len(chunks) else None
-            self.optimizer.zero_grad(set_to_none=False)
-            local = torch.zeros(4)  # policy tokens, sequences, critic tokens, non-finite flag
-            if rows is not None and len(rows):
-                mb = tb.sequences.select(rows)
-                local[0], local[1] = mb.response_mask.sum(), float((mb.response_mask.sum(-1) > 0).sum())
-                if tb.value_mask is not None:
-                    local[2] = tb.value_mask[rows].sum()
-            totals = self._all_reduce(local.clone())
-            if rows is not None and len(rows) and totals[0] > 0:
-                targets = None
-                if tb.returns is not None:
-                    targets = ValueTargets(tb.returns[rows], tb.value_mask[rows], totals[2], c.algorithm.value_coef)
-                loss, stats = minibatch_loss(self.model, mb, tb.old_logprobs[rows], tb.advantages[rows], self.loss_settings,
-                                             totals[0], totals[1], norm_length=c.rollout.max_new_tokens,
-                                             value_head=self.value_head, value_targets=targets)  # fmt: skip
-                if torch.isfinite(loss):
-                    loss.backward()
-                    out["loss_sum"] += float(loss.detach())
-                    out["clipfrac_high_sum"] += float(stats.clipfrac_high) * local[0].item()
-                    out["clipfrac_low_sum"] += float(stats.clipfrac_low) * local[0].item()
-                    out["kl_sum"] += float(stats.approx_kl) * local[0].item()
-                    out["trained_tokens"] += int(local[0])
-                else:
-                    local[3] = 1
-            flags = self._all_reduce(torch.tensor([local[3].item()]))
-            for p in self.params:  # sum of per-rank shares = the full-batch gradient
-                self._all_reduce(p.grad)
-            if flags.item() > 0:  # some rank saw a NaN/inf loss: every rank skips this update
+            parts = list(torch.arange(len(tb)).tensor_split(minibatches))  # exactly `minibatches` balanced parts
+            local = torch.stack([tb.counts(rows) for rows in parts])
+        totals = self._all_reduce(local.clone())
+        for m, rows in enumerate(parts):
+            if totals[m, 0] == 0 and totals[m, 2] == 0:
+                out["empty_minibatches"] += 1
+                continue
+            self.flat_grad.zero_()
+            if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0):
+                self._backward_minibatch(tb.minibatch(rows), totals[m], out)
+            self._all_reduce(self.flat_grad)  # sum of per-rank shares = the full-batch gradient; [-1] = non-finite losses
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
+            if self.flat_grad[-1] > 0 or not torch.isfinite(norm):  # identical on every rank: all skip together
                 out["nan_steps"] += 1
                 continue
-            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, c.optim.grad_clip))
+            torch.nn.utils.clip_grads_with_norm_(self.params, c.optim.grad_clip, norm)
             self.optimizer.step()
+            out["optimizer_steps"] += 1
+            out["grad_norm"] = float(norm)
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         return out
+
+    def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict) -> None:
+        """Loss of this worker's part of a minibatch (its share of the global batch) and its backward into the
+        flat gradient buffer; a non-finite loss sets the buffer's flag instead."""
+        c = self.config
+        targets = None
+        if mb.returns is not None:
+            targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)
+        loss, sums = minibatch_loss(self.model, mb.sequences, mb.old_logprobs, mb.advantages, self.loss_settings,
+                                    totals[0], totals[1], norm_length=c.rollout.max_new_tokens, ref_logprobs=mb.ref_logprobs,
+                                    value_head=self.value_head, value_targets=targets)  # fmt: skip
+        if not torch.isfinite(loss):
+            self.flat_grad[-1] = 1.0
+            return
+        loss.backward()
+        out["loss_sum"] += float(loss.detach())
+        out["clipfrac_high_sum"] += sums.clipfrac_high
+        out["clipfrac_low_sum"] += sums.clipfrac_low
+        out["kl_sum"] += sums.approx_kl
+        out["entropy_sum"] += sums.entropy
+        out["kl_ref_sum"] += sums.kl_ref
+        out["trained_tokens"] += int(mb.sequences.response_mask.sum())
 
     # ------------------------------------------------------------------------------ PPO / T-PPO windows
     def start_responses(self, count: int) -> list[PartialResponse]:
@@ -474,7 +584,8 @@ class RLWorker:
             "response_tokens": sum(len(r.response_ids) for r in done),
             "truncated": sum(reason == "length" for reason in finished.values()),
             "staleness_max": max(self.adapter_version - r.started_version for r in pool),
-            "continuing": len(advance.continuing_ids), "groups_generated": 0, "groups_kept": 0, "sampling_rounds": 1,
+            "continuing": len(advance.continuing_ids), "groups_generated": 0, "groups_kept": 0, "groups_wanted": 0,
+            "sampling_cap_hits": 0, "sampling_rounds": 1,
         })  # fmt: skip
         self.adapter_version += 1
         self.timeline.record("train", t)
@@ -488,8 +599,7 @@ class RLWorker:
         token of finished responses."""
         c = self.config
         seqs = build_sequences([r.prompt_ids for r in pool], [r.response_ids for r in pool], self.tokenizer.pad_token_id)
-        with torch.no_grad():
-            old_logprobs, old_values = forward_logprobs(self.model, seqs, c.rollout.temperature, self.value_head)
+        old_logprobs, old_values = self.current_logprobs(seqs)
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
         token_rewards = torch.zeros(valid.shape)
@@ -509,6 +619,7 @@ class RLWorker:
             advantages=whiten_advantages(advantages, policy_mask, sums).float(),
             returns=to_sequence_layout(returns, index, valid, width),
             value_mask=seqs.response_mask * is_finished[:, None],
+            ref_logprobs=self.reference_logprobs(seqs),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------ evaluation
@@ -519,7 +630,7 @@ class RLWorker:
         if not mine:
             return {"correct": 0, "total": 0, "tokens": 0}
         greedy = samples == 1
-        s = Sampling(temperature=1.0 if greedy else self.config.rollout.temperature,
+        s = Sampling(temperature=1.0 if greedy else self.config.rollout.temperature, top_p=self.config.run.eval_top_p,
                      max_new_tokens=self.config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
         rollout = self.engine.generate([self.encode_prompt(p) for p in mine], samples, s)
         correct = sum(
@@ -537,7 +648,8 @@ class RLWorker:
         return [p.grad.detach().clone() for p in self.params]
 
     def save_state(self, directory: str) -> None:
-        """This worker's part of a checkpoint: replicated adapter/optimizer from rank 0, RNG and data position per rank."""
+        """This worker's part of a checkpoint (layout in allsync/checkpoint.py): the replicated adapter, AdamW
+        state and value head from rank 0; RNG states, data position and T-PPO pools from every rank."""
         directory = Path(directory)
         if self.rank == 0:
             from moe_lora.adapter_io import Adapter, write_peft_adapter
@@ -545,33 +657,33 @@ class RLWorker:
             lc = self.config.lora
             adapter = Adapter(self.adapter_tensors(), lc.rank, lc.alpha, lc.use_rslora)
             write_peft_adapter(adapter, directory / "adapter", self.config.model.base, overwrite=True)
-            torch.save({"optimizer": self.optimizer.state_dict(), "adapter_version": self.adapter_version,
-                        "value_head": self.value_head.state_dict() if self.value_head is not None else None},
-                       directory / "trainer.pt")  # fmt: skip
-        torch.save(
-            {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-             "position": self.position, "consecutive_nan": self.consecutive_nan,
-             "in_flight": self.in_flight, "waiting": self.waiting},
-            directory / f"rank{self.rank}.pt",
-        )  # fmt: skip
+            tensors, meta = optimizer_state_to_files(self.optimizer.state_dict())
+            if self.value_head is not None:
+                tensors.update({VALUE_HEAD_PREFIX + k: v for k, v in self.value_head.state_dict().items()})
+            write_state(directory, "trainer", tensors, {"optimizer": meta, "adapter_version": self.adapter_version})
+        rng_tensors, rng = rng_state()
+        write_state(directory, f"rank{self.rank}", rng_tensors, {
+            "rng": rng, "position": self.position, "consecutive_nan": self.consecutive_nan,
+            "in_flight": [r.to_json() for r in self.in_flight], "waiting": [r.to_json() for r in self.waiting],
+        })  # fmt: skip
 
     def load_state(self, directory: str) -> None:
         from safetensors.torch import load_file
 
         directory = Path(directory)
+        trainer_tensors, trainer = read_state(directory, "trainer")
+        mine_tensors, mine = read_state(directory, f"rank{self.rank}")
         load_lora_state_dict(self.model, load_file(directory / "adapter" / "adapter_model.safetensors"))
-        trainer = torch.load(directory / "trainer.pt", weights_only=False)
-        self.optimizer.load_state_dict(trainer["optimizer"])
+        self.optimizer.load_state_dict(optimizer_state_from_files(trainer_tensors, trainer["optimizer"]))
         self.adapter_version = trainer["adapter_version"]
         if self.value_head is not None:
-            self.value_head.load_state_dict(trainer["value_head"])
+            head = {k[len(VALUE_HEAD_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(VALUE_HEAD_PREFIX)}
+            self.value_head.load_state_dict(head)
         self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
-        mine = torch.load(directory / f"rank{self.rank}.pt", weights_only=False)
-        torch.set_rng_state(mine["torch"])
-        random.setstate(mine["python"])
-        np.random.set_state(mine["numpy"])
+        set_rng_state(mine_tensors, mine["rng"])
         self.position, self.consecutive_nan = mine["position"], mine["consecutive_nan"]
-        self.in_flight, self.waiting = mine["in_flight"], mine["waiting"]
+        self.in_flight = [PartialResponse.from_json(r) for r in mine["in_flight"]]
+        self.waiting = [PartialResponse.from_json(r) for r in mine["waiting"]]
 
     def timeline_events(self) -> list[tuple[str, float, float]]:
         return list(self.timeline.events)

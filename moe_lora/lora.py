@@ -12,6 +12,7 @@ lm_head stay frozen. Key names are PEFT's, routed experts one entry per expert:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 DEFAULT_TARGETS = tuple(t for t in TARGETS if t != "q_proj")
 PEFT_PREFIX = "base_model.model."
 
-__all__ = ["LoRAConfig", "LoRAExperts", "LoRALinear", "TARGETS", "attach_lora", "load_lora_state_dict", "lora_state_dict"]
+__all__ = ["LoRAConfig", "LoRAExperts", "LoRALinear", "TARGETS", "adapters_disabled", "attach_lora", "load_lora_state_dict",
+           "lora_state_dict"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +122,18 @@ def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
                 )
         for key, slot in slots.items():
             slot.copy_(tensors[key])
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Inside the block every LoRA module computes its frozen base alone (y = frozen(x)): the model is the
+    reference policy of the KL penalty, at no memory cost. Restored on exit, also after an exception."""
+    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
+    previous = [m.enabled for m in modules]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, state in zip(modules, previous):
+            m.enabled = state

@@ -35,9 +35,12 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True  # False: the frozen base alone (the reference policy; see moe_lora.lora.adapters_disabled)
         init_lora_a_(self.lora_A.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return self.base(x)
         z = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
         return self.base(x) + self.scale * F.linear(z, self.lora_B.to(x.dtype))
 
@@ -66,6 +69,7 @@ class LoRAExperts(nn.Module):
         self.base, self.rank, self.scale, self.dropout = base, rank, scale, dropout
         device = base.weights["gate"][0].data.device
         n = base.num_experts
+        self.enabled = True  # False: the frozen experts alone (see moe_lora.lora.adapters_disabled)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         for p, (out_f, in_f) in expert_shapes(base).items():
             self.lora_A[p] = nn.Parameter(torch.empty(n, rank, in_f, dtype=dtype, device=device))
@@ -81,6 +85,8 @@ class LoRAExperts(nn.Module):
         return [t for p in EXPERT_PROJECTIONS for t in (self.lora_A[p], self.lora_B[p])]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return self.base(hidden_states, top_k_index, top_k_weights)
         with torch.no_grad():
             order, counts = group_tokens_by_expert(top_k_index, self.num_experts)
         p = self.dropout if self.training else 0.0

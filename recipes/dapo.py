@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
-from allsync.placement import WorkerGroup
+from allsync.checkpoint import prune_checkpoints
+from allsync.placement import WorkerFailure, WorkerGroup
 from allsync.tasks import make_splits
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
 
@@ -90,15 +91,41 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
         ensure_base(config)
-        config_with_model_checks(config, read_config(config.model.base), args.config)
+        model_config = read_config(config.model.base)
+        config_with_model_checks(config, model_config, args.config)
+        t = config.task
+        splits = make_splits(t.spec(), t.train_size, t.heldout_size, t.seed)
+        max_model_len = engine_model_len(config, model_config, splits.train + splits.heldout, args.config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
     out_dir = Path(config.run.out_dir)
-    t = config.task
-    splits = make_splits(t.spec(), t.train_size, t.heldout_size, t.seed)
-    group = WorkerGroup(config, splits.train, use_ray=not args.no_ray)
+    group = WorkerGroup(config, splits.train, use_ray=not args.no_ray, max_model_len=max_model_len)
+    try:
+        return train(config, args, group, splits, out_dir)
+    except WorkerFailure as exc:
+        print(f"error: {exc}; every worker was stopped", file=sys.stderr)
+        return 4
+    finally:
+        group.shutdown()
+
+
+def engine_model_len(config: RunConfig, model_config: dict, problems, source: str) -> int:
+    """Longest prompt + rollout.max_new_tokens, checked against the checkpoint's max_position_embeddings."""
+    from transformers import AutoTokenizer
+
+    from allsync.tasks import longest_prompt_tokens, model_len_needed
+
+    longest = longest_prompt_tokens(AutoTokenizer.from_pretrained(config.model.base), problems)
+    try:
+        return model_len_needed(longest, config.rollout.max_new_tokens, model_config.get("max_position_embeddings", 0))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
+
+
+def train(config: RunConfig, args: argparse.Namespace, group: WorkerGroup, splits, out_dir: Path) -> int:
+    """Evaluate the base, run the RL steps (checkpoints, evaluations), evaluate and export the adapter."""
     start_step, base_accuracy = 0, None
     checkpoint = latest_checkpoint(out_dir) if args.resume else None
     if checkpoint is not None:
@@ -116,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}% ({metric_name(config)})")
 
     started, accuracy, nan_run, step = time.time(), base_accuracy, 0, start_step
+    limit = config.run.time_limit_minutes
     bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step")
     for step in bar:
         metrics = aggregate(group.step(step))
@@ -123,18 +151,23 @@ def main(argv: list[str] | None = None) -> int:
         if step % config.run.eval_every == 0 or step == config.run.steps:
             accuracy = metrics["heldout_accuracy"] = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
         log.write(step, metrics)
-        bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.2f}", heldout=f"{100 * accuracy:.1f}%", util=f"{metrics['utilization']:.2f}")
-        out_of_time = config.run.time_limit_minutes and time.time() - started > 60 * config.run.time_limit_minutes
+        bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.2f}", heldout=f"{100 * accuracy:.1f}%",
+                        entropy=f"{metrics.get('entropy', float('nan')):.2f}")  # fmt: skip
+        out_of_time = limit is not None and time.time() - started > 60 * limit
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
             save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy})
+            prune_checkpoints(out_dir / "checkpoints", config.run.keep_checkpoints)
         if nan_run >= config.run.max_consecutive_nan:
             print(f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint", file=sys.stderr)
             return 3
         if out_of_time and step < config.run.steps:
             accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
             log.write(step, {"heldout_accuracy": accuracy})
-            print(f"time limit of {config.run.time_limit_minutes} min reached after step {step}")
+            print(f"warning: run.time_limit_minutes ({limit} min) reached after step {step} of {config.run.steps}: "
+                  "this machine is slower than the one the step count was chosen on, and the result is not the "
+                  "reproducible one", file=sys.stderr)  # fmt: skip
             break
+    bar.close()
 
     greedy = heldout_accuracy(group, splits.heldout, 1)
     log.write(step, {"heldout_greedy_accuracy": greedy})
@@ -147,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16", overwrite=True)
     plot = plot_run(log.records(), out_dir / "run.png")
     log.close()
-    group.shutdown()
+    group.shutdown()  # before the summary, so that nothing the workers print comes after it
     print(f"adapter: {exported}  metrics: {log.path}  plot: {plot}")
+    print(f"{step} RL steps in {(time.time() - started) / 60:.1f} min")
     if base_greedy is not None:
         print(f"held-out greedy accuracy: base {100 * base_greedy:.1f}% -> trained {100 * greedy:.1f}%")
     print(f"held-out accuracy is {metric_name(config)} on {len(splits.heldout)} problems")

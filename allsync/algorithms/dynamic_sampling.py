@@ -125,12 +125,17 @@ class DynamicSamplingStats:
 
 
 class DynamicSamplingExhausted(RuntimeError):
-    """Dynamic sampling ran ``max_rounds`` rounds without collecting enough groups."""
+    """Dynamic sampling ran ``max_rounds`` rounds without collecting enough groups.
 
-    def __init__(self, groups_wanted: int, groups_kept: int, rounds_run: int):
+    ``kept`` holds the groups it did keep (ids renumbered from 0), so a caller may train on them."""
+
+    def __init__(self, groups_wanted: int, groups_kept: int, rounds_run: int, kept: GroupBatch | None = None,
+                 groups_generated: int = 0):  # fmt: skip
         self.groups_wanted = groups_wanted
         self.groups_kept = groups_kept
         self.rounds_run = rounds_run
+        self.kept = kept if kept is not None else GroupBatch.concat([])
+        self.groups_generated = groups_generated
         super().__init__(
             f"dynamic sampling wanted {groups_wanted} groups with a non-constant metric but kept "
             f"only {groups_kept} after {rounds_run} rounds (max_rounds reached)"
@@ -150,8 +155,8 @@ def fill_batch_with_dynamic_sampling(
     appearance), so groups of different rounds never merge even if their ids collide.
 
     Raises:
-        DynamicSamplingExhausted: with groups wanted / kept / rounds run, when
-            ``max_rounds`` rounds do not yield ``num_groups`` groups.
+        DynamicSamplingExhausted: with groups wanted / kept / rounds run and the kept
+            groups themselves, when ``max_rounds`` rounds do not yield ``num_groups`` groups.
     """
     if num_groups < 1 or max_rounds < 1:
         raise ValueError(f"need num_groups >= 1 and max_rounds >= 1, got {num_groups}, {max_rounds}")
@@ -160,7 +165,7 @@ def fill_batch_with_dynamic_sampling(
     rounds = 0
     while groups_kept < num_groups:
         if rounds == max_rounds:
-            raise DynamicSamplingExhausted(num_groups, groups_kept, rounds)
+            raise DynamicSamplingExhausted(num_groups, groups_kept, rounds, GroupBatch.concat(kept_parts), groups_generated)
         batch = generate_fn(rounds)
         rounds += 1
         kept = batch.select(keep_groups(batch.metric, batch.group_index))

@@ -1,0 +1,226 @@
+"""The update step does exactly what the config says: N workers make one worker's update, empty minibatches
+and skipped steps leave AdamW alone, the KL penalty exists when kl_coef > 0, dynamic sampling keeps what it
+kept and filters on correctness, and a worker that raises stops the others."""
+
+import time
+
+import pytest
+import torch
+
+from allsync.config import parse_config
+from allsync.placement import WorkerFailure, WorkerGroup
+from allsync.rollout import Rollout
+from allsync.tasks import Problem
+from allsync.worker import RLWorker, Sample
+
+PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in range(10)]
+
+
+def config(base, workers=1, lr=1e-3, minibatches=2, **algorithm):
+    return parse_config({
+        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+        "lora": {"rank": 4, "alpha": 8},
+        "run": {"export": "merged"},
+        "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
+        "optim": {"lr": lr, "minibatches": minibatches, "weight_decay": 0.1},
+        "parallel": {"workers_per_node": workers},
+        "algorithm": algorithm,
+    })  # fmt: skip
+
+
+def groups(seed: int, count: int, size: int = 3) -> tuple[list[Sample], torch.Tensor]:
+    """`count` groups of `size` synthetic samples with mixed rewards and different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    samples, index = [], []
+    for g in range(count):
+        prompt = [0, 3] + torch.randint(8, 200, (4 + g,), generator=gen).tolist() + [4]
+        for k in range(size):
+            response = torch.randint(8, 200, (2 + (g + k) % 4,), generator=gen).tolist()
+            samples.append(Sample(prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0))
+            index.append(g)
+    return samples, torch.tensor(index)
+
+
+def adapter(worker_or_group) -> dict[str, torch.Tensor]:
+    if isinstance(worker_or_group, RLWorker):
+        return worker_or_group.adapter_tensors()
+    return worker_or_group.call_rank0("adapter_tensors")
+
+
+def trained(worker: RLWorker, samples, index) -> dict:
+    out = worker.train(samples, index)
+    worker.adapter_version += 1
+    return out
+
+
+def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16):
+    """Three real RL updates (2 AdamW steps each, lr 1e-3, weight decay 0.1): two Ray workers with half the
+    batch each apply the one-worker gradient of the whole batch, and reach its adapter.
+
+    Float sums in another order differ by ~1e-4 of the largest gradient entry (per-token terms with +-
+    advantages cancel), and Adam turns an entry whose gradient is within that noise of 0 into +-lr, so the
+    adapters agree entry by entry except for such entries: >= 99% within 1e-6 (a rank missing from the
+    all-reduce or another minibatch split moves most entries by ~lr)."""
+    batches = [groups(seed, 4) for seed in range(3)]
+    single = RLWorker(config(tiny_bf16), PROBLEMS)
+    pair = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
+    flat = lambda tensors: torch.cat([t.flatten() for t in tensors])  # noqa: E731
+    try:
+        import ray
+
+        for samples, index in batches:
+            # minibatch m of the pair is the union of each rank's m-th part: rank 0 holds groups 0-1, rank 1 groups 2-3
+            order = [i for g in (0, 2, 1, 3) for i in range(3 * g, 3 * g + 3)]
+            trained(single, [samples[i] for i in order], torch.tensor([index[i] for i in order]))
+            ray.get([pair.workers[0].train.remote(samples[:6], index[:6]), pair.workers[1].train.remote(samples[6:], index[6:] - 2)])
+            expected_grad, got_grad = flat(single.gradient_tensors()), flat(pair.call_rank0("gradient_tensors"))
+            assert float((got_grad - expected_grad).abs().max()) < 1e-3 * float(expected_grad.abs().max())
+        got, theirs, expected = adapter(pair), pair.call_ranks([1], "adapter_tensors")[0], adapter(single)
+    finally:
+        pair.shutdown()
+    assert all(torch.equal(t, theirs[k]) for k, t in got.items())  # the replicas are identical
+    moved = flat(expected.values()) - flat(adapter(RLWorker(config(tiny_bf16), PROBLEMS)).values())
+    diff = (flat(got.values()) - flat(expected.values())).abs()
+    assert float((moved.abs() > 1e-4).float().mean()) > 0.5  # most entries moved by ~lr
+    assert float((diff <= 1e-6).float().mean()) >= 0.99, f"{int((diff > 1e-6).sum())} of {diff.numel()} entries differ"
+    assert float(diff.max()) < 0.5 * 1e-3
+
+
+def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf16):
+    """Rank 1 kept no group this step: the update is exactly rank 0's samples trained alone."""
+    samples, index = groups(0, 2)
+    single = RLWorker(config(tiny_bf16), PROBLEMS)
+    trained(single, samples, index)
+    pair = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
+    try:
+        import ray
+
+        outs = ray.get([pair.workers[0].train.remote(samples, index), pair.workers[1].train.remote([], torch.zeros(0, dtype=torch.long))])
+        got = adapter(pair)
+    finally:
+        pair.shutdown()
+    assert outs[1]["trained_samples"] == 0 and outs[0]["optimizer_steps"] == outs[1]["optimizer_steps"] == 2
+    expected = adapter(single)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_an_empty_minibatch_is_no_optimizer_step(tiny_bf16):
+    """One sample and optim.minibatches 2: the second part is empty on every rank, so AdamW steps once (its
+    step count says so); a batch whose tokens are all masked moves nothing, weight decay included."""
+    w = RLWorker(config(tiny_bf16, minibatches=2), PROBLEMS)
+    samples, index = groups(0, 1, size=1)
+    out = trained(w, samples, index)
+    assert (out["optimizer_steps"], out["empty_minibatches"]) == (1, 1)
+    assert {int(s["step"]) for s in w.optimizer.state.values()} == {1}
+
+    before = adapter(w)
+    tb = w.group_batch(*groups(1, 2))
+    tb.sequences.response_mask.zero_()  # e.g. the overlong filter masked every response
+    out = w.update(tb, [[0.0] * 8] * len(tb))
+    assert (out["optimizer_steps"], out["empty_minibatches"]) == (0, 2)
+    assert all(torch.equal(t, before[k]) for k, t in adapter(w).items())
+    assert {int(s["step"]) for s in w.optimizer.state.values()} == {1}
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_skips_the_step(tiny_bf16):
+    w = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS)
+    before = adapter(w)
+    w.params[0].register_hook(lambda g: g * float("inf"))  # e.g. a bf16 overflow in one layer's backward
+    out = trained(w, *groups(0, 2))
+    assert out["nan_steps"] == 1 and out["optimizer_steps"] == 0 and out["loss_sum"] != 0
+    assert all(torch.equal(t, before[k]) for k, t in adapter(w).items())
+    assert not w.optimizer.state  # AdamW never stepped
+
+
+def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
+    """The reference is the frozen base with the adapters off: equal to a model that never had LoRA.
+    At step 1 (B = 0) the policy is the reference, so KL = 0 exactly; at step 2 it is > 0 and the
+    penalty changes the update."""
+    from quant.loader import QuantPlan, load_frozen_model
+    from allsync.trainer import forward_logprobs
+
+    plain, with_kl = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS), RLWorker(config(tiny_bf16, minibatches=1, kl_coef=0.5), PROBLEMS)
+    batches = [groups(seed, 2) for seed in range(2)]
+    kl = []
+    for samples, index in batches:
+        trained(plain, samples, index)
+        kl.append(trained(with_kl, samples, index)["kl_ref_sum"])
+    assert kl[0] == 0.0 and kl[1] > 0
+    a, b = adapter(plain), adapter(with_kl)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-6
+
+    tb = with_kl.group_batch(*batches[0])
+    base = load_frozen_model(tiny_bf16, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32)
+    with torch.no_grad():
+        reference, _ = forward_logprobs(base, tb.sequences)
+    mask = tb.sequences.response_mask.bool()
+    assert torch.allclose(tb.ref_logprobs[mask], reference[mask], atol=1e-6)
+    assert not torch.allclose(tb.old_logprobs[mask], reference[mask], atol=1e-4)  # the trained policy moved away
+
+
+def fake_rollout():
+    def generate(prompts, n, sampling):
+        count = len(prompts) * n
+        return Rollout([list(p) for p in prompts for _ in range(n)], [[5, 6, 7]] * count, [[0.0] * 3] * count,
+                       ["stop"] * count, 0, [i // n for i in range(count)])  # fmt: skip
+
+    return generate
+
+
+def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16, monkeypatch):
+    """Two all-wrong groups whose shaped rewards differ only by an overlong penalty, one mixed group:
+    filter_metric acc keeps only the mixed group (DAPO, verl); reward keeps all three."""
+    kept = {}
+    for metric in ("acc", "reward"):
+        w = RLWorker(config(tiny_bf16, dynamic_sampling=True, filter_metric=metric, max_sampling_rounds=1), PROBLEMS)
+        monkeypatch.setattr(w.engine, "generate", fake_rollout())
+        correct = [False, False, False, False, False, False, True, False, True]
+        rewards = [0.0, 0.0, -0.25, -0.5, 0.0, 0.0, 1.0, 0.0, 1.0]
+        monkeypatch.setattr(w, "rewards", lambda problems, responses: (rewards, correct))
+        samples, stats = w.collect(3)
+        kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
+    assert kept["acc"] == (1, 1, 3)  # 1 of 3 wanted kept: trained on (partial), the cap hit logged
+    assert kept["reward"] == (3, 0, 9)
+
+
+def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, monkeypatch):
+    w = RLWorker(config(tiny_bf16, dynamic_sampling=True, max_sampling_rounds=2), PROBLEMS)
+    monkeypatch.setattr(w.engine, "generate", fake_rollout())
+    # per round of 2 groups: group 0 mixed, group 1 all correct -> 1 kept per round, 2 after the cap (3 wanted)
+    # every round: group 0 mixed, the other groups all correct -> 1 group kept per round, 2 at the cap (3 wanted)
+    pattern = lambda i: i % 3 != 1 if i < 3 else True  # noqa: E731
+    monkeypatch.setattr(w, "rewards", lambda problems, responses: ([float(pattern(i)) for i in range(len(responses))],
+                                                                   [pattern(i) for i in range(len(responses))]))  # fmt: skip
+    samples, stats = w.collect(3)
+    assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (2, 3, 1, 2)
+    assert len(samples) == 6 and sorted(set(stats["group_index"].tolist())) == [0, 1]
+    out = w.train(samples, stats["group_index"])
+    assert out["trained_samples"] == 6 and out["optimizer_steps"] == 2
+
+    w.config.algorithm.on_sampling_cap = "error"
+    with pytest.raises(RuntimeError, match=r"kept only 2 after 2 rounds.*algorithm\.on_sampling_cap: error"):
+        w.collect(3)
+
+
+def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
+    """Rank 1's reward raises mid-step while rank 0 waits for it in the gradient all-reduce: the controller
+    reports rank 1's error at once and stops every worker instead of hanging until gloo's timeout."""
+    group = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
+    try:
+        import ray
+
+        def break_rewards(worker):
+            def broken(problems, responses):
+                raise ZeroDivisionError("bad verifier on rank 1")
+
+            worker.rewards = broken
+
+        ray.get(group.workers[1].__ray_call__.remote(break_rewards))
+        start = time.time()
+        with pytest.raises(WorkerFailure, match=r"worker 1 failed in step: ZeroDivisionError: bad verifier on rank 1") as info:
+            group.step(1)
+        assert info.value.rank == 1 and time.time() - start < 120
+        with pytest.raises(Exception):  # rank 0 was stopped too
+            ray.get(group.workers[0].adapter_tensors.remote(), timeout=30)
+    finally:
+        group.shutdown()
