@@ -6,8 +6,20 @@
 Adapter-only sync: after every update the LoRA tensors are written as a PEFT adapter to a RAM-backed
 directory (/dev/shm) and hot-loaded through a new `LoRARequest`; the base weights never move. The engine
 runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on the same checkpoint. Logprobs
-are vLLM's processed logprobs (after temperature), the quantity the trainer recomputes. Sampling seeds
-come from torch's RNG, so a resumed run (RNG state restored) draws the same samples.
+are vLLM's processed logprobs (after temperature), the quantity the trainer recomputes.
+
+Seeds: each `generate` call draws one base seed from torch's global RNG (so a resumed run with its RNG
+state restored draws the same samples) and gives prompt i its own SamplingParams with seed base + i * n.
+vLLM 0.32 gives child k of an n > 1 request the seed + k (v1/engine/parallel_sampling.py,
+`ParentRequest._get_child_sampling_params`), and its model runner seeds one torch.Generator per request with
+that number (v1/worker/gpu_model_runner.py, which the CPU runner subclasses) for the sampler's exponential
+noise (v1/sample/ops/topk_topp_sampler.py `random_sample`): sample k of prompt i uses seed base + i * n + k,
+a different stream for every sample of the call. (One seed for all prompts, as before, gave sample k of
+every prompt the same stream: identical prompts got identical samples.)
+
+`max_model_len` (prompt + response tokens vLLM allows per request) has no default: vLLM rejects a longer
+prompt and silently ends a response at the limit with finish reason "length". The caller passes
+`allsync.tasks.model_len_needed(longest prompt, rollout.max_new_tokens, max_position_embeddings)`.
 
 Sleep mode (GPUs; vLLM reports it unavailable on CPU): after generation the worker calls
 `release_memory()`, which pauses the engine and frees its KV cache's GPU memory for the trainer while
@@ -51,7 +63,7 @@ def finish_reason(vllm_reason: str | None) -> str:
 
 class VLLMEngine:
     def __init__(self, checkpoint: str, lora_rank: int, lora_alpha: float, use_rslora: bool = False,
-                 dtype: str = "float32", max_model_len: int = 512):  # fmt: skip
+                 dtype: str = "float32", *, max_model_len: int):  # fmt: skip
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -73,11 +85,14 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.reclaim_memory()
-        seed = int(torch.randint(0, 2**31 - 1, ()))
-        params = SamplingParams(
-            n=n, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0 if sampling.greedy else sampling.top_p,
-            max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed,
-        )  # fmt: skip
+        base = int(torch.randint(0, 2**31 - 1, ()))
+        params = [
+            SamplingParams(
+                n=n, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0 if sampling.greedy else sampling.top_p,
+                max_tokens=sampling.max_new_tokens, logprobs=0, seed=base + i * n,  # child k: seed + k (module docstring)
+            )  # fmt: skip
+            for i in range(len(prompts))
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
         expanded, responses, logprobs, reasons = [], [], [], []

