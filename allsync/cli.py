@@ -3,6 +3,7 @@
     allsync make-tiny OUT [--layers N --experts E --dense-layers K --fp8 --seed S ...]
     allsync load CKPT [--routed-experts nf4 --attention fp8 ...] [--prompt TEXT]
     allsync export SRC --base CKPT --out DIR --format peft|merged [--dtype bf16|fp8]
+                   [--merge-into checkpoint|trained --routed-experts nf4 ...]
 """
 
 from __future__ import annotations
@@ -88,26 +89,67 @@ def greedy_completion(model, checkpoint: str, prompt: str, max_new_tokens: int) 
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
+    from quant.formats import FORMATS
+    from quant.layout import QUANTIZABLE_GROUPS
+    from quant.loader import QuantPlan
+
     p = sub.add_parser("export", help="export a trained adapter as a PEFT/vLLM adapter or a merged checkpoint")
     p.add_argument("src", help="a training checkpoint (with adapter/) or a PEFT adapter directory")
     p.add_argument("--base", required=True, help="the base checkpoint the adapter was trained on")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--format", required=True, choices=("peft", "merged"))
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="merged only: bf16 or FP8 128x128 blocks")
+    p.add_argument(
+        "--merge-into", default="checkpoint", choices=("checkpoint", "trained"),
+        help="merged only: fold s*B*A into each adapted weight as the base checkpoint stores it (checkpoint, the "
+        "default: the full-precision base plus the adapter), or into that weight quantized to the format it was "
+        "trained in and dequantized (trained: exactly the weights the trained model used; give those formats "
+        "with the flags below, as in the run's model.quant)",
+    )  # fmt: skip
+    for group in QUANTIZABLE_GROUPS:
+        p.add_argument(
+            "--" + group.replace("_", "-"), choices=FORMATS,
+            help=f"--merge-into trained: the format the {group} weights were trained in (default {getattr(QuantPlan(), group)}, as in `allsync load`)",
+        )  # fmt: skip
+    p.add_argument("--double-quant", action="store_true", help="--merge-into trained: nf4 was double-quantized")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(run=_run_export)
+
+
+def trained_plan_of(args: argparse.Namespace):
+    """The QuantPlan to merge into (None: the checkpoint's stored weights); format flags need --merge-into trained."""
+    from quant.layout import QUANTIZABLE_GROUPS
+    from quant.loader import QuantPlan
+
+    named = {g: getattr(args, g) for g in QUANTIZABLE_GROUPS if getattr(args, g) is not None}
+    if args.format != "merged" or args.merge_into != "trained":
+        given = [f"--{g.replace('_', '-')}" for g in named] + (["--double-quant"] if args.double_quant else [])
+        if given:
+            raise ValueError(f"{', '.join(given)}: training formats apply only with --format merged --merge-into trained")
+        return None
+    return QuantPlan(**named, double_quant=args.double_quant)
 
 
 def _run_export(args: argparse.Namespace) -> None:
     from moe_lora.adapter_io import export_merged, export_peft, read_adapter
     from quant.checkpoint_io import read_config
 
+    plan = trained_plan_of(args)
     adapter = read_adapter(args.src, read_config(args.base))
     if args.format == "peft":
         out = export_peft(adapter, args.base, args.out, overwrite=args.overwrite)
+        into = ""
     else:
-        out = export_merged(adapter, args.base, args.out, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"wrote {args.format} export of {len(adapter.modules())} adapted modules (rank {adapter.r}) to {out}")
+        out = export_merged(adapter, args.base, args.out, dtype=args.dtype, trained_plan=plan, overwrite=args.overwrite)
+        into = " merged into the base's stored weights" if plan is None else f" merged into the weights as trained ({_plan_text(plan)})"
+    print(f"wrote {args.format} export of {len(adapter.modules())} adapted modules (rank {adapter.r}){into} to {out}")
+
+
+def _plan_text(plan) -> str:
+    from quant.layout import QUANTIZABLE_GROUPS
+
+    text = ", ".join(f"{g} {plan.format_of(g)}" for g in QUANTIZABLE_GROUPS)
+    return text + (", double-quantized nf4" if plan.double_quant else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

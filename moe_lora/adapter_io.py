@@ -27,8 +27,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from quant.checkpoint_io import INDEX_NAME, atomic_output_dir, read_config, read_weight_map
-from quant.formats import fp8_block_dequantize, fp8_block_quantize
+from quant.formats import checkpoint_weight, fp8_block_dequantize, fp8_block_quantize
 from quant.layout import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX, expected_tensors, scale_key
+from quant.loader import QuantPlan
 
 PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -243,12 +244,67 @@ def _read_tensor(base: Path, weight_map: dict[str, str], key: str) -> torch.Tens
         return f.get_tensor(key)
 
 
-def export_merged(
-    adapter: Adapter, base: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16", overwrite: bool = False
-) -> Path:
-    """A full checkpoint with W' = W + s B A folded in, sharded like the base, in bf16 or FP8 128x128 blocks.
+def stored_weight(t: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
+    """A checkpoint weight as stored, in float32: FP8 blocks dequantized exactly (Q * scale_inv), else cast."""
+    return t.float() if scale_inv is None else fp8_block_dequantize(t, scale_inv)
 
-    Shard by shard: each output shard holds the weights of the same base shard (plus, for fp8, their scales).
+
+def trained_weight(t: torch.Tensor, scale_inv: torch.Tensor | None, fmt: str, double_quant: bool) -> torch.Tensor:
+    """dequant(quant(W)) in float32: the weight a frozen module in `fmt` holds, converted exactly as the loader
+    converts it (`checkpoint_weight`), so it equals that module's `weight_q.dequantize(float32)` bit for bit."""
+    return checkpoint_weight(t, scale_inv, fmt, double_quant).dequantize(torch.float32)
+
+
+def merged_tensors(
+    key: str, t: torch.Tensor, scale_inv: torch.Tensor | None, quantizable: bool, adapted: torch.Tensor | None, dtype: str
+) -> dict[str, torch.Tensor]:
+    """The output tensors of one base weight `t` (`scale_inv`: its FP8 block scales, None for a floating weight).
+
+    Adapted (`adapted` = W' in float32, given): written as bf16, or as FP8 blocks with fresh scales.
+    Not adapted: FP8 weights (scale_inv given; the quantizable groups' and the MTP layer's alike) are
+    dequantized for a bf16 output and copied byte for byte with their scales for an fp8 one; floating
+    weights of the quantizable groups are cast to bf16, or block-quantized for fp8; the rest is copied.
+    """
+    if adapted is not None:
+        w = adapted
+    elif scale_inv is not None:
+        if dtype == "fp8":
+            return {key: t, scale_key(key): scale_inv}
+        w = stored_weight(t, scale_inv)
+    elif quantizable:
+        w = t.float()
+    else:
+        return {key: t}
+    if dtype == "fp8":
+        q, new_scale_inv = fp8_block_quantize(w)
+        return {key: q, scale_key(key): new_scale_inv}
+    return {key: w.to(torch.bfloat16)}
+
+
+def export_merged(
+    adapter: Adapter,
+    base: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str = "bf16",
+    trained_plan: QuantPlan | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A full checkpoint with W' = W_into + s B A folded in, sharded like the base, in bf16 or FP8 128x128 blocks.
+
+    W_into, for each adapted weight W of the base checkpoint:
+      trained_plan None (default): W as the checkpoint stores it (FP8 blocks dequantized exactly). This is
+        the full-precision base plus the adapter; it is not the model that was trained when training froze
+        W in a lossy format (e.g. NF4 routed experts): it differs by dequant(quant(W)) - W per adapted weight.
+        It is the default because an adapter does not record the formats it was trained in.
+      trained_plan given: dequant(quant(W)) in the format `trained_plan` gives W's group (pass the run's
+        `model.quant`), converted by the loader's own code, so W_into is bit for bit the weight the trainer's
+        frozen module held and W' is the weight the trained model applied (up to the output dtype's rounding).
+    Weights without an adapter are not re-quantized to the training formats: a bf16 output holds them as
+    stored (FP8 ones dequantized, the multi-token-prediction layer's included: no float8 tensor and no
+    weight_scale_inv is left), an fp8 output copies FP8 ones with their scales byte for byte and
+    block-quantizes floating ones of the quantizable groups. Shard by shard: each output shard holds the
+    weights of the same base shard (plus, for fp8, their scales).
     """
     if dtype not in ("bf16", "fp8"):
         raise AdapterError(f"merged dtype {dtype!r}: choose bf16 or fp8")
@@ -257,7 +313,6 @@ def export_merged(
     check_fits_base(adapter, config)
     specs = expected_tensors(config)
     weight_map = read_weight_map(base)
-    base_fp8 = "quantization_config" in config
     adapted = set(adapter.modules())
     shards = sorted({f for k, f in weight_map.items() if not k.endswith(SCALE_SUFFIX)})
 
@@ -268,21 +323,17 @@ def export_merged(
             tensors: dict[str, torch.Tensor] = {}
             for key in [k for k, f in weight_map.items() if f == shard and not k.endswith(SCALE_SUFFIX)]:
                 t = _read_tensor(base, weight_map, key)
-                spec = specs.get(key)
-                module = key[: -len(".weight")]
-                if spec is None or not spec.quantizable:
-                    tensors[key] = t
-                    continue
-                if base_fp8 and dtype == "fp8" and module not in adapted:
-                    tensors[key], tensors[scale_key(key)] = t, _read_tensor(base, weight_map, scale_key(key))
-                    continue
-                w = fp8_block_dequantize(t, _read_tensor(base, weight_map, scale_key(key))) if base_fp8 else t.float()
-                if module in adapted:
-                    w = w + adapter.delta(module)
-                if dtype == "fp8":
-                    tensors[key], tensors[scale_key(key)] = fp8_block_quantize(w)
-                else:
-                    tensors[key] = w.to(torch.bfloat16)
+                scale_inv = _read_tensor(base, weight_map, scale_key(key)) if scale_key(key) in weight_map else None
+                spec, module = specs.get(key), key[: -len(".weight")]
+                new_weight = None
+                if module in adapted:  # check_fits_base: an adapted weight is a quantizable group's
+                    if trained_plan is None:
+                        into = stored_weight(t, scale_inv)
+                    else:
+                        into = trained_weight(t, scale_inv, trained_plan.format_of(spec.group), trained_plan.double_quant)
+                    new_weight = into + adapter.delta(module)
+                quantizable = spec is not None and spec.quantizable
+                tensors.update(merged_tensors(key, t, scale_inv, quantizable, new_weight, dtype))
             save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
             for key, t in tensors.items():
                 new_map[key] = shard
@@ -296,4 +347,3 @@ def export_merged(
             if name.startswith(("tokenizer", "generation_config", "special_tokens", "chat_template")):
                 shutil.copy(base / name, tmp / name)
     return Path(out)
-

@@ -58,6 +58,27 @@ def write_shards(directory: Path, shards: list[dict[str, torch.Tensor]]) -> dict
     return index
 
 
+DIR_MODE, FILE_MODE = 0o755, 0o644  # rwxr-xr-x: others may enter and list; rw-r--r--: others may read
+
+
+def share_tree(root: Path) -> None:
+    """Make `root` and everything under it readable by every user: directories DIR_MODE, files FILE_MODE.
+
+    A directory needs its x bit to be entered, so a checkpoint whose `adapter/` were 0644 could not be
+    read by a non-root user, not even its owner. Symbolic links are left alone (chmod would follow them).
+    """
+    os.chmod(root, DIR_MODE)
+    for directory, subdirs, files in os.walk(root):
+        for name in subdirs:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, DIR_MODE)
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, FILE_MODE)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to `out`; on success rename it to `out`, on failure delete it.
@@ -74,9 +95,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
-    for f in tmp.iterdir():
-        os.chmod(f, 0o644)
+    share_tree(tmp)  # mkdtemp makes it private; a checkpoint is meant to be shared
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)
@@ -87,6 +106,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, FILE_MODE)  # mkstemp makes it 0600
     os.replace(tmp, path)
 
 

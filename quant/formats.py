@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from quant.layout import FP8_BLOCK
+from quant.layout import FP8_BLOCK, fp8_scale_shape
 
 FORMATS = ("bf16", "fp8", "nf4", "int8")
 NF4_BLOCKSIZE = 64
@@ -50,10 +50,22 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
     """W[i, j] = float(Q[i, j]) * scale_inv[i // block, j // block]   (float32 result).
 
     Partial edge blocks use their own scale; scale_inv has shape (ceil(out/block), ceil(in/block)).
+    Computed blockwise, without a full-size scale tensor: Q [R, C] (zero-padded to whole blocks) is
+    viewed as [R/b, b, C/b, b] and multiplied in place by scale_inv[:, None, :, None], then cropped.
     """
     out_dim, in_dim = q.shape
-    expanded = scale_inv.float().repeat_interleave(block, 0)[:out_dim].repeat_interleave(block, 1)[:, :in_dim]
-    return q.float() * expanded
+    rows, cols = fp8_scale_shape((out_dim, in_dim), block)
+    if tuple(scale_inv.shape) != (rows, cols):
+        raise ValueError(
+            f"scale_inv has shape {list(scale_inv.shape)}, a [{out_dim}, {in_dim}] weight in {block}x{block} blocks needs [{rows}, {cols}]"
+        )
+    if out_dim == rows * block and in_dim == cols * block:
+        w = q.to(torch.float32, copy=True)  # a copy of our own, so scaling it in place is safe
+    else:
+        w = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=q.device)
+        w[:out_dim, :in_dim] = q
+    w.view(rows, block, cols, block).mul_(scale_inv.float()[:, None, :, None])
+    return w[:out_dim, :in_dim].contiguous()
 
 
 def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +166,14 @@ def from_fp8_checkpoint(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, doub
         shape = (int(q.shape[0]), int(q.shape[1]))
         return QuantizedWeight("fp8", shape, q.clone(memory_format=torch.contiguous_format), scale_inv.float().clone())
     return quantize_weight(fp8_block_dequantize(q, scale_inv), fmt, double_quant)
+
+
+def checkpoint_weight(tensor: torch.Tensor, scale_inv: torch.Tensor | None, fmt: str, double_quant: bool = False) -> QuantizedWeight:
+    """One checkpoint weight in `fmt`, converted the way the loader converts it: an FP8 tensor (given its
+    scale_inv) through `from_fp8_checkpoint`, a floating one through `quantize_weight`."""
+    if scale_inv is None:
+        return quantize_weight(tensor, fmt, double_quant)
+    return from_fp8_checkpoint(tensor, scale_inv, fmt, double_quant)
 
 
 # ----------------------------------------------------------------------------------------- matmul

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quant.checkpoint_io import CheckpointError, read_config, read_weight_map
-from quant.formats import QuantizedWeight, check_format, from_fp8_checkpoint, quantize_weight
+from quant.formats import QuantizedWeight, check_format, checkpoint_weight
 from quant.layout import (
     FP8_BLOCK,
     QUANTIZABLE_GROUPS,
@@ -283,10 +283,7 @@ def load_frozen_model(
                 else:
                     scale = None
                 fmt = plan.format_of(ckpt.specs[key].group)
-                if scale is None:
-                    place_quantized(key, quantize_weight(tensor, fmt, plan.double_quant))
-                else:
-                    place_quantized(key, from_fp8_checkpoint(tensor, scale, fmt, plan.double_quant))
+                place_quantized(key, checkpoint_weight(tensor, scale, fmt, plan.double_quant))
                 del tensor, scale
     bar.close()
     if pending_fp8:

@@ -64,6 +64,8 @@ class FrozenExperts(nn.Module):
         return frozen_linear(hidden, w["down"][expert])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        # One output buffer, accumulated in place (index_add_): autograd records each add and passes the
+        # output gradient through unchanged, so backward to the input needs no copy of the buffer.
         out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[-1]
         with torch.no_grad():
@@ -77,7 +79,7 @@ class FrozenExperts(nn.Module):
             start += count
             tokens = assignments // k
             y = self.expert_mlp(expert, hidden_states[tokens]) * flat_weights[assignments, None].to(hidden_states.dtype)
-            out = out.index_add(0, tokens, y)
+            out.index_add_(0, tokens, y)
         return out
 
     def extra_repr(self) -> str:

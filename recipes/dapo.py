@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
             if (reason := unsupported_targets(config.lora.targets)) is not None:
                 raise ConfigError(f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}")
+        for key in ("expert_parallel", "tensor_parallel"):
+            if getattr(config.parallel, key) != 1:
+                raise ConfigError(f"{args.config}: parallel.{key} = {getattr(config.parallel, key)}: not in the loop yet "
+                                  "(every worker would hold every expert and every weight); use 1")  # fmt: skip
         if config.parallel.layout != "colocated":
             raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
@@ -172,12 +176,15 @@ def train(config: RunConfig, args: argparse.Namespace, group: WorkerGroup, split
     greedy = heldout_accuracy(group, splits.heldout, 1)
     log.write(step, {"heldout_greedy_accuracy": greedy})
     from moe_lora.adapter_io import Adapter, export_merged, export_peft
+    from quant.loader import QuantPlan
 
     adapter = Adapter(group.call_rank0("adapter_tensors"), config.lora.rank, config.lora.alpha, config.lora.use_rslora)
     if config.run.export == "peft":
         exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
     else:
-        exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16", overwrite=True)
+        q = config.model.quant  # merged into the weights as trained (e.g. NF4-dequantized experts), not the stored ones
+        plan = QuantPlan(q.routed_experts, q.shared_experts, q.attention, q.dense_mlp, q.double_quant)
+        exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16", trained_plan=plan, overwrite=True)
     plot = plot_run(log.records(), out_dir / "run.png")
     log.close()
     group.shutdown()  # before the summary, so that nothing the workers print comes after it

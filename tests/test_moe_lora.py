@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing
@@ -76,6 +78,41 @@ def test_lora_experts_equal_dense_reference(fmt):
         assert lora.lora_A[p].grad[ROUTED].abs().max() == 0 and lora.lora_B[p].grad[ROUTED].abs().max() == 0
     with torch.no_grad():  # the inference path (nothing saved) gives the same output
         assert torch.equal(lora(x, idx, w), out)
+
+
+class NewBuffersOfShape(TorchDispatchMode):
+    """Counts tensors of `shape` that ops return in storage none of their inputs had (fresh buffers)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and t.untyped_storage().data_ptr() not in inputs:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frozen_experts_accumulate_in_place_and_equal_dense_reference(fmt):
+    """The frozen base allocates its [T, H] output once (no copy per routed expert), and its output and
+    gradients to the input and routing weights equal every expert run densely (B = 0: W_e alone)."""
+    lora = make_experts(fmt)
+    x, idx, w = routing()
+    with NewBuffersOfShape(x.shape) as fresh:
+        out = lora.base(x, idx, w)
+    assert fresh.count == 1  # was 5 (1 + one copy per routed expert, 4 here) with out = out.index_add(...)
+    xr, wr = leaf(x), leaf(w)
+    zero_b = {p: torch.zeros_like(t) for p, t in lora.lora_B.items()}
+    ref = dense_experts(lora, xr, idx, wr, dict(lora.lora_A), zero_b)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    (out * grad_out).sum().backward()
+    (ref * grad_out).sum().backward()
+    assert rel(out, ref) < 1e-5
+    assert rel(x.grad, xr.grad) < 1e-5 and rel(w.grad, wr.grad) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -24,6 +24,31 @@ def test_fp8_block_dequantize_matches_definition_with_partial_edge_blocks():
     assert torch.equal(fp8_block_dequantize(q, scale_inv), expected)
 
 
+def full_size_scale_dequantize(q, scale_inv, block=128):
+    """The formula fp8_block_dequantize replaced: a full-size float32 scale built with repeat_interleave."""
+    out_dim, in_dim = q.shape
+    expanded = scale_inv.float().repeat_interleave(block, 0)[:out_dim].repeat_interleave(block, 1)[:, :in_dim]
+    return q.float() * expanded
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (128, 128), (130, 260), (576, 128), (64, 512), (1, 129), (300, 200)])
+def test_fp8_blocked_dequantize_equals_full_size_scale_formula(shape):
+    """Whole blocks and partial edge blocks (rows, columns or both): bit-identical to the old formula."""
+    gen = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    q, scale_inv = fp8_block_quantize(torch.randn(*shape, generator=gen) * 3)
+    scale_inv = scale_inv * (torch.rand(scale_inv.shape, generator=gen) + 0.5)  # blocks with unrelated scales
+    blocked = fp8_block_dequantize(q, scale_inv)
+    assert blocked.dtype == torch.float32 and blocked.shape == shape and blocked.is_contiguous()
+    assert torch.equal(blocked, full_size_scale_dequantize(q, scale_inv))
+    assert q.dtype == torch.float8_e4m3fn  # the input is left alone (scaling works on a copy)
+
+
+def test_fp8_dequantize_refuses_scales_of_the_wrong_shape():
+    q, scale_inv = fp8_block_quantize(torch.randn(130, 260))
+    with pytest.raises(ValueError, match=r"scale_inv has shape \[2, 2\], a \[130, 260\] weight .* needs \[2, 3\]"):
+        fp8_block_dequantize(q, scale_inv[:, :2])
+
+
 def test_fp8_block_quantize_scales_and_error():
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(300, 200, generator=gen)
