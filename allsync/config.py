@@ -279,8 +279,12 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"run.keep_checkpoints = {c.run.keep_checkpoints}: must be >= 1 (or null to keep all)")
     if c.run.time_limit_minutes is not None and c.run.time_limit_minutes <= 0:
         fail(f"run.time_limit_minutes = {c.run.time_limit_minutes}: must be > 0 (or null for none)")
-    if c.optim.lr < 0 or c.optim.weight_decay < 0 or c.optim.grad_clip <= 0:
-        fail("optim.lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
+    if c.optim.lr < 0 or c.optim.value_lr < 0 or c.optim.weight_decay < 0 or c.optim.grad_clip <= 0:
+        fail("optim.lr, optim.value_lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
+    if len(c.optim.betas) == 2 and not all(0 <= b < 1 for b in c.optim.betas):
+        fail(f"optim.betas = {c.optim.betas}: each must be in [0, 1)")
+    if c.run.max_consecutive_nan < 1:
+        fail(f"run.max_consecutive_nan = {c.run.max_consecutive_nan}: must be >= 1")
     if c.rollout.engine not in ("torch", "vllm"):
         fail(f"rollout.engine = {c.rollout.engine!r}: use torch or vllm")
     if c.run.export not in ("peft", "merged"):

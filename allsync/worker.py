@@ -131,7 +131,7 @@ class TrainBatch:
         """[policy tokens, sequences with a policy token, critic tokens] of these rows."""
         mask = self.sequences.response_mask[rows]
         critic = self.value_mask[rows].sum() if self.value_mask is not None else 0.0
-        return torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum()), float(critic)])
+        return torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum()), float(critic)], dtype=torch.float64)
 
 
 EVENTS_KEPT = 4096  # the most recent phases kept for inspection (benchmarks); busy time is a running total
@@ -477,7 +477,7 @@ class RLWorker:
                "kl_ref_sum": 0.0, "logprob_gap": 0.0, "trained_samples": len(tb) if tb else 0, "trained_tokens": 0,
                "nan_steps": 0, "optimizer_steps": 0, "empty_minibatches": 0, "grad_norm": 0.0}  # fmt: skip
         parts: list[torch.Tensor | None] = [None] * minibatches
-        local = torch.zeros(minibatches, 3)  # per minibatch: policy tokens, sequences, critic tokens
+        local = torch.zeros(minibatches, 3, dtype=torch.float64)  # per minibatch: policy tokens, sequences, critic tokens (exact past 2^24)
         if tb is not None:
             engine = scatter_response_values(engine_logprobs, tb.sequences)
             out["logprob_gap"] = logprob_gap(engine, tb.old_logprobs, tb.sequences.response_mask)

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(config, args, group, splits, out_dir)
     except WorkerFailure as exc:
-        print(f"error: {exc}; every worker was stopped", file=sys.stderr)
+        print(f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr)  # the cause holds the worker's traceback
         return 4
     finally:
         group.shutdown()

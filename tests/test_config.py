@@ -47,6 +47,9 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"run": {"keep_checkpoints": 0}}, r"run\.keep_checkpoints = 0: must be >= 1"),
         ({"lora": {"dropout": 0.1}}, r"lora\.dropout = 0\.1: RL trains on-policy"),
         ({"lora": {"dropout": 1.0}}, r"lora\.dropout = 1\.0"),
+        ({"optim": {"betas": [0.9, 1.0]}}, r"optim\.betas = \[0\.9, 1\.0\]: each must be in \[0, 1\)"),
+        ({"optim": {"value_lr": -1.0}}, r"optim\.value_lr"),
+        ({"run": {"max_consecutive_nan": 0}}, r"run\.max_consecutive_nan = 0: must be >= 1"),
         # 4 prompts x 3 samples = 12 split into 4 minibatches globally, but each of the 2 workers holds 6
         ({"rollout": {"prompts_per_step": 4, "group_size": 3}, "optim": {"minibatches": 4}}, r"must divide each worker's samples per step .* = 6\)"),
     ],
