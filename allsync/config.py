@@ -31,6 +31,12 @@ class QuantSection:
     dense_mlp: str = "bf16"
     double_quant: bool = False
 
+    def plan(self):
+        """The quant.loader.QuantPlan these formats describe (what the frozen model is loaded and trained in)."""
+        from quant.loader import QuantPlan
+
+        return QuantPlan(self.routed_experts, self.shared_experts, self.attention, self.dense_mlp, self.double_quant)
+
 
 @dataclass
 class ModelSection:
@@ -262,19 +268,21 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
              "policy; use run.eval_top_p for sampled evaluation")  # fmt: skip
     if not 0 < c.run.eval_top_p <= 1:
         fail(f"run.eval_top_p = {c.run.eval_top_p}: must be in (0, 1]")
-    for key in ("prompts_per_step", "group_size", "max_new_tokens"):
-        if getattr(r, key) < 1:
-            fail(f"rollout.{key} = {getattr(r, key)}: must be >= 1")
-    if c.algorithm.max_sampling_rounds < 1:
-        fail(f"algorithm.max_sampling_rounds = {c.algorithm.max_sampling_rounds}: must be >= 1")
+    at_least_one = {  # counts: dotted key -> what the value means, when the key alone does not say
+        "rollout.prompts_per_step": "", "rollout.group_size": "", "rollout.max_new_tokens": "",
+        "algorithm.max_sampling_rounds": "", "run.max_consecutive_nan": "",
+        "run.eval_samples": " (1 = greedy, k = avg@k at the rollout temperature)",
+    }  # fmt: skip
+    for key, meaning in at_least_one.items():
+        section, name = key.split(".")
+        if (value := getattr(getattr(c, section), name)) < 1:
+            fail(f"{key} = {value}: must be >= 1{meaning}")
     if c.algorithm.filter_metric not in ("acc", "reward"):
         fail(f"algorithm.filter_metric = {c.algorithm.filter_metric!r}: use acc (correctness, as DAPO) or reward (shaped reward)")
     if c.algorithm.on_sampling_cap not in ("partial", "error"):
         fail(f"algorithm.on_sampling_cap = {c.algorithm.on_sampling_cap!r}: use partial (train on the groups kept) or error")
     if c.algorithm.kl_coef < 0:
         fail(f"algorithm.kl_coef = {c.algorithm.kl_coef}: must be >= 0")
-    if c.run.eval_samples < 1:
-        fail(f"run.eval_samples = {c.run.eval_samples}: must be >= 1 (1 = greedy, k = avg@k at the rollout temperature)")
     if c.run.keep_checkpoints is not None and c.run.keep_checkpoints < 1:
         fail(f"run.keep_checkpoints = {c.run.keep_checkpoints}: must be >= 1 (or null to keep all)")
     if c.run.time_limit_minutes is not None and c.run.time_limit_minutes <= 0:
@@ -283,8 +291,6 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail("optim.lr, optim.value_lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
     if len(c.optim.betas) == 2 and not all(0 <= b < 1 for b in c.optim.betas):
         fail(f"optim.betas = {c.optim.betas}: each must be in [0, 1)")
-    if c.run.max_consecutive_nan < 1:
-        fail(f"run.max_consecutive_nan = {c.run.max_consecutive_nan}: must be >= 1")
     if c.rollout.engine not in ("torch", "vllm"):
         fail(f"rollout.engine = {c.rollout.engine!r}: use torch or vllm")
     if c.run.export not in ("peft", "merged"):

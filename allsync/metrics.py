@@ -57,7 +57,7 @@ def aggregate(per_worker: list[dict]) -> dict:
 def read_records(path: Path) -> list[dict]:
     """The JSON lines of metrics.jsonl. A last line cut short (a run killed while writing it) is dropped with
     a warning: the resumed run redoes that step. A bad line before the last is an error naming file:line."""
-    lines = [line for line in Path(path).read_text().split("\n")]
+    lines = Path(path).read_text().split("\n")
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

@@ -63,7 +63,7 @@ from allsync.trainer import (
 )
 from evals.verify import answer_reward
 from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, load_lora_state_dict, lora_state_dict
-from quant.loader import QuantPlan, load_frozen_model
+from quant.loader import load_frozen_model
 
 
 class RewardError(RuntimeError):
@@ -122,9 +122,10 @@ class TrainBatch:
 
     def minibatch(self, rows: torch.Tensor) -> "TrainBatch":
         """These rows, cut to their own longest row (sequences are right-padded to the whole batch's)."""
-        width = self.sequences.select(rows).width
+        sequences = self.sequences.select(rows)
+        width = sequences.width
         cut = lambda t: None if t is None else t[rows][:, : width - 1]  # noqa: E731
-        return TrainBatch(self.sequences.select(rows).trimmed(width), cut(self.old_logprobs), cut(self.advantages),
+        return TrainBatch(sequences.trimmed(width), cut(self.old_logprobs), cut(self.advantages),
                           cut(self.returns), cut(self.value_mask), cut(self.ref_logprobs))  # fmt: skip
 
     def counts(self, rows: torch.Tensor) -> torch.Tensor:
@@ -214,9 +215,7 @@ class RLWorker:
 
         base = config.model.base
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        q = config.model.quant
-        plan = QuantPlan(q.routed_experts, q.shared_experts, q.attention, q.dense_mlp, q.double_quant)
-        self.model = load_frozen_model(base, plan, compute_dtype=_dtype(config.model.compute_dtype), progress=rank == 0)
+        self.model = load_frozen_model(base, config.model.quant.plan(), compute_dtype=_dtype(config.model.compute_dtype), progress=rank == 0)
         lc = config.lora
         attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
         self.params = [p for p in self.model.parameters() if p.requires_grad]

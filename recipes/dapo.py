@@ -176,15 +176,14 @@ def train(config: RunConfig, args: argparse.Namespace, group: WorkerGroup, split
     greedy = heldout_accuracy(group, splits.heldout, 1)
     log.write(step, {"heldout_greedy_accuracy": greedy})
     from moe_lora.adapter_io import Adapter, export_merged, export_peft
-    from quant.loader import QuantPlan
 
     adapter = Adapter(group.call_rank0("adapter_tensors"), config.lora.rank, config.lora.alpha, config.lora.use_rslora)
     if config.run.export == "peft":
         exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
     else:
-        q = config.model.quant  # merged into the weights as trained (e.g. NF4-dequantized experts), not the stored ones
-        plan = QuantPlan(q.routed_experts, q.shared_experts, q.attention, q.dense_mlp, q.double_quant)
-        exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16", trained_plan=plan, overwrite=True)
+        # merged into the weights as trained (e.g. NF4-dequantized experts), not the stored ones
+        exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16",
+                                 trained_plan=config.model.quant.plan(), overwrite=True)  # fmt: skip
     plot = plot_run(log.records(), out_dir / "run.png")
     log.close()
     group.shutdown()  # before the summary, so that nothing the workers print comes after it
