@@ -116,9 +116,19 @@ class ParallelSection:
 
     nodes: int = 1
     workers_per_node: int = 2
-    expert_parallel: int = 1  # routed experts sharded over this many workers
-    tensor_parallel: int = 1
+    expert_parallel: int = 1  # routed experts sharded over this many workers (must divide the expert count)
+    tensor_parallel: int = 1  # only 1: no tensor parallelism in the loop
     layout: str = "colocated"  # colocated (all-sync) | disaggregated (half generate, half train)
+    device: str = "auto"  # auto (cuda when a GPU is visible) | cpu | cuda
+    backend: str = "auto"  # process groups: auto (nccl on cuda, gloo on cpu) | gloo | nccl
+
+    def resolved_device(self) -> str:
+        import torch
+
+        return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+
+    def resolved_backend(self) -> str:
+        return ("nccl" if self.resolved_device() == "cuda" else "gloo") if self.backend == "auto" else self.backend
 
     @property
     def workers(self) -> int:
@@ -349,8 +359,30 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"parallel.layout = {p.layout!r}: use colocated or disaggregated")
     if p.layout == "disaggregated" and (p.workers < 2 or p.workers % 2):
         fail(f"parallel.layout disaggregated needs an even number >= 2 of workers (nodes x workers_per_node = {p.workers})")
-    if p.workers % (p.expert_parallel * p.tensor_parallel):
-        fail(f"parallel: expert_parallel x tensor_parallel = {p.expert_parallel * p.tensor_parallel} must divide the {p.workers} workers")
+    if p.tensor_parallel != 1:
+        fail(f"parallel.tensor_parallel = {p.tensor_parallel}: the loop has no tensor parallelism; use 1 (routed experts "
+             "shard with parallel.expert_parallel)")  # fmt: skip
+    if p.expert_parallel < 1 or p.workers % p.expert_parallel:
+        fail(f"parallel.expert_parallel = {p.expert_parallel} must divide the {p.workers} workers (nodes x workers_per_node)")
+    if p.expert_parallel > 1:
+        if c.rollout.engine != "torch":
+            fail(f"parallel.expert_parallel = {p.expert_parallel} with rollout.engine {c.rollout.engine}: the sharded experts "
+                 "serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch")  # fmt: skip
+        if p.layout != "colocated":
+            fail(f"parallel.expert_parallel = {p.expert_parallel} with parallel.layout {p.layout}: use colocated")
+        if c.algorithm.uses_critic:
+            fail(f"parallel.expert_parallel = {p.expert_parallel} with algorithm.advantage {c.algorithm.advantage}: the "
+                 "critic's windows are not run under expert parallelism yet; use grpo or drgrpo")  # fmt: skip
+    if p.device not in ("auto", "cpu", "cuda"):
+        fail(f"parallel.device = {p.device!r}: use auto, cpu or cuda")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        fail(f"parallel.backend = {p.backend!r}: use auto, gloo or nccl")
+    import torch
+
+    if p.device == "cuda" and not torch.cuda.is_available():
+        fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
+    if p.resolved_backend() == "nccl" and p.resolved_device() != "cuda":
+        fail(f"parallel.backend = nccl with parallel.device {p.device} (runs on cpu): NCCL needs GPUs; use gloo or auto")
     data_parallel = p.workers // p.tensor_parallel  # experts are sharded over EP ranks, tokens still over every rank
     if c.rollout.prompts_per_step % data_parallel:
         fail(f"rollout.prompts_per_step = {c.rollout.prompts_per_step} must divide evenly over the {data_parallel} data-parallel workers")

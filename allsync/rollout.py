@@ -13,10 +13,17 @@ chosen token (top_p = 1), the quantity the trainer recomputes to check engine/tr
 The torch engine computes them while it generates (`StepLogprobs`, a logits processor): at no time does
 it hold more than one step's [B, V] scores, where keeping every step's logits (`output_logits`) would
 hold [B, L, V] (about 10 GB per sequence at V = 129,280 and 20k tokens).
+
+Under expert parallelism (`lockstep`: the workers' allsync.distributed.Groups) every rank's MoE layers
+exchange tokens, so every rank must run every decode step: the ranks agree on the number of generate calls
+(the largest count any rank needs; a rank without prompts of its own generates from a one-token dummy
+prompt, under a forked RNG so that its sampling stream is the one it would have had), and transformers'
+`synced_gpus` keeps a rank whose rows are done decoding until every rank is done.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -74,8 +81,9 @@ def cut_at_eos(tokens: list[int], eos_id: int) -> tuple[list[int], str]:
 class TorchEngine:
     """Generation with the training model (shared frozen base and LoRA tensors)."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int = 64):
+    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int = 64, lockstep=None):
         self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size
+        self.lockstep = lockstep
         self.adapter_version = 0
         if getattr(model, "generation_config", None) is not None:
             check_plain_logits(model.generation_config)
@@ -94,8 +102,15 @@ class TorchEngine:
         responses, logprobs, reasons = [], [], []
         was_training = self.model.training
         self.model.eval()
-        for start in range(0, len(expanded), self.batch_size):
-            chunk = expanded[start : start + self.batch_size]
+        chunks = math.ceil(len(expanded) / self.batch_size)
+        calls = self.lockstep.max_over_ranks(chunks) if self.lockstep is not None else chunks
+        for c in range(calls):
+            chunk = expanded[c * self.batch_size : (c + 1) * self.batch_size]
+            if not chunk:  # lockstep only: serve the other ranks' tokens, leave this rank's RNG as it was
+                device = self.model.device
+                with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+                    self._generate_batch([[self.pad_id]], sampling)
+                continue
             r, lp, fr = self._generate_batch(chunk, sampling)
             responses += r
             logprobs += lp
@@ -112,7 +127,7 @@ class TorchEngine:
             do_sample=not s.greedy, temperature=None if s.greedy else s.temperature,
             top_p=None if s.greedy else s.top_p, top_k=None,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-            logits_processor=LogitsProcessorList([step_logprobs]),
+            logits_processor=LogitsProcessorList([step_logprobs]), synced_gpus=self.lockstep is not None,
         )  # fmt: skip
         new_tokens = sequences[:, ids.shape[1] :]
         chosen = step_logprobs.finish(sequences)

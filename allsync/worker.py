@@ -5,6 +5,12 @@ gradients of the replicated LoRA tensors are all-reduced (gloo/NCCL) so the repl
 and the new adapter is synced to the engine. Strictly on-policy: every sample records the adapter
 version that produced it, and training checks it equals the version being trained (staleness 0).
 
+Expert parallelism (parallel.expert_parallel = k > 1, see moe_lora/expert_parallel.py): the worker loads
+and trains only its block of E/k routed experts; their gradients are summed over its expert-data-parallel
+group. Every MoE layer then exchanges tokens with the other ranks of its EP group, so the ranks run every
+forward and backward in lockstep: a rank with nothing of its own still takes part, on one masked-out row
+(`idle_batch`), in generation rounds (`_serve_generation_rounds`) and through the torch engine.
+
 The class is plain Python; the recipe wraps it in a Ray actor (one per device) or runs it in-process.
 """
 
@@ -15,12 +21,10 @@ import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from allsync.algorithms import (
     DynamicSamplingExhausted,
@@ -45,6 +49,7 @@ from allsync.checkpoint import (
     write_state,
 )
 from allsync.config import ConfigError, RunConfig
+from allsync.distributed import Groups, connect
 from allsync.rollout import Rollout, Sampling, TorchEngine
 from allsync.tasks import Problem, encode_prompt
 from allsync.trainer import (
@@ -62,7 +67,19 @@ from allsync.trainer import (
     to_sequence_layout,
 )
 from evals.verify import answer_reward
-from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, load_lora_state_dict, lora_state_dict
+from moe_lora.expert_parallel import ExpertLayout, expert_parameters, shard_experts
+from moe_lora.lora import (
+    PEFT_PREFIX,
+    LoRAConfig,
+    LoRAExperts,
+    adapters_disabled,
+    attach_lora,
+    expert_slots,
+    load_lora_state_dict,
+    lora_state_dict,
+    seeded_init_,
+)
+from quant.checkpoint_io import read_config
 from quant.loader import load_frozen_model
 
 
@@ -164,22 +181,15 @@ class Timeline:
         return busy
 
 
-def gradient_group(address: str, rank: int, world_size: int):
-    """A gloo process group of the workers that all-reduce LoRA gradients, built on its own TCP store
-    (`tcp://host:port`, rank 0 hosts it) rather than torch.distributed's default group, which an in-process
-    vLLM engine initializes for itself."""
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(minutes=10))
-    return dist.ProcessGroupGloo(store, rank, world_size)
-
-
-def flat_gradients(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One zeroed buffer holding every parameter's .grad as a view, plus one last slot for a flag (a
+def flat_gradients(params: list[torch.nn.Parameter], flag: bool = True) -> torch.Tensor:
+    """One zeroed buffer holding every parameter's .grad as a view, plus (flag) one last slot for a flag (a
     rank's non-finite loss): a minibatch's gradients and the flag are all-reduced in one collective."""
+    if not params:
+        return torch.zeros(int(flag))
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise TypeError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; one flat gradient buffer needs one")
-    flat = torch.zeros(sum(p.numel() for p in params) + 1, dtype=params[0].dtype, device=params[0].device)
+    flat = torch.zeros(sum(p.numel() for p in params) + int(flag), dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
         p.grad = flat[offset : offset + p.numel()].view_as(p)
@@ -198,34 +208,47 @@ def _dtype(name: str) -> torch.dtype:
 
 class RLWorker:
     def __init__(self, config: RunConfig, problems: list[Problem], rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, threads: int | None = None, max_model_len: int | None = None):  # fmt: skip
+                 dist_address: str | None = None, threads: int | None = None, max_model_len: int | None = None,
+                 launcher: bool = False):  # fmt: skip
         """rank / world_size: this worker's place among the workers that share the data (prompts are strided
-        over them). dist_address: join a gloo process group of `world_size` workers that all-reduce LoRA
-        gradients; None for a worker that only generates (the disaggregated baseline's generators).
+        over them). dist_address: join the process groups of `world_size` workers (allsync.distributed) through
+        a TCP store there; None for a worker that only generates (the disaggregated baseline's generators).
+        launcher: SPMD, started by torchrun / accelerate launch: the groups come from the environment.
         max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see
         allsync.tasks.model_len_needed); None computes it from `problems`."""
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.group = None
         if threads:
             torch.set_num_threads(threads)
-        if world_size > 1 and dist_address is not None:
-            self.group = gradient_group(dist_address, rank, world_size)
-        self._seed_everything(config.run.seed * 1000 + rank)
+        base = config.model.base
+        k = config.parallel.expert_parallel
+        self.layout = ExpertLayout(world_size, k, read_config(base)["n_routed_experts"]) if k > 1 else None
+        self.groups = Groups(rank, 1, self.layout)
+        if world_size > 1 and (dist_address is not None or launcher):
+            self.groups = connect(rank, world_size, dist_address, "gloo", self.layout, default_group=self.layout is not None)
         from transformers import AutoTokenizer
 
-        base = config.model.base
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        self.model = load_frozen_model(base, config.model.quant.plan(), compute_dtype=_dtype(config.model.compute_dtype), progress=rank == 0)
+        experts = self.layout.experts_of(rank) if self.layout is not None else None
+        self.model = load_frozen_model(base, config.model.quant.plan(), compute_dtype=_dtype(config.model.compute_dtype),
+                                       progress=rank == 0, experts=experts)  # fmt: skip
         lc = config.lora
         attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        lora_params = list(self.params)
+        seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
+        self.dispatch_stats = shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
+        lora_params = [p for p in self.model.parameters() if p.requires_grad]
+        sharded = {id(p) for p in expert_parameters(self.model)} if self.layout is not None else set()
+        self.expert_params = [p for p in lora_params if id(p) in sharded]  # summed over the EDP group
+        self.params = [p for p in lora_params if id(p) not in sharded]  # summed over every rank
         self.value_head = ValueHead(self.model.config.hidden_size) if config.algorithm.uses_critic else None
         if self.value_head is not None:
             self.params += list(self.value_head.parameters())
         self.flat_grad = flat_gradients(self.params)  # every rank all-reduces one buffer per minibatch
-        self._broadcast_params()  # replicas start identical whatever their seeds
+        self.flat_expert_grad = flat_gradients(self.expert_params, flag=False)
+        self._broadcast_params()  # replicas start identical whatever their seeds (the value head)
+        # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
+        self._seed_everything(config.run.seed * 1000 + rank)
         o = config.optim
+        self.optimized = lora_params + (list(self.value_head.parameters()) if self.value_head is not None else [])
         groups = [{"params": lora_params, "base_lr": o.lr}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "base_lr": o.value_lr})
@@ -249,7 +272,8 @@ class RLWorker:
         """torch: generate with the training model itself. vllm: a vLLM engine in this process on the same
         checkpoint, given the LoRA tensors after every update (adapter-only sync)."""
         if self.config.rollout.engine == "torch":
-            return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+            lockstep = self.groups if self.groups.expert_parallel else None
+            return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, lockstep=lockstep)
         from allsync.tasks import longest_prompt_tokens, model_len_needed
         from allsync.vllm_engine import VLLMEngine, unsupported_targets
 
@@ -274,16 +298,14 @@ class RLWorker:
         torch.manual_seed(seed)
 
     def _broadcast_params(self) -> None:
-        if self.group is not None:
-            for p in self.params:
-                self.group.broadcast(p.data, 0).wait()
+        for p in self.params:
+            self.groups.broadcast(p.data)
 
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the workers, in place; the time blocked in it is not busy time (see Timeline)."""
-        if self.group is not None:
-            t = time.time()
-            self.group.allreduce([tensor]).wait()
-            self.timeline.waited(time.time() - t)
+    def _all_reduce(self, tensor: torch.Tensor, group: str = "world") -> torch.Tensor:
+        """Sum over the workers of `group`, in place; the time blocked in it is not busy time (see Timeline)."""
+        before = self.groups.waited
+        self.groups.all_reduce(tensor, group)
+        self.timeline.waited(self.groups.waited - before)
         return tensor
 
     def encode_prompt(self, problem: Problem) -> list[int]:
@@ -354,6 +376,8 @@ class RLWorker:
         generated: list[Sample] = []
 
         def round_fn(_round: int) -> GroupBatch:
+            if self.groups.expert_parallel:
+                self.groups.max_over_ranks(1)  # "I generate another round" (see _serve_generation_rounds)
             batch = self.generate_groups(groups_wanted)
             generated.extend(batch.payloads)
             return batch
@@ -367,9 +391,31 @@ class RLWorker:
                                    "groups kept)") from exc  # fmt: skip
             batch, rounds, groups_generated = exc.kept, exc.rounds_run, exc.groups_generated
             base["sampling_cap_hits"] = 1
+        finally:
+            self._serve_generation_rounds()
         return batch.payloads, {**base, "groups_generated": groups_generated, "sampling_rounds": rounds,
                                 "groups_kept": batch.num_groups, "generated": generated,
                                 "group_index": batch.group_index}  # fmt: skip
+
+    def _serve_generation_rounds(self) -> None:
+        """Expert parallelism: a rank whose batch is full keeps joining the generation rounds of ranks that are
+        still refilling (their MoE layers need its experts), with an empty prompt list, until every rank is
+        done. Each round every rank calls max_over_ranks once: 1 from a rank that generates, 0 from here."""
+        if not self.groups.expert_parallel:
+            return
+        while self.groups.max_over_ranks(0):
+            self.engine.generate([], self.config.rollout.group_size, self.sampling())
+
+    def idle_batch(self) -> TrainBatch:
+        """One row whose tokens are all masked out: a rank with nothing to train runs it so that its MoE
+        layers take part in the other ranks' forward and backward (expert parallelism). Adds nothing."""
+        pad = self.tokenizer.pad_token_id
+        seqs = build_sequences([[pad]], [[pad]], pad)
+        seqs.response_mask.zero_()
+        zeros = torch.zeros_like(seqs.response_mask)
+        kl = zeros if self.config.algorithm.kl_coef else None
+        critic = (zeros, zeros) if self.value_head is not None else (None, None)
+        return TrainBatch(seqs, zeros, zeros, *critic, ref_logprobs=kl)
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step_index: int) -> dict:
@@ -435,6 +481,10 @@ class RLWorker:
 
     def train(self, samples: list[Sample], group_index: torch.Tensor) -> dict:
         """Group baselines (GRPO / Dr.GRPO): one advantage per sample from its group's rewards."""
+        if not samples and self.groups.expert_parallel:  # the forward passes group_batch would run, on an idle row
+            idle = self.idle_batch().sequences
+            self.current_logprobs(idle)
+            self.reference_logprobs(idle)
         return self.update(self.group_batch(samples, group_index) if samples else None, [s.engine_logprobs for s in samples])
 
     def group_batch(self, samples: list[Sample], group_index: torch.Tensor) -> TrainBatch:
@@ -486,28 +536,46 @@ class RLWorker:
             parts = list(torch.arange(len(tb)).tensor_split(minibatches))  # exactly `minibatches` balanced parts
             local = torch.stack([tb.counts(rows) for rows in parts])
         totals = self._all_reduce(local.clone())
+        lockstep = self.groups.expert_parallel  # every rank runs every minibatch's forward and backward
         for m, rows in enumerate(parts):
             if totals[m, 0] == 0 and totals[m, 2] == 0:
                 out["empty_minibatches"] += 1
                 continue
             self.flat_grad.zero_()
+            self.flat_expert_grad.zero_()
             if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0):
                 self._backward_minibatch(tb.minibatch(rows), totals[m], out)
+            elif lockstep:
+                self._backward_minibatch(self.idle_batch(), totals[m], None)
             self._all_reduce(self.flat_grad)  # sum of per-rank shares = the full-batch gradient; [-1] = non-finite losses
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
+            self._all_reduce(self.flat_expert_grad, "edp")  # expert blocks: summed over the ranks holding the same block
+            norm = self._total_grad_norm()
             if self.flat_grad[-1] > 0 or not torch.isfinite(norm):  # identical on every rank: all skip together
                 out["nan_steps"] += 1
                 continue
-            torch.nn.utils.clip_grads_with_norm_(self.params, c.optim.grad_clip, norm)
+            torch.nn.utils.clip_grads_with_norm_(self.optimized, c.optim.grad_clip, norm)
             self.optimizer.step()
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         return out
 
-    def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict) -> None:
+    def _total_grad_norm(self) -> torch.Tensor:
+        """||g|| over every trainable tensor of the model. The replicated part is the same on every rank; each
+        expert block's (identical over its EDP group) is counted once per EDP member by the world all-reduce:
+            ||g||^2 = ||g_replicated||^2 + (sum over ranks of ||g_block(rank)||^2) / EDP size.
+        One all-reduce gives every rank the same bits, so the clip factor cannot differ between ranks."""
+        replicated = torch.nn.utils.get_total_norm([p.grad for p in self.params]) if self.params else torch.zeros(())
+        if self.layout is None:
+            return replicated
+        block = self.flat_expert_grad.double().pow(2).sum() / self.layout.edp_size
+        sq = self._all_reduce(block.reshape(1))[0] + replicated.double() ** 2
+        return sq.sqrt().float()
+
+    def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict | None) -> None:
         """Loss of this worker's part of a minibatch (its share of the global batch) and its backward into the
-        flat gradient buffer; a non-finite loss sets the buffer's flag instead."""
+        flat gradient buffers; a non-finite loss sets the buffer's flag instead. out None: an idle row
+        (expert parallelism), whose backward only serves the other ranks' tokens."""
         c = self.config
         targets = None
         if mb.returns is not None:
@@ -517,8 +585,12 @@ class RLWorker:
                                     value_head=self.value_head, value_targets=targets)  # fmt: skip
         if not torch.isfinite(loss):
             self.flat_grad[-1] = 1.0
+            if self.groups.expert_parallel:  # the EP peers wait for this rank's backward all-to-alls
+                loss.backward()
             return
         loss.backward()
+        if out is None:
+            return
         out["loss_sum"] += float(loss.detach())
         out["clipfrac_high_sum"] += sums.clipfrac_high
         out["clipfrac_low_sum"] += sums.clipfrac_low
@@ -626,7 +698,7 @@ class RLWorker:
     def evaluate(self, problems: list[Problem], samples: int = 1) -> dict:
         """Greedy (samples=1) or temperature-sampled accuracy on this worker's share of `problems`."""
         mine = problems[self.rank :: self.world_size]
-        if not mine:
+        if not mine and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
             return {"correct": 0, "total": 0, "tokens": 0}
         greedy = samples == 1
         s = Sampling(temperature=1.0 if greedy else self.config.rollout.temperature, top_p=self.config.run.eval_top_p,
@@ -640,23 +712,81 @@ class RLWorker:
 
     # ------------------------------------------------------------------------------ checkpoints
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's adapter tensors under PEFT names (its expert block only, under expert parallelism)."""
         return lora_state_dict(self.model)
+
+    def full_adapter_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The whole adapter, every routed expert included, on rank 0 (None on the others). Under expert
+        parallelism the ranks of the first EP group gather their blocks, so each of them must call it."""
+        if self.layout is None:
+            return self.adapter_tensors() if self.rank == 0 else None
+        modules = [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoRAExperts)]
+        full = self._gather_expert_blocks([t.detach() for _, m in modules for t in m.factors()])
+        if full is None:
+            return None
+        tensors = {k: v for k, v in self.adapter_tensors().items() if ".mlp.experts." not in k}
+        for i, (name, _) in enumerate(modules):
+            tensors.update(expert_slots(PEFT_PREFIX + name, full[6 * i : 6 * i + 6]))
+        return {k: v.clone() for k, v in tensors.items()}
+
+    def _gather_expert_blocks(self, blocks: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """[E, ...] tensors from every rank's [E/k, ...] blocks of them, gathered over the first EP group in
+        one collective: the result on rank 0, None on the others (ranks outside that group do nothing)."""
+        if self.rank >= self.layout.ep_size:
+            return None
+        flat = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
+        pieces = [p.split([b.numel() for b in blocks]) for p in self.groups.all_gather(flat.cpu(), "ep")]
+        if self.rank != 0:
+            return None
+        return [torch.cat([piece[i].view(b.shape) for piece in pieces]) for i, b in enumerate(blocks)]
+
+    def _expert_state_ids(self) -> list[int]:
+        """Optimizer-state indices (into the flattened param groups) of the routed-expert LoRA tensors."""
+        sharded = {id(p) for p in self.expert_params}
+        return [i for i, p in enumerate(self.optimized) if id(p) in sharded]
+
+    def _full_optimizer_state(self) -> dict | None:
+        """AdamW's state_dict with each expert tensor's moments gathered to [E, ...] (rank 0; None elsewhere)."""
+        state = self.optimizer.state_dict()
+        if self.layout is None:
+            return state if self.rank == 0 else None
+        entries = [(i, name) for i in self._expert_state_ids() for name, v in sorted(state["state"].get(i, {}).items())
+                   if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
+        full = self._gather_expert_blocks([state["state"][i][name] for i, name in entries])
+        if full is None:
+            return None
+        for (i, name), tensor in zip(entries, full):
+            state["state"][i][name] = tensor
+        return state
+
+    def _shard_optimizer_state(self, state: dict) -> dict:
+        """The inverse for loading: this rank's rows of each expert tensor's moments (any EP size wrote it)."""
+        if self.layout is None:
+            return state
+        mine = self.layout.experts_of(self.rank)
+        for i in self._expert_state_ids():
+            for name, v in state["state"].get(i, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    state["state"][i][name] = v[mine.start : mine.stop].clone()
+        return state
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The LoRA gradients of the last minibatch, after the all-reduce (what every rank applied)."""
-        return [p.grad.detach().clone() for p in self.params]
+        return [p.grad.detach().clone() for p in self.optimized]
 
     def save_state(self, directory: str) -> None:
-        """This worker's part of a checkpoint (layout in allsync/checkpoint.py): the replicated adapter, AdamW
-        state and value head from rank 0; RNG states, data position and T-PPO pools from every rank."""
+        """This worker's part of a checkpoint (layout in allsync/checkpoint.py): the whole adapter, AdamW state
+        and value head from rank 0 (expert blocks gathered: the files do not depend on parallel.expert_parallel);
+        RNG states, data position and T-PPO pools from every rank."""
         directory = Path(directory)
+        adapter_tensors, optimizer_state = self.full_adapter_tensors(), self._full_optimizer_state()
         if self.rank == 0:
             from moe_lora.adapter_io import Adapter, write_peft_adapter
 
             lc = self.config.lora
-            adapter = Adapter(self.adapter_tensors(), lc.rank, lc.alpha, lc.use_rslora)
+            adapter = Adapter(adapter_tensors, lc.rank, lc.alpha, lc.use_rslora)
             write_peft_adapter(adapter, directory / "adapter", self.config.model.base, overwrite=True)
-            tensors, meta = optimizer_state_to_files(self.optimizer.state_dict())
+            tensors, meta = optimizer_state_to_files(optimizer_state)
             if self.value_head is not None:
                 tensors.update({VALUE_HEAD_PREFIX + k: v for k, v in self.value_head.state_dict().items()})
             write_state(directory, "trainer", tensors, {"optimizer": meta, "adapter_version": self.adapter_version})
@@ -672,8 +802,9 @@ class RLWorker:
         directory = Path(directory)
         trainer_tensors, trainer = read_state(directory, "trainer")
         mine_tensors, mine = read_state(directory, f"rank{self.rank}")
-        load_lora_state_dict(self.model, load_file(directory / "adapter" / "adapter_model.safetensors"))
-        self.optimizer.load_state_dict(optimizer_state_from_files(trainer_tensors, trainer["optimizer"]))
+        load_lora_state_dict(self.model, load_file(directory / "adapter" / "adapter_model.safetensors"),
+                             other_experts=self.layout is not None)  # fmt: skip
+        self.optimizer.load_state_dict(self._shard_optimizer_state(optimizer_state_from_files(trainer_tensors, trainer["optimizer"])))
         self.adapter_version = trainer["adapter_version"]
         if self.value_head is not None:
             head = {k[len(VALUE_HEAD_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(VALUE_HEAD_PREFIX)}
@@ -684,10 +815,16 @@ class RLWorker:
         self.in_flight = [PartialResponse.from_json(r) for r in mine["in_flight"]]
         self.waiting = [PartialResponse.from_json(r) for r in mine["waiting"]]
 
+    def loaded_bytes(self) -> dict:
+        """Checkpoint bytes this rank read at load (all, routed experts' share) and the experts it holds."""
+        held = self.layout.experts_of(self.rank) if self.layout is not None else range(self.model.config.n_routed_experts)
+        return {"bytes": self.model.checkpoint_bytes_read, "expert_bytes": self.model.checkpoint_expert_bytes_read,
+                "experts": [held.start, held.stop]}  # fmt: skip
+
     def timeline_events(self) -> list[tuple[str, float, float]]:
         return list(self.timeline.events)
 
     def shutdown(self) -> None:
-        self.group = None
+        self.groups = Groups(self.rank, 1, self.layout)
         if hasattr(self.engine, "close"):
             self.engine.close()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,7 @@ DEFAULT_TARGETS = tuple(t for t in TARGETS if t != "q_proj")
 PEFT_PREFIX = "base_model.model."
 
 __all__ = ["LoRAConfig", "LoRAExperts", "LoRALinear", "TARGETS", "adapters_disabled", "attach_lora", "load_lora_state_dict",
-           "lora_state_dict"]
+           "lora_state_dict", "seeded_init_"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,32 @@ def attach_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     return model
 
 
+def seeded_init_(model: nn.Module, seed: int) -> None:
+    """Re-draw every A (PEFT's init, see init_lora_a_) from a generator seeded by (seed, PEFT key), and zero
+    every B: each tensor's start depends only on the seed and its name, not on the process's RNG or on which
+    experts this process holds, so every expert-parallel layout starts from the same adapter."""
+    from moe_lora.lora_layers import init_lora_a_
+
+    with torch.no_grad():
+        for key, slot in _adapter_slots(model).items():
+            if ".lora_B." in key:
+                slot.zero_()
+                continue
+            gen = torch.Generator(device=slot.device).manual_seed(seed * 2**32 + zlib.crc32(key.encode()))
+            init_lora_a_(slot, generator=gen)
+
+
+def expert_slots(prefix: str, factors: list[torch.Tensor], first_expert: int = 0) -> dict[str, torch.Tensor]:
+    """PEFT keys of routed experts first_expert.. -> per-expert views of the 3-D factors
+    [A_gate, B_gate, A_up, B_up, A_down, B_down] (LoRAExperts.factors() order) of the module at `prefix`."""
+    slots = {}
+    for e in range(factors[0].shape[0]):  # keys carry the model's expert id (a shard starts at first_expert)
+        for i, p in enumerate(EXPERT_PROJECTIONS):
+            slots[f"{prefix}.{first_expert + e}.{p}_proj.lora_A.weight"] = factors[2 * i][e]
+            slots[f"{prefix}.{first_expert + e}.{p}_proj.lora_B.weight"] = factors[2 * i + 1][e]
+    return slots
+
+
 def _adapter_slots(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key -> the live tensor holding it (a per-expert view into the 3-D parameter for experts)."""
     slots: dict[str, torch.Tensor] = {}
@@ -92,27 +120,30 @@ def _adapter_slots(model: nn.Module) -> dict[str, torch.Tensor]:
             slots[f"{prefix}.lora_A.weight"] = module.lora_A
             slots[f"{prefix}.lora_B.weight"] = module.lora_B
         elif isinstance(module, LoRAExperts):
-            for e in range(module.num_experts):
-                for p in EXPERT_PROJECTIONS:
-                    slots[f"{prefix}.{e}.{p}_proj.lora_A.weight"] = module.lora_A[p][e]
-                    slots[f"{prefix}.{e}.{p}_proj.lora_B.weight"] = module.lora_B[p][e]
+            slots.update(expert_slots(prefix, module.factors(), module.first_expert))
     return slots
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of every adapter tensor under PEFT's key names (separate storage: safetensors-ready)."""
+    """Copies of every adapter tensor under PEFT's key names (separate storage: safetensors-ready); under
+    expert parallelism, this process's experts only."""
     with torch.no_grad():
         return {k: t.detach().clone() for k, t in _adapter_slots(model).items()}
 
 
-def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Strict: every adapter key present with the model's shape, no extra keys; checked before any copy."""
+_EXPERT_KEY = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.lora_[AB]\.weight$")
+
+
+def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], other_experts: bool = False) -> None:
+    """Strict: every adapter key present with the model's shape, no extra keys; checked before any copy.
+    other_experts: the model holds a block of the routed experts (expert parallelism) and `tensors` may hold
+    the other blocks' too (a whole adapter), which are skipped."""
     with torch.no_grad():
         slots = _adapter_slots(model)
         missing = [k for k in slots if k not in tensors]
         if missing:
             raise KeyError(f"adapter tensor {missing[0]!r} missing from the state dict ({len(missing)} missing)")
-        extra = [k for k in tensors if k not in slots]
+        extra = [k for k in tensors if k not in slots and not (other_experts and _EXPERT_KEY.search(k))]
         if extra:
             raise KeyError(f"state dict has {extra[0]!r}, which is not an adapter tensor of this model ({len(extra)} such)")
         for key, slot in slots.items():

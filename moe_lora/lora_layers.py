@@ -20,9 +20,9 @@ from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing, fact
 from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, group_tokens_by_expert
 
 
-def init_lora_a_(a: torch.Tensor) -> None:
+def init_lora_a_(a: torch.Tensor, generator: torch.Generator | None = None) -> None:
     """PEFT's init of A [r, in]: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))."""
-    nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
 
 class LoRALinear(nn.Module):
@@ -84,9 +84,20 @@ class LoRAExperts(nn.Module):
     def factors(self) -> list[torch.Tensor]:
         return [t for p in EXPERT_PROJECTIONS for t in (self.lora_A[p], self.lora_B[p])]
 
+    @property
+    def first_expert(self) -> int:
+        return self.base.first_expert
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        dispatch = self.base.dispatch  # expert parallelism: tokens go to their experts' ranks and come back
+        if dispatch is not None:
+            return dispatch(hidden_states, top_k_index, top_k_weights, self.local_forward)
+        return self.local_forward(hidden_states, top_k_index, top_k_weights)
+
+    def local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts held here on tokens routed to them (top_k_index: local expert ids)."""
         if not self.enabled:
-            return self.base(hidden_states, top_k_index, top_k_weights)
+            return self.base.local_forward(hidden_states, top_k_index, top_k_weights)
         with torch.no_grad():
             order, counts = group_tokens_by_expert(top_k_index, self.num_experts)
         p = self.dropout if self.training else 0.0

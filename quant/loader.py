@@ -187,8 +187,9 @@ def _module_path(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
-def build_skeleton(config: dict, specs: dict[str, TensorSpec]) -> nn.Module:
-    """transformers' DeepseekV3ForCausalLM on the meta device with frozen modules in place of linears/experts."""
+def build_skeleton(config: dict, specs: dict[str, TensorSpec], experts: range | None = None) -> nn.Module:
+    """transformers' DeepseekV3ForCausalLM on the meta device with frozen modules in place of linears/experts
+    (routed experts `experts` only, all of them when None)."""
     from transformers import DeepseekV3ForCausalLM
 
     with torch.device("meta"):
@@ -199,9 +200,16 @@ def build_skeleton(config: dict, specs: dict[str, TensorSpec]) -> nn.Module:
             model.set_submodule(_module_path(key), FrozenLinear(spec.group, in_f, out_f))
     for layer in range(config["num_hidden_layers"]):
         if is_moe_layer(config, layer):
-            experts = FrozenExperts(config["n_routed_experts"], config["hidden_size"], config["moe_intermediate_size"])
-            model.set_submodule(f"model.layers.{layer}.mlp.experts", experts)
+            held = experts if experts is not None else range(config["n_routed_experts"])
+            module = FrozenExperts(len(held), config["hidden_size"], config["moe_intermediate_size"], first_expert=held.start)
+            model.set_submodule(f"model.layers.{layer}.mlp.experts", module)
     return model
+
+
+def expert_of(key: str) -> int | None:
+    """The routed expert a checkpoint key (weight or FP8 scale) belongs to, else None."""
+    parsed = parse_expert_key(key[: -len(SCALE_SUFFIX)] + ".weight" if key.endswith(SCALE_SUFFIX) else key)
+    return None if parsed is None else parsed[1]
 
 
 def _place_kept_tensor(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -219,11 +227,11 @@ def _place_kept_tensor(model: nn.Module, key: str, tensor: torch.Tensor, dtype: 
         module._parameters[name] = nn.Parameter(tensor.to(dtype, copy=True), requires_grad=False)
 
 
-def _finalize(model: nn.Module, config: dict, directory: Path) -> nn.Module:
+def _finalize(model: nn.Module, config: dict, directory: Path, device: str | torch.device = "cpu") -> nn.Module:
     from transformers import GenerationConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
-    model.model.rotary_emb = DeepseekV3RotaryEmbedding(model.config)  # computed, not stored
+    model.model.rotary_emb = DeepseekV3RotaryEmbedding(model.config).to(device)  # computed, not stored
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_meta:
             raise CheckpointError(f"{directory}: tensor {name!r} was never loaded")
@@ -239,16 +247,27 @@ def load_frozen_model(
     plan: QuantPlan = QuantPlan(),
     compute_dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
+    experts: range | None = None,
+    device: str | torch.device = "cpu",
 ) -> nn.Module:
     """Validate, then stream the checkpoint shard by shard into a frozen model in `plan`'s formats.
 
     compute_dtype: dtype of activations and of the unquantized tensors (bf16 as DeepSeek-V3 runs;
     float32 for exact comparisons). Quantized weights are dequantized to it on the fly.
+    experts: the routed experts this process holds (expert parallelism); the others' tensors are never
+    read. `model.checkpoint_bytes_read` is the number of tensor bytes read from the shards,
+    `model.checkpoint_expert_bytes_read` the routed experts' share of it.
+    device: where every tensor goes; safetensors reads each one straight onto it, one tensor at a time.
     """
     from safetensors import safe_open
 
     ckpt = validate_checkpoint(checkpoint)
-    model = build_skeleton(ckpt.config, ckpt.specs)
+    model = build_skeleton(ckpt.config, ckpt.specs, experts)
+    if experts is not None:
+        n = ckpt.config["n_routed_experts"]
+        if not (0 <= experts.start < experts.stop <= n and experts.step == 1):
+            raise ValueError(f"experts {experts} is not a block of the {n} routed experts of {ckpt.directory}")
+    bytes_read = expert_bytes_read = 0
     pending_fp8: dict[str, torch.Tensor] = {}  # weights or scales whose partner lives in a later shard
     total = sum(len(v) for v in ckpt.keys_by_shard.values())
     bar = tqdm(total=total, desc="loading frozen weights", unit="tensor", disable=not progress)
@@ -257,15 +276,21 @@ def load_frozen_model(
         parsed = parse_expert_key(key)
         if parsed is not None:
             layer, expert, projection = parsed
-            model.get_submodule(f"model.layers.{layer}.mlp.experts").set_weight(expert, projection, weight)
+            module = model.get_submodule(f"model.layers.{layer}.mlp.experts")
+            module.set_weight(expert - module.first_expert, projection, weight)
         else:
             model.get_submodule(_module_path(key)).weight_q = weight
 
     for shard in ckpt.shards:
-        with safe_open(str(ckpt.directory / shard), framework="pt") as f:
+        with safe_open(str(ckpt.directory / shard), framework="pt", device=str(device)) as f:
             for key in ckpt.keys_by_shard[shard]:
                 bar.update(1)
+                expert = expert_of(key)
+                if experts is not None and expert is not None and expert not in experts:
+                    continue  # another rank's expert: not read
                 tensor = f.get_tensor(key)
+                bytes_read += tensor.numel() * tensor.element_size()
+                expert_bytes_read += tensor.numel() * tensor.element_size() if expert is not None else 0
                 if key.endswith(SCALE_SUFFIX):
                     weight_key = key[: -len(SCALE_SUFFIX)] + ".weight"
                     if weight_key not in pending_fp8:
@@ -288,7 +313,9 @@ def load_frozen_model(
     bar.close()
     if pending_fp8:
         raise CheckpointError(f"{ckpt.directory}: FP8 tensor {next(iter(pending_fp8))!r} has no matching weight/scale")
-    return _finalize(model, ckpt.config, ckpt.directory)
+    model = _finalize(model, ckpt.config, ckpt.directory, device)
+    model.checkpoint_bytes_read, model.checkpoint_expert_bytes_read = bytes_read, expert_bytes_read
+    return model
 
 
 # ------------------------------------------------------------------------------------------ bytes

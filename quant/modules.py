@@ -46,13 +46,19 @@ class FrozenExperts(nn.Module):
     y_t = sum_{j<k} w_tj * down_e( silu(gate_e(x_t)) * up_e(x_t) ),  e = top_k_index[t, j].
     Tokens are grouped by expert; only the routed experts' weights are dequantized, one expert at a time.
     Same call signature as transformers' DeepseekV3Experts.
+
+    Under expert parallelism the module holds experts [first_expert, first_expert + num_experts) of the
+    model, and `dispatch` (moe_lora.expert_parallel.ExpertDispatch) sends each routed token to the rank that
+    owns its expert; `local_forward` then runs on the tokens this rank received (local expert ids).
     """
 
     group = "routed_experts"
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, first_expert: int = 0):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.first_expert = first_expert
+        self.dispatch = None  # None: every expert is here and top_k_index holds local ids
         self.weights: dict[str, list[QuantizedWeight | None]] = {p: [None] * num_experts for p in EXPERT_PROJECTIONS}
 
     def set_weight(self, expert: int, projection: str, weight: QuantizedWeight) -> None:
@@ -64,6 +70,11 @@ class FrozenExperts(nn.Module):
         return frozen_linear(hidden, w["down"][expert])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.dispatch is not None:
+            return self.dispatch(hidden_states, top_k_index, top_k_weights, self.local_forward)
+        return self.local_forward(hidden_states, top_k_index, top_k_weights)
+
+    def local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         # One output buffer, accumulated in place (index_add_): autograd records each add and passes the
         # output gradient through unchanged, so backward to the input needs no copy of the buffer.
         out = torch.zeros_like(hidden_states)
@@ -84,4 +95,5 @@ class FrozenExperts(nn.Module):
 
     def extra_repr(self) -> str:
         fmts = {w.fmt for ws in self.weights.values() for w in ws if w is not None}
-        return f"{self.num_experts} experts, {self.hidden_size} -> {self.intermediate_size}, format={','.join(sorted(fmts))}"
+        shard = f" from expert {self.first_expert}" if self.first_expert or self.dispatch is not None else ""
+        return f"{self.num_experts} experts{shard}, {self.hidden_size} -> {self.intermediate_size}, format={','.join(sorted(fmts))}"

@@ -87,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if (reason := unsupported_targets(config.lora.targets)) is not None:
                 raise ConfigError(f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}")
-        for key in ("expert_parallel", "tensor_parallel"):
-            if getattr(config.parallel, key) != 1:
-                raise ConfigError(f"{args.config}: parallel.{key} = {getattr(config.parallel, key)}: not in the loop yet "
-                                  "(every worker would hold every expert and every weight); use 1")  # fmt: skip
+        if args.no_ray and config.parallel.expert_parallel > 1:
+            raise ConfigError(f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
+                              "one in-process worker holds every expert; drop --no-ray or use 1")  # fmt: skip
         if config.parallel.layout != "colocated":
             raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
@@ -177,7 +176,7 @@ def train(config: RunConfig, args: argparse.Namespace, group: WorkerGroup, split
     log.write(step, {"heldout_greedy_accuracy": greedy})
     from moe_lora.adapter_io import Adapter, export_merged, export_peft
 
-    adapter = Adapter(group.call_rank0("adapter_tensors"), config.lora.rank, config.lora.alpha, config.lora.use_rslora)
+    adapter = Adapter(group.call("full_adapter_tensors")[0], config.lora.rank, config.lora.alpha, config.lora.use_rslora)
     if config.run.export == "peft":
         exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
     else:

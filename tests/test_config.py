@@ -1,6 +1,7 @@
 """Config files: unknown keys and impossible combinations are errors naming the key, before any work."""
 
 import pytest
+import yaml
 
 from allsync.config import ConfigError, RunConfig, load_config, parse_config
 
@@ -72,11 +73,38 @@ def test_shipped_configs_validate():
     from pathlib import Path
 
     configs = Path(__file__).parents[1] / "recipes" / "configs"
-    big = load_config(configs / "deepseek_v3_671b_48xh100.yaml")
+    big_path = configs / "deepseek_v3_671b_48xh100.yaml"
+    # vLLM's expert parallelism is not wired into the loop yet: the 671B plan (vLLM, EP 16) is refused by name
+    with pytest.raises(ConfigError, match=r"expert_parallel = 16 with rollout.engine vllm"):
+        load_config(big_path)
+    big = parse_config({**yaml.safe_load(big_path.read_text()), "rollout": {**yaml.safe_load(big_path.read_text())["rollout"], "engine": "torch"}})
     assert big.parallel.workers == 48 and big.model.quant.routed_experts == "nf4"
     assert "kv_b_proj" not in big.lora.targets and big.lora.rank == 16 and big.parallel.expert_parallel == 16
     for path in configs.glob("*.yaml"):
-        load_config(path)
+        if path != big_path:
+            load_config(path)
+
+
+@pytest.mark.parametrize("parallel, message", [
+    ({"workers_per_node": 4, "expert_parallel": 3}, r"parallel.expert_parallel = 3 must divide the 4 workers"),
+    ({"workers_per_node": 2, "tensor_parallel": 2}, r"parallel.tensor_parallel = 2: the loop has no tensor parallelism"),
+    ({"device": "tpu"}, r"parallel.device = 'tpu': use auto, cpu or cuda"),
+    ({"backend": "mpi"}, r"parallel.backend = 'mpi': use auto, gloo or nccl"),
+    ({"device": "cpu", "backend": "nccl"}, r"parallel.backend = nccl with parallel.device cpu"),
+    ({"workers_per_node": 2, "expert_parallel": 2, "layout": "disaggregated"}, r"expert_parallel = 2 with parallel.layout disaggregated"),
+])  # fmt: skip
+def test_bad_parallel_sections_name_the_key(parallel, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"parallel": parallel})
+
+
+def test_cuda_without_a_gpu_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"parallel.device = cuda: no GPU is visible"):
+        parse_config({"parallel": {"device": "cuda"}})
+    assert parse_config({"parallel": {"device": "auto"}}).parallel.resolved_device() == "cpu"
 
 
 def test_expert_parallel_must_divide_the_experts():

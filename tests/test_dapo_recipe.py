@@ -112,11 +112,11 @@ def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_expert_parallel_is_refused_until_the_loop_shards_experts(tmp_path):
-    """Accepted and ignored would mean every worker silently holds every expert."""
+def test_expert_parallel_in_one_process_is_refused(tmp_path):
+    """--no-ray runs one worker that holds every expert: expert_parallel 2 would be accepted and ignored."""
     config = {"parallel": {"workers_per_node": 2, "expert_parallel": 2}, "run": {"out_dir": str(tmp_path / "run")}}
     path = tmp_path / "ep.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "parallel.expert_parallel = 2: not in the loop yet" in done.stderr
+    assert done.returncode == 2 and "parallel.expert_parallel = 2 with --no-ray" in done.stderr
     assert not (tmp_path / "run").exists()

@@ -1,0 +1,93 @@
+"""What each spawned rank of the expert-parallel tests runs (importable by torch.multiprocessing's spawn).
+
+A case: E routed experts, tokens of every rank with their routing, a random output gradient. Rank r
+computes its tokens' output with its expert shard and the all-to-all dispatch, backpropagates, sums the
+expert-adapter gradients over its EDP group (unless the negative control skips it), and reports output,
+input/router-weight gradients and its LoRA gradients (global expert ids) for the parent to compare with
+the single-process reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_lora.lora import seeded_init_
+from moe_lora.lora_layers import LoRAExperts
+from quant.formats import quantize_weight
+from quant.modules import EXPERT_PROJECTIONS, FrozenExperts
+
+HIDDEN, INTER, RANK, TOP_K = 32, 16, 4, 2
+
+
+@dataclass
+class Case:
+    num_experts: int
+    tokens_per_rank: list[int]
+    fmt: str
+    seed: int = 0
+    idle_positions: tuple[int, ...] = ()  # EP positions whose experts no token is routed to
+
+    def routing(self, rank: int, ep_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H], top_k_index [T, k], top_k_weights [T, k], output gradient [T, H] of one rank's tokens."""
+        gen = torch.Generator().manual_seed(1000 * self.seed + rank)
+        t = self.tokens_per_rank[rank]
+        per_rank = self.num_experts // ep_size
+        allowed = torch.tensor([e for e in range(self.num_experts) if e // per_rank not in self.idle_positions])
+        scores = torch.rand(t, len(allowed), generator=gen)
+        index = allowed[scores.topk(TOP_K, dim=-1).indices]
+        weights = torch.rand(t, TOP_K, generator=gen)
+        return torch.randn(t, HIDDEN, generator=gen), index, weights, torch.randn(t, HIDDEN, generator=gen)
+
+
+def experts_module(case: Case, experts: range) -> LoRAExperts:
+    """Experts `experts` of the case's model (same frozen weights and adapter whatever the shard)."""
+    base = FrozenExperts(len(experts), HIDDEN, INTER, first_expert=experts.start)
+    gen = torch.Generator().manual_seed(case.seed)
+    shapes = {"gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
+    for e in range(case.num_experts):
+        for p in EXPERT_PROJECTIONS:
+            w = torch.randn(*shapes[p], generator=gen) / shapes[p][1] ** 0.5
+            if e in experts:
+                base.set_weight(e - experts.start, p, quantize_weight(w, case.fmt))
+    module = LoRAExperts(base, RANK, scale=2.0)
+    holder = torch.nn.Module()
+    holder.add_module("experts", module)
+    seeded_init_(holder, case.seed)
+    with torch.no_grad():
+        for p in EXPERT_PROJECTIONS:  # B nonzero, the same per global expert whatever the shard
+            for e in experts:
+                g = torch.Generator().manual_seed(case.seed * 7919 + e * 3 + EXPERT_PROJECTIONS.index(p))
+                module.lora_B[p][e - experts.start].normal_(0, 0.1, generator=g)
+    return module
+
+
+def lora_grads(module: LoRAExperts) -> dict[str, torch.Tensor]:
+    """{'gate.A.5': grad of expert 5's A_gate, ...} under global expert ids."""
+    out = {}
+    for p in EXPERT_PROJECTIONS:
+        for name, param in (("A", module.lora_A[p]), ("B", module.lora_B[p])):
+            for i in range(module.num_experts):
+                out[f"{p}.{name}.{module.first_expert + i}"] = param.grad[i].clone()
+    return out
+
+
+def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case, reduce_edp: bool, results) -> None:
+    from allsync.distributed import connect
+    from moe_lora.expert_parallel import ExpertLayout, shard_experts
+
+    torch.set_num_threads(1)
+    layout = ExpertLayout(world_size, ep_size, case.num_experts)
+    groups = connect(rank, world_size, address, "gloo", layout)
+    module = experts_module(case, layout.experts_of(rank))
+    shard_experts(module, groups.ep, layout, rank)
+    x, index, weights, grad_out = case.routing(rank, ep_size)
+    x.requires_grad_(True)
+    weights.requires_grad_(True)
+    out = module(x, index, weights)
+    (out * grad_out).sum().backward()
+    for p in module.factors():
+        if reduce_edp:
+            groups.all_reduce(p.grad, "edp")
+    results[rank] = {"out": out.detach(), "dx": x.grad, "dw": weights.grad, "lora": lora_grads(module)}

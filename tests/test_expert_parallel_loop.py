@@ -1,0 +1,83 @@
+"""Expert parallelism in the RL loop (two Ray workers, gloo): the same steps as with replicated experts.
+
+Each rank loads only its block of routed experts; tokens cross ranks by all-to-all; dynamic sampling's
+refill rounds and the torch engine keep the ranks in lockstep. Three DAPO steps at EP=2 end with the
+adapter three steps at EP=1 end with (1e-5 of its norm), and a checkpoint written at EP=2 holds every expert.
+
+Why the whole adapter's norm: the two layouts sum the same gradients in different orders (a matmul over both
+ranks' rows of an expert against two per-rank matmuls and an all-reduce), about 1e-7 apart, and Adam's first
+steps divide each gradient element by its own size (m / (sqrt(v) + 1e-8)), so an element whose gradient is
+near 1e-8 moves by a visibly different amount. The per-tensor gradients themselves are compared to 1e-5 in
+tests/test_expert_parallel.py."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from allsync.config import parse_config
+from allsync.placement import WorkerGroup
+from allsync.tasks import ArithmeticSpec, make_splits
+
+
+def config(base, expert_parallel: int):
+    return parse_config({
+        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+        "lora": {"rank": 8, "alpha": 16},
+        "rollout": {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 12},
+        "algorithm": {"dynamic_sampling": True, "max_sampling_rounds": 3},
+        "optim": {"lr": 1e-3, "minibatches": 2},
+        "parallel": {"workers_per_node": 2, "expert_parallel": expert_parallel},
+    })  # fmt: skip
+
+
+def run_steps(base, expert_parallel: int, steps: int, checkpoint=None):
+    problems = make_splits(ArithmeticSpec(1, 1), 200, 20, 0).train
+    group = WorkerGroup(config(base, expert_parallel), problems, use_ray=True)
+    try:
+        metrics = [group.step(s) for s in range(1, steps + 1)]
+        adapter = group.call("full_adapter_tensors")
+        read = group.call("loaded_bytes")
+        if checkpoint is not None:
+            checkpoint.mkdir()
+            group.call("save_state", str(checkpoint))
+    finally:
+        group.shutdown()
+    return metrics, adapter, read
+
+
+@pytest.fixture(scope="module")
+def replicated(warm_tiny):
+    return run_steps(warm_tiny, 1, 3)
+
+
+def test_three_steps_at_ep2_give_the_ep1_adapter(warm_tiny, replicated, tmp_path):
+    metrics1, adapter1, read1 = replicated
+    metrics2, adapter2, read2 = run_steps(warm_tiny, 2, 3, checkpoint=tmp_path / "ckpt")
+    assert adapter1[1] is None and adapter2[1] is None  # the whole adapter comes back on rank 0 only
+    full1, full2 = adapter1[0], adapter2[0]
+    assert sorted(full1) == sorted(full2)
+    assert any(".mlp.experts.3.down_proj.lora_B" in k for k in full2)  # rank 1's block, gathered
+    flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731
+    start, ep1, ep2 = flat(seeded_start(warm_tiny)), flat(full1), flat(full2)
+    assert float((ep1 - start).norm() / start.norm()) > 1e-3  # the steps did train, by far more than the tolerance
+    assert float((ep2 - ep1).norm() / ep1.norm()) < 1e-5
+    for step1, step2 in zip(metrics1, metrics2):
+        for rank in range(2):
+            for key in ("samples_generated", "correct_sum", "response_tokens", "groups_kept", "trained_tokens"):
+                assert step1[rank][key] == step2[rank][key], (key, rank)
+    # each EP rank read its half of the routed experts and everything else
+    assert read2[0]["experts"] == [0, 2] and read2[1]["experts"] == [2, 4]  # the warm tiny model has 4 experts
+    assert read1[0]["bytes"] - read2[0]["bytes"] == read2[0]["expert_bytes"]
+    on_disk = load_file(tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors")
+    assert sorted(on_disk) == sorted(full2)
+    assert all(torch.equal(on_disk[k], full2[k]) for k in full2)
+
+
+def seeded_start(base) -> dict[str, torch.Tensor]:
+    from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict, seeded_init_
+    from quant.loader import QuantPlan, load_frozen_model
+
+    model = load_frozen_model(base, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32, progress=False)
+    attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=tuple(config(base, 1).lora.targets)))
+    seeded_init_(model, 0)
+    return lora_state_dict(model)
