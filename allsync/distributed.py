@@ -103,7 +103,8 @@ def connect(rank: int, world_size: int, address: str | None, backend: str, layou
     if world_size == 1:
         return groups
     if address is None:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
+        if not dist.is_initialized():  # accelerate's PartialState usually has done it
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
         store = dist.distributed_c10d._get_default_store()
         groups.world = dist.distributed_c10d._get_default_group()
     else:

@@ -1,6 +1,11 @@
-"""Starting the workers: Ray actors in a placement group (one bundle per device), or in-process.
+"""Starting the workers: Ray actors in a placement group (one bundle per device), in-process, or as the
+processes a launcher started (SPMD: torchrun / accelerate launch, `SPMDGroup`).
 
-Each actor is an `RLWorker`. Two layouts drive them step by step:
+Each worker is an `RLWorker`. The controller (recipes/dapo.py) sees one interface whatever the mode:
+`call(method, *args)` runs the method on every worker and returns every worker's result; `call_for_rank0`
+runs it on every worker (they may take part in a collective) and returns rank 0's; `is_controller` says
+whether this process writes logs, checkpoints and exports; `agree(value)` is the controller's value on
+every process. Two layouts drive the Ray workers step by step:
 - `WorkerGroup` (colocated, all-sync): every worker generates its share, then every worker trains; the
   controller only sends step numbers and receives metric sums. Gradients move between workers over
   torch.distributed (gloo on CPU), never through the controller.
@@ -73,8 +78,17 @@ class WorkerGroup:
         self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address, max_model_len=max_model_len)
                         for i in range(self.size)]  # fmt: skip
 
+    is_controller = True  # the Ray driver is the only controller process
+
     def call(self, method: str, *args) -> list:
         return self.call_ranks(list(range(self.size)), method, *args)
+
+    def call_for_rank0(self, method: str, *args):
+        return self.call(method, *args)[0]
+
+    @staticmethod
+    def agree(value):
+        return value
 
     def call_rank0(self, method: str, *args):
         return self.call_ranks([0], method, *args)[0]
@@ -102,6 +116,65 @@ class WorkerGroup:
         if self.use_ray:
             stop_placement(self.workers, self.placement)
         self.workers = None
+
+
+class SPMDGroup:
+    """This process is one worker of a launcher's world (torchrun, accelerate launch): rank, world size and
+    local rank come from accelerate's PartialState, which reads the launcher's environment and initializes
+    torch.distributed's default group (gloo on CPU, NCCL on GPUs). No Ray.
+
+    Every process runs the controller's code (recipes/dapo.py) in step; `call` runs the method here with rank
+    0's arguments (so every rank acts on the controller's checkpoint directory, problems and step) and
+    all-gathers the results, so every rank takes the same decisions; rank 0 alone writes."""
+
+    def __init__(self, config: RunConfig, problems: list[Problem], max_model_len: int | None = None):
+        from allsync.worker import RLWorker
+
+        state = spmd_state(config)
+        self.rank, self.size = state.process_index, state.num_processes
+        self.is_controller = self.rank == 0
+        self.worker = RLWorker(config, problems, rank=self.rank, world_size=self.size, launcher=True, max_model_len=max_model_len)
+
+    def _rank0_args(self, args: tuple) -> tuple:
+        import torch.distributed as dist
+
+        box = [args]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def call(self, method: str, *args) -> list:
+        import torch.distributed as dist
+
+        result = getattr(self.worker, method)(*self._rank0_args(args))
+        results = [None] * self.size
+        dist.all_gather_object(results, result)
+        return results
+
+    def call_for_rank0(self, method: str, *args):
+        result = getattr(self.worker, method)(*self._rank0_args(args))
+        return result if self.is_controller else None
+
+    def agree(self, value):
+        return self._rank0_args((value,))[0]
+
+    def step(self, step: int) -> list[dict]:
+        return self.call("step", step)
+
+    def shutdown(self) -> None:
+        """Stop the worker (once; later calls do nothing)."""
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+            from allsync.distributed import disconnect
+
+            disconnect()
+
+
+def spmd_state(config: RunConfig):
+    """accelerate's view of this launched process (initializes the default process group once)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=config.parallel.resolved_device() == "cpu", backend=config.parallel.resolved_backend())
 
 
 def start_placement(size: int, gpus_per_worker: float = 0):

@@ -224,7 +224,8 @@ class RLWorker:
         self.layout = ExpertLayout(world_size, k, read_config(base)["n_routed_experts"]) if k > 1 else None
         self.groups = Groups(rank, 1, self.layout)
         if world_size > 1 and (dist_address is not None or launcher):
-            self.groups = connect(rank, world_size, dist_address, "gloo", self.layout, default_group=self.layout is not None)
+            self.groups = connect(rank, world_size, dist_address, config.parallel.resolved_backend(), self.layout,
+                                  default_group=self.layout is not None)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(base)
@@ -755,6 +756,8 @@ class RLWorker:
         full = self._gather_expert_blocks([state["state"][i][name] for i, name in entries])
         if full is None:
             return None
+        for i in {i for i, _ in entries}:  # state_dict() shares the live per-parameter dicts: copy before replacing
+            state["state"][i] = dict(state["state"][i])
         for (i, name), tensor in zip(entries, full):
             state["state"][i][name] = tensor
         return state

@@ -1,6 +1,12 @@
 """DAPO with LoRA on a frozen, quantized DeepSeek-V3, all-sync: the same workers generate and learn.
 
-    accelerate launch recipes/dapo.py [--config recipes/configs/tiny_cpu.yaml] [--resume]
+    python recipes/dapo.py [--config recipes/configs/tiny_cpu.yaml] [--resume]         # Ray: one worker per device
+    torchrun --nproc_per_node N recipes/dapo.py --config ...                           # SPMD: one process per device
+    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/dapo.py --config ...
+
+Ray mode: this process is the controller and places parallel.nodes x workers_per_node worker actors (it
+joins the cluster at RAY_ADDRESS when set). SPMD mode (the launcher set RANK and WORLD_SIZE): every process
+is one worker, rank 0 also does the controller's work, and Ray is never started.
 
 Per step, on every worker (allsync/worker.py): generate groups with the current adapter -> rewards
 (+ overlong shaping) -> dynamic sampling keeps groups with mixed rewards and refills -> GRPO advantages
@@ -22,7 +28,8 @@ from tqdm.auto import tqdm
 from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
 from allsync.checkpoint import prune_checkpoints
-from allsync.placement import WorkerFailure, WorkerGroup
+from allsync.distributed import spmd_environment
+from allsync.placement import SPMDGroup, WorkerFailure, WorkerGroup
 from allsync.tasks import make_splits
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
 
@@ -45,7 +52,7 @@ def ensure_base(config: RunConfig) -> None:
                           "allsync: delete it to rebuild)") from exc  # fmt: skip
 
 
-def heldout_accuracy(group: WorkerGroup, problems, samples: int) -> float:
+def heldout_accuracy(group, problems, samples: int) -> float:
     results = group.call("evaluate", problems, samples)
     return sum(r["correct"] for r in results) / max(sum(r["total"] for r in results), 1)
 
@@ -55,9 +62,14 @@ def metric_name(config: RunConfig) -> str:
     return "greedy" if n == 1 else f"avg@{n} at temperature {config.rollout.temperature:g}"
 
 
-def save_checkpoint(group: WorkerGroup, out_dir: Path, step: int, extra: dict) -> Path:
-    """Adapter, optimizer, RNG states and data positions of every worker, written atomically."""
+def save_checkpoint(group, out_dir: Path, step: int, extra: dict) -> Path:
+    """Adapter, optimizer, RNG states and data positions of every worker, written atomically. Under SPMD the
+    other ranks write their parts into the controller's temporary directory (`call` passes rank 0's
+    arguments), and the all-gather at the end of `call` waits for every part before it is renamed."""
     path = out_dir / "checkpoints" / f"step-{step:06d}"
+    if not group.is_controller:
+        group.call("save_state", None)
+        return path
     with atomic_output_dir(path, overwrite=True) as tmp:
         group.call("save_state", str(tmp))
         (tmp / "controller.json").write_text(json.dumps({"step": step, **extra}))
@@ -77,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="override run.steps")
     parser.add_argument("--no-ray", action="store_true", help="run one worker in this process")
     args = parser.parse_args(argv)
+    launched = spmd_environment()  # (rank, world size, local rank) under torchrun / accelerate launch
+    rank = launched[0] if launched else 0
 
     try:  # every config problem is reported before any work starts
         config = load_config(args.config)
@@ -87,24 +101,39 @@ def main(argv: list[str] | None = None) -> int:
 
             if (reason := unsupported_targets(config.lora.targets)) is not None:
                 raise ConfigError(f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}")
+        if launched and launched[1] != config.parallel.workers:
+            raise ConfigError(f"{args.config}: the launcher started {launched[1]} processes (WORLD_SIZE) but parallel.nodes x "
+                              f"workers_per_node = {config.parallel.workers}; make them equal")  # fmt: skip
+        if launched and config.rollout.engine == "vllm":
+            raise ConfigError(f"{args.config}: rollout.engine vllm under torchrun / accelerate launch: the in-process vLLM "
+                              "engine would share the launcher's default process group; use the Ray mode "
+                              "(python recipes/dapo.py) or rollout.engine torch")  # fmt: skip
         if args.no_ray and config.parallel.expert_parallel > 1:
             raise ConfigError(f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
                               "one in-process worker holds every expert; drop --no-ray or use 1")  # fmt: skip
         if config.parallel.layout != "colocated":
             raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
-        ensure_base(config)
+        if launched:
+            from allsync.placement import spmd_state
+
+            spmd_state(config)  # the process group, so that rank 0 alone builds the base while the others wait
+        rank0_first(lambda: ensure_base(config), launched)
         model_config = read_config(config.model.base)
         config_with_model_checks(config, model_config, args.config)
         t = config.task
         splits = make_splits(t.spec(), t.train_size, t.heldout_size, t.seed)
         max_model_len = engine_model_len(config, model_config, splits.train + splits.heldout, args.config)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
         return 2
 
     out_dir = Path(config.run.out_dir)
-    group = WorkerGroup(config, splits.train, use_ray=not args.no_ray, max_model_len=max_model_len)
+    if launched:
+        group = SPMDGroup(config, splits.train, max_model_len=max_model_len)
+    else:
+        group = WorkerGroup(config, splits.train, use_ray=not args.no_ray, max_model_len=max_model_len)
     try:
         return train(config, args, group, splits, out_dir)
     except WorkerFailure as exc:
@@ -112,6 +141,25 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     finally:
         group.shutdown()
+
+
+def rank0_first(build, launched) -> None:
+    """Run `build` on rank 0 only (SPMD) and let the other ranks go on once it is done; a ConfigError it
+    raises is raised on every rank. Without a launcher, just run it."""
+    if not launched:
+        build()
+        return
+    import torch.distributed as dist
+
+    box = [None]
+    if launched[0] == 0:
+        try:
+            build()
+        except ConfigError as exc:
+            box = [str(exc)]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ConfigError(box[0])
 
 
 def engine_model_len(config: RunConfig, model_config: dict, problems, source: str) -> int:
@@ -127,56 +175,68 @@ def engine_model_len(config: RunConfig, model_config: dict, problems, source: st
         raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
 
 
-def train(config: RunConfig, args: argparse.Namespace, group: WorkerGroup, splits, out_dir: Path) -> int:
-    """Evaluate the base, run the RL steps (checkpoints, evaluations), evaluate and export the adapter."""
+def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: Path) -> int:
+    """Evaluate the base, run the RL steps (checkpoints, evaluations), evaluate and export the adapter. Under
+    SPMD every rank runs this in step (the same results from `group.call`, the controller's clock through
+    `group.agree`) and only the controller (rank 0) writes and prints."""
+    ctl = group.is_controller
+    say = print if ctl else (lambda *a, **k: None)
     start_step, base_accuracy = 0, None
     checkpoint = latest_checkpoint(out_dir) if args.resume else None
     if checkpoint is not None:
         group.call("load_state", str(checkpoint))
         state = json.loads((checkpoint / "controller.json").read_text())
         start_step, base_accuracy = state["step"], state["base_accuracy"]
-        print(f"resumed from {checkpoint} (step {start_step})")
-    log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None)
+        say(f"resumed from {checkpoint} (step {start_step})")
+    log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None) if ctl else None
+    record = log.write if ctl else (lambda step, metrics: None)
     if base_accuracy is None:
         base_accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
         base_greedy = heldout_accuracy(group, splits.heldout, 1)
-        log.write(0, {"heldout_accuracy": base_accuracy, "heldout_greedy_accuracy": base_greedy})
+        record(0, {"heldout_accuracy": base_accuracy, "heldout_greedy_accuracy": base_greedy})
     else:
         base_greedy = state.get("base_greedy")
-    print(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}% ({metric_name(config)})")
+    say(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}% ({metric_name(config)})")
 
     started, accuracy, nan_run, step = time.time(), base_accuracy, 0, start_step
     limit = config.run.time_limit_minutes
-    bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step")
+    bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step", disable=not ctl)
     for step in bar:
         metrics = aggregate(group.step(step))
         nan_run = nan_run + 1 if metrics["nan_steps"] else 0
         if step % config.run.eval_every == 0 or step == config.run.steps:
             accuracy = metrics["heldout_accuracy"] = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
-        log.write(step, metrics)
+        record(step, metrics)
         bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.2f}", heldout=f"{100 * accuracy:.1f}%",
                         entropy=f"{metrics.get('entropy', float('nan')):.2f}")  # fmt: skip
-        out_of_time = limit is not None and time.time() - started > 60 * limit
+        out_of_time = group.agree(limit is not None and time.time() - started > 60 * limit)
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
             save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy})
-            prune_checkpoints(out_dir / "checkpoints", config.run.keep_checkpoints)
+            if ctl:
+                prune_checkpoints(out_dir / "checkpoints", config.run.keep_checkpoints)
         if nan_run >= config.run.max_consecutive_nan:
-            print(f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint", file=sys.stderr)
+            if ctl:
+                print(f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint", file=sys.stderr)
             return 3
         if out_of_time and step < config.run.steps:
             accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
-            log.write(step, {"heldout_accuracy": accuracy})
-            print(f"warning: run.time_limit_minutes ({limit} min) reached after step {step} of {config.run.steps}: "
-                  "this machine is slower than the one the step count was chosen on, and the result is not the "
-                  "reproducible one", file=sys.stderr)  # fmt: skip
+            record(step, {"heldout_accuracy": accuracy})
+            if ctl:
+                print(f"warning: run.time_limit_minutes ({limit} min) reached after step {step} of {config.run.steps}: "
+                      "this machine is slower than the one the step count was chosen on, and the result is not the "
+                      "reproducible one", file=sys.stderr)  # fmt: skip
             break
     bar.close()
 
     greedy = heldout_accuracy(group, splits.heldout, 1)
-    log.write(step, {"heldout_greedy_accuracy": greedy})
+    record(step, {"heldout_greedy_accuracy": greedy})
+    tensors = group.call_for_rank0("full_adapter_tensors")  # every rank: expert blocks are gathered
+    group.shutdown()  # before the summary, so that nothing the workers print comes after it
+    if not ctl:
+        return 0
     from moe_lora.adapter_io import Adapter, export_merged, export_peft
 
-    adapter = Adapter(group.call("full_adapter_tensors")[0], config.lora.rank, config.lora.alpha, config.lora.use_rslora)
+    adapter = Adapter(tensors, config.lora.rank, config.lora.alpha, config.lora.use_rslora)
     if config.run.export == "peft":
         exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
     else:
@@ -185,7 +245,6 @@ def train(config: RunConfig, args: argparse.Namespace, group: WorkerGroup, split
                                  trained_plan=config.model.quant.plan(), overwrite=True)  # fmt: skip
     plot = plot_run(log.records(), out_dir / "run.png")
     log.close()
-    group.shutdown()  # before the summary, so that nothing the workers print comes after it
     print(f"adapter: {exported}  metrics: {log.path}  plot: {plot}")
     print(f"{step} RL steps in {(time.time() - started) / 60:.1f} min")
     if base_greedy is not None:

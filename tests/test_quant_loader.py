@@ -124,8 +124,8 @@ def test_loader_reads_one_shard_at_a_time(tiny_bf16, monkeypatch):
     real_safe_open = safetensors.safe_open
 
     class CountingSafeOpen:
-        def __init__(self, path, framework):
-            self._inner = real_safe_open(path, framework=framework)
+        def __init__(self, path, framework, device="cpu"):
+            self._inner = real_safe_open(path, framework=framework, device=device)
             opened.append(path)
 
         def __enter__(self):
