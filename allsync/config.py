@@ -381,6 +381,9 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
 
     if p.device == "cuda" and not torch.cuda.is_available():
         fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
+    if p.backend == "gloo" and p.resolved_device() == "cuda" and p.expert_parallel > 1:
+        fail(f"parallel.backend = gloo with parallel.device cuda and expert_parallel {p.expert_parallel}: gloo has no "
+             "all-to-all for GPU tensors; use nccl (or auto)")  # fmt: skip
     if p.resolved_backend() == "nccl" and p.resolved_device() != "cuda":
         fail(f"parallel.backend = nccl with parallel.device {p.device} (runs on cpu): NCCL needs GPUs; use gloo or auto")
     data_parallel = p.workers // p.tensor_parallel  # experts are sharded over EP ranks, tokens still over every rank

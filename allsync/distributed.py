@@ -51,7 +51,8 @@ def process_group(store: dist.Store, name: str, ranks: list[int], rank: int, bac
 
 @dataclass
 class Groups:
-    """This rank's groups (None: a group of one). `waited` accumulates seconds blocked in collectives."""
+    """This rank's groups (None: a group of one). `waited` accumulates seconds blocked in collectives.
+    Collectives run on `device` (cuda for NCCL, cpu for gloo); a tensor elsewhere is copied there and back."""
 
     rank: int
     world_size: int
@@ -60,6 +61,7 @@ class Groups:
     ep: object | None = None
     edp: object | None = None
     waited: float = 0.0
+    device: torch.device = torch.device("cpu")
 
     @property
     def expert_parallel(self) -> bool:
@@ -72,7 +74,10 @@ class Groups:
             t = time.time()
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
-            pg.allreduce([tensor], opts).wait()
+            work = tensor.to(self.device)
+            pg.allreduce([work], opts).wait()
+            if work is not tensor:
+                tensor.copy_(work)
             self.waited += time.time() - t
         return tensor
 
@@ -83,23 +88,27 @@ class Groups:
     def broadcast(self, tensor: torch.Tensor, group: str = "world") -> None:
         pg = getattr(self, group)
         if pg is not None:
-            pg.broadcast(tensor, 0).wait()
+            work = tensor.to(self.device)
+            pg.broadcast(work, 0).wait()
+            if work is not tensor:
+                tensor.copy_(work)
 
     def all_gather(self, tensor: torch.Tensor, group: str) -> list[torch.Tensor]:
         """Equal-shaped tensors of every member of `group`, in group order ([tensor] for a group of one)."""
         pg = getattr(self, group)
         if pg is None:
             return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(pg.size())]
-        pg.allgather([out], [tensor.contiguous()]).wait()
-        return out
+        work = tensor.to(self.device).contiguous()
+        out = [torch.empty_like(work) for _ in range(pg.size())]
+        pg.allgather([out], [work]).wait()
+        return [o.to(tensor.device) for o in out]
 
 
 def connect(rank: int, world_size: int, address: str | None, backend: str, layout: ExpertLayout | None,
             default_group: bool = False) -> Groups:  # fmt: skip
     """Build this rank's groups. address: `tcp://host:port` (Ray mode; rank 0 hosts the store), or None
     under a launcher (SPMD), which initializes torch.distributed's default group from the environment."""
-    groups = Groups(rank, world_size, layout)
+    groups = Groups(rank, world_size, layout, device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"))
     if world_size == 1:
         return groups
     if address is None:

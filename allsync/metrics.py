@@ -51,6 +51,8 @@ def aggregate(per_worker: list[dict]) -> dict:
         "step_seconds": wall,
         "samples_per_second": total("samples_generated") / wall,
         "utilization": sum(m["busy_seconds"] for m in per_worker) / (wall * len(per_worker)),
+        # expert parallelism only: bytes sent to other ranks by the MoE all-to-alls (tokens, outputs, gradients)
+        **({"alltoall_bytes": total("alltoall_bytes")} if "alltoall_bytes" in per_worker[0] else {}),
     }
 
 

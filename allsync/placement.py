@@ -16,6 +16,7 @@ every process. Two layouts drive the Ray workers step by step:
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -25,9 +26,9 @@ from allsync.config import RunConfig
 from allsync.tasks import Problem
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -74,7 +75,7 @@ class WorkerGroup:
             self.size = 1
             return
         self.placement, start = start_placement(self.size, gpus_per_worker)
-        address = f"tcp://127.0.0.1:{free_port()}"
+        address = rendezvous_address(self.placement)
         self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address, max_model_len=max_model_len)
                         for i in range(self.size)]  # fmt: skip
 
@@ -186,7 +187,10 @@ def start_placement(size: int, gpus_per_worker: float = 0):
     from allsync.worker import RLWorker
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(size, 1), include_dashboard=False, log_to_driver=True, configure_logging=False)
+        if os.environ.get("RAY_ADDRESS"):  # a cluster started with `ray start` (see README, "Scaling out")
+            ray.init(log_to_driver=True, configure_logging=False)
+        else:
+            ray.init(num_cpus=max(size, 1), include_dashboard=False, log_to_driver=True, configure_logging=False)
     bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     placement = placement_group([bundle] * size, strategy="PACK")
     ray.get(placement.ready())
@@ -197,6 +201,20 @@ def start_placement(size: int, gpus_per_worker: float = 0):
         return actor.options(scheduling_strategy=strategy).remote(*args, threads=1, **kwargs)
 
     return placement, start
+
+
+def rendezvous_address(placement) -> str:
+    """tcp://ip:port of a free port on the node of bundle 0 (rank 0 hosts the workers' TCP store there), so
+    workers on other nodes of a Ray cluster reach it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def node_address() -> str:
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
+
+    strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
+    return ray.get(node_address.options(scheduling_strategy=strategy).remote())
 
 
 def stop_placement(workers, placement) -> None:
@@ -242,7 +260,7 @@ class DisaggregatedGroup:
         self.config = config
         n_gen = self.size // 2
         self.placement, start = start_placement(self.size, gpus_per_worker)
-        address = f"tcp://127.0.0.1:{free_port()}"
+        address = rendezvous_address(self.placement)
         self.trainers = [start(i, config, problems, rank=i, world_size=self.size - n_gen, dist_address=address)
                          for i in range(self.size - n_gen)]  # fmt: skip
         self.generators = [start(self.size - n_gen + i, config, problems, rank=i, world_size=n_gen) for i in range(n_gen)]

@@ -119,7 +119,7 @@ class TorchEngine:
         return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
 
     def _generate_batch(self, prompts: list[list[int]], s: Sampling):
-        ids, mask = left_pad(prompts, self.pad_id)
+        ids, mask = (t.to(self.model.device) for t in left_pad(prompts, self.pad_id))
         temperature = 1.0 if s.greedy else s.temperature
         step_logprobs = StepLogprobs(ids.shape[1], temperature)
         sequences = self.model.generate(

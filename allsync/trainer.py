@@ -32,6 +32,9 @@ class SequenceBatch:
         """Length of the longest row (rows are right-padded)."""
         return int(self.attention_mask.sum(-1).max()) if len(self) else 0
 
+    def to(self, device: torch.device | str) -> "SequenceBatch":
+        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+
     def trimmed(self, width: int) -> "SequenceBatch":
         """The first `width` columns (per-token [B, L-1] tensors keep width - 1)."""
         return SequenceBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.response_mask[:, : width - 1])
@@ -136,7 +139,7 @@ def response_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = mask.sum(-1).long()
     width = int(lengths.max()) if len(lengths) else 0
     starts = mask.float().argmax(-1)
-    offsets = torch.arange(width)[None, :]
+    offsets = torch.arange(width, device=mask.device)[None, :]
     valid = offsets < lengths[:, None]
     index = torch.where(valid, starts[:, None] + offsets, torch.zeros_like(offsets))
     return index, valid
@@ -147,17 +150,19 @@ def to_response_layout(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor
 
 
 def to_sequence_layout(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
-    out = torch.zeros(x.shape[0], width, dtype=x.dtype)
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
     return out.scatter_add_(1, index, x * valid)
 
 
 def scatter_response_values(values: list[list[float]], batch: SequenceBatch) -> torch.Tensor:
-    """Per-response-token lists (e.g. engine logprobs) placed at their [B, L-1] positions."""
-    out = torch.zeros_like(batch.response_mask)
-    for i, v in enumerate(values):
-        positions = batch.response_mask[i].nonzero().squeeze(-1)
-        out[i, positions] = torch.tensor(v[: len(positions)], dtype=out.dtype)
-    return out
+    """Per-response-token lists (e.g. engine logprobs) placed at their [B, L-1] positions: value j of row i
+    goes to row i's j-th masked position (masks are contiguous per row); values past the mask are dropped.
+    One host-to-device copy for the batch."""
+    index, valid = response_positions(batch.response_mask)
+    width = index.shape[1]
+    padded = [v[:width] + [0.0] * (width - len(v[:width])) for v in values]
+    dense = torch.tensor(padded, dtype=batch.response_mask.dtype).reshape(len(values), width).to(index.device)
+    return to_sequence_layout(dense, index, valid, batch.response_mask.shape[1])
 
 
 def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> float:

@@ -181,11 +181,11 @@ class Timeline:
         return busy
 
 
-def flat_gradients(params: list[torch.nn.Parameter], flag: bool = True) -> torch.Tensor:
+def flat_gradients(params: list[torch.nn.Parameter], flag: bool = True, device: torch.device | None = None) -> torch.Tensor:
     """One zeroed buffer holding every parameter's .grad as a view, plus (flag) one last slot for a flag (a
     rank's non-finite loss): a minibatch's gradients and the flag are all-reduced in one collective."""
     if not params:
-        return torch.zeros(int(flag))
+        return torch.zeros(int(flag), device=device)
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise TypeError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; one flat gradient buffer needs one")
@@ -195,6 +195,18 @@ def flat_gradients(params: list[torch.nn.Parameter], flag: bool = True) -> torch
         p.grad = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     return flat
+
+
+def worker_device(device: str, launcher: bool) -> torch.device:
+    """cpu, or this worker's GPU: cuda:LOCAL_RANK under a launcher (one process per GPU), cuda:0 under Ray
+    (the actor sees only the GPU its bundle holds)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    import os
+
+    index = int(os.environ.get("LOCAL_RANK", 0)) if launcher else 0
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
@@ -220,6 +232,7 @@ class RLWorker:
         if threads:
             torch.set_num_threads(threads)
         base = config.model.base
+        self.device = worker_device(config.parallel.resolved_device(), launcher)
         k = config.parallel.expert_parallel
         self.layout = ExpertLayout(world_size, k, read_config(base)["n_routed_experts"]) if k > 1 else None
         self.groups = Groups(rank, 1, self.layout)
@@ -231,7 +244,7 @@ class RLWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         experts = self.layout.experts_of(rank) if self.layout is not None else None
         self.model = load_frozen_model(base, config.model.quant.plan(), compute_dtype=_dtype(config.model.compute_dtype),
-                                       progress=rank == 0, experts=experts)  # fmt: skip
+                                       progress=rank == 0, experts=experts, device=self.device)  # fmt: skip
         lc = config.lora
         attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
         seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
@@ -240,11 +253,11 @@ class RLWorker:
         sharded = {id(p) for p in expert_parameters(self.model)} if self.layout is not None else set()
         self.expert_params = [p for p in lora_params if id(p) in sharded]  # summed over the EDP group
         self.params = [p for p in lora_params if id(p) not in sharded]  # summed over every rank
-        self.value_head = ValueHead(self.model.config.hidden_size) if config.algorithm.uses_critic else None
+        self.value_head = ValueHead(self.model.config.hidden_size).to(self.device) if config.algorithm.uses_critic else None
         if self.value_head is not None:
             self.params += list(self.value_head.parameters())
-        self.flat_grad = flat_gradients(self.params)  # every rank all-reduces one buffer per minibatch
-        self.flat_expert_grad = flat_gradients(self.expert_params, flag=False)
+        self.flat_grad = flat_gradients(self.params, device=self.device)  # every rank all-reduces one buffer per minibatch
+        self.flat_expert_grad = flat_gradients(self.expert_params, flag=False, device=self.device)
         self._broadcast_params()  # replicas start identical whatever their seeds (the value head)
         # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
         self._seed_everything(config.run.seed * 1000 + rank)
@@ -411,7 +424,7 @@ class RLWorker:
         """One row whose tokens are all masked out: a rank with nothing to train runs it so that its MoE
         layers take part in the other ranks' forward and backward (expert parallelism). Adds nothing."""
         pad = self.tokenizer.pad_token_id
-        seqs = build_sequences([[pad]], [[pad]], pad)
+        seqs = build_sequences([[pad]], [[pad]], pad).to(self.device)
         seqs.response_mask.zero_()
         zeros = torch.zeros_like(seqs.response_mask)
         kl = zeros if self.config.algorithm.kl_coef else None
@@ -433,6 +446,8 @@ class RLWorker:
         metrics["sync_bytes"] = self.engine.load_adapter(None if shares_model else self.adapter_tensors(), self.adapter_version)
         self.timeline.record("sync", t)
         metrics.update(self.busy_report(wall0))
+        if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
+            metrics.update(self.dispatch_stats.take())
         return metrics
 
     def rollout_phase(self, groups_wanted: int) -> tuple[list[Sample], torch.Tensor, dict]:
@@ -492,6 +507,7 @@ class RLWorker:
         c = self.config
         advantages = get("advantage", c.algorithm.advantage)(torch.tensor([s.reward for s in samples]), group_index)
         batch = build_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.tokenizer.pad_token_id)
+        batch, advantages = batch.to(self.device), advantages.to(self.device)
         if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
             batch.response_mask = overlong_filter_mask([s.finish_reason for s in samples], batch.response_mask)
         old_logprobs, _ = self.current_logprobs(batch)
@@ -670,17 +686,18 @@ class RLWorker:
         window's tokens of every worker; the policy trains on this window's tokens, the critic on every
         token of finished responses."""
         c = self.config
-        seqs = build_sequences([r.prompt_ids for r in pool], [r.response_ids for r in pool], self.tokenizer.pad_token_id)
+        seqs = build_sequences([r.prompt_ids for r in pool], [r.response_ids for r in pool], self.tokenizer.pad_token_id).to(self.device)
         old_logprobs, old_values = self.current_logprobs(seqs)
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
-        token_rewards = torch.zeros(valid.shape)
+        token_rewards = torch.zeros(valid.shape, device=self.device)
         for i, reward in reward_of.items():
             token_rewards[i, len(pool[i].response_ids) - 1] = reward
-        is_finished = torch.tensor([i in finished for i in range(len(pool))])
+        is_finished = torch.tensor([i in finished for i in range(len(pool))], device=self.device)
         advantages, returns = egae(token_rewards, to_response_layout(old_values, index, valid), valid.float(), ~is_finished,
                                    c.algorithm.gamma, c.algorithm.lam)  # fmt: skip
-        in_window = valid & (torch.arange(valid.shape[1])[None, :] >= torch.tensor([r.window_start for r in pool])[:, None])
+        starts = torch.tensor([r.window_start for r in pool], device=self.device)
+        in_window = valid & (torch.arange(valid.shape[1], device=self.device)[None, :] >= starts[:, None])
         policy_mask = to_sequence_layout(in_window.float(), index, valid, width)
         if c.algorithm.overlong is not None and c.algorithm.overlong.filter_truncated:
             policy_mask = overlong_filter_mask([finished.get(i, "continuing") for i in range(len(pool))], policy_mask)
@@ -823,6 +840,17 @@ class RLWorker:
         held = self.layout.experts_of(self.rank) if self.layout is not None else range(self.model.config.n_routed_experts)
         return {"bytes": self.model.checkpoint_bytes_read, "expert_bytes": self.model.checkpoint_expert_bytes_read,
                 "experts": [held.start, held.stop]}  # fmt: skip
+
+    def expert_memory(self) -> dict:
+        """Resident bytes of this rank's routed experts: frozen weights, their LoRA tensors, and AdamW's state
+        for those tensors (empty before the first optimizer step)."""
+        from quant.modules import FrozenExperts
+
+        frozen = sum(w.nbytes for m in self.model.modules() if isinstance(m, FrozenExperts) for ws in m.weights.values() for w in ws)
+        adapters = [p for m in self.model.modules() if isinstance(m, LoRAExperts) for p in m.factors()]
+        state = [t for p in adapters for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"frozen": frozen, "adapters": nbytes(adapters), "optimizer": nbytes(state)}
 
     def timeline_events(self) -> list[tuple[str, float, float]]:
         return list(self.timeline.events)

@@ -69,10 +69,31 @@ class ExpertLayout:
         return list(range(self.position(rank), self.world_size, self.ep_size))
 
 
-def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+@dataclass
+class DispatchStats:
+    """What this rank's all-to-alls moved, summed over calls (forward and backward): `assignments` routed
+    (token, expert) pairs of its own tokens, and the rows and bytes it sent to other ranks (rows it keeps,
+    for its own experts, cost nothing)."""
+
+    assignments: int = 0
+    rows_remote: int = 0
+    bytes_remote: int = 0
+
+    def take(self) -> dict:
+        """The totals since the last take, then zeroed."""
+        out = {"alltoall_bytes": self.bytes_remote, "alltoall_rows": self.rows_remote, "routed_assignments": self.assignments}
+        self.assignments = self.rows_remote = self.bytes_remote = 0
+        return out
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, stats: DispatchStats | None = None) -> torch.Tensor:
     """Rows x[sum(send_splits[:i]) : sum(send_splits[:i+1])] go to peer i; returns the rows received, peer by peer."""
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     group.alltoall_base(out, x.contiguous(), list(recv_splits), list(send_splits)).wait()
+    if stats is not None:
+        remote = sum(send_splits) - send_splits[group.rank()]
+        stats.rows_remote += remote
+        stats.bytes_remote += remote * x[0].numel() * x.element_size() if len(x) else 0
     return out
 
 
@@ -80,26 +101,13 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all with autograd: backward sends the gradient rows back where they came from."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        return all_to_all(x, send_splits, recv_splits, group)
+    def forward(ctx, x, send_splits, recv_splits, group, stats):
+        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats = send_splits, recv_splits, group, stats
+        return all_to_all(x, send_splits, recv_splits, group, stats)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group), None, None, None
-
-
-@dataclass
-class DispatchStats:
-    """Rows this rank sent to other ranks' experts (and received back), summed over calls: the all-to-all
-    traffic is 2 x rows x hidden x dtype bytes per direction (tokens out, outputs back)."""
-
-    rows_sent: int = 0
-    rows_received: int = 0
-    bytes_sent: int = 0
-
-    def reset(self) -> None:
-        self.rows_sent = self.rows_received = self.bytes_sent = 0
+        return all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats), None, None, None, None
 
 
 class ExpertDispatch:
@@ -124,13 +132,11 @@ class ExpertDispatch:
             send, recv = send_counts.tolist(), recv_counts.tolist()  # one host sync per layer: the splits
             ids_received = all_to_all(local_ids, send, recv, self.group)
         tokens = order // k
-        rows = _AllToAll.apply(hidden.index_select(0, tokens), send, recv, self.group)
+        rows = _AllToAll.apply(hidden.index_select(0, tokens), send, recv, self.group, self.stats)
         ones = torch.ones((rows.shape[0], 1), dtype=hidden.dtype, device=hidden.device)
-        outputs = _AllToAll.apply(local_forward(rows, ids_received[:, None], ones), recv, send, self.group)
+        outputs = _AllToAll.apply(local_forward(rows, ids_received[:, None], ones), recv, send, self.group, self.stats)
         weights = top_k_weights.reshape(-1)[order].to(hidden.dtype)
-        self.stats.rows_sent += len(tokens)
-        self.stats.rows_received += rows.shape[0]
-        self.stats.bytes_sent += 2 * len(tokens) * hidden.shape[-1] * hidden.element_size()
+        self.stats.assignments += len(tokens)
         return hidden.new_zeros(hidden.shape).index_add(0, tokens, outputs * weights[:, None])
 
 

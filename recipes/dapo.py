@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         group = SPMDGroup(config, splits.train, max_model_len=max_model_len)
     else:
-        group = WorkerGroup(config, splits.train, use_ray=not args.no_ray, max_model_len=max_model_len)
+        gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker
+        group = WorkerGroup(config, splits.train, use_ray=not args.no_ray, gpus_per_worker=gpus, max_model_len=max_model_len)
     try:
         return train(config, args, group, splits, out_dir)
     except WorkerFailure as exc:
