@@ -49,13 +49,17 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
         memory, loaded = group.call("expert_memory"), group.call("loaded_bytes")
     finally:
         group.shutdown()
+        import ray
+
+        ray.shutdown()  # the next run may need more CPUs than this cluster was started with
     steady = metrics[1:]  # the first step warms caches up
     return {
         "workers": workers, "expert_parallel": expert_parallel,
         "step_seconds": statistics.median(max(m["wall_seconds"] for m in step) for step in steady),
         "memory": memory, "loaded": loaded,
         "alltoall_bytes": [statistics.mean(step[r].get("alltoall_bytes", 0) for step in steady) for r in range(workers)],
-        "alltoall_rows": [statistics.mean(step[r].get("alltoall_rows", 0) for step in steady) for r in range(workers)],
+        "forward_rows": [statistics.mean(step[r].get("alltoall_forward_rows", 0) for step in steady) for r in range(workers)],
+        "backward_rows": [statistics.mean(step[r].get("alltoall_backward_rows", 0) for step in steady) for r in range(workers)],
         "assignments": [statistics.mean(step[r].get("routed_assignments", 0) for step in steady) for r in range(workers)],
     }  # fmt: skip
 
@@ -73,13 +77,14 @@ def report(results: list[dict], hidden: int) -> list[str]:
         lines.append(f"| {r['expert_parallel']} | {r['workers']} | {max(held):,} | {100 * worst:+.1f}% worst rank | {read} | "
                      f"{r['step_seconds']:.2f} |")  # fmt: skip
     lines.append("")
-    lines.append("| EP | routed assignments / step / rank | rows sent to other ranks | fraction | bytes sent | bytes per row (hidden x 4) |")
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("| EP | routed assignments / step (rank 0, all forward passes) | forward rows sent to other ranks "
+                 "| / (2 x assignments) | uniform (k-1)/k | backward rows | bytes sent | bytes / row (hidden x 4) |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|")
     for r in results[1:]:
-        a, rows, sent = r["assignments"][0], r["alltoall_rows"][0], r["alltoall_bytes"][0]
-        # each assignment crosses twice forward (token out, output back); training passes add the same backward
-        lines.append(f"| {r['expert_parallel']} | {a:,.0f} | {rows:,.0f} | {rows / max(2 * a, 1):.2f} of forward rows x2 | "
-                     f"{sent:,.0f} | {sent / max(rows, 1):.0f} ({hidden * 4}) |")  # fmt: skip
+        k, a, fwd, bwd = r["expert_parallel"], r["assignments"][0], r["forward_rows"][0], r["backward_rows"][0]
+        sent = r["alltoall_bytes"][0]
+        lines.append(f"| {k} | {a:,.0f} | {fwd:,.0f} | {fwd / max(2 * a, 1):.2f} | {(k - 1) / k:.2f} | {bwd:,.0f} | {sent:,.0f} | "
+                     f"{sent / max(fwd + bwd, 1):.0f} ({hidden * 4}) |")  # fmt: skip
     return lines
 
 

@@ -71,28 +71,35 @@ class ExpertLayout:
 
 @dataclass
 class DispatchStats:
-    """What this rank's all-to-alls moved, summed over calls (forward and backward): `assignments` routed
-    (token, expert) pairs of its own tokens, and the rows and bytes it sent to other ranks (rows it keeps,
-    for its own experts, cost nothing)."""
+    """What this rank's all-to-alls moved, summed over calls: `assignments` routed (token, expert) pairs of its
+    own tokens in forward passes; rows it sent to other ranks in forward passes (tokens out, outputs back:
+    2 x assignments x (k-1)/k under uniform routing) and in backward passes (their gradients); all bytes sent
+    to other ranks. Rows a rank keeps for its own experts cost nothing."""
 
     assignments: int = 0
-    rows_remote: int = 0
+    forward_rows_remote: int = 0
+    backward_rows_remote: int = 0
     bytes_remote: int = 0
 
     def take(self) -> dict:
         """The totals since the last take, then zeroed."""
-        out = {"alltoall_bytes": self.bytes_remote, "alltoall_rows": self.rows_remote, "routed_assignments": self.assignments}
-        self.assignments = self.rows_remote = self.bytes_remote = 0
+        out = {"alltoall_bytes": self.bytes_remote, "alltoall_forward_rows": self.forward_rows_remote,
+               "alltoall_backward_rows": self.backward_rows_remote, "routed_assignments": self.assignments}  # fmt: skip
+        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = 0
         return out
 
 
-def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, stats: DispatchStats | None = None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, stats: DispatchStats | None = None,
+               backward: bool = False) -> torch.Tensor:  # fmt: skip
     """Rows x[sum(send_splits[:i]) : sum(send_splits[:i+1])] go to peer i; returns the rows received, peer by peer."""
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     group.alltoall_base(out, x.contiguous(), list(recv_splits), list(send_splits)).wait()
     if stats is not None:
         remote = sum(send_splits) - send_splits[group.rank()]
-        stats.rows_remote += remote
+        if backward:
+            stats.backward_rows_remote += remote
+        else:
+            stats.forward_rows_remote += remote
         stats.bytes_remote += remote * x[0].numel() * x.element_size() if len(x) else 0
     return out
 
@@ -107,7 +114,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats), None, None, None, None
+        return all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, backward=True), None, None, None, None
 
 
 class ExpertDispatch:
