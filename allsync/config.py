@@ -370,9 +370,6 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
                  "serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch")  # fmt: skip
         if p.layout != "colocated":
             fail(f"parallel.expert_parallel = {p.expert_parallel} with parallel.layout {p.layout}: use colocated")
-        if c.algorithm.uses_critic:
-            fail(f"parallel.expert_parallel = {p.expert_parallel} with algorithm.advantage {c.algorithm.advantage}: the "
-                 "critic's windows are not run under expert parallelism yet; use grpo or drgrpo")  # fmt: skip
     if p.device not in ("auto", "cpu", "cuda"):
         fail(f"parallel.device = {p.device!r}: use auto, cpu or cuda")
     if p.backend not in ("auto", "gloo", "nccl"):

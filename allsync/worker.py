@@ -11,7 +11,8 @@ group. Every MoE layer then exchanges tokens with the other ranks of its EP grou
 forward and backward in lockstep: a rank with nothing of its own still takes part, on one masked-out row
 (`idle_batch`), in generation rounds (`_serve_generation_rounds`) and through the torch engine.
 
-The class is plain Python; the recipe wraps it in a Ray actor (one per device) or runs it in-process.
+The class is plain Python; the recipe wraps it in a Ray actor (one per device), runs it in-process, or runs one per
+process under torchrun / accelerate launch (allsync.placement.SPMDGroup).
 """
 
 from __future__ import annotations
@@ -249,6 +250,10 @@ class RLWorker:
         attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
         seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
         self.dispatch_stats = shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
+        if self.layout is not None:
+            held, m = self.layout.experts_of(rank), self.model
+            print(f"rank {rank}: routed experts {held.start}-{held.stop - 1} of {self.layout.num_experts}; read "
+                  f"{m.checkpoint_bytes_read:,} checkpoint bytes ({m.checkpoint_expert_bytes_read:,} of them experts')")  # fmt: skip
         lora_params = [p for p in self.model.parameters() if p.requires_grad]
         sharded = {id(p) for p in expert_parameters(self.model)} if self.layout is not None else set()
         self.expert_params = [p for p in lora_params if id(p) in sharded]  # summed over the EDP group

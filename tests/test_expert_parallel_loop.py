@@ -10,29 +10,31 @@ steps divide each gradient element by its own size (m / (sqrt(v) + 1e-8)), so an
 near 1e-8 moves by a visibly different amount. The per-tensor gradients themselves are compared to 1e-5 in
 tests/test_expert_parallel.py."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from test_launchers import run_config
 
 from allsync.config import parse_config
 from allsync.placement import WorkerGroup
 from allsync.tasks import ArithmeticSpec, make_splits
 
 
-def config(base, expert_parallel: int):
-    return parse_config({
-        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 8, "alpha": 16},
-        "rollout": {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 12},
-        "algorithm": {"dynamic_sampling": True, "max_sampling_rounds": 3},
-        "optim": {"lr": 1e-3, "minibatches": 2},
-        "parallel": {"workers_per_node": 2, "expert_parallel": expert_parallel},
-    })  # fmt: skip
+def config(base, expert_parallel: int, tppo: bool = False):
+    data = run_config(base, Path("unused"), expert_parallel)
+    if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a value head, EGAE
+        data["rollout"]["window"] = 4
+        data["algorithm"] = {"advantage": "egae", "dynamic_sampling": False}
+        data["optim"]["value_lr"] = 1e-2
+    return parse_config(data)
 
 
-def run_steps(base, expert_parallel: int, steps: int, checkpoint=None):
-    problems = make_splits(ArithmeticSpec(1, 1), 200, 20, 0).train
-    group = WorkerGroup(config(base, expert_parallel), problems, use_ray=True)
+def run_steps(base, expert_parallel: int, steps: int, checkpoint=None, tppo: bool = False):
+    problems = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train
+    group = WorkerGroup(config(base, expert_parallel, tppo), problems, use_ray=True)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]
         adapter = group.call("full_adapter_tensors")
@@ -81,3 +83,16 @@ def seeded_start(base) -> dict[str, torch.Tensor]:
     attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=tuple(config(base, 1).lora.targets)))
     seeded_init_(model, 0)
     return lora_state_dict(model)
+
+
+def test_tppo_windows_at_ep2_log_the_ep1_steps(warm_tiny):
+    """The critic's path (value head, EGAE, whitening all-reduce, windows over an in-flight pool) in lockstep."""
+    want, _, _ = run_steps(warm_tiny, 1, 3, tppo=True)
+    got, _, _ = run_steps(warm_tiny, 2, 3, tppo=True)
+    assert sum(w["trained_tokens"] for step in want for w in step) > 0
+    for step_want, step_got in zip(want, got):
+        for w, g in zip(step_want, step_got):
+            for key in ("samples_generated", "continuing", "trained_tokens", "correct_sum", "response_tokens"):
+                assert g[key] == w[key], key
+            for key in ("loss_sum", "grad_norm", "kl_sum"):
+                assert abs(g[key] - w[key]) <= 1e-4 * max(abs(w[key]), 1e-3), (key, g[key], w[key])

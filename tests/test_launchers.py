@@ -20,8 +20,9 @@ EXACT = {"samples_generated", "correct_sum", "groups_kept", "groups_generated", 
          "heldout_accuracy", "heldout_greedy_accuracy", "optimizer_steps", "sampling_rounds", "response_tokens"}  # fmt: skip
 
 
-def write_config(path: Path, base: Path, out_dir: Path, expert_parallel: int = 1) -> Path:
-    config = {
+def run_config(base: Path, out_dir: Path, expert_parallel: int = 1) -> dict:
+    """2 workers, dynamic sampling on (ranks refill in different numbers of rounds), 2 minibatches."""
+    return {
         "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
         "lora": {"rank": 8, "alpha": 16},
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12},
@@ -31,7 +32,10 @@ def write_config(path: Path, base: Path, out_dir: Path, expert_parallel: int = 1
         "task": {"min_digits": 1, "max_digits": 1, "train_size": 400, "heldout_size": 20},
         "run": {"out_dir": str(out_dir), "steps": 3, "eval_every": 3, "checkpoint_every": 2, "export": "merged"},
     }
-    path.write_text(yaml.safe_dump(config))
+
+
+def write_config(path: Path, base: Path, out_dir: Path, expert_parallel: int = 1) -> Path:
+    path.write_text(yaml.safe_dump(run_config(base, out_dir, expert_parallel)))
     return path
 
 
