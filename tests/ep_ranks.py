@@ -91,3 +91,68 @@ def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case,
         if reduce_edp:
             groups.all_reduce(p.grad, "edp")
     results[rank] = {"out": out.detach(), "dx": x.grad, "dw": weights.grad, "lora": lora_grads(module)}
+
+
+# ------------------------------------------------------------------------------------------ whole model
+SEQ_LEN = 10
+
+
+def model_tokens(rank: int, batch: int) -> torch.Tensor:
+    return torch.randint(8, 250, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(50 + rank))
+
+
+def model_grad_out(rank: int, batch: int, vocab: int) -> torch.Tensor:
+    return torch.randn(batch, SEQ_LEN, vocab, generator=torch.Generator().manual_seed(90 + rank))
+
+
+def lora_model(checkpoint, fmt: str, experts: range | None = None):
+    """The tiny model with LoRA on every default target, A seeded per PEFT key and B nonzero (seeded per key too),
+    holding `experts` (all when None)."""
+    import zlib
+
+    from moe_lora.lora import LoRAConfig, _adapter_slots, attach_lora
+    from quant.loader import QuantPlan, load_frozen_model
+
+    model = load_frozen_model(checkpoint, QuantPlan(routed_experts=fmt), compute_dtype=torch.float32, progress=False, experts=experts)
+    attach_lora(model, LoRAConfig(rank=4, alpha=8))
+    seeded_init_(model, 0)
+    with torch.no_grad():
+        for key, slot in _adapter_slots(model).items():
+            if ".lora_B." in key:
+                slot.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+    return model
+
+
+def model_lora_grads(model) -> dict[str, torch.Tensor]:
+    """PEFT key -> gradient of that adapter tensor (global expert ids)."""
+    from moe_lora.lora import PEFT_PREFIX, LoRALinear, expert_slots
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.grad.clone()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.grad.clone()
+        elif isinstance(m, LoRAExperts):
+            out.update({k: v.clone() for k, v in expert_slots(PEFT_PREFIX + name, [p.grad for p in m.factors()], m.first_expert).items()})
+    return out
+
+
+def run_model_rank(rank: int, world_size: int, ep_size: int, address: str, checkpoint: str, fmt: str, batches: list[int], results) -> None:
+    """Rank `rank` of the whole tiny model under EP: logits of its own sequences, then every LoRA gradient
+    after the loop's reductions (replicated tensors over all ranks, expert blocks over the EDP group)."""
+    from allsync.distributed import connect
+    from moe_lora.expert_parallel import ExpertLayout, expert_parameters, shard_experts
+    from quant.checkpoint_io import read_config
+
+    torch.set_num_threads(1)
+    layout = ExpertLayout(world_size, ep_size, read_config(checkpoint)["n_routed_experts"])
+    groups = connect(rank, world_size, address, "gloo", layout)
+    model = lora_model(checkpoint, fmt, layout.experts_of(rank))
+    shard_experts(model, groups.ep, layout, rank)
+    logits = model(input_ids=model_tokens(rank, batches[rank])).logits
+    (logits * model_grad_out(rank, batches[rank], logits.shape[-1])).sum().backward()
+    sharded = {id(p) for p in expert_parameters(model)}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.all_reduce(p.grad, "edp" if id(p) in sharded else "world")
+    results[rank] = {"logits": logits.detach(), "grads": model_lora_grads(model)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ep_ranks import Case, experts_module, lora_grads, run_rank
+from ep_ranks import Case, experts_module, lora_grads, lora_model, model_grad_out, model_lora_grads, model_tokens, run_model_rank, run_rank
 from allsync.placement import free_port
 from moe_lora.expert_parallel import ExpertLayout
 
@@ -90,3 +90,32 @@ def test_layout():
         ExpertLayout(world_size=6, ep_size=6, num_experts=16)
     with pytest.raises(ValueError, match="divide the 8 workers"):
         ExpertLayout(world_size=8, ep_size=3, num_experts=12)
+
+
+@pytest.mark.parametrize("world_size, ep_size, fmt", [(2, 2, "nf4"), (4, 2, "fp8")], ids=["ep2-nf4", "ep2xedp2-fp8"])
+def test_whole_model_logits_and_every_lora_gradient_equal_single_process(tiny_bf16, world_size, ep_size, fmt):
+    """The tiny DeepSeek-V3 (8 routed experts, top-2, 2 MoE layers) with LoRA on every target: each rank's
+    logits and, after the loop's reductions, every adapter gradient (attention, dense MLP, shared experts,
+    routed experts) equal one process holding every expert and every rank's sequences."""
+    batches = [2, 3, 1, 2][:world_size]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        mp.spawn(run_model_rank, args=(world_size, ep_size, address, str(tiny_bf16), fmt, batches, results), nprocs=world_size)
+        got = dict(results)
+    model = lora_model(tiny_bf16, fmt)
+    logits = model(input_ids=torch.cat([model_tokens(r, b) for r, b in enumerate(batches)])).logits
+    grad_out = torch.cat([model_grad_out(r, b, logits.shape[-1]) for r, b in enumerate(batches)])
+    (logits * grad_out).sum().backward()
+    want = model_lora_grads(model)
+    bounds = torch.tensor([0] + batches).cumsum(0).tolist()
+    for r in range(world_size):
+        assert rel(got[r]["logits"], logits[bounds[r] : bounds[r + 1]].detach()) < 1e-5
+        held = got[r]["grads"]
+        assert any(".mlp.experts." in k for k in held) and any("self_attn" in k for k in held)
+        for key, g in held.items():
+            assert rel(g, want[key]) < 1e-5, (r, key, rel(g, want[key]))
+    layout = ExpertLayout(world_size, ep_size, 8)
+    expert_keys = {k for r in range(world_size) for k in got[r]["grads"] if ".mlp.experts." in k}
+    assert expert_keys == {k for k in want if ".mlp.experts." in k}  # the blocks together hold every expert
+    assert all(int(k.split(".mlp.experts.")[1].split(".")[0]) in layout.experts_of(1) for k in got[1]["grads"] if ".mlp.experts." in k)
