@@ -64,10 +64,14 @@ def optimizer_state_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> 
 
 # ------------------------------------------------------------------------------------------ RNG
 def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
-    """The process's torch, Python and NumPy RNG states as (tensors, JSON-able)."""
+    """The process's torch (CPU, and the current GPU's when CUDA is initialized), Python and NumPy RNG states
+    as (tensors, JSON-able)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch_rng": torch.get_rng_state()}, {
+    tensors = {"torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # sampling on a GPU draws from its generator
+        tensors["cuda_rng"] = torch.cuda.get_rng_state()
+    return tensors, {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
     }
@@ -75,6 +79,8 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
 
 def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     torch.set_rng_state(tensors["torch_rng"])
+    if "cuda_rng" in tensors:
+        torch.cuda.set_rng_state(tensors["cuda_rng"])
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = meta["numpy"]

@@ -254,8 +254,6 @@ class DisaggregatedGroup:
     """
 
     def __init__(self, config: RunConfig, problems: list[Problem], gpus_per_worker: float = 0):
-        import ray
-
         self.size = config.parallel.workers
         self.config = config
         n_gen = self.size // 2
@@ -269,18 +267,19 @@ class DisaggregatedGroup:
         self.sync_bytes = self._sync()  # generators start from the trainers' initial adapter
 
     def _sync(self) -> list[int]:
-        import ray
-
         tensors = self.trainers[0].adapter_tensors.remote()
-        return ray.get([g.receive_adapter.remote(tensors, self.version) for g in self.generators])
+        return self._gather([g.receive_adapter.remote(tensors, self.version) for g in self.generators], "receive_adapter", self.generators)
+
+    def _gather(self, refs: list, method: str, workers: list) -> list:
+        """Results in order; the first worker that fails stops them all (WorkerFailure names its index in
+        `self.workers`: trainers first, then generators)."""
+        return gather_or_stop(refs, [self.workers.index(w) for w in workers], method, self.workers)
 
     def step(self, step: int) -> list[dict]:
         """One synchronous step; per-worker metric sums, trainers first."""
-        import ray
-
         wall0 = time.time()
         per_generator = self.config.rollout.prompts_per_step // len(self.generators)
-        rollouts = ray.get([g.rollout_phase.remote(per_generator) for g in self.generators])
+        rollouts = self._gather([g.rollout_phase.remote(per_generator) for g in self.generators], "rollout_phase", self.generators)
         samples, index, offset = [], [], 0
         for s, g, _ in rollouts:
             samples += s
@@ -288,10 +287,10 @@ class DisaggregatedGroup:
             offset += int(g.max()) + 1 if len(g) else 0
         group_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
         parts = split_groups(samples, group_index, len(self.trainers))
-        trained = ray.get([t.train_phase.remote(s, g) for t, (s, g) in zip(self.trainers, parts)])
+        trained = self._gather([t.train_phase.remote(s, g) for t, (s, g) in zip(self.trainers, parts)], "train_phase", self.trainers)
         self.version += 1
         received = self._sync()
-        reports = ray.get([w.busy_report.remote(wall0) for w in self.workers])
+        reports = self._gather([w.busy_report.remote(wall0) for w in self.workers], "busy_report", self.workers)
         out = []
         for i, report in enumerate(reports):
             m = dict.fromkeys(ROLLOUT_KEYS + TRAIN_KEYS, 0)
@@ -305,9 +304,7 @@ class DisaggregatedGroup:
         return out
 
     def call(self, method: str, *args) -> list:
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return self._gather([getattr(w, method).remote(*args) for w in self.workers], method, self.workers)
 
     def shutdown(self) -> None:
         self.call("shutdown")

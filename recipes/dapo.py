@@ -182,12 +182,13 @@ def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: P
     `group.agree`) and only the controller (rank 0) writes and prints."""
     ctl = group.is_controller
     say = print if ctl else (lambda *a, **k: None)
-    start_step, base_accuracy = 0, None
+    start_step, base_accuracy, nan_run = 0, None, 0
     checkpoint = latest_checkpoint(out_dir) if args.resume else None
     if checkpoint is not None:
         group.call("load_state", str(checkpoint))
         state = json.loads((checkpoint / "controller.json").read_text())
         start_step, base_accuracy = state["step"], state["base_accuracy"]
+        nan_run = state.get("nan_run", 0)  # non-finite steps in a row before the checkpoint
         say(f"resumed from {checkpoint} (step {start_step})")
     log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None) if ctl else None
     record = log.write if ctl else (lambda step, metrics: None)
@@ -199,7 +200,7 @@ def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: P
         base_greedy = state.get("base_greedy")
     say(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}% ({metric_name(config)})")
 
-    started, accuracy, nan_run, step = time.time(), base_accuracy, 0, start_step
+    started, accuracy, step = time.time(), base_accuracy, start_step
     limit = config.run.time_limit_minutes
     bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step", disable=not ctl)
     for step in bar:
@@ -212,7 +213,7 @@ def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: P
                         entropy=f"{metrics.get('entropy', float('nan')):.2f}")  # fmt: skip
         out_of_time = group.agree(limit is not None and time.time() - started > 60 * limit)
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
-            save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy})
+            save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy, "nan_run": nan_run})
             if ctl:
                 prune_checkpoints(out_dir / "checkpoints", config.run.keep_checkpoints)
         if nan_run >= config.run.max_consecutive_nan:
