@@ -1,0 +1,136 @@
+"""Rewards by name, one entry point: `score(name, response, ground_truth) -> float`.
+
+    score("math_dapo", "...\\nAnswer: 1,000", "1000")     -> 1.0   (DAPO's rule: +1 right, -1 wrong or unparsable)
+    score("math_verify", "so \\boxed{1/2}", "0.5")         -> 1.0   (math-verify, 0/1)
+    score("exact", "Answer: 42", "42")                     -> 1.0   (the `Answer:` line equals the truth, 0/1)
+    score("arithmetic", "Answer: 1,234", "1234")           -> 1.0   (evals.verify.is_correct, the default task's)
+
+`math_dapo` follows DAPO's reward (verl's `reward_score/math_dapo.py` behaves this way): keep the last 300
+characters of the response, take the text after the last `Answer:` (case-insensitive, to the end of its
+line), normalize it and the ground truth with the final-answer normalization of Minerva (Lewkowycz et al.,
+2022), which DAPO reuses, and compare the two strings exactly. Normalization, in order:
+  1. keep what follows the last `=`;
+  2. substitutions: drop a leading article ("an ", "a "), ".$" -> "$", drop "\\$", "\\ " and spaces,
+     "mbox" -> "text", ",\\text{and}" and "\\text{and}" -> ",", "\\text{m}" -> "\\text{}";
+  3. remove unit words and TeX decorations (`UNIT_AND_DECORATION_STRINGS`);
+  4. keep the inside of the first $...$ span, of \\text{..}, \\textbf{..}, \\overline{..}, and of \\boxed{..}
+     (greedy: up to the last closing brace);
+  5. shorthand TeX: \\fracab -> \\frac{a}{b}, \\sqrta -> \\sqrt{a};
+  6. drop every "$"; an answer that is digits apart from commas loses its commas ("100,000" -> "100000");
+  7. strip surrounding whitespace.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from evals.extract import extract_answer
+from evals.verify import is_correct, math_verify_equal
+
+DAPO_TAIL_CHARS = 300  # DAPO scores only the end of a response
+_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)  # fmt: skip
+UNIT_AND_DECORATION_STRINGS = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)  # fmt: skip
+_UNWRAP = (  # (pattern, replacement) applied once each, in order
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),
+    (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),
+    (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),
+    (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),
+)
+
+
+def normalize_final_answer(answer: str) -> str:
+    """Minerva's final-answer normalization (steps 1-7 of the module docstring)."""
+    text = answer.split("=")[-1]
+    for old, new in _SUBSTITUTIONS:
+        text = text.replace(old, new)
+    for piece in UNIT_AND_DECORATION_STRINGS:
+        text = text.replace(piece, "")
+    for pattern, replacement in _UNWRAP:
+        text = pattern.sub(replacement, text)
+    text = text.replace("$", "")
+    if text.replace(",", "").isdigit():
+        text = text.replace(",", "")
+    return text.strip()
+
+
+def dapo_answer(response: str) -> str | None:
+    """The text after the last `Answer:` in the response's last 300 characters, or None."""
+    found = _ANSWER_LINE.findall(response[-DAPO_TAIL_CHARS:])
+    return found[-1] if found else None
+
+
+def math_dapo(response: str, ground_truth: str) -> float:
+    """+1.0 when the normalized last `Answer:` equals the normalized ground truth, else -1.0 (wrong and
+    unparsable alike)."""
+    answer = dapo_answer(response)
+    if answer is None:
+        return -1.0
+    return 1.0 if normalize_final_answer(answer) == normalize_final_answer(ground_truth) else -1.0
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced, or None."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def math_verify_reward(response: str, ground_truth: str) -> float:
+    """1.0 when math-verify finds the response's answer equal to the ground truth: the last \\boxed{} first,
+    else the `Answer:` line, else the whole response (math-verify's own extraction); 0.0 otherwise."""
+    gold = ground_truth if "$" in ground_truth or "\\boxed" in ground_truth else f"${ground_truth}$"  # LaTeX for math-verify
+    candidate = last_boxed(response)
+    if candidate is None:
+        candidate = extract_answer(response)
+    if candidate is not None:
+        return 1.0 if math_verify_equal(gold, f"${candidate}$") else 0.0
+    return 1.0 if math_verify_equal(gold, response) else 0.0
+
+
+def exact(response: str, ground_truth: str) -> float:
+    """1.0 when the `Answer:` line, stripped, equals the ground truth, stripped."""
+    answer = extract_answer(response)
+    return 1.0 if answer is not None and answer.strip() == ground_truth.strip() else 0.0
+
+
+def arithmetic(response: str, ground_truth: str) -> float:
+    """The default task's reward: the `Answer:` is the same number (or verifies) (evals.verify.is_correct)."""
+    return 1.0 if is_correct(response, ground_truth) else 0.0
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {
+    "math_dapo": math_dapo,
+    "math_verify": math_verify_reward,
+    "exact": exact,
+    "arithmetic": arithmetic,
+}
+
+
+def score(name: str, response: str, ground_truth: str) -> float:
+    """The named reward of one response."""
+    try:
+        fn = REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}") from None
+    return fn(response, ground_truth)
