@@ -152,6 +152,22 @@ class TaskSection:
 
 
 @dataclass
+class RewardSection:
+    """How a response is scored (evals/rewards.py, in worker processes: evals/reward_pool.py)."""
+
+    name: str = "arithmetic"  # math_dapo (+1/-1) | math_verify | exact | arithmetic (0/1)
+    function: str | None = None  # "package.module:function": function(response, row) -> float | dict; replaces name
+    timeout_s: float = 10.0  # per sample; a slower sample is an error
+    on_error: str = "fail"  # a reward that raises or times out: fail (stop the run, naming the sample) | wrong
+    processes: int = 1  # reward processes per worker
+
+    def spec(self):
+        from evals.reward_pool import RewardSpec
+
+        return RewardSpec(self.name, self.function, self.timeout_s)
+
+
+@dataclass
 class RunSection:
     out_dir: str = "runs/dapo-tiny"
     steps: int = 100  # the run ends here; results reproduce for a seed whatever the machine's speed
@@ -175,6 +191,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     task: TaskSection = field(default_factory=TaskSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     run: RunSection = field(default_factory=RunSection)
 
 
@@ -390,6 +407,24 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     if c.optim.minibatches < 1 or per_worker % c.optim.minibatches:
         fail(f"optim.minibatches = {c.optim.minibatches} must divide each worker's samples per step (rollout.prompts_per_step "
              f"/ {data_parallel} workers x rollout.group_size = {per_worker})")  # fmt: skip
+    rw = c.reward
+    from evals.rewards import REWARDS
+
+    if rw.function is None and rw.name not in REWARDS:
+        fail(f"reward.name = {rw.name!r}: unknown reward (known: {', '.join(REWARDS)}; or give reward.function)")
+    if rw.function is not None:
+        from evals.reward_pool import load_function
+
+        try:
+            load_function(rw.function)
+        except ValueError as exc:
+            fail(f"reward.function: {exc}")
+    if rw.on_error not in ("fail", "wrong"):
+        fail(f"reward.on_error = {rw.on_error!r}: use fail (stop the run) or wrong (score the sample as wrong)")
+    if not rw.timeout_s > 0:
+        fail(f"reward.timeout_s = {rw.timeout_s}: must be > 0")
+    if rw.processes < 1:
+        fail(f"reward.processes = {rw.processes}: must be >= 1")
     if c.task.name != "arithmetic":
         fail(f"task.name = {c.task.name!r}: the built-in task is 'arithmetic'")
     try:

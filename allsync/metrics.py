@@ -37,6 +37,7 @@ def aggregate(per_worker: list[dict]) -> dict:
         "groups_generated": total("groups_generated"),
         "sampling_rounds": max(m["sampling_rounds"] for m in per_worker),
         "sampling_cap_hits": total("sampling_cap_hits"),  # workers that reached max_sampling_rounds this step
+        "reward_errors": total("reward_errors"),  # samples whose reward raised or timed out (reward.on_error: wrong)
         "trained_samples": total("trained_samples"),
         "trained_tokens": total("trained_tokens"),
         "loss": total("loss_sum"),

@@ -228,7 +228,7 @@ def stop_placement(workers, placement) -> None:
 
 # keys every per-worker metric dict carries (see allsync.metrics.aggregate); a worker reports 0 for a phase it does not run
 ROLLOUT_KEYS = ("samples_generated", "reward_sum", "correct_sum", "response_tokens", "truncated", "staleness_max",
-                "groups_generated", "sampling_rounds", "groups_kept", "groups_wanted", "sampling_cap_hits")  # fmt: skip
+                "groups_generated", "sampling_rounds", "groups_kept", "groups_wanted", "sampling_cap_hits", "reward_errors")  # fmt: skip
 TRAIN_KEYS = ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "entropy_sum", "kl_ref_sum", "logprob_gap",
               "trained_samples", "trained_tokens", "nan_steps", "optimizer_steps", "empty_minibatches", "grad_norm")  # fmt: skip
 

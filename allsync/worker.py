@@ -67,7 +67,8 @@ from allsync.trainer import (
     to_response_layout,
     to_sequence_layout,
 )
-from evals.verify import answer_reward
+from evals.reward_pool import RewardPool
+from evals.rewards import wrong_score
 from moe_lora.expert_parallel import ExpertLayout, expert_parameters, shard_experts
 from moe_lora.lora import (
     PEFT_PREFIX,
@@ -273,6 +274,8 @@ class RLWorker:
             groups.append({"params": list(self.value_head.parameters()), "base_lr": o.value_lr})
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.problems = problems
+        self.reward_pool = RewardPool(config.reward.spec(), config.reward.processes)
+        self.reward_errors = 0  # samples whose reward raised or timed out since the last report
         self.max_model_len = max_model_len
         self.engine = self._make_engine()
         self.adapter_version = 0
@@ -342,28 +345,37 @@ class RLWorker:
         return Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
 
     # ------------------------------------------------------------------------------ rollout + reward
-    def rewards(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool]]:
-        """Verifier reward (1 if the answer is right) plus DAPO's overlong shaping, per response."""
-        correct = []
-        for i, (problem, response) in enumerate(zip(problems, responses)):
-            text = self.tokenizer.decode(response, skip_special_tokens=True)
-            try:
-                correct.append(answer_reward(text, problem) > 0.5)
-            except Exception as exc:  # a user-supplied reward may raise anything: name the sample
-                raise RewardError(
-                    f"reward function failed on sample {i} of worker {self.rank} (prompt {problem.prompt!r}, "
-                    f"response {text!r}): {type(exc).__name__}: {exc}"
-                ) from exc
-        rewards = [float(c) for c in correct]
+    def score_responses(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
+        """(scores, correct, errors) from reward.name / reward.function in the reward processes; correct means a
+        score > 0. A sample whose reward raised or timed out stops the run naming it (reward.on_error fail) or
+        scores as wrong (wrong), and is counted."""
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        results = self.reward_pool.score([(t, {"prompt": p.prompt, "answer": p.answer}) for t, p in zip(texts, problems)])
+        rc = self.config.reward
+        scores, errors = [], 0
+        for i, r in enumerate(results):
+            if r.error is not None:
+                errors += 1
+                if rc.on_error == "fail":
+                    raise RewardError(f"reward {rc.function or rc.name} failed on sample {i} of worker {self.rank} (prompt "
+                                      f"{problems[i].prompt!r}, response {texts[i]!r}): {r.error} (reward.on_error: fail)")  # fmt: skip
+            scores.append(wrong_score(rc.name if rc.function is None else "") if r.error is not None else r.score)
+        return scores, [s > 0 for s in scores], errors
+
+    def rewards(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
+        """The reward's score plus DAPO's overlong shaping, per response; whether each is correct; reward errors."""
+        scores, correct, errors = self.score_responses(problems, responses)
+        rewards = list(scores)
         overlong = self.config.algorithm.overlong
         if overlong is not None and responses:
             lengths = torch.tensor([len(r) for r in responses])
             penalty = overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor)
             rewards = [r + p for r, p in zip(rewards, penalty.tolist())]
-        return rewards, correct
+        return rewards, correct, errors
 
     def score(self, rollout: Rollout, problems: list[Problem], n: int) -> list[Sample]:
-        rewards, correct = self.rewards([problems[i // n] for i in range(len(rollout))], rollout.response_ids)
+        rewards, correct, errors = self.rewards([problems[i // n] for i in range(len(rollout))], rollout.response_ids)
+        self.reward_errors += errors
         return [
             Sample(prompt, response, logprobs, reason, reward, ok, rollout.adapter_version)
             for prompt, response, logprobs, reason, reward, ok in zip(
@@ -462,6 +474,7 @@ class RLWorker:
         self.engine.release_memory()  # vLLM on GPUs: its KV cache's memory goes to the trainer
         self.timeline.record("generate", t)
         generated = ds.pop("generated")
+        errors, self.reward_errors = self.reward_errors, 0
         group_index = ds.pop("group_index")
         metrics = {
             "samples_generated": len(generated),
@@ -471,6 +484,7 @@ class RLWorker:
             "truncated": sum(s.finish_reason == "length" for s in generated),
             "staleness_max": max((self.adapter_version - s.adapter_version for s in samples), default=0),
             "continuing": 0,
+            "reward_errors": errors,
             **ds,
         }
         return samples, group_index, metrics
@@ -665,7 +679,7 @@ class RLWorker:
                                  pool_size, window, c.rollout.max_new_tokens)  # fmt: skip
         finished = dict(zip(advance.finished_ids, advance.finish_reasons))
         done = [pool[i] for i in finished]
-        rewards, correct = self.rewards([r.problem for r in done], [r.response_ids for r in done])
+        rewards, correct, errors = self.rewards([r.problem for r in done], [r.response_ids for r in done])
         self.engine.release_memory()
         self.timeline.record("generate", t)
 
@@ -678,7 +692,7 @@ class RLWorker:
             "truncated": sum(reason == "length" for reason in finished.values()),
             "staleness_max": max(self.adapter_version - r.started_version for r in pool),
             "continuing": len(advance.continuing_ids), "groups_generated": 0, "groups_kept": 0, "groups_wanted": 0,
-            "sampling_cap_hits": 0, "sampling_rounds": 1,
+            "sampling_cap_hits": 0, "sampling_rounds": 1, "reward_errors": errors,
         })  # fmt: skip
         self.adapter_version += 1
         self.timeline.record("train", t)
@@ -727,11 +741,8 @@ class RLWorker:
         s = Sampling(temperature=1.0 if greedy else self.config.rollout.temperature, top_p=self.config.run.eval_top_p,
                      max_new_tokens=self.config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
         rollout = self.engine.generate([self.encode_prompt(p) for p in mine], samples, s)
-        correct = sum(
-            answer_reward(self.tokenizer.decode(r, skip_special_tokens=True), mine[i // samples]) > 0.5
-            for i, r in enumerate(rollout.response_ids)
-        )
-        return {"correct": int(correct), "total": len(rollout), "tokens": sum(rollout.response_lengths)}
+        _, correct, _ = self.score_responses([mine[i // samples] for i in range(len(rollout))], rollout.response_ids)
+        return {"correct": sum(correct), "total": len(rollout), "tokens": sum(rollout.response_lengths)}
 
     # ------------------------------------------------------------------------------ checkpoints
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
@@ -862,5 +873,6 @@ class RLWorker:
 
     def shutdown(self) -> None:
         self.groups = Groups(self.rank, 1, self.layout)
+        self.reward_pool.close()
         if hasattr(self.engine, "close"):
             self.engine.close()

@@ -127,6 +127,11 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 }
 
 
+def wrong_score(name: str) -> float:
+    """What a wrong answer scores under `name` (-1 for math_dapo, 0 for the others and for user functions)."""
+    return -1.0 if name == "math_dapo" else 0.0
+
+
 def score(name: str, response: str, ground_truth: str) -> float:
     """The named reward of one response."""
     try:

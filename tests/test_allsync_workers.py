@@ -63,14 +63,31 @@ def test_two_workers_gradient_equals_one_worker_full_batch(tiny_bf16):
         assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-7)
 
 
-def test_reward_error_names_the_sample(tiny_bf16, monkeypatch):
-    def broken(response, problem):
-        raise ZeroDivisionError("bad verifier")
+def reward_config(base, **reward):
+    c = config(base, 1)
+    for key, value in reward.items():
+        setattr(c.reward, key, value)
+    return c
 
-    monkeypatch.setattr(worker_module, "answer_reward", broken)
-    w = RLWorker(config(tiny_bf16, 1), PROBLEMS)
-    with pytest.raises(RewardError, match=r"reward function failed on sample 0 of worker 0 \(prompt 'what is .*', response .*ZeroDivisionError: bad verifier"):
-        w.step(1)
+
+def test_reward_error_names_the_sample(tiny_bf16):
+    w = RLWorker(reward_config(tiny_bf16, function="reward_functions:broken"), PROBLEMS)
+    try:
+        with pytest.raises(RewardError, match=r"reward reward_functions:broken failed on sample 0 of worker 0 \(prompt 'what is .*', "
+                                              r"response .*ZeroDivisionError: bad verifier \(reward.on_error: fail\)"):  # fmt: skip
+            w.step(1)
+    finally:
+        w.shutdown()
+
+
+def test_reward_errors_scored_as_wrong_are_counted(tiny_bf16):
+    w = RLWorker(reward_config(tiny_bf16, function="reward_functions:broken", on_error="wrong"), PROBLEMS)
+    try:
+        metrics = w.step(1)
+    finally:
+        w.shutdown()
+    assert metrics["reward_errors"] == metrics["samples_generated"] > 0  # every sample of every sampling round
+    assert metrics["correct_sum"] == 0 and metrics["reward_sum"] <= 0
 
 
 def test_trained_samples_must_come_from_the_current_adapter(tiny_bf16, monkeypatch):

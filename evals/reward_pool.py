@@ -1,0 +1,165 @@
+"""Scoring responses in worker processes with a per-sample timeout.
+
+    pool = RewardPool(RewardSpec(name="math_dapo", timeout_s=10), processes=2)
+    results = pool.score([(response, {"prompt": ..., "answer": "42"}), ...])   # [RewardResult, ...]
+
+Each worker is a fresh interpreter (`python -m evals.reward_pool SPEC`, never a fork of the trainer) that
+reads one JSON line per sample on stdin and writes one JSON result line; rewards run in its main thread, so
+math-verify's own timeout (signal.alarm, main thread only) works there. Samples go out in waves, one per
+worker, and each wave gets `timeout_s`: a worker that has not answered by then is killed and replaced, and
+its sample is a timeout, so one bad sample costs at most timeout_s plus a restart. An exception of any kind
+(math-verify's TimeoutException subclasses BaseException) comes back as an error naming its type. What
+user code prints goes to stderr, never into the protocol.
+
+The reward is a registry name (`evals.rewards.score(name, response, ground_truth)` with the row's "answer"),
+or a user function `"package.module:function"` called as function(response, row) -> float | dict, where a
+dict carries the score under "score". Rows and results cross as JSON: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    name: str = "arithmetic"  # a name in evals.rewards.REWARDS (used when function is None)
+    function: str | None = None  # "package.module:function": function(response, row) -> float | dict with "score"
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    score: float | None  # None when the reward failed
+    error: str | None = None  # "timeout after 2s" or "ZeroDivisionError: ..."
+
+
+def load_function(path: str) -> Callable:
+    """`package.module:function` -> the function; ValueError naming what is wrong."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r} is not of the form package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name!r} has no function {attr!r}")
+    return fn
+
+
+def score_sample(spec: RewardSpec, response: str, row: dict) -> float:
+    """One sample's reward, in whatever process calls it."""
+    if spec.function is None:
+        from evals.rewards import score
+
+        return float(score(spec.name, response, str(row["answer"])))
+    out = load_function(spec.function)(response, row)
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise TypeError(f"{spec.function} returned a dict without 'score' (keys {sorted(out)})")
+        out = out["score"]
+    return float(out)
+
+
+def _guarded(spec: RewardSpec, response: str, row: dict) -> tuple[float | None, str | None]:
+    try:
+        return score_sample(spec, response, row), None
+    except BaseException as exc:  # noqa: BLE001 - math-verify's TimeoutException is a BaseException
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+class _Worker:
+    """One reward process and its pipes."""
+
+    def __init__(self, spec: RewardSpec):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the parent's imports resolve
+        self.proc = subprocess.Popen([sys.executable, "-m", "evals.reward_pool", json.dumps(asdict(spec))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)  # fmt: skip
+
+    def send(self, response: str, row: dict) -> None:
+        self.proc.stdin.write(json.dumps([response, row]) + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class RewardPool:
+    """`processes` reward processes (started on first use) scoring with `spec`; `close()` or the with-block
+    stops them."""
+
+    def __init__(self, spec: RewardSpec, processes: int = 1):
+        if spec.function is not None:
+            load_function(spec.function)  # fail here, before any sample, naming the path
+        self.spec, self.processes = spec, max(1, processes)
+        self.workers: list[_Worker] = []
+
+    def score(self, samples: list[tuple[str, dict]]) -> list[RewardResult]:
+        """A result per (response, row), in order."""
+        results: list[RewardResult] = []
+        for start in range(0, len(samples), self.processes):
+            results += self._wave(samples[start : start + self.processes])
+        return results
+
+    def _wave(self, wave: list[tuple[str, dict]]) -> list[RewardResult]:
+        while len(self.workers) < len(wave):
+            self.workers.append(_Worker(self.spec))
+        selector = selectors.DefaultSelector()
+        for i, (response, row) in enumerate(wave):
+            self.workers[i].send(response, row)
+            selector.register(self.workers[i].proc.stdout, selectors.EVENT_READ, i)
+        results: dict[int, RewardResult] = {}
+        deadline = time.monotonic() + self.spec.timeout_s
+        while len(results) < len(wave) and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(timeout=left):
+                i = key.data
+                line = self.workers[i].proc.stdout.readline()
+                selector.unregister(key.fileobj)
+                if not line:  # the process died (e.g. killed by the OS): restart it
+                    results[i] = RewardResult(None, f"reward process exited with code {self.workers[i].proc.wait()}")
+                    self.workers[i] = _Worker(self.spec)
+                    continue
+                value, error = json.loads(line)
+                results[i] = RewardResult(value, error)
+        selector.close()
+        for i in range(len(wave)):
+            if i not in results:  # still running its sample: kill it, a fresh one takes its place
+                self.workers[i].kill()
+                self.workers[i] = _Worker(self.spec)
+                results[i] = RewardResult(None, f"timeout after {self.spec.timeout_s:g}s")
+        return [results[i] for i in range(len(wave))]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve(spec: RewardSpec) -> None:
+    """A reward process: one JSON line [response, row] in, one JSON line [score | null, error | null] out."""
+    protocol, sys.stdout = sys.stdout, sys.stderr  # what user code prints goes to stderr
+    for line in sys.stdin:
+        response, row = json.loads(line)
+        protocol.write(json.dumps(list(_guarded(spec, response, row))) + "\n")
+        protocol.flush()
+
+
+if __name__ == "__main__":
+    serve(RewardSpec(**json.loads(sys.argv[1])))

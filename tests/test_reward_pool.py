@@ -1,0 +1,51 @@
+"""Rewards in worker processes (evals/reward_pool.py): registry names and user functions, errors of any kind,
+and a per-sample timeout that costs at most the timeout plus a restart; the config refuses bad reward keys."""
+
+import time
+
+import pytest
+
+from allsync.config import ConfigError, parse_config
+from evals.reward_pool import RewardPool, RewardSpec
+
+
+def test_registry_rewards_in_order():
+    samples = [("Answer: 1,000", {"answer": "1000"}), ("Answer: 7", {"answer": "8"}), ("none", {"answer": "1"})]
+    with RewardPool(RewardSpec("math_dapo"), processes=2) as pool:
+        assert [r.score for r in pool.score(samples)] == [1.0, -1.0, -1.0]
+        assert [r.score for r in pool.score(samples * 20)] == [1.0, -1.0, -1.0] * 20
+
+
+def test_user_function_dict_score_and_errors():
+    with RewardPool(RewardSpec(function="reward_functions:length_bonus"), processes=1) as pool:
+        (good, bad) = pool.score([("Answer: 42", {"answer": "42"}), ("Answer: 4", {"answer": "42"})])
+        assert (good.score, bad.score) == (1.0, -0.5)  # what it printed did not disturb the protocol
+    with RewardPool(RewardSpec(function="reward_functions:broken"), processes=1) as pool:
+        (result,) = pool.score([("x", {"answer": "1"})])
+        assert result.score is None and result.error == "ZeroDivisionError: bad verifier"
+
+
+def test_a_sample_past_its_timeout_costs_the_timeout_plus_at_most_one_second():
+    with RewardPool(RewardSpec(function="reward_functions:sleeps", timeout_s=2.0), processes=2) as pool:
+        start = time.monotonic()
+        results = pool.score([("x", {"answer": "1"}), ("y", {"answer": "1"})])
+        elapsed = time.monotonic() - start
+    assert [r.error for r in results] == ["timeout after 2s"] * 2
+    assert 2.0 <= elapsed < 3.0
+    with RewardPool(RewardSpec("exact", timeout_s=2.0), processes=1) as pool:  # a fresh process serves after a kill
+        pool.workers = []
+        assert pool.score([("Answer: 3", {"answer": "3"})])[0].score == 1.0
+
+
+@pytest.mark.parametrize("reward, message", [
+    ({"name": "f1"}, r"reward.name = 'f1': unknown reward"),
+    ({"function": "no_such_module:fn"}, r"reward.function: cannot import 'no_such_module'"),
+    ({"function": "reward_functions:missing"}, r"reward.function: 'reward_functions' has no function 'missing'"),
+    ({"function": "reward_functions"}, r"reward.function: 'reward_functions' is not of the form package.module:function"),
+    ({"on_error": "ignore"}, r"reward.on_error = 'ignore'"),
+    ({"timeout_s": 0}, r"reward.timeout_s = 0: must be > 0"),
+    ({"processes": 0}, r"reward.processes = 0: must be >= 1"),
+])  # fmt: skip
+def test_bad_reward_sections_name_the_key(reward, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"reward": reward})
