@@ -29,7 +29,7 @@ from allsync.config import ConfigError, RunConfig, config_with_model_checks, loa
 from allsync.metrics import MetricsLog, aggregate, plot_run
 from allsync.checkpoint import prune_checkpoints
 from allsync.distributed import spmd_environment
-from allsync.placement import SPMDGroup, WorkerFailure, WorkerGroup
+from allsync.placement import SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
 from allsync.tasks import make_splits
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
 
@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         if launched and launched[1] != config.parallel.workers:
             raise ConfigError(f"{args.config}: the launcher started {launched[1]} processes (WORLD_SIZE) but parallel.nodes x "
                               f"workers_per_node = {config.parallel.workers}; make them equal")  # fmt: skip
+        if launched and args.no_ray:
+            raise ConfigError("--no-ray under torchrun / accelerate launch: every launched process is already one worker "
+                              "and Ray is never started; drop --no-ray")  # fmt: skip
         if launched and config.rollout.engine == "vllm":
             raise ConfigError(f"{args.config}: rollout.engine vllm under torchrun / accelerate launch: the in-process vLLM "
                               "engine would share the launcher's default process group; use the Ray mode "
@@ -115,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
         if launched:
-            from allsync.placement import spmd_state
-
             spmd_state(config)  # the process group, so that rank 0 alone builds the base while the others wait
         rank0_first(lambda: ensure_base(config), launched)
         model_config = read_config(config.model.base)

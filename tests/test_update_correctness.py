@@ -176,7 +176,7 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16
         monkeypatch.setattr(w.engine, "generate", fake_rollout())
         correct = [False, False, False, False, False, False, True, False, True]
         rewards = [0.0, 0.0, -0.25, -0.5, 0.0, 0.0, 1.0, 0.0, 1.0]
-        monkeypatch.setattr(w, "rewards", lambda problems, responses: (rewards, correct))
+        monkeypatch.setattr(w, "rewards", lambda problems, responses: (rewards, correct, 0))  # 0 reward errors
         samples, stats = w.collect(3)
         kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
     assert kept["acc"] == (1, 1, 3)  # 1 of 3 wanted kept: trained on (partial), the cap hit logged
@@ -190,7 +190,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
     # every round: group 0 mixed, the other groups all correct -> 1 group kept per round, 2 at the cap (3 wanted)
     pattern = lambda i: i % 3 != 1 if i < 3 else True  # noqa: E731
     monkeypatch.setattr(w, "rewards", lambda problems, responses: ([float(pattern(i)) for i in range(len(responses))],
-                                                                   [pattern(i) for i in range(len(responses))]))  # fmt: skip
+                                                                   [pattern(i) for i in range(len(responses))], 0))  # fmt: skip
     samples, stats = w.collect(3)
     assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (2, 3, 1, 2)
     assert len(samples) == 6 and sorted(set(stats["group_index"].tolist())) == [0, 1]
