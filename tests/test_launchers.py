@@ -97,3 +97,10 @@ def test_launcher_world_size_must_match_the_config(warm_tiny, tmp_path):
     assert done.returncode != 0
     assert "the launcher started 2 processes (WORLD_SIZE) but parallel.nodes x workers_per_node = 4" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_no_ray_under_a_launcher_is_refused(warm_tiny, tmp_path):
+    done = launch("torchrun", write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), "--no-ray")
+    assert done.returncode != 0
+    assert "--no-ray under torchrun / accelerate launch" in done.stderr
+    assert not (tmp_path / "out").exists()
