@@ -4,6 +4,8 @@
     allsync load CKPT [--routed-experts nf4 --attention fp8 ...] [--prompt TEXT]
     allsync export SRC --base CKPT --out DIR --format peft|merged [--dtype bf16|fp8]
                    [--merge-into checkpoint|trained --routed-experts nf4 ...]
+    allsync eval SRC|none --base CKPT --data FILE --out DIR [--engine torch|vllm] [--n 32] [--temperature 1.0]
+                 [--top-p 0.7] [--max-new-tokens N] [--reward math_dapo] [--template dapo_math]
 """
 
 from __future__ import annotations
@@ -152,12 +154,46 @@ def _plan_text(plan) -> str:
     return text + (", double-quantized nf4" if plan.double_quant else "")
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from allsync.evaluation import EvalArgs
+
+    d = EvalArgs("", "", "", "")
+    p = sub.add_parser("eval", help="sample n responses per problem of a data file, score them, write samples, summary and plot")
+    p.add_argument("src", help="a training checkpoint, a PEFT adapter directory, or none (the base alone)")
+    p.add_argument("--base", required=True, help="the base checkpoint")
+    p.add_argument("--data", required=True, help="parquet / JSONL / JSON rows (verl's layout or {prompt, answer})")
+    p.add_argument("--out", required=True, help="writes samples.jsonl, summary.json and eval.png here")
+    p.add_argument("--engine", default=d.engine, choices=("torch", "vllm"),
+                   help="torch: our frozen base with the adapter attached; vllm: the adapter served by vLLM (default %(default)s)")  # fmt: skip
+    p.add_argument("--n", type=int, default=d.n, help="samples per problem (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="(default %(default)s, DAPO's AIME setting)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="(default %(default)s)")
+    p.add_argument("--reward", default=d.reward, help="math_dapo | math_verify | exact | arithmetic (default %(default)s)")
+    p.add_argument("--reward-timeout-s", type=float, default=d.reward_timeout_s, help="per sample (default %(default)s)")
+    p.add_argument("--on-error", default=d.on_error, choices=("fail", "wrong"), help="a reward that raises or times out")
+    p.add_argument("--template", default=None, help="dapo_math, or a text with {problem}, for plain string prompts")
+    p.add_argument("--batch-problems", type=int, default=d.batch_problems, help="problems per generate call (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"))
+    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="torch engine (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> None:
+    from allsync.evaluation import EvalArgs, evaluate_cli
+
+    evaluate_cli(EvalArgs(**{f.name: getattr(args, f.name) for f in fields(EvalArgs)}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_load(sub)
     _add_export(sub)
+    _add_eval(sub)
     return parser
 
 

@@ -137,18 +137,47 @@ class ParallelSection:
 
 @dataclass
 class TaskSection:
-    name: str = "arithmetic"
-    min_digits: int = 1
+    name: str = "arithmetic"  # arithmetic (generated) | dataset (train_files / eval_files) | reasoning_gym
+    min_digits: int = 1  # arithmetic only, as are max_digits and ops
     max_digits: int = 3
     ops: list[str] = field(default_factory=lambda: ["+"])
-    train_size: int = 20000
-    heldout_size: int = 200
-    seed: int = 0
+    train_size: int = 20000  # arithmetic and reasoning_gym: generated training rows
+    heldout_size: int = 200  # arithmetic and reasoning_gym: unique held-out problems
+    seed: int = 0  # arithmetic, reasoning_gym: the generated splits; dataset: the shuffle of the training rows
+    train_files: list[str] = field(default_factory=list)  # dataset: parquet / JSONL / JSON (evals/datasets.py)
+    eval_files: list[str] = field(default_factory=list)  # dataset: the held-out evaluation rows
+    template: str | None = None  # dataset, reasoning_gym: "dapo_math" (DAPO's math prompt) or a text with {problem}
+    dataset: str | None = None  # reasoning_gym: the generator's name (reasoning_gym.create_dataset), e.g. chain_sum
+    dataset_args: dict[str, int | float | str | bool | list] = field(default_factory=dict)  # reasoning_gym: its settings
+
+    USES = {
+        "arithmetic": ("min_digits", "max_digits", "ops", "train_size", "heldout_size", "seed"),
+        "dataset": ("train_files", "eval_files", "template", "seed"),
+        "reasoning_gym": ("dataset", "dataset_args", "train_size", "heldout_size", "template", "seed"),
+    }
+
+    def template_text(self) -> str | None:
+        from evals.datasets import DAPO_MATH_TEMPLATE
+
+        return DAPO_MATH_TEMPLATE if self.template == "dapo_math" else self.template
 
     def spec(self):
         from allsync.tasks import ArithmeticSpec
 
         return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
+
+    def splits(self):
+        """(Splits, report lines): the generated arithmetic problems, or the dataset files' unique rows."""
+        from allsync.tasks import dataset_splits, make_splits
+
+        if self.name == "dataset":
+            return dataset_splits(self.train_files, self.eval_files, self.template_text(), self.seed)
+        if self.name == "reasoning_gym":
+            from allsync.tasks import reasoning_gym_splits
+
+            return reasoning_gym_splits(self.dataset, self.dataset_args, self.train_size, self.heldout_size,
+                                        self.template_text(), self.seed)  # fmt: skip
+        return make_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
 
 
 @dataclass
@@ -209,6 +238,9 @@ def _type_ok(value, annotation) -> bool:
     if origin is list:
         (item,) = typing.get_args(annotation)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(annotation)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     return isinstance(value, annotation)
 
 
@@ -425,12 +457,38 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"reward.timeout_s = {rw.timeout_s}: must be > 0")
     if rw.processes < 1:
         fail(f"reward.processes = {rw.processes}: must be >= 1")
-    if c.task.name != "arithmetic":
-        fail(f"task.name = {c.task.name!r}: the built-in task is 'arithmetic'")
-    try:
-        c.task.spec().validate()
-    except ValueError as exc:
-        fail(f"task: {exc}")
+    t = c.task
+    if t.name not in TaskSection.USES:
+        fail(f"task.name = {t.name!r}: use arithmetic (generated problems), dataset (task.train_files, task.eval_files) "
+             f"or reasoning_gym (task.dataset)")  # fmt: skip
+    defaults = TaskSection()
+    for f in fields(TaskSection):
+        if f.name not in ("name", *TaskSection.USES[t.name]) and getattr(t, f.name) != getattr(defaults, f.name):
+            fail(f"task.{f.name} is set but task.name is {t.name}, which does not use it")
+    if t.template is not None and t.template != "dapo_math" and "{problem}" not in t.template:
+        fail(f"task.template = {t.template!r}: use dapo_math or a text containing {{problem}}")
+    if (rw.name == "reasoning_gym" and rw.function is None) != (t.name == "reasoning_gym" and rw.function is None):
+        fail(f"reward.name = {rw.name!r} with task.name = {t.name!r}: reasoning-gym tasks score with their generator's own "
+             f"score_answer (reward.name: reasoning_gym), which needs a reasoning-gym task's metadata")  # fmt: skip
+    if t.name == "dataset":
+        if not t.train_files or not t.eval_files:
+            fail("task.name dataset needs task.train_files and task.eval_files (parquet, JSONL or JSON)")
+    elif t.name == "reasoning_gym":
+        if t.dataset is None:
+            fail("task.name reasoning_gym needs task.dataset (a reasoning-gym generator, e.g. chain_sum)")
+        import reasoning_gym
+
+        try:
+            reasoning_gym.create_dataset(t.dataset, **t.dataset_args, seed=t.seed, size=1)
+        except ValueError as exc:
+            fail(f"task.dataset = {t.dataset!r}: {exc}")
+        except (TypeError, AssertionError) as exc:
+            fail(f"task.dataset_args {t.dataset_args} for reasoning-gym {t.dataset}: {exc or 'rejected by its config'}")
+    else:
+        try:
+            t.spec().validate()
+        except ValueError as exc:
+            fail(f"task: {exc}")
     if c.run.steps < 1 or c.run.checkpoint_every < 1 or c.run.eval_every < 1:
         fail("run.steps, run.checkpoint_every and run.eval_every must be >= 1")
 

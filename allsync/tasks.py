@@ -1,4 +1,7 @@
-"""Synthetic verifiable tasks: seeded arithmetic problems with exact integer answers.
+"""Verifiable tasks as Problems (prompt, answer, metadata): seeded arithmetic, dataset files
+(`dataset_splits`, rows read by evals/datasets.py) and reasoning-gym generators (`reasoning_gym_splits`).
+
+Arithmetic: seeded problems with exact integer answers.
 
     spec = ArithmeticSpec(max_digits=3)
     splits = make_splits(spec, train_size=20000, heldout_size=200, seed=0)
@@ -20,7 +23,7 @@ import json
 import os
 import random
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -29,8 +32,9 @@ ANSWER_PREFIX = "Answer: "
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: str | tuple[tuple[str, str], ...]  # the user's text, or (role, content) messages (dataset rows)
     answer: str
+    metadata: dict | None = field(default=None, compare=False)  # what the reward needs besides the answer (JSON)
 
 
 @dataclass(frozen=True)
@@ -113,13 +117,73 @@ def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: 
     return Splits(train=train, heldout=list(heldout.values()))
 
 
+def dataset_splits(train_files: list[str], eval_files: list[str], template: str | None, seed: int) -> tuple[Splits, list[str]]:
+    """Training rows (unique over all train_files, shuffled with the seed) and evaluation rows (unique), as
+    Problems, with one report line per file (rows read, unique prompts kept)."""
+    from evals.datasets import DAPO_MATH_TEMPLATE, load_rows
+
+    text = DAPO_MATH_TEMPLATE if template == "dapo_math" else template
+    parts, reports = [], []
+    for files in (train_files, eval_files):
+        seen, problems = set(), []
+        for path in files:
+            rows, report = load_rows(path, text)
+            reports.append(report)
+            for row in rows:
+                if row.key not in seen:
+                    seen.add(row.key)
+                    problems.append(Problem(row.prompt, row.answer))
+        parts.append(problems)
+    random.Random(f"dataset-{seed}").shuffle(parts[0])
+    return Splits(train=parts[0], heldout=parts[1]), reports
+
+
+def reasoning_gym_splits(dataset: str, args: dict, train_size: int, heldout_size: int, template: str | None,
+                         seed: int) -> tuple[Splits, list[str]]:  # fmt: skip
+    """Problems from the reasoning-gym generator `dataset` (its kwargs in `args`): `heldout_size` unique held-out
+    questions first, then `train_size` training rows whose questions are not held out (a small generator repeats
+    questions, as the arithmetic task does). Each Problem keeps the entry's metadata for its `score_answer`."""
+    import reasoning_gym
+
+    generated = reasoning_gym.create_dataset(dataset, **args, seed=seed, size=4 * (train_size + heldout_size))
+    heldout: dict[str, Problem] = {}
+    train: list[Problem] = []
+    for entry in generated:
+        text = entry["question"] if template is None else template.replace("{problem}", entry["question"])
+        problem = Problem(text, str(entry["answer"]), json.loads(json.dumps(entry["metadata"])))
+        if len(heldout) < heldout_size:
+            heldout.setdefault(text, problem)
+        elif text not in heldout:
+            train.append(problem)
+        if len(train) == train_size:
+            break
+    if len(heldout) < heldout_size or len(train) < train_size:
+        raise ValueError(f"reasoning-gym {dataset} {args} produced {len(heldout)} held-out and {len(train)} training problems "
+                         f"in {len(generated)} draws (wanted {heldout_size} and {train_size}): its question space is too small")  # fmt: skip
+    unique = len({p.prompt for p in train})
+    return Splits(train, list(heldout.values())), [
+        f"reasoning-gym {dataset}: {len(train)} training rows ({unique} unique questions), {len(heldout)} held-out questions"
+    ]
+
+
+def reward_row(problem: Problem) -> dict:
+    """What a reward sees of a problem (JSON): prompt, answer and, when the task has it, metadata."""
+    row = {"prompt": problem.prompt, "answer": problem.answer}
+    if problem.metadata is not None:
+        row["metadata"] = problem.metadata
+    return row
+
+
 def format_response(answer: str) -> str:
     """The assistant's reply the warm start teaches and the verifier reads: `Answer: 432`."""
     return f"{ANSWER_PREFIX}{answer}"
 
 
 def chat_messages(problem: Problem, with_answer: bool = False) -> list[dict[str, str]]:
-    messages = [{"role": "user", "content": problem.prompt}]
+    if isinstance(problem.prompt, str):
+        messages = [{"role": "user", "content": problem.prompt}]
+    else:
+        messages = [{"role": role, "content": content} for role, content in problem.prompt]
     if with_answer:
         messages.append({"role": "assistant", "content": format_response(problem.answer)})
     return messages

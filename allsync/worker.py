@@ -52,6 +52,7 @@ from allsync.checkpoint import (
 from allsync.config import ConfigError, RunConfig
 from allsync.distributed import Groups, connect
 from allsync.rollout import Rollout, Sampling, TorchEngine
+from allsync.evaluation import RewardError, sample_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
 from allsync.tasks import Problem, encode_prompt
 from allsync.trainer import (
     LossSettings,
@@ -68,7 +69,6 @@ from allsync.trainer import (
     to_sequence_layout,
 )
 from evals.reward_pool import RewardPool
-from evals.rewards import wrong_score
 from moe_lora.expert_parallel import ExpertLayout, expert_parameters, shard_experts
 from moe_lora.lora import (
     PEFT_PREFIX,
@@ -83,10 +83,6 @@ from moe_lora.lora import (
 )
 from quant.checkpoint_io import read_config
 from quant.loader import load_frozen_model
-
-
-class RewardError(RuntimeError):
-    """The reward function raised on a sample; the message names it."""
 
 
 class NaNLossError(RuntimeError):
@@ -346,21 +342,10 @@ class RLWorker:
 
     # ------------------------------------------------------------------------------ rollout + reward
     def score_responses(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
-        """(scores, correct, errors) from reward.name / reward.function in the reward processes; correct means a
-        score > 0. A sample whose reward raised or timed out stops the run naming it (reward.on_error fail) or
-        scores as wrong (wrong), and is counted."""
+        """(scores, correct, errors) from reward.name / reward.function in the reward processes
+        (allsync.evaluation.score_texts: reward.on_error decides what a failed sample does)."""
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        results = self.reward_pool.score([(t, {"prompt": p.prompt, "answer": p.answer}) for t, p in zip(texts, problems)])
-        rc = self.config.reward
-        scores, errors = [], 0
-        for i, r in enumerate(results):
-            if r.error is not None:
-                errors += 1
-                if rc.on_error == "fail":
-                    raise RewardError(f"reward {rc.function or rc.name} failed on sample {i} of worker {self.rank} (prompt "
-                                      f"{problems[i].prompt!r}, response {texts[i]!r}): {r.error} (reward.on_error: fail)")  # fmt: skip
-            scores.append(wrong_score(rc.name if rc.function is None else "") if r.error is not None else r.score)
-        return scores, [s > 0 for s in scores], errors
+        return score_texts(self.reward_pool, self.config.reward, problems, texts, where=f" of worker {self.rank}")
 
     def rewards(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
         """The reward's score plus DAPO's overlong shaping, per response; whether each is correct; reward errors."""
@@ -732,17 +717,18 @@ class RLWorker:
 
     # ------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, problems: list[Problem], samples: int = 1) -> dict:
-        """Greedy (samples=1) or temperature-sampled accuracy on this worker's share of `problems`."""
-        mine = problems[self.rank :: self.world_size]
-        if not mine and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
-            return {"correct": 0, "total": 0, "tokens": 0}
+    def evaluate(self, problems: list[Problem], samples: int = 1) -> list[dict]:
+        """Greedy (samples=1) or temperature-sampled responses to this worker's share of `problems`, scored:
+        evals.report.SampleRecord fields per response, problem_id the index in `problems`."""
+        ids = list(range(self.rank, len(problems), self.world_size))
+        if not ids and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
+            return []
         greedy = samples == 1
         s = Sampling(temperature=1.0 if greedy else self.config.rollout.temperature, top_p=self.config.run.eval_top_p,
                      max_new_tokens=self.config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
-        rollout = self.engine.generate([self.encode_prompt(p) for p in mine], samples, s)
-        _, correct, _ = self.score_responses([mine[i // samples] for i in range(len(rollout))], rollout.response_ids)
-        return {"correct": sum(correct), "total": len(rollout), "tokens": sum(rollout.response_lengths)}
+        records = sample_records(self.engine, self.tokenizer, [problems[i] for i in ids], ids, samples, s, self.reward_pool,
+                                 self.config.reward, where=f" of worker {self.rank}")  # fmt: skip
+        return [asdict(r) for r in records]
 
     # ------------------------------------------------------------------------------ checkpoints
     def adapter_tensors(self) -> dict[str, torch.Tensor]:

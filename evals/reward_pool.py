@@ -62,7 +62,7 @@ def score_sample(spec: RewardSpec, response: str, row: dict) -> float:
     if spec.function is None:
         from evals.rewards import score
 
-        return float(score(spec.name, response, str(row["answer"])))
+        return float(score(spec.name, response, str(row["answer"]), row.get("metadata")))
     out = load_function(spec.function)(response, row)
     if isinstance(out, dict):
         if "score" not in out:

@@ -4,6 +4,14 @@
     score("math_verify", "so \\boxed{1/2}", "0.5")         -> 1.0   (math-verify, 0/1)
     score("exact", "Answer: 42", "42")                     -> 1.0   (the `Answer:` line equals the truth, 0/1)
     score("arithmetic", "Answer: 1,234", "1234")           -> 1.0   (evals.verify.is_correct, the default task's)
+    score("reasoning_gym", "Answer: -4", "-4", metadata)    -> 1.0   (the generator's own score_answer, 0..1)
+
+`reasoning_gym` needs the task entry's metadata (its `source_dataset` names the generator whose
+`score_answer(answer, entry)` scores the answer; partial credit is possible). The answer is the last
+`Answer:` line, else the last <answer>...</answer> (reasoning-gym's own convention).
+`answer_of(name, response)` is the answer each reward reads (evaluations record it); `is_correct_score`
+says which scores count as correct: above 0 (math_dapo's +1, the 0/1 rewards, user functions), and
+exactly 1 for reasoning_gym, whose partial credit is not a solved problem.
 
 `math_dapo` follows DAPO's reward (verl's `reward_score/math_dapo.py` behaves this way): keep the last 300
 characters of the response, take the text after the last `Answer:` (case-insensitive, to the end of its
@@ -119,12 +127,38 @@ def arithmetic(response: str, ground_truth: str) -> float:
     return 1.0 if is_correct(response, ground_truth) else 0.0
 
 
-REWARDS: dict[str, Callable[[str, str], float]] = {
+_ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+
+
+def tagged_or_marked_answer(response: str) -> str | None:
+    """The `Answer:` line's answer (evals.extract), else the last <answer>...</answer>, stripped."""
+    answer = extract_answer(response)
+    if answer is None and (tags := _ANSWER_TAG.findall(response)):
+        answer = tags[-1].strip()
+    return answer
+
+
+def reasoning_gym_reward(response: str, ground_truth: str, metadata: dict | None) -> float:
+    """The reasoning-gym generator's `score_answer` (in [0, 1]) of the response's answer; 0 without one."""
+    if not metadata or "source_dataset" not in metadata:
+        raise ValueError("the reasoning_gym reward needs the task entry's metadata with its source_dataset")
+    import reasoning_gym
+
+    answer = tagged_or_marked_answer(response)
+    if answer is None:
+        return 0.0
+    scorer = reasoning_gym.get_score_answer_fn(metadata["source_dataset"])
+    return float(scorer(answer, {"question": "", "answer": ground_truth, "metadata": metadata}))
+
+
+REWARDS: dict[str, Callable[..., float]] = {
     "math_dapo": math_dapo,
     "math_verify": math_verify_reward,
     "exact": exact,
     "arithmetic": arithmetic,
+    "reasoning_gym": reasoning_gym_reward,
 }
+NEEDS_METADATA = ("reasoning_gym",)
 
 
 def wrong_score(name: str) -> float:
@@ -132,10 +166,27 @@ def wrong_score(name: str) -> float:
     return -1.0 if name == "math_dapo" else 0.0
 
 
-def score(name: str, response: str, ground_truth: str) -> float:
-    """The named reward of one response."""
+def is_correct_score(name: str, score_value: float) -> bool:
+    """Whether a score under reward `name` is a correct answer: exactly 1 for reasoning_gym, else above 0."""
+    return score_value >= 1.0 if name == "reasoning_gym" else score_value > 0
+
+
+def answer_of(name: str, response: str) -> str | None:
+    """The answer reward `name` reads from the response (None: none found)."""
+    if name == "math_dapo":
+        return dapo_answer(response)
+    if name == "math_verify":
+        boxed = last_boxed(response)
+        return boxed if boxed is not None else extract_answer(response)
+    if name == "reasoning_gym":
+        return tagged_or_marked_answer(response)
+    return extract_answer(response)
+
+
+def score(name: str, response: str, ground_truth: str, metadata: dict | None = None) -> float:
+    """The named reward of one response (`metadata`: the task entry's, for rewards in NEEDS_METADATA)."""
     try:
         fn = REWARDS[name]
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}") from None
-    return fn(response, ground_truth)
+    return fn(response, ground_truth, metadata) if name in NEEDS_METADATA else fn(response, ground_truth)

@@ -158,6 +158,26 @@ def check_fits_base(adapter: Adapter, config: dict, source: str = "adapter") -> 
             raise AdapterError(f"{source}: {key!r} has no partner {partner!r}")
 
 
+def attach_adapter(model: torch.nn.Module, adapter: Adapter) -> torch.nn.Module:
+    """Attach LoRA to `model` (a `quant.loader.load_frozen_model` model) on the targets `adapter` adapts and
+    load its tensors: a module of an adapted target that the adapter leaves out gets B = 0 (no change), as
+    PEFT and vLLM treat a module without LoRA. Errors name the tensor that does not fit."""
+    from moe_lora.lora import PEFT_PREFIX, LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict, target_of
+
+    adapted = set(adapter.modules())
+    targets = sorted({target_of(name, m) for name, m in model.named_modules()
+                      if target_of(name, m) is not None and any(a == name or a.startswith(name + ".") for a in adapted)})  # fmt: skip
+    if not targets:
+        raise AdapterError(f"the adapter's {len(adapted)} modules match no adaptable module of the model")
+    attach_lora(model, LoRAConfig(adapter.r, adapter.lora_alpha, tuple(targets), use_rslora=adapter.use_rslora))
+    full = {k: (adapter.tensors[k] if k in adapter.tensors else torch.zeros_like(v)) for k, v in lora_state_dict(model).items()}
+    extra = [k for k in adapter.tensors if k not in full]
+    if extra:
+        raise AdapterError(f"adapter tensor {extra[0]!r} has no place in the model ({len(extra)} such; prefix {PEFT_PREFIX})")
+    load_lora_state_dict(model, full)
+    return model
+
+
 # --------------------------------------------------------------------------------------------- writing
 def with_all_expert_projections(adapter: Adapter, config: dict) -> Adapter:
     """vLLM needs, in every MoE layer that has expert LoRA, all three projections of every expert: zeros fill gaps."""

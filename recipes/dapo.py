@@ -30,7 +30,7 @@ from allsync.metrics import MetricsLog, aggregate, plot_run
 from allsync.checkpoint import prune_checkpoints
 from allsync.distributed import spmd_environment
 from allsync.placement import SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
-from allsync.tasks import make_splits
+from evals.report import write_evaluation
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
@@ -52,9 +52,18 @@ def ensure_base(config: RunConfig) -> None:
                           "allsync: delete it to rebuild)") from exc  # fmt: skip
 
 
+def heldout_evaluation(group, problems, samples: int) -> tuple[dict, list]:
+    """Every worker's share of `problems`, `samples` responses each, summarized as `allsync eval` does
+    (evals.report: avg@n, pass@k, maj@n, ...); and the sample records."""
+    from evals.report import SampleRecord, summarize_samples
+
+    records = [SampleRecord(**r) for share in group.call("evaluate", problems, samples) for r in share]
+    return summarize_samples(records, samples), records
+
+
 def heldout_accuracy(group, problems, samples: int) -> float:
-    results = group.call("evaluate", problems, samples)
-    return sum(r["correct"] for r in results) / max(sum(r["total"] for r in results), 1)
+    """avg@samples (greedy accuracy for samples = 1)."""
+    return heldout_evaluation(group, problems, samples)[0][f"avg@{samples}"]
 
 
 def metric_name(config: RunConfig) -> str:
@@ -122,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         rank0_first(lambda: ensure_base(config), launched)
         model_config = read_config(config.model.base)
         config_with_model_checks(config, model_config, args.config)
-        t = config.task
-        splits = make_splits(t.spec(), t.train_size, t.heldout_size, t.seed)
+        try:
+            splits, reports = config.task.splits()
+        except ValueError as exc:  # evals.datasets.DatasetError names file:row and key
+            raise ConfigError(f"{args.config}: task: {exc}") from exc
+        if rank == 0:
+            for line in reports:
+                print(line)
         max_model_len = engine_model_len(config, model_config, splits.train + splits.heldout, args.config)
     except ConfigError as exc:
         if rank == 0:
@@ -208,7 +222,10 @@ def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: P
         metrics = aggregate(group.step(step))
         nan_run = nan_run + 1 if metrics["nan_steps"] else 0
         if step % config.run.eval_every == 0 or step == config.run.steps:
-            accuracy = metrics["heldout_accuracy"] = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
+            summary, samples = heldout_evaluation(group, splits.heldout, config.run.eval_samples)
+            accuracy = metrics["heldout_accuracy"] = summary[f"avg@{config.run.eval_samples}"]
+            if ctl and step == config.run.steps:  # the trained adapter's samples, summary and plot
+                write_evaluation(out_dir / "eval", samples, summary)
         record(step, metrics)
         bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.2f}", heldout=f"{100 * accuracy:.1f}%",
                         entropy=f"{metrics.get('entropy', float('nan')):.2f}")  # fmt: skip
