@@ -90,6 +90,11 @@ class EvalArgs:
     overwrite: bool = False
 
 
+def resolved_device(device: str) -> str:
+    """auto: cuda when a GPU is visible, else cpu."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def check_eval_args(args: EvalArgs) -> None:
     """Every setting is usable, before any model is loaded: ValueError naming the option."""
     from evals.rewards import NEEDS_METADATA, REWARDS
@@ -105,6 +110,8 @@ def check_eval_args(args: EvalArgs) -> None:
     if args.reward not in REWARDS or args.reward in NEEDS_METADATA:
         usable = [r for r in REWARDS if r not in NEEDS_METADATA]
         raise ValueError(f"--reward {args.reward!r}: use one of {', '.join(usable)} (data files carry no reasoning-gym metadata)")
+    if args.device not in ("auto", "cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device {args.device!r}: use auto, cpu or cuda (cuda needs a visible GPU)")
     if args.on_error not in ("fail", "wrong"):
         raise ValueError(f"--on-error {args.on_error!r}: use fail or wrong")
     if args.compute_dtype not in ("float32", "bfloat16"):
@@ -146,7 +153,7 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
     from moe_lora.adapter_io import attach_adapter
     from quant.loader import QuantPlan, load_frozen_model
 
-    device = worker_device(args.device, launcher=False)
+    device = worker_device(resolved_device(args.device), launcher=False)
     model = load_frozen_model(args.base, QuantPlan(), compute_dtype=getattr(torch, args.compute_dtype), device=device)
     if adapter is not None:
         attach_adapter(model, adapter)

