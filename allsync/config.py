@@ -181,6 +181,11 @@ class TaskSection:
 
 
 @dataclass
+class LengthRewardSection:
+    coef: float = 1.0  # reward += coef * Kimi-1.5's group length reward (allsync.algorithms.group_length_reward)
+
+
+@dataclass
 class RewardSection:
     """How a response is scored (evals/rewards.py, in worker processes: evals/reward_pool.py)."""
 
@@ -189,6 +194,7 @@ class RewardSection:
     timeout_s: float = 10.0  # per sample; a slower sample is an error
     on_error: str = "fail"  # a reward that raises or times out: fail (stop the run, naming the sample) | wrong
     processes: int = 1  # reward processes per worker
+    length: LengthRewardSection | None = None  # Kimi-1.5's length reward per group, added beside DAPO's overlong shaping
 
     def spec(self):
         from evals.reward_pool import RewardSpec
@@ -457,6 +463,12 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"reward.timeout_s = {rw.timeout_s}: must be > 0")
     if rw.processes < 1:
         fail(f"reward.processes = {rw.processes}: must be >= 1")
+    if rw.length is not None:
+        if not rw.length.coef > 0:
+            fail(f"reward.length.coef = {rw.length.coef}: must be > 0 (leave reward.length out for none)")
+        if c.algorithm.uses_critic:
+            fail(f"reward.length with algorithm.advantage {c.algorithm.advantage}: the length reward compares the responses "
+                 "of a group, and T-PPO's windows finish responses one by one, not in groups")  # fmt: skip
     t = c.task
     if t.name not in TaskSection.USES:
         fail(f"task.name = {t.name!r}: use arithmetic (generated problems), dataset (task.train_files, task.eval_files) "

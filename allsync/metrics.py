@@ -20,6 +20,7 @@ def aggregate(per_worker: list[dict]) -> dict:
         "reward": total("reward_sum") / samples,
         "accuracy": total("correct_sum") / samples,
         "response_length": total("response_tokens") / samples,
+        "correct_per_1k_tokens": 1000 * total("correct_sum") / max(total("response_tokens"), 1),  # balanced reasoning
         "truncated_fraction": total("truncated") / samples,
     } if samples else {}  # fmt: skip
     per_token = {  # absent when no token was trained this step

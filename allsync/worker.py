@@ -35,6 +35,7 @@ from allsync.algorithms import (
     egae,
     fill_batch_with_dynamic_sampling,
     get,
+    group_length_reward,
     overlong_filter_mask,
     overlong_penalty,
     whiten_advantages,
@@ -347,19 +348,23 @@ class RLWorker:
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         return score_texts(self.reward_pool, self.config.reward, problems, texts, where=f" of worker {self.rank}")
 
-    def rewards(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
-        """The reward's score plus DAPO's overlong shaping, per response; whether each is correct; reward errors."""
+    def rewards(self, problems: list[Problem], responses: list[list[int]],
+                group_index: list[int] | None = None) -> tuple[list[float], list[bool], int]:  # fmt: skip
+        """The reward's score plus DAPO's overlong shaping and, with reward.length, coef x Kimi-1.5's length
+        reward within each group (`group_index`), per response; whether each is correct; reward errors."""
         scores, correct, errors = self.score_responses(problems, responses)
-        rewards = list(scores)
-        overlong = self.config.algorithm.overlong
+        shaped = torch.tensor(scores, dtype=torch.float64)
+        lengths = torch.tensor([len(r) for r in responses])
+        overlong, length = self.config.algorithm.overlong, self.config.reward.length
         if overlong is not None and responses:
-            lengths = torch.tensor([len(r) for r in responses])
-            penalty = overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor)
-            rewards = [r + p for r, p in zip(rewards, penalty.tolist())]
-        return rewards, correct, errors
+            shaped += overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor).double()
+        if length is not None and responses:
+            shaped += length.coef * group_length_reward(lengths, torch.tensor(correct), torch.tensor(group_index)).double()
+        return shaped.tolist(), correct, errors
 
     def score(self, rollout: Rollout, problems: list[Problem], n: int) -> list[Sample]:
-        rewards, correct, errors = self.rewards([problems[i // n] for i in range(len(rollout))], rollout.response_ids)
+        rewards, correct, errors = self.rewards([problems[i // n] for i in range(len(rollout))], rollout.response_ids,
+                                                [i // n for i in range(len(rollout))])  # fmt: skip
         self.reward_errors += errors
         return [
             Sample(prompt, response, logprobs, reason, reward, ok, rollout.adapter_version)

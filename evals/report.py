@@ -118,11 +118,18 @@ def write_evaluation(out_dir: str | os.PathLike, records: Sequence[SampleRecord]
 
 
 def length_bins(records: Sequence[SampleRecord], bins: int = 8) -> list[tuple[float, float, int]]:
-    """(mean length, accuracy, samples) of up to `bins` equal-count bins of samples sorted by length."""
+    """(mean length, accuracy, samples) per bin. With at most `bins` distinct lengths, one bin per length;
+    else samples sorted by length go to bin floor(i * bins / N), i the sorted position of the first sample of
+    their length, so that equal lengths share a bin."""
     ordered = sorted(records, key=lambda r: r.tokens)
-    size = max(1, -(-len(ordered) // bins))
-    chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
-    return [(sum(r.tokens for r in c) / len(c), sum(r.correct for r in c) / len(c), len(c)) for c in chunks]
+    first: dict[int, int] = {}
+    for i, r in enumerate(ordered):
+        first.setdefault(r.tokens, i)
+    few = len(first) <= bins
+    chunks: dict[int, list[SampleRecord]] = {}
+    for r in ordered:
+        chunks.setdefault(r.tokens if few else first[r.tokens] * bins // len(ordered), []).append(r)
+    return [(sum(r.tokens for r in c) / len(c), sum(r.correct for r in c) / len(c), len(c)) for c in chunks.values()]
 
 
 def plot_evaluation(records: Sequence[SampleRecord], summary: dict, path: str | os.PathLike) -> Path:
@@ -139,7 +146,9 @@ def plot_evaluation(records: Sequence[SampleRecord], summary: dict, path: str | 
     left.set(xlabel="k (samples)", ylabel="pass@k (%)", title=f"pass@k over {summary['problems']} problems", ylim=(0, 100))
     points = length_bins(records)
     right.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o")
-    right.set(xlabel="response tokens (bin mean)", ylabel="accuracy (%)", ylim=(0, 100),
+    for length, accuracy, count in points:
+        right.annotate(str(count), (length, 100 * accuracy), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    right.set(xlabel="response tokens (bin mean; labels: samples)", ylabel="accuracy (%)", ylim=(0, 100),
               title=f"accuracy by length ({summary['samples']} samples)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -47,3 +47,39 @@ def test_overlong_filter_mask_zeroes_truncated_rows():
     assert mask[1].tolist() == [1, 1, 1]  # input untouched
     with pytest.raises(ValueError):
         overlong_filter_mask(["stop"], mask)
+
+
+def test_kimi_group_length_reward_oracle():
+    from allsync.algorithms import group_length_reward
+
+    # group 0: lengths 10, 20, 30, correct, correct, wrong -> lambda 0.5, 0, -0.5; the wrong one keeps min(0, -0.5)
+    # group 1: equal lengths -> 0; group 2: lengths 7 (wrong), 9 (right) -> lambda 0.5, -0.5 -> wrong gets min(0, 0.5) = 0
+    # group 3: a single response -> 0
+    reward = group_length_reward(torch.tensor([10, 20, 30, 5, 5, 7, 9, 8]), torch.tensor([1, 1, 0, 1, 0, 0, 1, 1]),
+                                 torch.tensor([0, 0, 0, 1, 1, 2, 2, 3]))  # fmt: skip
+    assert reward.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, -0.5, 0.0]
+    # lambda is linear in length between the group's shortest (+0.5) and longest (-0.5)
+    assert group_length_reward(torch.tensor([100, 125, 200]), torch.ones(3), torch.zeros(3, dtype=torch.long)).tolist() == [0.5, 0.25, -0.5]
+
+
+def test_length_reward_in_the_worker_is_coef_times_the_group_reward(tiny_bf16):
+    from allsync.config import parse_config
+    from allsync.tasks import Problem
+    from allsync.worker import RLWorker
+
+    problems = [Problem("what is 1+1?", "2"), Problem("what is 2+2?", "4")]
+    config = parse_config({"model": {"base": str(tiny_bf16)}, "lora": {"rank": 8, "alpha": 16},
+                           "reward": {"length": {"coef": 0.2}}, "rollout": {"prompts_per_step": 2, "group_size": 3},
+                           "parallel": {"workers_per_node": 1}})  # fmt: skip
+    w = RLWorker(config, problems)
+    try:
+        encode = lambda text: w.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        responses = [encode("Answer: 2"), encode("I think... Answer: 2"), encode("Answer: 3"), encode("Answer: 4"), encode("Answer: 5")]
+        rewards, correct, _ = w.rewards([problems[0]] * 3 + [problems[1]] * 2, responses, [0, 0, 0, 1, 1])
+    finally:
+        w.shutdown()
+    assert correct == [True, True, False, True, False]
+    n = [len(r) for r in responses]
+    lam0 = [0.5 - (x - min(n[:3])) / (max(n[:3]) - min(n[:3])) for x in n[:3]]
+    expected = [1 + 0.2 * lam0[0], 1 + 0.2 * lam0[1], 0.2 * min(0.0, lam0[2]), 1.0, 0.0]  # group 1: equal lengths
+    assert rewards == pytest.approx(expected)

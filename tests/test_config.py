@@ -73,13 +73,14 @@ def test_shipped_configs_validate():
     from pathlib import Path
 
     configs = Path(__file__).parents[1] / "recipes" / "configs"
-    big_path = configs / "deepseek_v3_671b_48xh100.yaml"
+    big_path = configs / "dapo_math_deepseek_v3_671b.yaml"
     # vLLM's expert parallelism is not wired into the loop yet: the 671B plan (vLLM, EP 16) is refused by name
     with pytest.raises(ConfigError, match=r"expert_parallel = 16 with rollout.engine vllm"):
         load_config(big_path)
     big = parse_config({**yaml.safe_load(big_path.read_text()), "rollout": {**yaml.safe_load(big_path.read_text())["rollout"], "engine": "torch"}})
     assert big.parallel.workers == 48 and big.model.quant.routed_experts == "nf4"
     assert "kv_b_proj" not in big.lora.targets and big.lora.rank == 16 and big.parallel.expert_parallel == 16
+    assert big.task.name == "dataset" and big.reward.name == "math_dapo" and big.run.eval_samples == 32 and big.run.eval_top_p == 0.7
     for path in configs.glob("*.yaml"):
         if path != big_path:
             load_config(path)
@@ -114,3 +115,13 @@ def test_expert_parallel_must_divide_the_experts():
     config_with_model_checks(c, {"n_routed_experts": 256}, "x.yaml")
     with pytest.raises(ConfigError, match=r"expert_parallel = 4 does not divide the 6 routed experts"):
         config_with_model_checks(c, {"n_routed_experts": 6}, "x.yaml")
+
+
+def test_length_reward_is_checked():
+    from allsync.config import ConfigError, parse_config
+
+    assert parse_config({"reward": {"length": {"coef": 0.5}}}).reward.length.coef == 0.5
+    with pytest.raises(ConfigError, match=r"reward.length.coef = 0: must be > 0"):
+        parse_config({"reward": {"length": {"coef": 0}}})
+    with pytest.raises(ConfigError, match=r"reward.length with algorithm.advantage egae"):
+        parse_config({"reward": {"length": {}}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}, "rollout": {"window": 4}})

@@ -16,7 +16,7 @@ from .dynamic_sampling import (
 from .policy_loss import PolicyLossStats, policy_loss
 from .registry import REGISTRIES, REWARD_SHAPERS, get
 from .regularizers import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_penalty
-from .reward_shaping import overlong_filter_mask, overlong_penalty
+from .reward_shaping import group_length_reward, overlong_filter_mask, overlong_penalty
 from .selection import UnknownNameError
 from .tppo_windows import InFlight, WindowAdvance, advance_window
 from .value_loss import ValueLossStats, value_loss
@@ -53,6 +53,7 @@ __all__ = [
     "kl_k3",
     "kl_penalty",
     "loss_normalizers",
+    "group_length_reward",
     "overlong_filter_mask",
     "overlong_penalty",
     "policy_loss",

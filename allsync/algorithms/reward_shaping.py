@@ -1,4 +1,4 @@
-"""DAPO's overlong reward shaping and overlong filtering."""
+"""DAPO's overlong reward shaping and overlong filtering; Kimi-1.5's group length reward."""
 
 from __future__ import annotations
 
@@ -47,3 +47,24 @@ def overlong_filter_mask(finish_reasons: Sequence[str], mask: torch.Tensor) -> t
     keep = torch.tensor([reason != "length" for reason in finish_reasons], device=mask.device)
     keep = keep.reshape((-1,) + (1,) * (mask.dim() - 1))
     return torch.where(keep, mask, torch.zeros_like(mask))
+
+
+def group_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Kimi-1.5's length reward (Kimi Team 2025, sec. 2.3.3), per group of responses to one problem::
+
+        lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len)      (min/max over i's group; 0 if they are equal)
+        r_i      = lambda_i            if response i is correct
+        r_i      = min(0, lambda_i)    otherwise
+
+    so within a group the shortest correct answer earns +0.5 and the longest -0.5, and a wrong answer is
+    never rewarded for being short. e.g. lengths [10, 20, 30], correct [1, 1, 0] -> [0.5, 0, -0.5].
+
+    lengths: [N] response tokens; correct: [N] bool; group_index: [N] group ids (0..G-1). Returns float32 [N].
+    """
+    lengths = lengths.to(torch.float64)
+    groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    low = torch.full((groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group_index, lengths, "amin")
+    high = torch.full((groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group_index, lengths, "amax")
+    span = (high - low)[group_index]
+    lam = torch.where(span > 0, 0.5 - (lengths - low[group_index]) / span.clamp(min=1e-12), torch.zeros_like(lengths))
+    return torch.where(correct.bool(), lam, lam.clamp(max=0.0)).to(torch.float32)
