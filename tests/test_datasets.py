@@ -123,3 +123,22 @@ def test_dataset_task_config_is_checked():
         parse_config({"task": {"name": "dataset", "train_files": ["a"], "eval_files": ["b"], "min_digits": 2}})
     with pytest.raises(ConfigError, match=r"task.template = 'x': use dapo_math or a text containing \{problem\}"):
         parse_config({"task": {"name": "dataset", "train_files": ["a"], "eval_files": ["b"], "template": "x"}})
+
+
+def test_arithmetic_parquet_example_writes_the_default_tasks_splits(tmp_path):
+    """recipes/arithmetic_parquet.py (the README's parquet example): verl rows that load back as the default task."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from allsync.tasks import ArithmeticSpec, make_splits
+
+    script = Path(__file__).parents[1] / "recipes" / "arithmetic_parquet.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], check=True, capture_output=True)
+    heldout, report = load_rows(tmp_path / "arithmetic-eval.parquet")
+    splits = make_splits(ArithmeticSpec(2, 2, ("+",)), 20000, 200, seed=0)
+    assert [(r.prompt, r.answer) for r in heldout] == [((("user", p.prompt),), p.answer) for p in splits.heldout]
+    train, report = load_rows(tmp_path / "arithmetic-train.parquet")
+    assert report.startswith("arithmetic-train.parquet: 20,000 rows, ")
+    assert {r.prompt[0][1] for r in train} == {p.prompt for p in splits.train}
+    assert oct((tmp_path / "arithmetic-eval.parquet").stat().st_mode & 0o777) == "0o644"
