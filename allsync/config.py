@@ -41,7 +41,7 @@ class QuantSection:
 @dataclass
 class ModelSection:
     base: str = "runs/tiny-base"  # checkpoint directory
-    warm_start: bool = False  # build `base` with allsync.warm_start (tiny model, supervised) when it is missing
+    warm_start: bool = False  # build `base` with allsync.warm_start (tiny model, supervised on the run's task) when it is missing
     compute_dtype: str = "float32"  # bfloat16 on GPUs
     quant: QuantSection = field(default_factory=QuantSection)
 
@@ -165,6 +165,14 @@ class TaskSection:
         from allsync.tasks import ArithmeticSpec
 
         return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
+
+    def warm_start_task(self):
+        """The generated task the warm start supervises (ArithmeticSpec or ReasoningGymSpec); None for dataset."""
+        from allsync.tasks import ReasoningGymSpec
+
+        if self.name == "reasoning_gym":
+            return ReasoningGymSpec(self.dataset, dict(self.dataset_args), self.template_text())
+        return self.spec() if self.name == "arithmetic" else None
 
     def splits(self):
         """(Splits, report lines): the generated arithmetic problems, or the dataset files' unique rows."""
@@ -482,6 +490,9 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     if (rw.name == "reasoning_gym" and rw.function is None) != (t.name == "reasoning_gym" and rw.function is None):
         fail(f"reward.name = {rw.name!r} with task.name = {t.name!r}: reasoning-gym tasks score with their generator's own "
              f"score_answer (reward.name: reasoning_gym), which needs a reasoning-gym task's metadata")  # fmt: skip
+    if c.model.warm_start and t.name == "dataset":
+        fail("model.warm_start with task.name dataset: the warm start supervises `Answer: N` replies on a generated task "
+             "(arithmetic or reasoning_gym); give a model.base that exists and set model.warm_start: false")  # fmt: skip
     if t.name == "dataset":
         if not t.train_files or not t.eval_files:
             fail("task.name dataset needs task.train_files and task.eval_files (parquet, JSONL or JSON)")

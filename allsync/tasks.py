@@ -138,6 +138,22 @@ def dataset_splits(train_files: list[str], eval_files: list[str], template: str 
     return Splits(train=parts[0], heldout=parts[1]), reports
 
 
+@dataclass(frozen=True)
+class ReasoningGymSpec:
+    """A reasoning-gym generator and its settings (a task the warm start can supervise, like ArithmeticSpec)."""
+
+    dataset: str
+    args: dict = field(default_factory=dict)
+    template: str | None = None  # a text with {problem}, or None for the generator's question as is
+
+
+def task_splits(task: "ArithmeticSpec | ReasoningGymSpec", train_size: int, heldout_size: int, seed: int) -> Splits:
+    """Held-out problems drawn first, then training problems that are never held out, for either generated task."""
+    if isinstance(task, ReasoningGymSpec):
+        return reasoning_gym_splits(task.dataset, task.args, train_size, heldout_size, task.template, seed)[0]
+    return make_splits(task, train_size, heldout_size, seed)
+
+
 def reasoning_gym_splits(dataset: str, args: dict, train_size: int, heldout_size: int, template: str | None,
                          seed: int) -> tuple[Splits, list[str]]:  # fmt: skip
     """Problems from the reasoning-gym generator `dataset` (its kwargs in `args`): `heldout_size` unique held-out

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from allsync.tasks import ArithmeticSpec, Problem, chat_messages, make_splits
+from allsync.tasks import ArithmeticSpec, Problem, ReasoningGymSpec, chat_messages, task_splits
 from evals.generation import EvalSettings, evaluate_model
 from moe_lora.tiny import TinySpec, make_tiny
 from quant.checkpoint_io import atomic_output_dir, split_into_shards, write_shards
@@ -57,7 +57,7 @@ class TrainSettings:
 @dataclass(frozen=True)
 class WarmStartSettings:
     model: TinySpec = DEFAULT_SPEC
-    task: ArithmeticSpec = DEFAULT_TASK
+    task: ArithmeticSpec | ReasoningGymSpec = DEFAULT_TASK
     steps: int = DEFAULT_STEPS
     seed: int = 0
     train: TrainSettings = field(default_factory=TrainSettings)
@@ -235,7 +235,7 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
     start = time.time()
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
-    splits = make_splits(settings.task, settings.train_size, settings.eval.heldout_size, settings.seed)
+    splits = task_splits(settings.task, settings.train_size, settings.eval.heldout_size, settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     losses = train_steps(model, training_examples(tokenizer, splits.train), settings, tokenizer.pad_token_id, progress)
@@ -253,7 +253,7 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
 
 
 def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", spec: TinySpec = DEFAULT_SPEC, steps: int = DEFAULT_STEPS,
-               seed: int = 0, task: ArithmeticSpec = DEFAULT_TASK, train: TrainSettings = TrainSettings(),
+               seed: int = 0, task: ArithmeticSpec | ReasoningGymSpec = DEFAULT_TASK, train: TrainSettings = TrainSettings(),
                eval: EvalSettings = EvalSettings(), overwrite: bool = False, progress: bool = True) -> Path:  # fmt: skip
     """Train (or reuse) the warm-started checkpoint at `out_dir`; returns its path."""
     if spec.fp8:

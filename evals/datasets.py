@@ -73,7 +73,7 @@ def parse_row(record: dict, where: str, template: str | None = None) -> Row:
     elif "answer" in record:
         answer = record["answer"]
         if isinstance(prompt, str):
-            prompt = template.format(problem=prompt) if template else prompt
+            prompt = template.replace("{problem}", prompt) if template else prompt
         else:
             prompt = _messages(prompt, where)
     else:

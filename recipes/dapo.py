@@ -43,10 +43,10 @@ def ensure_base(config: RunConfig) -> None:
         if not (Path(config.model.base) / "config.json").exists():
             raise ConfigError(f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)")
         return
-    from allsync.warm_start import warm_start
+    from allsync.warm_start import EvalSettings, warm_start
 
-    try:
-        warm_start(config.model.base)
+    try:  # supervised on the run's own task; its held-out problems are the ones RL evaluates on
+        warm_start(config.model.base, task=config.task.warm_start_task(), eval=EvalSettings(heldout_size=config.task.heldout_size))
     except FileExistsError as exc:
         raise ConfigError(f"model.base = {config.model.base!r} with model.warm_start: {exc} (e.g. a cache from an older "
                           "allsync: delete it to rebuild)") from exc  # fmt: skip

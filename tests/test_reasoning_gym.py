@@ -101,3 +101,17 @@ def test_the_recipe_trains_on_a_reasoning_gym_task(warm_tiny, tmp_path):
     assert summary["avg@2"] == sum(s["correct"] for s in samples) / 16
     assert summary["avg@2"] == [r for r in records if "heldout_accuracy" in r][-1]["heldout_accuracy"]
     assert all(s["correct"] == (s["score"] == 1.0) for s in samples)
+
+
+def test_warm_start_supervises_the_runs_own_task():
+    from allsync.tasks import ArithmeticSpec, ReasoningGymSpec, task_splits
+
+    rg = parse_config({"model": {"warm_start": True}, "task": {"name": "reasoning_gym", "dataset": "chain_sum", "dataset_args": CHAIN_SUM,
+                       "template": "Q: {problem}"}, "reward": {"name": "reasoning_gym"}}).task  # fmt: skip
+    assert rg.warm_start_task() == ReasoningGymSpec("chain_sum", CHAIN_SUM, "Q: {problem}")
+    # the warm start's held-out problems are the run's: drawn first, whatever the number of training problems
+    spec = ReasoningGymSpec("chain_sum", CHAIN_SUM)
+    assert task_splits(spec, 400, 20, 0).heldout == task_splits(spec, 100, 20, 0).heldout
+    assert parse_config({"task": {"min_digits": 2, "max_digits": 2}}).task.warm_start_task() == ArithmeticSpec(2, 2, ("+",))
+    with pytest.raises(ConfigError, match=r"model.warm_start with task.name dataset"):
+        parse_config({"model": {"warm_start": True}, "task": {"name": "dataset", "train_files": ["a"], "eval_files": ["b"]}})
