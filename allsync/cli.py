@@ -178,13 +178,15 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"))
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="torch engine (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    _add_quant_flags(p)  # the torch engine's frozen formats: give the run's model.quant
     p.set_defaults(run=_run_eval)
 
 
 def _run_eval(args: argparse.Namespace) -> None:
     from allsync.evaluation import EvalArgs, evaluate_cli
 
-    evaluate_cli(EvalArgs(**{f.name: getattr(args, f.name) for f in fields(EvalArgs)}))
+    given = {f.name: getattr(args, f.name) for f in fields(EvalArgs) if f.name != "plan"}
+    evaluate_cli(EvalArgs(**given, plan=_quant_plan(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -88,6 +88,7 @@ class EvalArgs:
     compute_dtype: str = "float32"
     device: str = "auto"
     overwrite: bool = False
+    plan: object = None  # torch engine: the frozen formats (quant.loader.QuantPlan; None: its defaults, NF4 routed experts)
 
 
 def resolved_device(device: str) -> str:
@@ -154,7 +155,7 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
     from quant.loader import QuantPlan, load_frozen_model
 
     device = worker_device(resolved_device(args.device), launcher=False)
-    model = load_frozen_model(args.base, QuantPlan(), compute_dtype=getattr(torch, args.compute_dtype), device=device)
+    model = load_frozen_model(args.base, args.plan or QuantPlan(), compute_dtype=getattr(torch, args.compute_dtype), device=device)
     if adapter is not None:
         attach_adapter(model, adapter)
     model.eval()
