@@ -26,7 +26,7 @@ DAPO_MATH_TEMPLATE = (
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
-BATCH_ROWS = 65536
+BATCH_ROWS = 8192
 
 
 class DatasetError(ValueError):
