@@ -23,7 +23,7 @@ import json
 import os
 import random
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -235,7 +235,7 @@ def save_jsonl(problems: Iterable[Problem], path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for p in problems:
-            f.write(json.dumps(asdict(p)) + "\n")
+            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
     return path
 
 

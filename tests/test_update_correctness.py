@@ -87,10 +87,15 @@ def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16
 
 
 def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf16):
-    """Rank 1 kept no group this step: the update is exactly rank 0's samples trained alone."""
+    """Rank 1 kept no group this step: the update is exactly rank 0's samples trained alone. The single worker
+    computes with one thread like the Ray workers (a 2-thread matmul rounds differently: seen 1e-5 apart)."""
     samples, index = groups(0, 2)
-    single = RLWorker(config(tiny_bf16), PROBLEMS)
-    trained(single, samples, index)
+    threads = torch.get_num_threads()
+    try:
+        single = RLWorker(config(tiny_bf16), PROBLEMS, threads=1)
+        trained(single, samples, index)
+    finally:
+        torch.set_num_threads(threads)
     pair = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
     try:
         import ray
@@ -176,7 +181,7 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16
         monkeypatch.setattr(w.engine, "generate", fake_rollout())
         correct = [False, False, False, False, False, False, True, False, True]
         rewards = [0.0, 0.0, -0.25, -0.5, 0.0, 0.0, 1.0, 0.0, 1.0]
-        monkeypatch.setattr(w, "rewards", lambda problems, responses: (rewards, correct, 0))  # 0 reward errors
+        monkeypatch.setattr(w, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0))  # 0 reward errors
         samples, stats = w.collect(3)
         kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
     assert kept["acc"] == (1, 1, 3)  # 1 of 3 wanted kept: trained on (partial), the cap hit logged
@@ -189,7 +194,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
     # per round of 2 groups: group 0 mixed, group 1 all correct -> 1 kept per round, 2 after the cap (3 wanted)
     # every round: group 0 mixed, the other groups all correct -> 1 group kept per round, 2 at the cap (3 wanted)
     pattern = lambda i: i % 3 != 1 if i < 3 else True  # noqa: E731
-    monkeypatch.setattr(w, "rewards", lambda problems, responses: ([float(pattern(i)) for i in range(len(responses))],
+    monkeypatch.setattr(w, "rewards", lambda problems, responses, group_index=None: ([float(pattern(i)) for i in range(len(responses))],
                                                                    [pattern(i) for i in range(len(responses))], 0))  # fmt: skip
     samples, stats = w.collect(3)
     assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (2, 3, 1, 2)
@@ -210,7 +215,7 @@ def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
         import ray
 
         def break_rewards(worker):
-            def broken(problems, responses):
+            def broken(problems, responses, group_index=None):
                 raise ZeroDivisionError("bad verifier on rank 1")
 
             worker.rewards = broken
