@@ -106,7 +106,9 @@ def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf1
         pair.shutdown()
     assert outs[1]["trained_samples"] == 0 and outs[0]["optimizer_steps"] == outs[1]["optimizer_steps"] == 2
     expected = adapter(single)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # equal up to matmul rounding across processes (seen <= 1e-5); a rank 1 that contributed anything would move
+    # entries by ~lr = 1e-2
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 5e-5
 
 
 def test_an_empty_minibatch_is_no_optimizer_step(tiny_bf16):
