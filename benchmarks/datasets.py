@@ -25,20 +25,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file, this folder would shadow the allsync package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from evals.datasets import DAPO_MATH_TEMPLATE  # noqa: E402
+from evals.datasets import DAPO_MATH_TEMPLATE, verl_schema  # noqa: E402
 
 
 def write_dapo_like(path: Path, unique: int, copies: int, prompt_chars: int, seed: int = 0) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct([("index", pa.string())])),
-    ])  # fmt: skip
+    schema = verl_schema()
     rng = random.Random(seed)
     words = ["triangle", "integer", "sum", "of", "the", "let", "find", "positive", "real", "number", "such", "that"]
     problems = [f"Problem {i}: " + " ".join(rng.choice(words) for _ in range(prompt_chars // 7)) for i in range(unique)]

@@ -29,6 +29,20 @@ DAPO_MATH_TEMPLATE = (
 BATCH_ROWS = 8192
 
 
+def verl_schema(extra_info_fields: list | None = None):
+    """The pyarrow schema of verl's RL rows (what DAPO-Math-17k ships), with `extra_info` holding the given
+    (name, pyarrow type) fields (default: index as a string)."""
+    import pyarrow as pa
+
+    return pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("extra_info", pa.struct(extra_info_fields or [("index", pa.string())])),
+    ])  # fmt: skip
+
+
 class DatasetError(ValueError):
     """A dataset file, column or row that does not fit; the message names file:row and key."""
 

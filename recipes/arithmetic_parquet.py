@@ -18,14 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from allsync.tasks import ArithmeticSpec, Problem, make_splits
+from evals.datasets import verl_schema
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
-])  # fmt: skip
+SCHEMA = verl_schema([("split", pa.string()), ("index", pa.int64())])
 
 
 def verl_rows(problems: list[Problem], split: str) -> list[dict]:

@@ -7,15 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from evals.datasets import DAPO_MATH_TEMPLATE, DatasetError, load_rows
+from evals.datasets import DAPO_MATH_TEMPLATE, DatasetError, load_rows, verl_schema
 
-VERL_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-    ("extra_info", pa.struct([("index", pa.string())])),
-])  # fmt: skip
+VERL_SCHEMA = verl_schema()
 
 
 def verl_rows(unique: int, copies: int) -> list[dict]:
