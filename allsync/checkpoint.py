@@ -7,26 +7,37 @@
         rank{r}.safetensors       torch's RNG state                                      (each rank)
         rank{r}.json              data position, Python/NumPy RNG states, T-PPO pools    (each rank)
         controller.json           step, base accuracies
-    checkpoints/latest            the newest step directory's name
+        manifest.json             every other file's size and sha256, written LAST      (rank 0)
+    checkpoints/latest            the newest step directory's name (for people; resume does not trust it)
 
 Nothing here runs code found in a checkpoint directory (no pickle, no `torch.load`), and renaming a
 Python class never breaks a resume: the on-disk layout is plain keys. A missing or malformed file is a
-`CheckpointStateError` naming it.
+`CheckpointStateError` naming it. Since manifest.json is written after everything else, a directory
+without one was cut short; resume takes the newest step directory whose files all match their manifest
+(`latest_good_checkpoint`) and says which file made it skip a newer one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from quant.checkpoint_io import atomic_write_text
+
 OPTIMIZER_PREFIX = "optimizer.state."
 VALUE_HEAD_PREFIX = "value_head."
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "allsync-checkpoint-manifest"
+MANIFEST_VERSION = 1
+HASH_CHUNK = 1 << 20  # files are hashed 1 MiB at a time, never read whole
 
 
 class CheckpointStateError(ValueError):
@@ -133,3 +144,90 @@ def prune_checkpoints(checkpoints: Path, keep: int | None) -> list[Path]:
     for path in doomed:
         shutil.rmtree(path)
     return doomed
+
+
+# ------------------------------------------------------------------------------------------ manifest
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> dict:
+    """manifest.json in `directory`: {relative posix path: {"bytes", "sha256"}} for every file under it (the
+    manifest excepted), written atomically. Call it last: a checkpoint without it is incomplete."""
+    directory = Path(directory)
+    files = {
+        path.relative_to(directory).as_posix(): {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.relative_to(directory).as_posix() != MANIFEST
+    }
+    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
+    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict[str, dict]:
+    """The manifest's files entry; an error naming manifest.json when it is missing, not JSON, of another
+    format or version, or lists a path outside the directory or an entry without an int size and a hash."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointStateError(f"{directory}: no {MANIFEST}: the checkpoint was cut short or written by an older allsync")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointStateError(f"{path}: unreadable manifest ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != MANIFEST_VERSION:
+        raise CheckpointStateError(f"{path}: unreadable manifest (not a {MANIFEST_FORMAT} version {MANIFEST_VERSION})")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(valid_entry(name, entry) for name, entry in files.items()):
+        raise CheckpointStateError(f"{path}: unreadable manifest (a bad 'files' entry)")
+    return files
+
+
+def valid_entry(name: str, entry) -> bool:
+    """A relative path that stays inside the directory, an int size and a sha256 hex string."""
+    parts = name.split("/")
+    return (bool(name) and not name.startswith("/") and ".." not in parts and isinstance(entry, dict)
+            and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str))  # fmt: skip
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Every file manifest.json lists is present with its size and sha256; the first that is not raises a
+    `CheckpointStateError` naming it (missing, truncated, corrupted). Sizes are all checked before any
+    file is hashed. Files the manifest does not list are ignored."""
+    directory = Path(directory)
+    files = read_manifest(directory)
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointStateError(f"{path}: listed in {MANIFEST} but missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            what = "truncated" if size < entry["bytes"] else "longer than it was written"
+            raise CheckpointStateError(f"{path}: {size} bytes, the manifest says {entry['bytes']}: {what}")
+    for name, entry in files.items():
+        if file_sha256(directory / name) != entry["sha256"]:
+            raise CheckpointStateError(f"{directory / name}: sha256 differs from the manifest: corrupted")
+
+
+def latest_good_checkpoint(checkpoints: Path, warn: Callable[[str], object] = print) -> Path | None:
+    """The newest checkpoints/step-NNNNNN that passes `verify_checkpoint`, warning (through `warn`) about
+    each newer one refused. None when there is no step directory; a `CheckpointStateError` listing every
+    refusal when none passes. The `latest` pointer is not consulted: it cannot vouch for the files."""
+    refused = []
+    for directory in reversed(step_directories(Path(checkpoints))):
+        try:
+            verify_checkpoint(directory)
+        except CheckpointStateError as exc:
+            refused.append(exc)
+            continue
+        for exc in refused:
+            warn(f"warning: {exc}; falling back to the previous checkpoint")
+        return directory
+    if refused:
+        raise CheckpointStateError(f"{checkpoints}: no checkpoint to resume from, every one is refused:\n  "
+                                   + "\n  ".join(str(exc) for exc in refused))  # fmt: skip
+    return None

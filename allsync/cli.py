@@ -6,6 +6,7 @@
                    [--merge-into checkpoint|trained --routed-experts nf4 ...]
     allsync eval SRC|none --base CKPT --data FILE --out DIR [--engine torch|vllm] [--n 32] [--temperature 1.0]
                  [--top-p 0.7] [--max-new-tokens N] [--reward math_dapo] [--template dapo_math]
+    allsync health RUN_DIR [--replay similarity|threshold] [--png PATH]
 """
 
 from __future__ import annotations
@@ -189,6 +190,26 @@ def _run_eval(args: argparse.Namespace) -> None:
     evaluate_cli(EvalArgs(**given, plan=_quant_plan(args)))
 
 
+def _add_health(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("health", help="report a run's workers and alarms (workers.jsonl, health.jsonl) and draw their timeline")
+    p.add_argument("run_dir", help="a run's out_dir")
+    p.add_argument("--replay", choices=("similarity", "threshold"), help="replay this detector (default settings) instead of "
+                   "reading the alarms the run raised")  # fmt: skip
+    p.add_argument("--png", help="where to draw the timeline (default RUN_DIR/health.png)")
+    p.set_defaults(run=_run_health)
+
+
+def _run_health(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from allsync.health import DETECTORS, health_report, plot_health
+
+    report, alarms = health_report(args.run_dir, DETECTORS[args.replay]() if args.replay else None)
+    png = plot_health(args.run_dir, alarms, args.png or Path(args.run_dir) / "health.png")
+    print(report)
+    print(f"timeline: {png}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load(sub)
     _add_export(sub)
     _add_eval(sub)
+    _add_health(sub)
     return parser
 
 

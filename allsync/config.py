@@ -274,7 +274,21 @@ class RunSection:
     keep_checkpoints: int | None = None  # keep only the newest N checkpoints (None: keep all)
     seed: int = 0
     max_consecutive_nan: int = 3
+    max_restarts: int = 0  # a lost worker (dead, or past step_timeout) restarts the workers from the last good checkpoint, this often
+    step_timeout: float | None = None  # seconds a step may take before its workers count as lost (None: wait)
     export: str = "peft"  # the trained adapter at the end: peft (vLLM serves it) | merged (full bf16 checkpoint)
+
+
+@dataclass
+class HealthSection:
+    """Finding the faulty worker (allsync/health.py) and fault drills (allsync/faults.py)."""
+
+    detector: str = "similarity"  # similarity (Minder-style: workers compared with each other) | threshold (the baseline) | off
+    window: int = 2  # steps averaged per comparison
+    continuity: int = 2  # consecutive flagged steps before an alarm
+    min_distance: float = 2.0  # a worker's distance to the others, in units of the metric's cross-worker noise (its p90)
+    min_z: float = 1.5  # its distance's z-score across workers
+    faults: list[dict] = field(default_factory=list)  # drills: {kind, rank, step, steps, factor, seconds, mb}
 
 
 @dataclass
@@ -299,6 +313,7 @@ class RunConfig:
     task: TaskSection = field(default_factory=TaskSection)
     reward: RewardSection = field(default_factory=RewardSection)
     run: RunSection = field(default_factory=RunSection)
+    health: HealthSection = field(default_factory=HealthSection)
     agent: AgentSection | None = None
 
 
@@ -578,8 +593,32 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
             fail(f"task: {exc}")
     check_multiconv(c, fail)
     check_agent(c, fail)
+    check_health(c, fail)
     if c.run.steps < 1 or c.run.checkpoint_every < 1 or c.run.eval_every < 1:
         fail("run.steps, run.checkpoint_every and run.eval_every must be >= 1")
+
+
+def check_health(c: RunConfig, fail) -> None:
+    """health.*, run.max_restarts and run.step_timeout."""
+    from allsync.faults import parse_faults
+
+    h = c.health
+    if h.detector not in ("similarity", "threshold", "off"):
+        fail(f"health.detector = {h.detector!r}: use similarity (workers compared with each other), threshold (the baseline) or off")
+    for key in ("window", "continuity"):
+        if getattr(h, key) < 1:
+            fail(f"health.{key} = {getattr(h, key)}: must be >= 1")
+    for key in ("min_distance", "min_z"):
+        if not math.isfinite(getattr(h, key)) or getattr(h, key) < 0:
+            fail(f"health.{key} = {getattr(h, key)}: must be a finite number >= 0")
+    try:
+        parse_faults(h.faults, c.parallel.workers)
+    except (ValueError, TypeError) as exc:
+        fail(str(exc))
+    if c.run.max_restarts < 0:
+        fail(f"run.max_restarts = {c.run.max_restarts}: must be >= 0")
+    if c.run.step_timeout is not None and not c.run.step_timeout > 0:
+        fail(f"run.step_timeout = {c.run.step_timeout}: must be > 0 seconds (or null: wait)")
 
 
 def check_multiconv(c: RunConfig, fail) -> None:

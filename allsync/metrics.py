@@ -94,6 +94,16 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def restart_log(path: Path, resume_step: int | None) -> list[dict]:
+    """Keep a JSONL log's records up to `resume_step` (a killed run may have logged steps after its last
+    checkpoint; they are redone), or none for a fresh run (None); returns the records kept."""
+    if not path.exists():
+        return []
+    kept = [r for r in read_records(path) if r["step"] <= resume_step] if resume_step is not None else []
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
 class MetricsLog:
     """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
 
@@ -103,9 +113,7 @@ class MetricsLog:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
-        if self.path.exists():
-            kept = [r for r in self.records() if r["step"] <= resume_step] if resume_step is not None else []
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        restart_log(self.path, resume_step)
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
 
 import torch
@@ -40,15 +42,36 @@ class WorkerFailure(RuntimeError):
         super().__init__(f"worker {rank} failed in {method}: {type(error).__name__}: {error}")
 
 
-def gather_or_stop(refs: list, ranks: list[int], method: str, workers: list) -> list:
+class WorkerTimeout(WorkerFailure):
+    """No answer from some workers within run.step_timeout; every worker has been stopped. Under all-sync the
+    healthy workers wait in a collective for the lost one, so all of them are usually silent."""
+
+    def __init__(self, ranks: list[int], method: str, seconds: float):
+        self.ranks = ranks
+        error = TimeoutError(f"no answer from worker(s) {', '.join(map(str, ranks))} within run.step_timeout = {seconds:g} s")
+        super().__init__(ranks[0], method, error)
+
+
+# the exit code of an SPMD process that lost a peer or passed run.step_timeout: an elastic launcher
+# (torchrun --max-restarts N) restarts every process, and the run resumes from its newest good checkpoint
+EXIT_RESTART = 75
+
+
+def gather_or_stop(refs: list, ranks: list[int], method: str, workers: list, timeout: float | None = None) -> list:
     """ray.get of one call per worker, in rank order, that does not wait for the others after a failure:
     the first worker to raise (or die) stops every worker (ray.kill), since the others may be blocked in
-    a collective that will never complete (gloo would wait for its timeout), and WorkerFailure names it."""
+    a collective that will never complete (gloo would wait for its timeout), and WorkerFailure names it.
+    timeout: seconds for every answer; past it every worker is stopped and WorkerTimeout names the silent."""
     import ray
 
     pending = {ref: rank for ref, rank in zip(refs, ranks)}
+    deadline = time.time() + timeout if timeout is not None else None
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if deadline is None else max(deadline - time.time(), 0.0))
+        if not ready:
+            for w in workers:
+                ray.kill(w)
+            raise WorkerTimeout(sorted(pending.values()), method, timeout)
         rank = pending.pop(ready[0])
         try:
             ray.get(ready[0])
@@ -64,20 +87,22 @@ class WorkerGroup:
     Under Ray, the first worker that fails stops them all (WorkerFailure names its rank and error)."""
 
     def __init__(self, config: RunConfig, problems: list[Problem], use_ray: bool = True, gpus_per_worker: float = 0,
-                 max_model_len: int | None = None):  # fmt: skip
+                 max_model_len: int | None = None, attempt: int = 0):  # fmt: skip
+        """attempt: how many times the run has restarted its workers (allsync.faults: drills fire in attempt 0)."""
         self.size = config.parallel.workers
+        self.step_timeout = config.run.step_timeout
         self.use_ray = use_ray and self.size > 1
         self.failed = False
         if not self.use_ray:
             from allsync.worker import RLWorker
 
-            self.workers = [RLWorker(config, problems, max_model_len=max_model_len)]
+            self.workers = [RLWorker(config, problems, max_model_len=max_model_len, attempt=attempt)]
             self.size = 1
             return
         self.placement, start = start_placement(self.size, gpus_per_worker)
         address = rendezvous_address(self.placement)
-        self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address, max_model_len=max_model_len)
-                        for i in range(self.size)]  # fmt: skip
+        self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address, max_model_len=max_model_len,
+                              attempt=attempt) for i in range(self.size)]  # fmt: skip
 
     is_controller = True  # the Ray driver is the only controller process
 
@@ -94,19 +119,20 @@ class WorkerGroup:
     def call_rank0(self, method: str, *args):
         return self.call_ranks([0], method, *args)[0]
 
-    def call_ranks(self, ranks: list[int], method: str, *args) -> list:
+    def call_ranks(self, ranks: list[int], method: str, *args, timeout: float | None = None) -> list:
         if not self.use_ray:
             return [getattr(self.workers[0], method)(*args)]
         refs = [getattr(self.workers[r], method).remote(*args) for r in ranks]
         try:
-            return gather_or_stop(refs, ranks, method, self.workers)
+            return gather_or_stop(refs, ranks, method, self.workers, timeout)
         except WorkerFailure:
             self.failed = True
             raise
 
     def step(self, step: int) -> list[dict]:
-        """One all-sync step on every worker; per-worker metric sums."""
-        return self.call("step", step)
+        """One all-sync step on every worker; per-worker metric sums. A worker that dies, or no answer within
+        run.step_timeout, stops every worker (WorkerFailure / WorkerTimeout)."""
+        return self.call_ranks(list(range(self.size)), "step", step, timeout=self.step_timeout)
 
     def shutdown(self) -> None:
         """Stop the workers (once; later calls do nothing)."""
@@ -128,13 +154,16 @@ class SPMDGroup:
     0's arguments (so every rank acts on the controller's checkpoint directory, problems and step) and
     all-gathers the results, so every rank takes the same decisions; rank 0 alone writes."""
 
-    def __init__(self, config: RunConfig, problems: list[Problem], max_model_len: int | None = None):
+    def __init__(self, config: RunConfig, problems: list[Problem], max_model_len: int | None = None, attempt: int = 0):
+        """attempt: the elastic launcher's restart count (TORCHELASTIC_RESTART_COUNT)."""
         from allsync.worker import RLWorker
 
         state = spmd_state(config)
         self.rank, self.size = state.process_index, state.num_processes
         self.is_controller = self.rank == 0
-        self.worker = RLWorker(config, problems, rank=self.rank, world_size=self.size, launcher=True, max_model_len=max_model_len)
+        self.step_timeout = config.run.step_timeout
+        self.worker = RLWorker(config, problems, rank=self.rank, world_size=self.size, launcher=True, max_model_len=max_model_len,
+                               attempt=attempt)  # fmt: skip
 
     def _rank0_args(self, args: tuple) -> tuple:
         import torch.distributed as dist
@@ -159,7 +188,18 @@ class SPMDGroup:
         return self._rank0_args((value,))[0]
 
     def step(self, step: int) -> list[dict]:
-        return self.call("step", step)
+        """One step in every process. Past run.step_timeout (this process hung, or waits for a hung peer) the
+        process exits with EXIT_RESTART, since a collective that a lost peer never joins cannot be cancelled."""
+        watchdog = None
+        if self.step_timeout is not None:
+            watchdog = threading.Timer(self.step_timeout, exit_for_restart, (self.rank, f"step {step} passed run.step_timeout = {self.step_timeout:g} s"))
+            watchdog.daemon = True
+            watchdog.start()
+        try:
+            return self.call("step", step)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
 
     def shutdown(self) -> None:
         """Stop the worker (once; later calls do nothing)."""
@@ -169,6 +209,13 @@ class SPMDGroup:
             from allsync.distributed import disconnect
 
             disconnect()
+
+
+def exit_for_restart(rank: int, reason: str) -> None:
+    """Leave at once with EXIT_RESTART (from any thread: a hung main thread cannot be interrupted)."""
+    print(f"error: rank {rank}: {reason}; exiting with code {EXIT_RESTART} so that an elastic launcher "
+          "(torchrun --max-restarts N) restarts the run from its newest good checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(EXIT_RESTART)
 
 
 def spmd_state(config: RunConfig):

@@ -85,6 +85,7 @@ class TorchEngine:
         self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size
         self.lockstep = lockstep
         self.adapter_version = 0
+        self.positions = 0  # token positions computed (rows x padded length), the work a health report divides by
         if getattr(model, "generation_config", None) is not None:
             check_plain_logits(model.generation_config)
 
@@ -130,6 +131,7 @@ class TorchEngine:
             logits_processor=LogitsProcessorList([step_logprobs]), synced_gpus=self.lockstep is not None,
         )  # fmt: skip
         new_tokens = sequences[:, ids.shape[1] :]
+        self.positions += sequences.numel()
         chosen = step_logprobs.finish(sequences)
         responses, logprobs, reasons = [], [], []
         for row, lp in zip(new_tokens.tolist(), chosen.tolist()):

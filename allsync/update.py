@@ -133,8 +133,11 @@ def loss_settings(config) -> LossSettings:
 
 
 class Learner:
-    def __init__(self, model, config, groups, layout, device: torch.device, pad_id: int, timeline, rank: int):
-        """groups: allsync.distributed.Groups (world / ep / edp); layout: the ExpertLayout or None."""
+    def __init__(self, model, config, groups, layout, device: torch.device, pad_id: int, timeline, rank: int,
+                 before_gradient_reduce=None):  # fmt: skip
+        """groups: allsync.distributed.Groups (world / ep / edp); layout: the ExpertLayout or None.
+        before_gradient_reduce(flat_grad): called before every gradient all-reduce (fault drills, allsync/faults.py)."""
+        self.before_gradient_reduce = before_gradient_reduce
         self.model, self.config, self.groups, self.layout = model, config, groups, layout
         self.device, self.pad_id, self.timeline, self.rank = device, pad_id, timeline, rank
         lora_params = [p for p in model.parameters() if p.requires_grad]
@@ -275,6 +278,7 @@ class Learner:
         out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
                "kl_ref_sum": 0.0, "logprob_gap": 0.0, "trained_samples": tb.num_episodes if tb else 0, "trained_tokens": 0,
                "nan_steps": 0, "optimizer_steps": 0, "empty_minibatches": 0, "grad_norm": 0.0}  # fmt: skip
+        local_sq = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's own gradient, before the all-reduce
         parts: list[torch.Tensor | None] = [None] * minibatches
         local = torch.zeros(minibatches, 3, dtype=torch.float64)  # per minibatch: policy tokens, episodes, critic tokens (exact past 2^24)
         if tb is not None:
@@ -282,6 +286,7 @@ class Learner:
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
                 print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
                       f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
+            out["train_positions"] = tb.sequences.input_ids.numel()  # padded token positions: the work (health signal)
             parts = tb.minibatch_rows(minibatches)
             local = torch.stack([tb.counts(rows) for rows in parts])
         totals = self.all_reduce(local.clone())
@@ -296,6 +301,9 @@ class Learner:
                 self._backward_minibatch(tb.minibatch(rows), totals[m], out)
             elif lockstep:
                 self._backward_minibatch(self.idle_batch(), totals[m], None)
+            if self.before_gradient_reduce is not None:
+                self.before_gradient_reduce(self.flat_grad)
+            local_sq = sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in (self.flat_grad[:-1], self.flat_expert_grad))
             self.all_reduce(self.flat_grad)  # sum of per-rank shares = the full-batch gradient; [-1] = non-finite losses
             self.all_reduce(self.flat_expert_grad, "edp")  # expert blocks: summed over the ranks holding the same block
             norm = self._total_grad_norm()
@@ -307,6 +315,7 @@ class Learner:
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
+        out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out
 
     def _total_grad_norm(self) -> torch.Tensor:

@@ -76,6 +76,7 @@ class VLLMEngine:
                                             enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
                                             enable_sleep_mode=self.sleep_mode))  # fmt: skip
         self.adapter_version = 0
+        self.positions = 0  # prompt + generated tokens, the work a health report divides by
         self.lora_request = None
         self._lora_dir: Path | None = None
 
@@ -96,6 +97,7 @@ class VLLMEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
         expanded, responses, logprobs, reasons = [], [], [], []
+        self.positions += sum(len(p) + len(c.token_ids) for p, out in zip(prompts, outputs) for c in out.outputs)
         for prompt, out in zip(prompts, outputs):
             for completion in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(completion.token_ids)

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,8 @@ from allsync.config import ConfigError, RunConfig
 from allsync.distributed import Groups, connect
 from allsync.episodes import Episode, episode_info_sums, stale_versions
 from allsync.evaluation import RewardError, answer_records, sample_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
+from allsync.faults import FaultInjector, parse_faults
+from allsync.monitor import ResourceProbe, Timeline
 from allsync.producers.groups import collect_groups
 from allsync.producers.agent import agent_records
 from allsync.producers.multiconv import MultiConversation
@@ -57,35 +58,6 @@ from quant.loader import load_frozen_model
 
 class NaNLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss."""
-
-
-EVENTS_KEPT = 4096  # the most recent phases kept for inspection (benchmarks); busy time is a running total
-
-
-@dataclass
-class Timeline:
-    """Phases as (phase, start, end) in wall-clock seconds, and busy time: the time inside phases minus
-    the time blocked in collectives (waiting for other workers, plus the transfer itself). A worker that
-    finishes its share first and waits in the all-reduce for a slower one is idle for that wait, so
-    busy / wall is the worker's real utilization. O(1) per phase."""
-
-    events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
-    busy_total: float = 0.0
-    reported: float = 0.0  # busy_total at the last `busy_since_last_report`
-
-    def record(self, phase: str, start: float) -> float:
-        end = time.time()
-        self.events.append((phase, start, end))
-        self.busy_total += end - start
-        return end
-
-    def waited(self, seconds: float) -> None:
-        """Time spent blocked in a collective inside a phase: not busy."""
-        self.busy_total -= seconds
-
-    def busy_since_last_report(self) -> float:
-        busy, self.reported = self.busy_total - self.reported, self.busy_total
-        return busy
 
 
 def worker_device(device: str, launcher: bool) -> torch.device:
@@ -107,13 +79,14 @@ def _dtype(name: str) -> torch.dtype:
 class RLWorker:
     def __init__(self, config: RunConfig, problems: list[Problem], rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, threads: int | None = None, max_model_len: int | None = None,
-                 launcher: bool = False):  # fmt: skip
+                 launcher: bool = False, attempt: int = 0):  # fmt: skip
         """rank / world_size: this worker's place among the workers that share the data (prompts are strided
         over them). dist_address: join the process groups of `world_size` workers (allsync.distributed) through
         a TCP store there; None for a worker that only generates (the disaggregated baseline's generators).
         launcher: SPMD, started by torchrun / accelerate launch: the groups come from the environment.
         max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see
-        allsync.tasks.model_len_needed); None computes it from `problems`."""
+        allsync.tasks.model_len_needed); None computes it from `problems`. attempt: 0 for a run's first start, n
+        after its n-th restart (fault drills, allsync/faults.py, fire only in the first)."""
         self.config, self.rank, self.world_size = config, rank, world_size
         if threads:
             torch.set_num_threads(threads)
@@ -140,8 +113,12 @@ class RLWorker:
             print(f"rank {rank}: routed experts {held.start}-{held.stop - 1} of {self.layout.num_experts}; read "
                   f"{m.checkpoint_bytes_read:,} checkpoint bytes ({m.checkpoint_expert_bytes_read:,} of them experts')")  # fmt: skip
         self.timeline = Timeline()
+        self.probe = ResourceProbe(self.device)
+        self.faults = FaultInjector(parse_faults(config.health.faults, world_size), rank, enabled=attempt == 0)
+        self.last_rss = None
+        self.reward_seconds = 0.0  # reward scoring inside the generate phase since the last report
         self.learner = Learner(self.model, config, self.groups, self.layout, self.device, self.tokenizer.pad_token_id,
-                               self.timeline, rank)  # fmt: skip
+                               self.timeline, rank, before_gradient_reduce=self.faults.before_gradient_reduce)  # fmt: skip
         # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
         self._seed_everything(config.run.seed * 1000 + rank)
         self.problems = problems
@@ -242,7 +219,9 @@ class RLWorker:
 
     def score_episodes(self, problems: list[Problem], responses: list[list[int]], group_index: list[int]):
         """`rewards`, with the reward errors counted for the step's report (the producers' score function)."""
+        t = time.time()
         rewards, correct, errors = self.rewards(problems, responses, group_index)
+        self.reward_seconds += time.time() - t
         self.reward_errors += errors
         return rewards, correct, errors
 
@@ -258,6 +237,7 @@ class RLWorker:
         """One all-sync (colocated) step: generate this worker's share, train on it with every worker, sync.
         Returns sums/counts that the controller aggregates over workers."""
         wall0 = time.time()
+        self.faults.begin_step(step_index)
         if isinstance(self.producer, WindowPool):
             metrics = self.window_step()
         else:
@@ -270,13 +250,35 @@ class RLWorker:
         metrics.update(self.busy_report(wall0))
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
             metrics.update(self.dispatch_stats.take())
+        metrics.update(self.health_report(metrics))
         return metrics
+
+    def health_report(self, metrics: dict) -> dict:
+        """This step's per-worker signals (allsync/health.py): busy seconds per phase (reward scoring apart from
+        generation) and in collectives, token positions generated and trained per busy second (the engine's and the trainer's padded work) (under expert parallelism
+        the routed rows this rank's experts received per busy second instead: routing makes loads unequal),
+        process CPU %, resident bytes and their growth, GPU readings on a GPU."""
+        out = self.timeline.phase_report()
+        out["reward_seconds"], self.reward_seconds = self.reward_seconds, 0.0
+        out["generate_seconds"] = max(out["generate_seconds"] - out["reward_seconds"], 0.0)
+        if "alltoall_received_rows" in metrics:
+            out["routed_rows_per_second"] = metrics["alltoall_received_rows"] / max(out["generate_seconds"] + out["train_seconds"], 1e-9)
+        else:
+            out["generate_tokens_per_second"] = self.engine.positions / max(out["generate_seconds"], 1e-9)
+            out["train_tokens_per_second"] = metrics.get("train_positions", 0) / max(out["train_seconds"], 1e-9)
+        self.engine.positions = 0
+        out.update(self.probe.sample())
+        out["rss_growth_bytes"] = out["rss_bytes"] - (self.last_rss if self.last_rss is not None else out["rss_bytes"])
+        self.last_rss = out["rss_bytes"]
+        return out
 
     def rollout_phase(self, groups_wanted: int) -> tuple[list[Episode], torch.Tensor, dict]:
         """Generate with the current adapter, score, and (DAPO) keep mixed groups; timed as "generate"."""
         t = time.time()
+        self.faults.during_generate()
         episodes, ds = self.collect(groups_wanted)
         self.engine.release_memory()  # vLLM on GPUs: its KV cache's memory goes to the trainer
+        self.faults.after_generate(time.time() - t)
         self.timeline.record("generate", t)
         generated = ds.pop("generated")
         errors, self.reward_errors = self.reward_errors, 0
@@ -331,6 +333,7 @@ class RLWorker:
         A continuing response's earlier windows came from older adapters: that context staleness is
         reported as staleness_max."""
         t = time.time()
+        self.faults.during_generate()
         pool = self.producer
         round_ = pool.generate(self.adapter_version)
         if round_.adapter_version != self.adapter_version:
@@ -339,6 +342,7 @@ class RLWorker:
         done = [round_.pool[i] for i in finished]
         rewards, correct, errors = self.rewards([r.problem for r in done], [r.response_ids for r in done])
         self.engine.release_memory()
+        self.faults.after_generate(time.time() - t)
         self.timeline.record("generate", t)
 
         t = time.time()
@@ -514,6 +518,7 @@ class RLWorker:
 
     def shutdown(self) -> None:
         self.groups = self.learner.groups = Groups(self.rank, 1, self.layout)
+        self.faults.close()
         self.reward_pool.close()
         if hasattr(self.producer, "close"):
             self.producer.close()

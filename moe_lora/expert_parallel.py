@@ -80,12 +80,14 @@ class DispatchStats:
     forward_rows_remote: int = 0
     backward_rows_remote: int = 0
     bytes_remote: int = 0
+    forward_rows_received: int = 0  # rows this rank received in forward passes: its experts' load, and its outputs back
 
     def take(self) -> dict:
         """The totals since the last take, then zeroed."""
         out = {"alltoall_bytes": self.bytes_remote, "alltoall_forward_rows": self.forward_rows_remote,
-               "alltoall_backward_rows": self.backward_rows_remote, "routed_assignments": self.assignments}  # fmt: skip
-        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = 0
+               "alltoall_backward_rows": self.backward_rows_remote, "routed_assignments": self.assignments,
+               "alltoall_received_rows": self.forward_rows_received}  # fmt: skip
+        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = self.forward_rows_received = 0
         return out
 
 
@@ -100,6 +102,7 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
             stats.backward_rows_remote += remote
         else:
             stats.forward_rows_remote += remote
+            stats.forward_rows_received += sum(recv_splits)
         stats.bytes_remote += remote * x[0].numel() * x.element_size() if len(x) else 0
     return out
 

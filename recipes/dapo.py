@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,9 +28,10 @@ from tqdm.auto import tqdm
 
 from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
-from allsync.checkpoint import prune_checkpoints
+from allsync.checkpoint import CheckpointStateError, latest_good_checkpoint, prune_checkpoints, write_manifest
 from allsync.distributed import spmd_environment
-from allsync.placement import SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
+from allsync.health import HealthMonitor, append_health, make_detector
+from allsync.placement import EXIT_RESTART, SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
 from evals.report import write_evaluation
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
 
@@ -89,13 +91,14 @@ def save_checkpoint(group, out_dir: Path, step: int, extra: dict) -> Path:
     with atomic_output_dir(path, overwrite=True) as tmp:
         group.call("save_state", str(tmp))
         (tmp / "controller.json").write_text(json.dumps({"step": step, **extra}))
-    atomic_write_text(out_dir / "checkpoints" / "latest", path.name)
+        write_manifest(tmp)  # last: a directory without it was cut short
+    atomic_write_text(out_dir / "checkpoints" / "latest", path.name)  # for people; resume checks the manifests
     return path
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    pointer = out_dir / "checkpoints" / "latest"
-    return out_dir / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+    """The newest checkpoint whose files match its manifest; a refused newer one is named in a warning."""
+    return latest_good_checkpoint(out_dir / "checkpoints")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,16 +155,54 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     out_dir = Path(config.run.out_dir)
-    if launched:
-        group = SPMDGroup(config, splits.train, max_model_len=max_model_len)
-    else:
-        gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker
-        group = WorkerGroup(config, splits.train, use_ray=not args.no_ray, gpus_per_worker=gpus, max_model_len=max_model_len)
+    if launched:  # an elastic launcher's restart (after a lost peer or a step timeout) resumes by itself
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        return spmd_train(config, args.resume or attempt > 0, SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
+                          splits, out_dir)  # fmt: skip
+    gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker
+
+    def make_group(attempt: int) -> WorkerGroup:
+        return WorkerGroup(config, splits.train, use_ray=not args.no_ray, gpus_per_worker=gpus, max_model_len=max_model_len,
+                           attempt=attempt)  # fmt: skip
+
+    return supervise(config, args.resume, make_group, splits, out_dir)
+
+
+def supervise(config: RunConfig, resume: bool, make_group, splits, out_dir: Path) -> int:
+    """`train` with workers from `make_group(attempt)`. A lost worker (it raised, its process died, or the step
+    passed run.step_timeout) stops every worker; up to run.max_restarts times new workers resume from the newest
+    good checkpoint (or start over when the run has none yet), each restart logged with its cause in
+    health.jsonl. Exit code 4 when a worker is lost once more than that."""
+    restarts = 0
+    while True:
+        group = make_group(restarts)
+        try:
+            return train(config, resume, group, splits, out_dir)
+        except WorkerFailure as exc:
+            cause = f"{exc}" + (f" ({exc.error.__class__.__name__})" if exc.error is not exc.__cause__ else "")
+            if restarts >= config.run.max_restarts:
+                print(f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr)  # the cause holds the worker's traceback
+                return 4
+            restarts += 1
+            resume = resume or latest_checkpoint(out_dir) is not None
+            append_health(out_dir, {"event": "restart", "time": time.time(), "restart": restarts, "cause": cause})
+            print(f"warning: {exc}; every worker was stopped. Restart {restarts} of run.max_restarts = {config.run.max_restarts}: "
+                  f"new workers {'resume from the newest good checkpoint' if resume else 'start the run over'}", file=sys.stderr)  # fmt: skip
+        finally:
+            group.shutdown()
+
+
+def spmd_train(config: RunConfig, resume: bool, group: SPMDGroup, splits, out_dir: Path) -> int:
+    """`train` in one launched process. A collective that fails because a peer was lost ends the process with
+    EXIT_RESTART (as a step past run.step_timeout does), so that `torchrun --max-restarts N` restarts the run."""
+    import torch.distributed as dist
+
     try:
-        return train(config, args, group, splits, out_dir)
-    except WorkerFailure as exc:
-        print(f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr)  # the cause holds the worker's traceback
-        return 4
+        return train(config, resume, group, splits, out_dir)
+    except dist.DistError as exc:
+        print(f"error: rank {group.rank}: a collective failed ({type(exc).__name__}: {str(exc)[:300]}): a peer was lost; "
+              f"exiting with code {EXIT_RESTART} so that an elastic launcher restarts the run", file=sys.stderr)  # fmt: skip
+        return EXIT_RESTART
     finally:
         group.shutdown()
 
@@ -204,14 +245,24 @@ def engine_model_len(config: RunConfig, model_config: dict, problems, source: st
         raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
 
 
-def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: Path) -> int:
+def train(config: RunConfig, resume: bool, group, splits, out_dir: Path) -> int:
     """Evaluate the base, run the RL steps (checkpoints, evaluations), evaluate and export the adapter. Under
     SPMD every rank runs this in step (the same results from `group.call`, the controller's clock through
     `group.agree`) and only the controller (rank 0) writes and prints."""
     ctl = group.is_controller
     say = print if ctl else (lambda *a, **k: None)
     start_step, base_accuracy, nan_run = 0, None, 0
-    checkpoint = latest_checkpoint(out_dir) if args.resume else None
+    checkpoint = None
+    if resume and ctl:  # rank 0 verifies the manifests; every rank loads what it chose, or stops with it
+        try:
+            checkpoint = latest_checkpoint(out_dir)
+        except CheckpointStateError as exc:
+            checkpoint = exc
+    checkpoint = group.agree(checkpoint)
+    if isinstance(checkpoint, CheckpointStateError):
+        if ctl:
+            print(f"error: {checkpoint}", file=sys.stderr)
+        return 2
     if checkpoint is not None:
         group.call("load_state", str(checkpoint))
         state = json.loads((checkpoint / "controller.json").read_text())
@@ -220,6 +271,7 @@ def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: P
         say(f"resumed from {checkpoint} (step {start_step})")
     log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None) if ctl else None
     record = log.write if ctl else (lambda step, metrics: None)
+    monitor = HealthMonitor(out_dir, make_detector(config.health), start_step if checkpoint is not None else None, log.tb) if ctl else None
     if base_accuracy is None:
         base_summary = heldout_evaluation(group, splits.heldout, config.run.eval_samples)[0]
         base_accuracy, base_tools = base_summary[f"avg@{config.run.eval_samples}"], base_summary.get("tool_call_rate")
@@ -234,7 +286,11 @@ def train(config: RunConfig, args: argparse.Namespace, group, splits, out_dir: P
     limit = config.run.time_limit_minutes
     bar = tqdm(range(start_step + 1, config.run.steps + 1), desc="RL steps", unit="step", disable=not ctl)
     for step in bar:
-        metrics = aggregate(group.step(step))
+        reports = group.step(step)
+        metrics = aggregate(reports)
+        for alarm in monitor.observe(step, reports) if monitor is not None else []:  # allsync/health.py
+            tqdm.write(f"health: {alarm.describe()}", file=sys.stderr)
+            bar.set_description(f"RL steps (alarm: worker {alarm.rank} at step {step})")
         nan_run = nan_run + 1 if metrics["nan_steps"] else 0
         if step % config.run.eval_every == 0 or step == config.run.steps:
             summary, samples = heldout_evaluation(group, splits.heldout, config.run.eval_samples)

@@ -3,6 +3,7 @@ each process one worker, rank 0 the controller, no Ray) and the Ray mode log the
 A checkpoint written at expert_parallel 2 (SPMD) resumes at expert_parallel 1 (Ray) and logs the steps an
 uninterrupted expert_parallel 1 run logs."""
 
+import json
 import math
 import subprocess
 import sys
@@ -104,3 +105,58 @@ def test_no_ray_under_a_launcher_is_refused(warm_tiny, tmp_path):
     assert done.returncode != 0
     assert "--no-ray under torchrun / accelerate launch" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def with_drill(config: Path, fault: dict, **run) -> Path:
+    data = yaml.safe_load(config.read_text())
+    data["health"] = {"faults": [fault]}
+    data["run"].update(run)
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def trained_steps(out_dir: Path) -> list[int]:
+    """The steps metrics.jsonl holds a training record for, in file order (evaluations are separate records)."""
+    return [r["step"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+
+
+def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted_metrics(warm_tiny, ray_run, tmp_path):
+    """Worker 1 SIGKILLs itself in step 3's generate phase; the controller stops the step, starts new workers from
+    the step-2 checkpoint and finishes: every step once, each equal to the uninterrupted run's."""
+    out = tmp_path / "out"
+    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "kill", "rank": 1, "step": 3}, max_restarts=1)
+    done = launch("ray", config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker 1 failed in step" in done.stderr and "Restart 1 of run.max_restarts = 1" in done.stderr
+    assert "resumed from" in done.stdout and "(step 2)" in done.stdout
+    assert trained_steps(out) == [1, 2, 3]
+    got, want = metrics(out), metrics(ray_run)
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs after the restart"
+    events = [json.loads(line) for line in (out / "health.jsonl").read_text().splitlines()]
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["cause"].startswith("worker 1 failed in step")
+
+
+def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, tmp_path):
+    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), {"kind": "kill", "rank": 0, "step": 1})
+    done = launch("ray", config)
+    assert done.returncode == 4
+    assert "error: worker 0 failed in step" in done.stderr and "every worker was stopped" in done.stderr
+
+
+def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_resumes(warm_tiny, ray_run, tmp_path):
+    """torchrun --max-restarts 1: rank 1 hangs in step 3; past run.step_timeout both processes exit with code 75,
+    torchrun starts them again, and they resume from the step-2 checkpoint by themselves."""
+    out = tmp_path / "out"
+    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 1, "step": 3, "seconds": 600},
+                        step_timeout=30)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+                           str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3 passed run.step_timeout = 30 s; exiting with code 75" in done.stderr
+    assert "resumed from" in done.stdout and "(step 2)" in done.stdout
+    assert trained_steps(out) == [1, 2, 3]
+    got, want = metrics(out), metrics(ray_run)
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs after the elastic restart"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from allsync.metrics import MetricsLog, read_records
-from allsync.worker import Timeline
+from allsync.monitor import Timeline
 
 
 def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
