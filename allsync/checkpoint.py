@@ -213,12 +213,15 @@ def verify_checkpoint(directory: Path) -> None:
             raise CheckpointStateError(f"{directory / name}: sha256 differs from the manifest: corrupted")
 
 
-def latest_good_checkpoint(checkpoints: Path, warn: Callable[[str], object] = print) -> Path | None:
+def latest_good_checkpoint(checkpoints: Path, warn: Callable[[str], object] = print, among: set[str] | None = None) -> Path | None:
     """The newest checkpoints/step-NNNNNN that passes `verify_checkpoint`, warning (through `warn`) about
     each newer one refused. None when there is no step directory; a `CheckpointStateError` listing every
-    refusal when none passes. The `latest` pointer is not consulted: it cannot vouch for the files."""
+    refusal when none passes. The `latest` pointer is not consulted: it cannot vouch for the files.
+    among: only these directory names (a restarted run's own checkpoints, not an older run's in the same place)."""
     refused = []
     for directory in reversed(step_directories(Path(checkpoints))):
+        if among is not None and directory.name not in among:
+            continue
         try:
             verify_checkpoint(directory)
         except CheckpointStateError as exc:

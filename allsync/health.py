@@ -77,22 +77,24 @@ class Alarm:
         return f"step {self.step}: worker {self.rank} is faulty ({what}, {self.detector})"
 
 
-def signal_values(reports: list[dict | None], signal: Signal) -> np.ndarray | None:
-    """The metric for every worker (NaN where missing or not reported); None when no worker reports it."""
+def signal_values(reports: list[dict | None], signal: Signal) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, broken) for every worker: the metric (log of it for log signals; NaN where a worker did not
+    report it, or where a log signal is 0, e.g. no token trained), and whether it reported a NaN or inf.
+    None when no worker reports the metric."""
     values = [r.get(signal.key) if r is not None else None for r in reports]
     if all(v is None for v in values):
         return None
-    x = np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+    raw = np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+    broken = np.array([v is not None and not math.isfinite(v) for v in values])
     if signal.log:
         with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.where(x > 0, np.log(np.where(x > 0, x, 1.0)), np.where(np.isfinite(x), -np.inf, x))
-    return x
+            raw = np.where(raw > 0, np.log(np.where(raw > 0, raw, 1.0)), np.nan)
+    return np.where(broken, np.nan, raw), broken
 
 
-def non_finite_outliers(x: np.ndarray, reported: np.ndarray) -> list[int]:
-    """Workers whose value is not finite while most reporting workers' are."""
-    bad = reported & ~np.isfinite(x)
-    return np.flatnonzero(bad).tolist() if 0 < bad.sum() < reported.sum() / 2 else []
+def non_finite_outliers(broken: np.ndarray) -> list[int]:
+    """Workers that reported a NaN or inf while most did not."""
+    return np.flatnonzero(broken).tolist() if 0 < broken.sum() < broken.size / 2 else []
 
 
 def similarity_flags(window: np.ndarray, bad: str, min_distance: float, min_z: float) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -131,10 +133,11 @@ class SimilarityDetector:
         flagged: dict[int, tuple[Signal, float, str]] = {}
         instant: list[Alarm] = []
         for signal in PRIORITY:
-            x = signal_values(reports, signal)
-            if x is None:
+            values = signal_values(reports, signal)
+            if values is None:
                 continue
-            if (bad := non_finite_outliers(x, reported)) and not flagged:
+            x, broken = values
+            if (bad := non_finite_outliers(broken)) and not flagged:
                 instant = [Alarm(step, r, signal.key, math.inf, self.name, "non-finite") for r in bad]
                 flagged = {r: (signal, math.inf, "non-finite") for r in bad}
             u = self._normalized(signal, x)
@@ -200,17 +203,21 @@ class ThresholdDetector:
     def observe(self, step: int, reports: list[dict | None]) -> list[Alarm]:
         alarms, seen = [], set()
         for signal in PRIORITY:
-            x = signal_values(reports, signal)
-            if x is None:
+            values = signal_values(reports, signal)
+            if values is None:
                 continue
+            x, broken = values
             past = self._values.setdefault(signal.key, deque(maxlen=self.history))
             if len(past) >= self.warmup:
                 pool = np.concatenate(list(past))
                 pool = pool[np.isfinite(pool)]
+                if pool.size == 0:
+                    past.append(x)
+                    continue
                 mean, sd = pool.mean(), max(pool.std(), 1e-12)
                 score = (x - mean) / sd
                 hit = {"high": score > self.k, "low": score < -self.k, "both": np.abs(score) > self.k}[signal.bad]
-                hit |= ~np.isfinite(x) & np.array([r is not None for r in reports])
+                hit = (hit & np.isfinite(score)) | broken
                 for r in np.flatnonzero(hit).tolist():
                     if r not in seen:
                         seen.add(r)

@@ -96,9 +96,10 @@ def save_checkpoint(group, out_dir: Path, step: int, extra: dict) -> Path:
     return path
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest checkpoint whose files match its manifest; a refused newer one is named in a warning."""
-    return latest_good_checkpoint(out_dir / "checkpoints")
+def latest_checkpoint(out_dir: Path, among: set[str] | None = None) -> Path | None:
+    """The newest checkpoint whose files match its manifest (of the names `among`, when given); a refused newer
+    one is named in a warning."""
+    return latest_good_checkpoint(out_dir / "checkpoints", among=among)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,18 +174,18 @@ def supervise(config: RunConfig, resume: bool, make_group, splits, out_dir: Path
     passed run.step_timeout) stops every worker; up to run.max_restarts times new workers resume from the newest
     good checkpoint (or start over when the run has none yet), each restart logged with its cause in
     health.jsonl. Exit code 4 when a worker is lost once more than that."""
-    restarts = 0
+    restarts, own = 0, set()  # the checkpoints this run loaded or wrote: a restart resumes from one of them
     while True:
         group = make_group(restarts)
         try:
-            return train(config, resume, group, splits, out_dir)
+            return train(config, resume, group, splits, out_dir, own)
         except WorkerFailure as exc:
-            cause = f"{exc}" + (f" ({exc.error.__class__.__name__})" if exc.error is not exc.__cause__ else "")
+            cause = str(exc).splitlines()[0][:500]
             if restarts >= config.run.max_restarts:
                 print(f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr)  # the cause holds the worker's traceback
                 return 4
             restarts += 1
-            resume = resume or latest_checkpoint(out_dir) is not None
+            resume = bool(own)
             append_health(out_dir, {"event": "restart", "time": time.time(), "restart": restarts, "cause": cause})
             print(f"warning: {exc}; every worker was stopped. Restart {restarts} of run.max_restarts = {config.run.max_restarts}: "
                   f"new workers {'resume from the newest good checkpoint' if resume else 'start the run over'}", file=sys.stderr)  # fmt: skip
@@ -245,8 +246,10 @@ def engine_model_len(config: RunConfig, model_config: dict, problems, source: st
         raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
 
 
-def train(config: RunConfig, resume: bool, group, splits, out_dir: Path) -> int:
-    """Evaluate the base, run the RL steps (checkpoints, evaluations), evaluate and export the adapter. Under
+def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: set[str] | None = None) -> int:
+    """Evaluate the base, run the RL steps (checkpoints, evaluations), evaluate and export the adapter. `own`
+    collects the names of the checkpoints this run resumed from or wrote; when it holds some, resuming takes
+    only those (a restart after a lost worker). Under
     SPMD every rank runs this in step (the same results from `group.call`, the controller's clock through
     `group.agree`) and only the controller (rank 0) writes and prints."""
     ctl = group.is_controller
@@ -255,7 +258,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path) -> int:
     checkpoint = None
     if resume and ctl:  # rank 0 verifies the manifests; every rank loads what it chose, or stops with it
         try:
-            checkpoint = latest_checkpoint(out_dir)
+            checkpoint = latest_checkpoint(out_dir, among=own or None)
         except CheckpointStateError as exc:
             checkpoint = exc
     checkpoint = group.agree(checkpoint)
@@ -269,6 +272,8 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path) -> int:
         start_step, base_accuracy = state["step"], state["base_accuracy"]
         nan_run = state.get("nan_run", 0)  # non-finite steps in a row before the checkpoint
         say(f"resumed from {checkpoint} (step {start_step})")
+        if own is not None:
+            own.add(checkpoint.name)
     log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None) if ctl else None
     record = log.write if ctl else (lambda step, metrics: None)
     monitor = HealthMonitor(out_dir, make_detector(config.health), start_step if checkpoint is not None else None, log.tb) if ctl else None
@@ -304,8 +309,10 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path) -> int:
                         entropy=f"{metrics.get('entropy', float('nan')):.2f}")  # fmt: skip
         out_of_time = group.agree(limit is not None and time.time() - started > 60 * limit)
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
-            save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy, "nan_run": nan_run,
-                                                   "base_tools": base_tools})  # fmt: skip
+            saved = save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy,
+                                                           "nan_run": nan_run, "base_tools": base_tools})  # fmt: skip
+            if own is not None:
+                own.add(saved.name)
             if ctl:
                 prune_checkpoints(out_dir / "checkpoints", config.run.keep_checkpoints)
         if nan_run >= config.run.max_consecutive_nan:

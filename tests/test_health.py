@@ -149,3 +149,11 @@ def test_one_slow_worker_among_many_is_found(workers):
         trace[step - 1][workers - 1]["train_tokens_per_second"] *= 0.3
     alarms = run(SimilarityDetector(), trace)
     assert [(a.step, a.rank) for a in alarms] == [(21, workers - 1)]
+
+
+def test_a_zero_gradient_is_no_fault_but_an_infinite_one_is():
+    trace = reports(20)
+    trace[9][0]["local_grad_norm"] = 0.0  # no token of its own trained this step: log(0) is not "non-finite"
+    trace[14][2]["local_grad_norm"] = float("inf")
+    for detector in (SimilarityDetector(), ThresholdDetector()):
+        assert [(a.step, a.rank, a.direction) for a in run(detector, trace)] == [(15, 2, "non-finite")]

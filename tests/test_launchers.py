@@ -160,3 +160,17 @@ def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_r
     got, want = metrics(out), metrics(ray_run)
     for step in want:
         assert got[step] == want[step], f"step {step} differs after the elastic restart"
+
+
+@pytest.mark.slow
+def test_a_hung_ray_worker_passes_the_step_timeout_and_is_replaced(warm_tiny, ray_run, tmp_path):
+    out = tmp_path / "out"
+    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 0, "step": 3, "seconds": 600},
+                        max_restarts=1, step_timeout=30)  # fmt: skip
+    done = launch("ray", config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no answer from worker(s) 0, 1 within run.step_timeout = 30 s" in done.stderr
+    assert trained_steps(out) == [1, 2, 3]
+    got, want = metrics(out), metrics(ray_run)
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs after the restart"
