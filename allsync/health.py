@@ -352,6 +352,13 @@ def health_report(run_dir: str | Path, detector=None) -> tuple[str, list[Alarm]]
     return "\n".join(lines), alarms
 
 
+def panel_of(metric: str) -> str:
+    """The plotted signal an alarm on `metric` is marked on (memory growth on resident memory; the first otherwise)."""
+    plotted = [k for k, _, _ in PLOTTED]
+    metric = "rss_bytes" if metric == "rss_growth_bytes" else metric
+    return metric if metric in plotted else plotted[0]
+
+
 def plot_health(run_dir: str | Path, alarms: list[Alarm], path: str | Path) -> Path:
     """One panel per signal (PLOTTED), one line per worker (a band of the others beyond 16 workers, alarmed ones
     as lines), a marker at every alarm on its worker's line."""
@@ -376,15 +383,17 @@ def plot_health(run_dir: str | Path, alarms: list[Alarm], path: str | Path) -> P
         for w in shown:
             ax.plot(steps, values[:, w], lw=0.8, color=colors(w % 10), label=f"worker {w}")
         for a in alarms:
+            ax.axvline(a.step, color="red", alpha=0.15, lw=1)
             row = np.searchsorted(steps, a.step)
-            if row < len(steps):
-                ax.plot(a.step, values[row, a.rank], "x", color="red", ms=8, mew=2)
+            if panel_of(a.metric) == key and row < len(steps):
+                ax.plot(a.step, values[row, a.rank] if np.isfinite(values[row, a.rank]) else np.nanmedian(values[row]), "x",
+                        color="red", ms=9, mew=2)  # fmt: skip
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("step")
     axes.flat[0].legend(fontsize=7, loc="best")
-    fig.suptitle(f"{run_dir}: {len(alarms)} alarms (red x: the worker named)")
+    fig.suptitle(f"{run_dir}: {len(alarms)} alarms (red lines; x: the worker named, on the metric that named it)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

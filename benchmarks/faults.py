@@ -12,6 +12,10 @@ baseline). Scoring, per episode:
   end; latency = alarm step - first faulty step + 1 (steps) and the wall time from that step's start to the
   alarm (seconds). An alarm naming another worker is a false positive.
 - clean: every alarm is a false positive; false alarms per hour of clean running.
+At scale (`--scale 64 256 1024`, after the live numbers and kept apart from them): recorded traces of N
+simulated workers, each step's reports drawn from the live run's workers at a clean step (so the noise, shared
+and per worker, is the live run's), with the live injected episodes' faulty-worker patterns (its values over
+the median of the others, step by step) laid onto one random simulated worker.
 The last line is `live injections: precision P recall R F1 F latency S steps (baseline F1 B)`.
 """
 
@@ -110,6 +114,70 @@ def fp_clean(alarms: list, episodes: list[Episode]) -> int:
     return sum(1 for e in episodes if e.fault is None for a in alarms if e.first <= a.step <= e.last)
 
 
+def fault_patterns(records: dict[int, list[dict]], episodes: list[Episode]) -> list[tuple[str, list[dict]]]:
+    """Per live injected episode, step by step from its first step: the faulty worker's value of every health
+    signal relative to the median of the others (ratio for log signals, difference otherwise; NaN kept)."""
+    import numpy as np
+
+    from allsync.health import PRIORITY
+
+    patterns = []
+    for e in episodes:
+        if e.fault is None:
+            continue
+        rank, steps = e.fault["rank"], []
+        for step in range(e.first, e.last + 1):
+            faulty, others = records[step][rank], [w for i, w in enumerate(records[step]) if i != rank]
+            rel = {}
+            for sig in PRIORITY:
+                if sig.key in faulty:
+                    med = float(np.median([w[sig.key] for w in others]))
+                    rel[sig.key] = faulty[sig.key] / med if sig.log and med > 0 else faulty[sig.key] - med
+            steps.append(rel)
+        patterns.append((e.fault["kind"], steps))
+    return patterns
+
+
+def scale_trace(records: dict[int, list[dict]], episodes: list[Episode], workers: int, seed: int):
+    """(reports per step, episodes) of `workers` simulated workers: every episode's steps copy a random live
+    clean episode's steps, each simulated worker a random live worker's report at that step; half the
+    episodes get a random live fault pattern on a random worker."""
+    import numpy as np
+
+    from allsync.health import PRIORITY
+
+    rng = np.random.default_rng(seed)
+    keys = [sig.key for sig in PRIORITY]
+    log = {sig.key for sig in PRIORITY if sig.log}
+    clean = [e for e in episodes if e.fault is None]
+    patterns = fault_patterns(records, episodes)
+    n = len(episodes)
+    labels = rng.permutation([True] * (n // 2) + [False] * (n - n // 2))
+    trace, out_episodes = [], []
+    warm = [s for s in range(1, WARMUP_STEPS + 1)]
+    for step in warm + [s for e in clean[: 1] for s in range(e.first, e.last + 1)]:  # warm-up: the detectors' noise history
+        trace.append([{k: records[step][j][k] for k in keys if k in records[step][j]} for j in rng.integers(len(records[step]), size=workers)])
+    for injected in labels:
+        source = clean[rng.integers(len(clean))]
+        first = len(trace) + 1
+        fault = None
+        if injected:
+            kind, pattern = patterns[rng.integers(len(patterns))]
+            fault = {"kind": kind, "rank": int(rng.integers(workers)), "step": first + 1}
+        for offset, step in enumerate(range(source.first, source.last + 1)):
+            live = records[step]
+            reports = [{k: live[j][k] for k in keys if k in live[j]} for j in rng.integers(len(live), size=workers)]
+            if fault is not None:
+                rel = pattern[offset]
+                victim = reports[fault["rank"]]
+                for k, r in rel.items():
+                    med = float(np.median([w[k] for w in reports if k in w]))
+                    victim[k] = med * r if k in log else med + r
+            trace.append(reports)
+        out_episodes.append(Episode(first, len(trace), fault))
+    return trace, out_episodes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT))
@@ -118,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/faults")
     parser.add_argument("--score-only", action="store_true", help="score the run already in --out")
+    parser.add_argument("--scale", type=int, nargs="*", default=[], help="simulated worker counts for recorded traces")
     args = parser.parse_args(argv)
 
     from allsync.health import SimilarityDetector, ThresholdDetector, read_worker_records, replay
@@ -148,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{detector.name:>10}: precision {s['precision']:.3f} recall {s['recall']:.3f} F1 {s['f1']:.3f} latency "
               f"{s['latency_steps']:.2f} steps / {s['latency_seconds']:.1f} s, false alarms {s['fp']} "
               f"({s['false_alarms_per_clean_hour']:.1f} per clean hour), recall per kind {s['recall_per_kind']}")  # fmt: skip
+    by_step = {r["step"]: r["workers"] for r in steps}
+    for workers in args.scale:
+        trace, synthetic = scale_trace(by_step, episodes, workers, args.seed)
+        step_time = mean(step_seconds)  # simulated steps take the live run's mean step time
+        fake_times = {i: i * step_time for i in range(len(trace) + 1)}
+        for detector in (SimilarityDetector(), ThresholdDetector()):
+            alarms = [a for i, r in enumerate(trace, 1) for a in detector.observe(i, r)]
+            s = score(alarms, synthetic, fake_times)
+            results[f"{detector.name}@{workers}"] = s
+            print(f"recorded traces, {workers} simulated workers, {detector.name:>10}: precision {s['precision']:.3f} recall "
+                  f"{s['recall']:.3f} F1 {s['f1']:.3f} latency {s['latency_steps']:.2f} steps, false alarms {s['fp']}")  # fmt: skip
     (out / "faults_score.json").write_text(json.dumps(results, indent=1))
     sim, base = results["similarity"], results["threshold"]
     print(f"live injections: precision {sim['precision']:.3f} recall {sim['recall']:.3f} F1 {sim['f1']:.3f} "

@@ -136,6 +136,13 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted
     events = [json.loads(line) for line in (out / "health.jsonl").read_text().splitlines()]
     restarts = [e for e in events if e["event"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["cause"].startswith("worker 1 failed in step")
+    reports = [json.loads(line) for line in (out / "workers.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reports] == [1, 2, 3]  # the lost step's attempt left no record behind
+    for r in reports:  # every worker's health signals, each step
+        assert len(r["workers"]) == 2
+        for w in r["workers"]:
+            assert w["generate_tokens_per_second"] > 0 and w["train_tokens_per_second"] > 0 and w["rss_bytes"] > 2**20
+            assert 0 < w["cpu_percent"] < 400 and math.isfinite(w["local_grad_norm"]) and w["probe_seconds"] < 0.05
 
 
 def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, tmp_path):
