@@ -211,6 +211,25 @@ class SPMDGroup:
             disconnect()
 
 
+def init_attempt_group(backend: str) -> None:
+    """Under torchrun (TORCHELASTIC_RESTART_COUNT set), the default process group on a store prefix of its own per
+    restart: the launcher's store keeps the previous attempt's keys, and gloo would read the dead processes'
+    addresses from them and fail to connect (seen with torch 2.13 and `torchrun --max-restarts`)."""
+    import torch.distributed as dist
+
+    from allsync.distributed import TIMEOUT
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or dist.is_initialized():
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not agent_hosts and rank == 0,
+                          timeout=TIMEOUT)  # fmt: skip
+    dist.init_process_group(backend, store=dist.PrefixStore(f"allsync/attempt_{attempt}", store), rank=rank, world_size=world,
+                            timeout=TIMEOUT)  # fmt: skip
+
+
 def exit_for_restart(rank: int, reason: str) -> None:
     """Leave at once with EXIT_RESTART (from any thread: a hung main thread cannot be interrupted)."""
     print(f"error: rank {rank}: {reason}; exiting with code {EXIT_RESTART} so that an elastic launcher "
@@ -222,6 +241,7 @@ def spmd_state(config: RunConfig):
     """accelerate's view of this launched process (initializes the default process group once)."""
     from accelerate import PartialState
 
+    init_attempt_group(config.parallel.resolved_backend())
     return PartialState(cpu=config.parallel.resolved_device() == "cpu", backend=config.parallel.resolved_backend())
 
 

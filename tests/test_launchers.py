@@ -43,7 +43,7 @@ def write_config(path: Path, base: Path, out_dir: Path, expert_parallel: int = 1
 def launch(kind: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
     prefix = {
         "ray": [sys.executable],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],  # a free port each
         "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU)],
     }[kind]
     return subprocess.run([*prefix, str(RECIPE), "--config", str(config), *extra], capture_output=True, text=True, timeout=600)
@@ -158,8 +158,8 @@ def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_r
     out = tmp_path / "out"
     config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 1, "step": 3, "seconds": 600},
                         step_timeout=30)  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-                           str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+                           "1", str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=400)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 3 passed run.step_timeout = 30 s; exiting with code 75" in done.stderr
     assert "resumed from" in done.stdout and "(step 2)" in done.stdout
