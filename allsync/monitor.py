@@ -1,7 +1,7 @@
 """Per-worker health signals, sampled once per RL step: process CPU use and resident memory (psutil), and on
 GPUs the device's utilization, power, memory and temperature (NVML through nvidia-ml-py).
 
-The worker adds these to its step report beside its phase times (allsync.worker.Timeline), tokens/s, loss,
+The worker adds these to its step report beside its phase times (`Timeline`), tokens/s, loss,
 local gradient norm and logprob gap; the controller writes them to workers.jsonl and TensorBoard and feeds
 them to the detector (allsync/health.py). One sample costs two system calls (and four NVML queries on a
 GPU); `probe_seconds` reports what it cost, so the overhead is measured, not assumed.
@@ -82,6 +82,35 @@ def gpu_sample(handle) -> dict:
         "gpu_memory_bytes": float(memory.used),
         "gpu_temperature_c": float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
     }
+
+
+class WorkerMonitor:
+    """One worker's health signals: its Timeline, a ResourceProbe, and the reward-scoring time inside generation."""
+
+    def __init__(self, device: torch.device):
+        self.timeline = Timeline()
+        self.probe = ResourceProbe(device)
+        self.reward_seconds = 0.0  # reward scoring inside the generate phase since the last report
+        self.last_rss: float | None = None
+
+    def report(self, metrics: dict, engine_positions: int) -> dict:
+        """The step's signals (allsync/health.py): busy seconds per phase (reward scoring apart from generation)
+        and blocked in collectives; token positions generated (`engine_positions`) and trained
+        (metrics["train_positions"]) per busy second, the engine's and the trainer's padded work, or under expert
+        parallelism the routed rows this rank's experts received per busy second (routing makes loads unequal);
+        process CPU %, resident bytes and their growth since the last report; GPU readings on a GPU."""
+        out = self.timeline.phase_report()
+        out["reward_seconds"], self.reward_seconds = self.reward_seconds, 0.0
+        out["generate_seconds"] = max(out["generate_seconds"] - out["reward_seconds"], 0.0)
+        if "alltoall_received_rows" in metrics:
+            out["routed_rows_per_second"] = metrics["alltoall_received_rows"] / max(out["generate_seconds"] + out["train_seconds"], 1e-9)
+        else:
+            out["generate_tokens_per_second"] = engine_positions / max(out["generate_seconds"], 1e-9)
+            out["train_tokens_per_second"] = metrics.get("train_positions", 0) / max(out["train_seconds"], 1e-9)
+        out.update(self.probe.sample())
+        out["rss_growth_bytes"] = out["rss_bytes"] - (self.last_rss if self.last_rss is not None else out["rss_bytes"])
+        self.last_rss = out["rss_bytes"]
+        return out
 
 
 class ResourceProbe:

@@ -40,7 +40,7 @@ from allsync.distributed import Groups, connect
 from allsync.episodes import Episode, episode_info_sums, stale_versions
 from allsync.evaluation import RewardError, answer_records, sample_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
 from allsync.faults import FaultInjector, parse_faults
-from allsync.monitor import ResourceProbe, Timeline
+from allsync.monitor import WorkerMonitor
 from allsync.producers.groups import collect_groups
 from allsync.producers.agent import agent_records
 from allsync.producers.multiconv import MultiConversation
@@ -112,11 +112,9 @@ class RLWorker:
             held, m = self.layout.experts_of(rank), self.model
             print(f"rank {rank}: routed experts {held.start}-{held.stop - 1} of {self.layout.num_experts}; read "
                   f"{m.checkpoint_bytes_read:,} checkpoint bytes ({m.checkpoint_expert_bytes_read:,} of them experts')")  # fmt: skip
-        self.timeline = Timeline()
-        self.probe = ResourceProbe(self.device)
+        self.monitor = WorkerMonitor(self.device)
+        self.timeline = self.monitor.timeline
         self.faults = FaultInjector(parse_faults(config.health.faults, world_size), rank, enabled=attempt == 0)
-        self.last_rss = None
-        self.reward_seconds = 0.0  # reward scoring inside the generate phase since the last report
         self.learner = Learner(self.model, config, self.groups, self.layout, self.device, self.tokenizer.pad_token_id,
                                self.timeline, rank, before_gradient_reduce=self.faults.before_gradient_reduce)  # fmt: skip
         # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
@@ -221,7 +219,7 @@ class RLWorker:
         """`rewards`, with the reward errors counted for the step's report (the producers' score function)."""
         t = time.time()
         rewards, correct, errors = self.rewards(problems, responses, group_index)
-        self.reward_seconds += time.time() - t
+        self.monitor.reward_seconds += time.time() - t
         self.reward_errors += errors
         return rewards, correct, errors
 
@@ -250,27 +248,9 @@ class RLWorker:
         metrics.update(self.busy_report(wall0))
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
             metrics.update(self.dispatch_stats.take())
-        metrics.update(self.health_report(metrics))
+        positions, self.engine.positions = self.engine.positions, 0
+        metrics.update(self.monitor.report(metrics, positions))
         return metrics
-
-    def health_report(self, metrics: dict) -> dict:
-        """This step's per-worker signals (allsync/health.py): busy seconds per phase (reward scoring apart from
-        generation) and in collectives, token positions generated and trained per busy second (the engine's and the trainer's padded work) (under expert parallelism
-        the routed rows this rank's experts received per busy second instead: routing makes loads unequal),
-        process CPU %, resident bytes and their growth, GPU readings on a GPU."""
-        out = self.timeline.phase_report()
-        out["reward_seconds"], self.reward_seconds = self.reward_seconds, 0.0
-        out["generate_seconds"] = max(out["generate_seconds"] - out["reward_seconds"], 0.0)
-        if "alltoall_received_rows" in metrics:
-            out["routed_rows_per_second"] = metrics["alltoall_received_rows"] / max(out["generate_seconds"] + out["train_seconds"], 1e-9)
-        else:
-            out["generate_tokens_per_second"] = self.engine.positions / max(out["generate_seconds"], 1e-9)
-            out["train_tokens_per_second"] = metrics.get("train_positions", 0) / max(out["train_seconds"], 1e-9)
-        self.engine.positions = 0
-        out.update(self.probe.sample())
-        out["rss_growth_bytes"] = out["rss_bytes"] - (self.last_rss if self.last_rss is not None else out["rss_bytes"])
-        self.last_rss = out["rss_bytes"]
-        return out
 
     def rollout_phase(self, groups_wanted: int) -> tuple[list[Episode], torch.Tensor, dict]:
         """Generate with the current adapter, score, and (DAPO) keep mixed groups; timed as "generate"."""

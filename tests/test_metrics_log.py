@@ -39,3 +39,26 @@ def test_busy_time_leaves_out_collective_waits():
     t.record("train", __import__("time").time() - 1.0)
     assert abs(t.busy_since_last_report() - 1.0) < 0.05  # only what happened since the last report
     assert [phase for phase, _, _ in t.events] == ["generate", "train"]
+
+
+def test_the_health_report_splits_phase_time_waits_and_reward_scoring():
+    import time
+
+    import torch
+
+    from allsync.monitor import WorkerMonitor
+
+    m = WorkerMonitor(torch.device("cpu"))
+    m.timeline.waited(0.5)  # blocked in a collective inside the generate phase, recorded at its end
+    m.timeline.record("generate", time.time() - 2.0)
+    m.reward_seconds = 0.3  # of the generate phase, scoring rewards
+    m.timeline.record("train", time.time() - 1.0)
+    r = m.report({"train_positions": 3000}, engine_positions=1200)
+    # generate busy: 2.0 - 0.5 waiting - 0.3 scoring = 1.2 s -> 1000 positions/s; train: 1 s -> 3000 positions/s
+    assert abs(r["generate_seconds"] - 1.2) < 0.02 and abs(r["wait_seconds"] - 0.5) < 1e-9 and r["reward_seconds"] == 0.3
+    assert abs(r["generate_tokens_per_second"] - 1000) < 20 and abs(r["train_tokens_per_second"] - 3000) < 60
+    assert r["rss_bytes"] > 2**20 and r["rss_growth_bytes"] == 0 and r["probe_seconds"] < 0.05
+    kept = torch.ones(64 * 2**20 // 4)  # 64 MiB resident before the next report
+    again = m.report({"train_positions": 0}, engine_positions=0)
+    assert again["generate_seconds"] == again["train_seconds"] == again["wait_seconds"] == 0.0  # reset after a report
+    assert again["rss_growth_bytes"] > 60 * 2**20 and kept.sum() > 0
