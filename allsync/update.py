@@ -67,6 +67,8 @@ class TrainBatch:
     episode_of_row: torch.Tensor | None = None  # None: every row is its own episode
     episode_tokens: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None  # [B, L-1] the rollout engine's logprobs at the response tokens
+    engine_mask: torch.Tensor | None = None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
+    segment_kinds: list[str] | None = None  # per row: answer | memory | turn
 
     def __post_init__(self) -> None:
         if self.episode_of_row is None:
@@ -182,6 +184,7 @@ class Learner:
         episode_of_row = torch.tensor(rows.episode_of_row, device=self.device)
         if (masks := rows.loss_masks) is not None:  # tool observations: not chosen by the policy, not trained
             batch.response_mask = batch.response_mask * scatter_response_values(masks, batch)
+        engine_mask = batch.response_mask
         if a.multiconv is not None:
             batch.response_mask = credit_mask(batch.response_mask, torch.tensor(rows.is_answer, device=self.device),
                                               a.multiconv.credit)  # fmt: skip
@@ -190,8 +193,8 @@ class Learner:
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
         old_logprobs, _ = self.current_logprobs(batch)
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
-        return TrainBatch(batch, old_logprobs, advantages, ref_logprobs=self.reference_logprobs(batch),
-                          episode_of_row=episode_of_row, engine_logprobs=engine_logprobs)  # fmt: skip
+        return TrainBatch(batch, old_logprobs, advantages, ref_logprobs=self.reference_logprobs(batch), episode_of_row=episode_of_row,
+                          engine_logprobs=engine_logprobs, engine_mask=engine_mask, segment_kinds=[s.kind for s in rows.segments])  # fmt: skip
 
     def window_batch(self, prompts: list[list[int]], responses: list[list[int]], window_starts: list[int],
                      finished: dict[int, str], reward_of: dict[int, float], engine_logprobs: list[list[float]]) -> TrainBatch:  # fmt: skip
@@ -258,10 +261,9 @@ class Learner:
             self.current_logprobs(idle)
             self.reference_logprobs(idle)
         tb = self.episode_batch(episodes, group_index) if episodes else None
-        rows = flatten(episodes)
         out = self.update(tb, adapter_version)
         if tb is not None and self.config.algorithm.multiconv is not None:
-            out.update(segment_gaps(tb, rows))
+            out.update(segment_gaps(tb))
         return out
 
     def update(self, tb: TrainBatch | None, adapter_version: int) -> dict:
@@ -358,16 +360,14 @@ class Learner:
         out["trained_tokens"] += int(mb.sequences.response_mask.sum())
 
 
-def segment_gaps(tb: TrainBatch, rows) -> dict:
-    """Sum and count of |engine - trainer| logprob per segment kind over every response token (before the
+def segment_gaps(tb: TrainBatch) -> dict:
+    """Sum and count of |engine - trainer| logprob per segment kind over every token the engine chose (before the
     credit mask): logprob_gap_<kind>_sum / logprob_gap_<kind>_tokens, for the per-kind mean."""
-    full = build_sequences(rows.prompt_ids, rows.response_ids, 0).response_mask.to(tb.old_logprobs.device)
-    if (masks := rows.loss_masks) is not None:  # observation tokens were not chosen by the engine
-        full = full * scatter_response_values(masks, SequenceBatch(tb.sequences.input_ids, tb.sequences.attention_mask, full))
+    full = tb.engine_mask
     diff = (tb.engine_logprobs - tb.old_logprobs).abs() * full
     out = {}
-    for kind in sorted({s.kind for s in rows.segments}):
-        rows_of_kind = torch.tensor([s.kind == kind for s in rows.segments], device=diff.device)
+    for kind in sorted(set(tb.segment_kinds)):
+        rows_of_kind = torch.tensor([k == kind for k in tb.segment_kinds], device=diff.device)
         out[f"logprob_gap_{kind}_sum"] = float(diff[rows_of_kind].sum())
         out[f"logprob_gap_{kind}_tokens"] = float(full[rows_of_kind].sum())
     return out
