@@ -98,8 +98,9 @@ def non_finite_outliers(broken: np.ndarray) -> list[int]:
 
 
 def similarity_flags(window: np.ndarray, bad: str, min_distance: float, min_z: float) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """window: [steps, workers] normalized deviations. Returns (flagged workers, distances, z-scores):
-        ubar_w = mean over steps, d_w = mean_{v != w} |ubar_w - ubar_v|, z_w = (d_w - mean d) / std d."""
+    """window: [steps, workers] normalized deviations. Returns (flagged workers, distances d, sides):
+        ubar_w = mean over steps, d_w = mean_{v != w} |ubar_w - ubar_v|, z_w = (d_w - mean d) / std d,
+        side_w = ubar_w - median ubar (> 0: above the others)."""
     ubar = window.mean(axis=0)
     n = ubar.size
     d = np.abs(ubar[:, None] - ubar[None, :]).sum(axis=1) / max(n - 1, 1)
@@ -108,7 +109,7 @@ def similarity_flags(window: np.ndarray, bad: str, min_distance: float, min_z: f
     side = ubar - np.median(ubar)
     direction_ok = {"high": side > 0, "low": side < 0, "both": np.ones(n, dtype=bool)}[bad]
     flagged = np.flatnonzero((d >= min_distance) & (z >= min_z) & direction_ok)
-    return flagged.tolist(), d, z
+    return flagged.tolist(), d, side
 
 
 @dataclass
@@ -123,7 +124,7 @@ class SimilarityDetector:
     floor: float = 0.01  # noise scale >= floor (1% in log space)
     quantile: float = 0.9
     name: str = "similarity"
-    _mads: dict = field(default_factory=dict)  # metric -> deque of per-step |u| vectors
+    _deviations: dict = field(default_factory=dict)  # metric -> deque of per-step |u| vectors (the noise history)
     _windows: dict = field(default_factory=dict)  # metric -> deque of per-step u vectors
     _streak: dict = field(default_factory=dict)  # rank -> consecutive flagged steps
     _raised: set = field(default_factory=set)  # ranks alarmed in their current streak
@@ -144,11 +145,10 @@ class SimilarityDetector:
             if u is None or flagged:
                 continue
             win = np.stack(self._windows[signal.key])
-            if len(self._mads[signal.key]) < self.warmup or reported.sum() < 3:
+            if len(self._deviations[signal.key]) < self.warmup or reported.sum() < 3:
                 continue
-            hits, d, _ = similarity_flags(win, signal.bad, self.min_distance, self.min_z)
+            hits, d, side = similarity_flags(win, signal.bad, self.min_distance, self.min_z)
             if hits:
-                side = win.mean(axis=0) - np.median(win.mean(axis=0))
                 flagged = {r: (signal, float(d[r]), "high" if side[r] > 0 else "low") for r in hits}
         at_once = {r for r, (_, distance, _) in flagged.items() if distance >= self.instant * self.min_distance}
         return instant + self._continuity(step, flagged, {a.rank for a in instant}, at_once)
@@ -162,11 +162,11 @@ class SimilarityDetector:
         if (math.exp(level) if signal.log else level) < signal.min_level:
             return None
         u = np.where(finite, x - level, 0.0)
-        mads = self._mads.setdefault(signal.key, deque(maxlen=self.history))
+        history = self._deviations.setdefault(signal.key, deque(maxlen=self.history))
         floor = self.floor if signal.log else self.floor * max(abs(level), 1e-12)
-        past = float(np.quantile(np.concatenate(mads), self.quantile)) if mads else 0.0  # a fault cannot widen its own noise
+        past = float(np.quantile(np.concatenate(history), self.quantile)) if history else 0.0  # a fault cannot widen its own noise
         sigma = max(past, floor, 1e-12)
-        mads.append(np.abs(u[finite]))
+        history.append(np.abs(u[finite]))
         windows = self._windows.setdefault(signal.key, deque(maxlen=self.window))
         if windows and windows[0].shape != u.shape:
             windows.clear()

@@ -82,13 +82,14 @@ def run_config(base: dict, out: Path, episodes: list[Episode]) -> dict:
 
 def score(alarms: list, episodes: list[Episode], times: dict[int, float]) -> dict:
     """Precision, recall, F1, latency (steps, seconds) and false alarms per clean hour over the episodes."""
-    tp = fp = 0
+    tp = fp = fp_clean = 0
     latencies, seconds, clean_seconds = [], [], 0.0
     per_kind: dict[str, list[int]] = {}
     for e in episodes:
         mine = [a for a in alarms if e.first <= a.step <= e.last]
         if e.fault is None:
             fp += len(mine)
+            fp_clean += len(mine)
             clean_seconds += times[e.last] - times[e.first - 1]
             continue
         start = e.fault["step"]
@@ -106,12 +107,8 @@ def score(alarms: list, episodes: list[Episode], times: dict[int, float]) -> dic
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {"tp": tp, "fp": fp, "injected": injected, "precision": precision, "recall": recall, "f1": f1,
             "latency_steps": mean(latencies), "latency_seconds": mean(seconds),
-            "false_alarms_per_clean_hour": fp_clean(alarms, episodes) / max(clean_seconds / 3600, 1e-9),
+            "false_alarms_per_clean_hour": fp_clean / max(clean_seconds / 3600, 1e-9),
             "recall_per_kind": {k: sum(v) / len(v) for k, v in sorted(per_kind.items())}}  # fmt: skip
-
-
-def fp_clean(alarms: list, episodes: list[Episode]) -> int:
-    return sum(1 for e in episodes if e.fault is None for a in alarms if e.first <= a.step <= e.last)
 
 
 def fault_patterns(records: dict[int, list[dict]], episodes: list[Episode]) -> list[tuple[str, list[dict]]]:
@@ -154,8 +151,7 @@ def scale_trace(records: dict[int, list[dict]], episodes: list[Episode], workers
     n = len(episodes)
     labels = rng.permutation([True] * (n // 2) + [False] * (n - n // 2))
     trace, out_episodes = [], []
-    warm = [s for s in range(1, WARMUP_STEPS + 1)]
-    for step in warm + [s for e in clean[: 1] for s in range(e.first, e.last + 1)]:  # warm-up: the detectors' noise history
+    for step in [*range(1, WARMUP_STEPS + 1), *range(clean[0].first, clean[0].last + 1)]:  # warm-up: the detectors' noise history
         trace.append([{k: records[step][j][k] for k in keys if k in records[step][j]} for j in rng.integers(len(records[step]), size=workers)])
     for injected in labels:
         source = clean[rng.integers(len(clean))]
