@@ -611,6 +611,10 @@ def check_health(c: RunConfig, fail) -> None:
     for key in ("min_distance", "min_z"):
         if not math.isfinite(getattr(h, key)) or getattr(h, key) < 0:
             fail(f"health.{key} = {getattr(h, key)}: must be a finite number >= 0")
+    if h.detector != "similarity":
+        for key in ("window", "continuity", "min_distance", "min_z"):
+            if getattr(h, key) != getattr(HealthSection(), key):
+                fail(f"health.{key} = {getattr(h, key)} with health.detector {h.detector}: only the similarity detector reads it")
     try:
         parse_faults(h.faults, c.parallel.workers)
     except (ValueError, TypeError) as exc:

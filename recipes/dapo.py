@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{args.config}: rollout.engine vllm under torchrun / accelerate launch: the in-process vLLM "
                               "engine would share the launcher's default process group; use the Ray mode "
                               "(python recipes/dapo.py) or rollout.engine torch")  # fmt: skip
+        in_process = not launched and (args.no_ray or config.parallel.workers == 1)  # allsync.placement.WorkerGroup
+        if in_process and (config.run.max_restarts or config.run.step_timeout is not None):
+            raise ConfigError(f"{args.config}: run.max_restarts = {config.run.max_restarts} / run.step_timeout = "
+                              f"{config.run.step_timeout} with the worker in this process ({'--no-ray' if args.no_ray else 'one worker'}): "
+                              "a lost worker would be this process; use Ray with 2+ workers or torchrun --max-restarts, "
+                              "or set them to 0 / null")  # fmt: skip
         if args.no_ray and config.parallel.expert_parallel > 1:
             raise ConfigError(f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
                               "one in-process worker holds every expert; drop --no-ray or use 1")  # fmt: skip
@@ -158,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(config.run.out_dir)
     if launched:  # an elastic launcher's restart (after a lost peer or a step timeout) resumes by itself
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if attempt > config.run.max_restarts:
+            if rank == 0:
+                print(f"error: restart {attempt} by the elastic launcher, beyond run.max_restarts = {config.run.max_restarts}; "
+                      "stopped", file=sys.stderr)  # fmt: skip
+            return 4
         return spmd_train(config, args.resume or attempt > 0, SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
                           splits, out_dir)  # fmt: skip
     gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker

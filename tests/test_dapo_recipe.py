@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
@@ -119,4 +120,16 @@ def test_expert_parallel_in_one_process_is_refused(tmp_path):
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "parallel.expert_parallel = 2 with --no-ray" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("run", [{"max_restarts": 1}, {"step_timeout": 60}])
+def test_restart_settings_with_the_worker_in_this_process_are_refused(run, tmp_path):
+    """--no-ray: a lost worker is the recipe's own process, nothing could restart it."""
+    config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(tmp_path / "run"), **run}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "with the worker in this process (--no-ray): a lost worker would be this process" in done.stderr
     assert not (tmp_path / "run").exists()

@@ -27,7 +27,9 @@ def test_health_settings_and_restart_settings_are_checked():
     for data, message in [({"health": {"detector": "minder"}}, "health.detector = 'minder'"),
                           ({"health": {"continuity": 0}}, "health.continuity = 0: must be >= 1"),
                           ({"run": {"max_restarts": -1}}, "run.max_restarts = -1"),
-                          ({"run": {"step_timeout": -5}}, "run.step_timeout = -5")]:  # fmt: skip
+                          ({"run": {"step_timeout": -5}}, "run.step_timeout = -5"),
+                          ({"health": {"detector": "threshold", "window": 3}}, "health.window = 3 with health.detector threshold"),
+                          ({"health": {"detector": "off", "min_z": 2.0}}, "health.min_z = 2.0 with health.detector off")]:  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             parse_config(data)
 
