@@ -53,6 +53,7 @@ class LoRASection:
     targets: list[str] = field(default_factory=lambda: ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts"])
     dropout: float = 0.0
     use_rslora: bool = False
+    expert_kernel: str = "auto"  # routed experts: loop | grouped_mm | auto (grouped_mm on GPUs where the rank allows)
 
 
 @dataclass
@@ -390,6 +391,26 @@ def load_config(path: str | os.PathLike) -> RunConfig:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def check_expert_kernel(lora: LoRASection, compute_dtype: str, fail) -> None:
+    """lora.expert_kernel names a kernel that can run this adapter (grouped_mm: torch has it and the rank's
+    strides are 16-byte aligned in the compute dtype)."""
+    import torch
+
+    from moe_lora.grouped_gemm import grouped_mm_available, grouped_mm_supported
+    from moe_lora.lora_layers import LoRAExperts
+
+    kernel = lora.expert_kernel
+    if kernel not in LoRAExperts.kernels:
+        fail(f"lora.expert_kernel = {kernel!r}: use {', '.join(LoRAExperts.kernels)}")
+    if kernel != "grouped_mm":
+        return
+    if not grouped_mm_available():
+        fail(f"lora.expert_kernel = grouped_mm: torch {torch.__version__} has no torch.nn.functional.grouped_mm (use loop or auto)")
+    if not grouped_mm_supported(lora.rank, getattr(torch, compute_dtype)):
+        fail(f"lora.expert_kernel = grouped_mm with lora.rank {lora.rank} in model.compute_dtype {compute_dtype}: grouped_mm "
+             "needs rank x element size to be a multiple of 16 bytes (rank % 8 == 0 in bfloat16, % 4 in float32)")  # fmt: skip
+
+
 def validate(c: RunConfig, source: str = "<config>") -> None:
     """Impossible combinations, each naming the key(s) involved."""
     from allsync.algorithms import get  # registry lookups name the valid choices
@@ -411,6 +432,7 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     if c.lora.dropout != 0:
         fail(f"lora.dropout = {c.lora.dropout}: RL trains on-policy, so the trainer's forward must be the policy that "
              "sampled (ratio 1 before the first update); dropout would make every ratio noise. Use 0")  # fmt: skip
+    check_expert_kernel(c.lora, c.model.compute_dtype, fail)
     r = c.rollout
     if not (r.temperature > 0 and math.isfinite(r.temperature)):
         fail(f"rollout.temperature = {r.temperature}: must be > 0 (greedy decoding has no policy to train)")

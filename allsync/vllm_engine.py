@@ -63,7 +63,10 @@ def finish_reason(vllm_reason: str | None) -> str:
 
 class VLLMEngine:
     def __init__(self, checkpoint: str, lora_rank: int, lora_alpha: float, use_rslora: bool = False,
-                 dtype: str = "float32", *, max_model_len: int):  # fmt: skip
+                 dtype: str = "float32", *, max_model_len: int, launcher: bool = False):  # fmt: skip
+        """launcher: this process is one rank of torchrun / accelerate launch. vLLM then runs as that rank
+        (`external_launcher`: it takes the launcher's default process group as its world, its device from
+        LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -74,7 +77,8 @@ class VLLMEngine:
         self.rank, self.alpha, self.use_rslora = lora_rank, lora_alpha, use_rslora
         self.llm = LLM(**vllm_engine_kwargs(checkpoint, dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                                             enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
-                                            enable_sleep_mode=self.sleep_mode))  # fmt: skip
+                                            enable_sleep_mode=self.sleep_mode,
+                                            **({"distributed_executor_backend": "external_launcher"} if launcher else {})))  # fmt: skip
         self.adapter_version = 0
         self.positions = 0  # prompt + generated tokens, the work a health report divides by
         self.lora_request = None

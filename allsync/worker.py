@@ -87,7 +87,7 @@ class RLWorker:
         max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see
         allsync.tasks.model_len_needed); None computes it from `problems`. attempt: 0 for a run's first start, n
         after its n-th restart (fault drills, allsync/faults.py, fire only in the first)."""
-        self.config, self.rank, self.world_size = config, rank, world_size
+        self.config, self.rank, self.world_size, self.launcher = config, rank, world_size, launcher
         if threads:
             torch.set_num_threads(threads)
         base = config.model.base
@@ -105,7 +105,8 @@ class RLWorker:
         self.model = load_frozen_model(base, config.model.quant.plan(), compute_dtype=_dtype(config.model.compute_dtype),
                                        progress=rank == 0, experts=experts, device=self.device)  # fmt: skip
         lc = config.lora
-        attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora))
+        attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora,
+                                                 expert_kernel=lc.expert_kernel))
         seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
         self.dispatch_stats = shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
         if self.layout is not None:
@@ -168,7 +169,7 @@ class RLWorker:
             self.model.config.max_position_embeddings,
         )  # fmt: skip
         engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype,
-                            max_model_len=model_len)  # fmt: skip
+                            max_model_len=model_len, launcher=self.launcher)  # fmt: skip
         moved = engine.load_adapter(self.adapter_tensors(), 0)
         if self.rank == 0:
             print(f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}")

@@ -2,12 +2,15 @@
 forward + backward time and peak memory of
 
     base  FrozenExperts alone, backward to the input activations
-    ours  LoRAExperts (per-expert LoRA on gate/up/down), backward to the input and to A, B
+    ours  LoRAExperts (per-expert LoRA on gate/up/down), backward to the input and to A, B, with the
+          routed-expert kernel a user gets (`auto`); `--kernels loop,grouped_mm` adds a row per named kernel
+          (ours:loop = one step per expert, ours:grouped_mm = torch grouped GEMMs for the adapter matmuls)
     peft  PEFT `target_parameters` LoRA on transformers' DeepseekV3Experts (fused gate_up_proj [E,2I,H],
           down_proj [E,H,I]); bf16 only, since PEFT wraps plain tensors, not quantized weights
 
     python -m benchmarks.moe_lora [--experts 8,32,64,128,256] [--formats bf16,nf4,fp8] [--json out.json]
-    python -m benchmarks.moe_lora --real-v3 --device cuda      # hidden 7168, moe_intermediate 2048, E 256, 16k tokens
+    python -m benchmarks.moe_lora --real-v3                    # GPU: hidden 7168, moe_intermediate 2048, E 256, 16k
+                                                               # tokens, ours with the loop and with grouped_mm
 
 Time: best of --repeats steps after a warm-up step, the variants interleaved step by step so that
 load from other processes hits them alike (a variant whose warm-up step takes over 3 s is timed once).
@@ -37,7 +40,7 @@ from quant.modules import EXPERT_PROJECTIONS, FrozenExperts
 
 DEFAULT_EXPERTS = (8, 32, 64, 128, 256)
 QUICK = dict(hidden=128, intermediate=64, tokens=64, experts=(8, 16), formats=("bf16", "nf4"), repeats=1)
-REAL_V3 = dict(hidden=7168, intermediate=2048, tokens=16384, experts=(256,), device="cuda")
+REAL_V3 = dict(hidden=7168, intermediate=2048, tokens=16384, experts=(256,), device="cuda", kernels=("loop", "grouped_mm"))
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class BenchSpec:
     rank: int = 8
     experts: tuple[int, ...] = DEFAULT_EXPERTS
     formats: tuple[str, ...] = ("bf16", "nf4", "fp8")
+    kernels: tuple[str, ...] = ("auto",)  # LoRAExperts kernels: auto (row "ours"), loop, grouped_mm ("ours:<kernel>")
     device: str = "cpu"
     repeats: int = 3
     threads: int = 1  # torch intra-op threads on CPU; 1 makes the step's CPU time a fair clock (see cpu_clock)
@@ -131,13 +135,14 @@ def frozen_bytes(experts: FrozenExperts) -> int:
     return sum(w.nbytes for ws in experts.weights.values() for w in ws)
 
 
-def ours_variant(spec: BenchSpec, frozen: FrozenExperts, gen: torch.Generator) -> Variant:
+def ours_variant(spec: BenchSpec, frozen: FrozenExperts, gen: torch.Generator, kernel: str = "auto") -> Variant:
     """LoRAExperts around the same frozen stack the base row runs."""
-    experts = LoRAExperts(frozen, spec.rank, scale=2.0)  # float32 adapters, as LoRAConfig defaults to
+    experts = LoRAExperts(frozen, spec.rank, scale=2.0, kernel=kernel)  # float32 adapters, as LoRAConfig defaults to
     for b in experts.lora_B.values():  # nonzero B: the same work as in training, not a shortcut
         b.data.copy_(torch.randn(b.shape, generator=gen) * 0.01)
     params = list(experts.parameters())
-    return Variant("ours", experts, params, frozen_bytes(frozen) + sum(p.nbytes for p in params))
+    name = "ours" if kernel == "auto" else f"ours:{kernel}"
+    return Variant(name, experts, params, frozen_bytes(frozen) + sum(p.nbytes for p in params))
 
 
 def peft_variant(spec, dense) -> Variant:
@@ -265,8 +270,9 @@ def bench_one(spec: BenchSpec, num_experts: int, fmt: str) -> list[Row]:
     peft_dense = dense if fmt == "bf16" else None  # PEFT runs on plain bf16 tensors only
     del dense  # at real-V3 sizes the bf16 stack is 22 GB; quantized runs do not need it
     base = Variant("base", frozen, [], frozen_bytes(frozen))
-    rows = measure_variants(spec, num_experts, fmt, [base, ours_variant(spec, frozen, gen)], router, x, grad_out)
-    del frozen, base
+    ours = [ours_variant(spec, frozen, torch.Generator().manual_seed(spec.seed), k) for k in spec.kernels]
+    rows = measure_variants(spec, num_experts, fmt, [base, *ours], router, x, grad_out)
+    del frozen, base, ours
     if peft_dense is not None:
         try:
             rows += measure_variants(spec, num_experts, fmt, [peft_variant(spec, peft_dense)], router, x, grad_out)
@@ -288,7 +294,7 @@ def run_benchmark(spec: BenchSpec) -> list[Row]:
 
 
 def worst_ours(rows: list[Row]) -> tuple[float, float]:
-    ours = [r for r in rows if r.variant == "ours" and r.time_vs_base is not None]
+    ours = [r for r in rows if r.variant.startswith("ours") and r.time_vs_base is not None]
     return max(r.time_vs_base for r in ours), max(r.mem_vs_base for r in ours)
 
 
@@ -298,13 +304,13 @@ def format_table(spec: BenchSpec, rows: list[Row]) -> str:
         f"MoE layer fwd+bwd: hidden {spec.hidden}, moe_intermediate {spec.intermediate}, tokens {spec.tokens}, "
         f"top-{spec.top_k}, rank {spec.rank}, device {spec.device} ({torch.get_num_threads()} threads), "
         f"time = best of {spec.repeats} ({'process CPU time' if cpu_clock(spec) else 'wall clock'})",
-        "base = FrozenExperts (grad to input); ours = LoRAExperts (grad to input + A/B); "
+        "base = FrozenExperts (grad to input); ours = LoRAExperts (grad to input + A/B; ours:K with kernel K); "
         "peft = PEFT target_parameters on DeepseekV3Experts (bf16 only: PEFT needs plain tensors)",
-        f"{'experts':>7}  {'format':<6}  {'variant':<7}{'time ms':>10}{'tokens/s':>10}{'peak MiB':>11}{'time/base':>11}{'mem/base':>10}  note",
+        f"{'experts':>7}  {'format':<6}  {'variant':<16}{'time ms':>10}{'tokens/s':>10}{'peak MiB':>11}{'time/base':>11}{'mem/base':>10}  note",
     ]
     for r in rows:
         lines.append(
-            f"{r.experts:>7}  {r.format:<6}  {r.variant:<7}{fmt_num(r.time_ms, '.1f'):>10}{fmt_num(r.tokens_per_s, '.0f'):>10}{fmt_num(r.peak_mib, '.1f'):>11}"
+            f"{r.experts:>7}  {r.format:<6}  {r.variant:<16}{fmt_num(r.time_ms, '.1f'):>10}{fmt_num(r.tokens_per_s, '.0f'):>10}{fmt_num(r.peak_mib, '.1f'):>11}"
             f"{fmt_num(r.time_vs_base, '.2f'):>11}{fmt_num(r.mem_vs_base, '.2f'):>10}  {r.note}".rstrip()
         )
     t, m = worst_ours(rows)
@@ -321,6 +327,7 @@ def parse_args(argv=None) -> tuple[BenchSpec, str | None]:
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--experts", help="comma list, e.g. 8,32,64")
     ap.add_argument("--formats", help="comma list of bf16,nf4,fp8,int8")
+    ap.add_argument("--kernels", help="comma list of auto,loop,grouped_mm (routed-expert LoRA kernels to time)")
     ap.add_argument("--device", choices=["cpu", "cuda"])
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--threads", type=int, help="torch intra-op threads")
@@ -336,6 +343,8 @@ def parse_args(argv=None) -> tuple[BenchSpec, str | None]:
         values["experts"] = tuple(int(v) for v in args.experts.split(","))
     if args.formats:
         values["formats"] = tuple(args.formats.split(","))
+    if args.kernels:
+        values["kernels"] = tuple(args.kernels.split(","))
     return BenchSpec(**values), args.json
 
 

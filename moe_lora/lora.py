@@ -43,6 +43,7 @@ class LoRAConfig:
     dropout: float = 0.0
     use_rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     dtype: torch.dtype = torch.float32  # of A and B (what the optimizer updates)
+    expert_kernel: str = "auto"  # routed experts: loop | grouped_mm | auto (grouped_mm on GPUs when the rank allows)
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -53,6 +54,10 @@ class LoRAConfig:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.expert_kernel not in LoRAExperts.kernels:
+            raise ValueError(f"unknown routed-expert kernel {self.expert_kernel!r}; valid: {', '.join(LoRAExperts.kernels)}")
+        if self.expert_kernel == "grouped_mm" and self.dropout > 0:
+            raise ValueError(f"the grouped_mm routed-expert kernel has no dropout (dropout {self.dropout}); use kernel loop")
 
     @property
     def scale(self) -> float:
@@ -80,7 +85,10 @@ def attach_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     model.requires_grad_(False)
     args = (config.rank, config.scale, config.dropout, config.dtype)
     for name, module in chosen:
-        wrapper = LoRAExperts(module, *args) if isinstance(module, FrozenExperts) else LoRALinear(module, *args)
+        if isinstance(module, FrozenExperts):
+            wrapper = LoRAExperts(module, *args, kernel=config.expert_kernel)
+        else:
+            wrapper = LoRALinear(module, *args)
         model.set_submodule(name, wrapper)
     return model
 

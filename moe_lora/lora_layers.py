@@ -1,7 +1,9 @@
 """LoRA modules around the frozen quantized modules of `quant.modules`.
 
     LoRALinear:  y = frozen_linear(x, W) + s * (dropout(x) A^T) B^T
-    LoRAExperts: every routed expert e gets its own A_e, B_e for gate, up and down (see grouped_lora)
+    LoRAExperts: every routed expert e gets its own A_e, B_e for gate, up and down, computed per group of
+                 routed tokens: one loop step per expert (grouped_lora, the reference) or grouped GEMMs
+                 (grouped_gemm, the default on GPUs)
 
 A [r, in] starts kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))) and B [out, r] at zero,
 as in PEFT, so a fresh adapter leaves the model unchanged. Adapters are kept in `dtype` (float32 by
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lora.grouped_gemm import GroupedGemmLoRAExperts, gmm_forward, grouped_mm_supported
 from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing, factor_map, grouped_forward
 from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, group_tokens_by_expert
 
@@ -63,10 +66,14 @@ class LoRAExperts(nn.Module):
     """
 
     group = "routed_experts"
+    kernels = ("auto", "loop", "grouped_mm")
 
-    def __init__(self, base: FrozenExperts, rank: int, scale: float, dropout: float = 0.0, dtype=torch.float32):
+    def __init__(self, base: FrozenExperts, rank: int, scale: float, dropout: float = 0.0, dtype=torch.float32,
+                 kernel: str = "auto"):  # fmt: skip
         super().__init__()
-        self.base, self.rank, self.scale, self.dropout = base, rank, scale, dropout
+        if kernel not in self.kernels:
+            raise ValueError(f"unknown routed-expert kernel {kernel!r}; valid: {', '.join(self.kernels)}")
+        self.base, self.rank, self.scale, self.dropout, self.kernel = base, rank, scale, dropout, kernel
         device = base.weights["gate"][0].data.device
         n = base.num_experts
         self.enabled = True  # False: the frozen experts alone (see moe_lora.lora.adapters_disabled)
@@ -88,6 +95,13 @@ class LoRAExperts(nn.Module):
     def first_expert(self) -> int:
         return self.base.first_expert
 
+    def uses_grouped_mm(self, x: torch.Tensor, dropout: float) -> bool:
+        """grouped_mm when asked, or under `auto` on a GPU when the rank's strides are 16-byte aligned in x's
+        dtype and there is no dropout; otherwise the per-expert loop."""
+        if self.kernel == "auto":
+            return x.is_cuda and dropout == 0 and grouped_mm_supported(self.rank, x.dtype)
+        return self.kernel == "grouped_mm"
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         dispatch = self.base.dispatch  # expert parallelism: tokens go to their experts' ranks and come back
         if dispatch is not None:
@@ -107,9 +121,14 @@ class LoRAExperts(nn.Module):
         call = ExpertsCall(self.base.weights, Routing(order, counts, top_k_index.shape[-1]), self.scale, p, seed)
         factors = self.factors()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, *factors))
+        if self.uses_grouped_mm(hidden_states, p):
+            if needs_grad:
+                return GroupedGemmLoRAExperts.apply(hidden_states, top_k_weights, *factors, call)
+            return gmm_forward(hidden_states, top_k_weights, factors, call, keep_saved=False)[0]
         if needs_grad:
             return GroupedLoRAExperts.apply(hidden_states, top_k_weights, *factors, call)
         return grouped_forward(hidden_states, top_k_weights, factor_map(factors), call, keep_saved=False)[0]
 
     def extra_repr(self) -> str:
-        return f"{self.num_experts} experts, rank={self.rank}, scale={self.scale:g}, dropout={self.dropout:g}"
+        return (f"{self.num_experts} experts, rank={self.rank}, scale={self.scale:g}, dropout={self.dropout:g}, "
+                f"kernel={self.kernel}")  # fmt: skip

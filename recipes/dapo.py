@@ -127,10 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         if launched and args.no_ray:
             raise ConfigError("--no-ray under torchrun / accelerate launch: every launched process is already one worker "
                               "and Ray is never started; drop --no-ray")  # fmt: skip
-        if launched and config.rollout.engine == "vllm":
-            raise ConfigError(f"{args.config}: rollout.engine vllm under torchrun / accelerate launch: the in-process vLLM "
-                              "engine would share the launcher's default process group; use the Ray mode "
-                              "(python recipes/dapo.py) or rollout.engine torch")  # fmt: skip
         in_process = not launched and (args.no_ray or config.parallel.workers == 1)  # allsync.placement.WorkerGroup
         if in_process and (config.run.max_restarts or config.run.step_timeout is not None):
             raise ConfigError(f"{args.config}: run.max_restarts = {config.run.max_restarts} / run.step_timeout = "

@@ -28,6 +28,7 @@ class Case:
     fmt: str
     seed: int = 0
     idle_positions: tuple[int, ...] = ()  # EP positions whose experts no token is routed to
+    kernel: str = "loop"  # LoRAExperts' routed-expert kernel on every rank (the reference always uses the loop)
 
     def routing(self, rank: int, ep_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H], top_k_index [T, k], top_k_weights [T, k], output gradient [T, H] of one rank's tokens."""
@@ -41,7 +42,7 @@ class Case:
         return torch.randn(t, HIDDEN, generator=gen), index, weights, torch.randn(t, HIDDEN, generator=gen)
 
 
-def experts_module(case: Case, experts: range) -> LoRAExperts:
+def experts_module(case: Case, experts: range, kernel: str = "loop") -> LoRAExperts:
     """Experts `experts` of the case's model (same frozen weights and adapter whatever the shard)."""
     base = FrozenExperts(len(experts), HIDDEN, INTER, first_expert=experts.start)
     gen = torch.Generator().manual_seed(case.seed)
@@ -51,7 +52,7 @@ def experts_module(case: Case, experts: range) -> LoRAExperts:
             w = torch.randn(*shapes[p], generator=gen) / shapes[p][1] ** 0.5
             if e in experts:
                 base.set_weight(e - experts.start, p, quantize_weight(w, case.fmt))
-    module = LoRAExperts(base, RANK, scale=2.0)
+    module = LoRAExperts(base, RANK, scale=2.0, kernel=kernel)
     holder = torch.nn.Module()
     holder.add_module("experts", module)
     seeded_init_(holder, case.seed)
@@ -80,7 +81,7 @@ def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case,
     torch.set_num_threads(1)
     layout = ExpertLayout(world_size, ep_size, case.num_experts)
     groups = connect(rank, world_size, address, "gloo", layout)
-    module = experts_module(case, layout.experts_of(rank))
+    module = experts_module(case, layout.experts_of(rank), case.kernel)
     shard_experts(module, groups.ep, layout, rank)
     x, index, weights, grad_out = case.routing(rank, ep_size)
     x.requires_grad_(True)

@@ -54,12 +54,14 @@ def assert_matches(world_size: int, ep_size: int, case: Case, got: dict) -> None
 
 
 @pytest.mark.parametrize(
-    "world_size, ep_size, fmt",
-    [(2, 2, "bf16"), (2, 2, "nf4"), (2, 2, "fp8"), (4, 4, "nf4"), (4, 2, "nf4")],
-    ids=["ep2-bf16", "ep2-nf4", "ep2-fp8", "ep4-nf4", "ep2xedp2-nf4"],
+    "world_size, ep_size, fmt, kernel",
+    [(2, 2, "bf16", "loop"), (2, 2, "nf4", "loop"), (2, 2, "fp8", "loop"), (4, 4, "nf4", "loop"), (4, 2, "nf4", "loop"),
+     (4, 2, "fp8", "grouped_mm")],
+    ids=["ep2-bf16", "ep2-nf4", "ep2-fp8", "ep4-nf4", "ep2xedp2-nf4", "ep2xedp2-fp8-grouped_mm"],
 )
-def test_sharded_experts_equal_single_process(world_size, ep_size, fmt):
-    case = Case(num_experts=8, tokens_per_rank=[7, 12, 5, 9][:world_size], fmt=fmt)
+def test_sharded_experts_equal_single_process(world_size, ep_size, fmt, kernel):
+    """Each rank's experts (the loop, or grouped_mm) against one process running every expert with the loop."""
+    case = Case(num_experts=8, tokens_per_rank=[7, 12, 5, 9][:world_size], fmt=fmt, kernel=kernel)
     assert_matches(world_size, ep_size, case, run_ep(world_size, ep_size, case))
 
 

@@ -1,6 +1,8 @@
 """attach_lora on the whole tiny DeepSeek-V3, every format: logits and LoRA gradients equal transformers'
 own fp32 model whose frozen weights are replaced by dequant(W) + s*B@A; state dicts in PEFT's names."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -51,9 +53,11 @@ def merged_weights(model, leaves: dict[str, torch.Tensor], s: float) -> dict[str
     return out
 
 
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_model_with_lora_equals_merged_transformers(tiny_bf16, reference, fmt):
-    model = lora_model(tiny_bf16, fmt)
+def test_model_with_lora_equals_merged_transformers(tiny_bf16, reference, fmt, kernel):
+    model = lora_model(tiny_bf16, fmt, config=dataclasses.replace(CONFIG, expert_kernel=kernel))
+    assert {m.kernel for m in model.modules() if isinstance(m, LoRAExperts)} == {kernel}
     leaves = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters() if p.requires_grad}
     ref_logits = torch.func.functional_call(reference, merged_weights(model, leaves, CONFIG.scale), (TOKENS,)).logits
     logits = model(TOKENS).logits

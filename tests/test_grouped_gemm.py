@@ -1,0 +1,90 @@
+"""The grouped_mm routed-expert kernel (moe_lora.grouped_gemm) against the per-expert loop it replaces on GPUs."""
+
+import pytest
+import torch
+
+from allsync.config import ConfigError, RunConfig, validate
+from moe_lora.grouped_gemm import group_offsets, grouped_mm_supported, spans
+from moe_lora.grouped_lora import Routing
+from moe_lora.lora import LoRAConfig
+from quant.formats import FORMATS
+from quant.modules import group_tokens_by_expert
+from test_moe_lora import ROUTED, T, H, make_experts, rel, routing
+
+
+def run(fmt, kernel, dtype=torch.float32, rank_seed=0):
+    """Output, input / routing-weight gradients and the six factor gradients of one kernel."""
+    lora = make_experts(fmt, seed=rank_seed)
+    lora.kernel = kernel
+    x, idx, w = routing(dtype=dtype)
+    out = lora(x, idx, w)
+    (out.float() * torch.randn(T, H, generator=torch.Generator().manual_seed(2))).sum().backward()
+    with torch.no_grad():
+        inference = lora(x, idx, w)
+    return lora, [out.detach(), x.grad, w.grad] + [p.grad for p in lora.factors()], inference
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_mm_equals_loop_in_float32(fmt):
+    """Every output and gradient within 1e-6 of the loop's, for every frozen format; expert 4 gets no token,
+    so its factor gradients are exact zeros; the no-grad path gives the training path's output."""
+    _, want, _ = run(fmt, "loop")
+    lora, got, inference = run(fmt, "grouped_mm")
+    names = ["out", "dx", "dw"] + [f"{p}.{ab}" for p in ("gate", "up", "down") for ab in ("A", "B")]
+    for name, g, r in zip(names, got, want):
+        assert rel(g, r) < 1e-6, (name, rel(g, r))
+    for grad in got[3:]:
+        assert grad.dtype == torch.float32 and grad[ROUTED].abs().max() == 0
+    assert torch.equal(inference, got[0])
+
+
+def test_grouped_mm_in_bfloat16_matches_loop():
+    """bf16 activations, float32 adapters (rank 4 here: 8 bytes, not aligned in bf16 -> use a rank-8 copy)."""
+    results = []
+    for kernel in ("loop", "grouped_mm"):
+        lora = make_experts("nf4")
+        lora.kernel = kernel
+        lora.rank = 8
+        for p in ("gate", "up", "down"):  # widen to rank 8: zero-padded A/B give the same function
+            a, b = lora.lora_A[p].data, lora.lora_B[p].data
+            lora.lora_A[p] = torch.nn.Parameter(torch.cat([a, torch.randn_like(a) * 0.01], 1))
+            lora.lora_B[p] = torch.nn.Parameter(torch.cat([b, torch.zeros_like(b)], 2))
+        x, idx, w = routing()
+        xb = x.detach().to(torch.bfloat16).requires_grad_()
+        out = lora(xb, idx, w.detach())
+        out.float().square().sum().backward()
+        results.append([out.float(), xb.grad.float()] + [p.grad for p in lora.factors()])
+    for g, r in zip(*results):
+        assert rel(g, r) < 2e-2
+
+
+def test_auto_picks_the_loop_on_cpu_and_alignment_rules():
+    lora = make_experts("bf16")
+    x = torch.zeros(2, H)
+    assert not lora.uses_grouped_mm(x, 0.0)  # auto: grouped_mm only on GPUs
+    lora.kernel = "grouped_mm"
+    assert lora.uses_grouped_mm(x, 0.0)
+    assert grouped_mm_supported(4, torch.float32) and not grouped_mm_supported(4, torch.bfloat16)
+    assert grouped_mm_supported(8, torch.bfloat16) and grouped_mm_supported(16, torch.bfloat16)
+
+
+def test_sorted_layout():
+    idx = torch.tensor([[2, 0], [0, 3], [2, 3]])
+    order, counts = group_tokens_by_expert(idx, 5)
+    assert counts == [2, 0, 2, 2, 0]
+    assert spans(counts) == [(0, 0, 2), (2, 2, 4), (3, 4, 6)]
+    assert group_offsets(Routing(order, counts, 2), torch.device("cpu")).tolist() == [2, 2, 4, 6, 6]
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="unknown routed-expert kernel 'cutlass'"):
+        LoRAConfig(expert_kernel="cutlass")
+    with pytest.raises(ValueError, match="grouped_mm routed-expert kernel has no dropout"):
+        LoRAConfig(expert_kernel="grouped_mm", dropout=0.1)
+    c = RunConfig()
+    c.lora.expert_kernel = "fused"
+    with pytest.raises(ConfigError, match="lora.expert_kernel = 'fused'"):
+        validate(c)
+    c.lora.expert_kernel, c.lora.rank, c.model.compute_dtype = "grouped_mm", 12, "bfloat16"
+    with pytest.raises(ConfigError, match="lora.expert_kernel = grouped_mm with lora.rank 12 in model.compute_dtype bfloat16"):
+        validate(c)
