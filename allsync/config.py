@@ -681,9 +681,6 @@ def check_multiconv(c: RunConfig, fail) -> None:
              "rollout.chunk_tokens tokens (set it for dataset, leave it out for memory_recall, whose chunks are given)")  # fmt: skip
     if r.chunk_tokens is not None and r.chunk_tokens < 1:
         fail(f"rollout.chunk_tokens = {r.chunk_tokens}: must be >= 1")
-    if c.parallel.expert_parallel > 1:
-        fail(f"algorithm.multiconv with parallel.expert_parallel = {c.parallel.expert_parallel}: the ranks' memory "
-             "conversations are not run in lockstep yet; use expert_parallel 1")  # fmt: skip
 
 
 def check_agent(c: RunConfig, fail) -> None:
@@ -718,9 +715,6 @@ def check_agent(c: RunConfig, fail) -> None:
             or c.algorithm.overlong is not None:
         fail("reward.name / reward.function / reward.length / algorithm.overlong with agent: the environment's step "
              "returns the episode's reward; leave them out (reward.on_error and reward.timeout_s still apply)")  # fmt: skip
-    if c.parallel.expert_parallel > 1:
-        fail(f"agent with parallel.expert_parallel = {c.parallel.expert_parallel}: the ranks' turns are not run in "
-             "lockstep yet; use expert_parallel 1")  # fmt: skip
 
 
 def config_with_model_checks(config: RunConfig, model_config: dict, source: str) -> None:

@@ -136,6 +136,7 @@ class RLWorker:
     def _make_producer(self):
         """The episode producer the config asks for (allsync/producers/)."""
         c, r = self.config, self.config.rollout
+        lockstep = self.groups if self.groups.expert_parallel else None  # every rank makes the same engine calls
         if c.algorithm.uses_critic:
             return WindowPool(self.engine, self.encode_prompt, self.take_problems, r.prompts_per_step // self.world_size * r.group_size,
                               r.group_size, r.window or r.max_new_tokens, r.max_new_tokens, r.temperature, r.top_p)  # fmt: skip
@@ -145,10 +146,10 @@ class RLWorker:
 
             a = c.agent
             return ToolAgent(self.engine, self.tokenizer, load_env_class(a.env), a.tools, self.sampling(), r.group_size,
-                             a.max_turns, a.max_observation_tokens, a.step_timeout_s, c.reward.on_error)  # fmt: skip
+                             a.max_turns, a.max_observation_tokens, a.step_timeout_s, c.reward.on_error, lockstep)  # fmt: skip
         if c.algorithm.multiconv is not None:
             return MultiConversation(self.engine, self.tokenizer, self.score_episodes, self.sampling(), r.group_size,
-                                     r.memory_tokens, r.chunk_tokens)  # fmt: skip
+                                     r.memory_tokens, r.chunk_tokens, lockstep)  # fmt: skip
         return SingleTurn(self.engine, self.encode_prompt, self.score_episodes, self.sampling(), r.group_size)
 
     # ------------------------------------------------------------------------------ helpers

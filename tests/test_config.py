@@ -85,10 +85,9 @@ def test_shipped_configs_validate():
     with pytest.raises(ConfigError, match=r"expert_parallel = 16 with rollout.engine vllm"):
         load_config(memory_path)
     memory = yaml.safe_load(memory_path.read_text())
-    with pytest.raises(ConfigError, match=r"algorithm.multiconv with parallel.expert_parallel = 16"):
-        parse_config({**memory, "rollout": {**memory["rollout"], "engine": "torch"}})
-    single = parse_config({**memory, "parallel": {**memory["parallel"], "expert_parallel": 1}})
-    assert single.algorithm.multiconv.credit == "all" and single.rollout.chunk_tokens == 5000
+    torch_engine = parse_config({**memory, "rollout": {**memory["rollout"], "engine": "torch"}})  # EP 16 + multiconv passes
+    assert torch_engine.algorithm.multiconv.credit == "all" and torch_engine.rollout.chunk_tokens == 5000
+    assert torch_engine.parallel.expert_parallel == 16 and torch_engine.lora.expert_kernel == "grouped_mm"
     for path in configs.glob("*.yaml"):
         if path not in (big_path, memory_path):
             load_config(path)

@@ -96,3 +96,66 @@ def test_tppo_windows_at_ep2_log_the_ep1_steps(warm_tiny):
                 assert g[key] == w[key], key
             for key in ("loss_sum", "grad_norm", "kl_sum"):
                 assert abs(g[key] - w[key]) <= 1e-4 * max(abs(w[key]), 1e-3), (key, g[key], w[key])
+
+
+def episode_steps(config_data: dict, problems, steps: int = 2) -> list[list[dict]]:
+    group = WorkerGroup(parse_config(config_data), problems, use_ray=True)
+    try:
+        return [group.step(s) for s in range(1, steps + 1)]
+    finally:
+        group.shutdown()
+
+
+def assert_same_steps(want, got, keys) -> None:
+    for step_want, step_got in zip(want, got, strict=True):
+        for w, g in zip(step_want, step_got, strict=True):
+            for key in keys:
+                assert g[key] == w[key], (key, g[key], w[key])
+            for key in ("loss_sum", "grad_norm"):
+                assert abs(g[key] - w[key]) <= 1e-4 * max(abs(w[key]), 1e-3), (key, g[key], w[key])
+
+
+def test_multiconv_at_ep2_logs_the_ep1_steps(warm_tiny):
+    """Multi-conversation episodes whose documents need 1-4 memory rounds: rank 0's rows need at most 3, rank
+    1's 4, so under EP rank 0 serves rank 1's last round with nothing of its own (agreed_rounds)."""
+    from allsync.tasks import Problem
+
+    def data(ep: int) -> dict:
+        d = run_config(warm_tiny, Path("unused"), ep)
+        d["task"] = {"name": "dataset", "train_files": ["rows.jsonl"], "eval_files": ["rows.jsonl"]}  # the problems come below
+        d["rollout"].update(prompts_per_step=4, group_size=2, memory_tokens=4, chunk_tokens=5, max_new_tokens=4)
+        d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False, "multiconv": {}}
+        d["reward"] = {"name": "exact"}
+        return d
+
+    problems = [Problem(f"Question: what is {i + 1} + 1?", str(i + 2), {"context": " ".join(["7 + 1 = 8."] * (1 + i % 4))})
+                for i in range(8)]  # fmt: skip
+    want = episode_steps(data(1), problems)
+    got = episode_steps(data(2), problems)
+    assert want[0][1]["episode_segments_sum"] > want[0][0]["episode_segments_sum"]  # rank 1's rows need more rounds
+    assert_same_steps(want, got, ("samples_generated", "episode_segments_sum", "episode_memory_tokens_sum", "trained_tokens", "response_tokens"))
+
+
+def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
+    """Tool-agent episodes of 2 turns (rank 0) and 3 (rank 1, an environment that never ends): under EP rank 0
+    takes rank 1's third turn with nothing of its own."""
+    from moe_lora.tiny import TinySpec, make_tiny
+    from test_agent import MULTIPLY
+
+    from allsync.tasks import Problem
+
+    base = make_tiny(tmp_path / "tiny-tools", TinySpec(seed=0, tool_tokens=True, experts=4))
+
+    def data(ep: int) -> dict:
+        d = run_config(base, Path("unused"), ep)
+        d["rollout"].update(prompts_per_step=2, group_size=2, max_new_tokens=5)
+        d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False}
+        d["agent"] = {"env": "tests.test_agent:ScriptedEnv", "tools": [MULTIPLY], "max_turns": 3, "max_observation_tokens": 64}
+        d["reward"] = {"on_error": "wrong"}
+        return d
+
+    problems = [Problem("What is 2*3?", "6"), Problem("What is 4*5?", "20", {"env_kwargs": {"never_done": True}})] * 4
+    want = episode_steps(data(1), problems)
+    got = episode_steps(data(2), problems)
+    assert want[0][0]["episode_turns_sum"] < want[0][1]["episode_turns_sum"]  # rank 0's episodes take fewer turns
+    assert_same_steps(want, got, ("samples_generated", "episode_turns_sum", "episode_tool_calls_sum", "trained_tokens", "response_tokens"))

@@ -171,7 +171,6 @@ def test_flatten_marks_answers_and_truncated_episodes():
     ({"algorithm": {"multiconv": None}, "task": {"name": "arithmetic"}}, r"rollout.memory_tokens / rollout.chunk_tokens \(8 / None\) without algorithm.multiconv"),
     ({"task": {"name": "arithmetic"}, "rollout": {"memory_tokens": 8}}, r"algorithm.multiconv with task.name arithmetic"),
     ({"rollout": {"chunk_tokens": 16}}, r"rollout.chunk_tokens = 16 with task.name memory_recall"),
-    ({"parallel": {"workers_per_node": 2, "expert_parallel": 2}}, r"algorithm.multiconv with parallel.expert_parallel = 2"),
 ])  # fmt: skip
 def test_refusals_name_the_keys(change, message):
     data = {"rollout": {"memory_tokens": 8, "prompts_per_step": 2}, "algorithm": {"multiconv": {}}, "task": {"name": "memory_recall"}}

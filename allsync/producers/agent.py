@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
+from allsync.producers.groups import agreed_rounds
 from allsync.rollout import Sampling
 from allsync.tasks import Problem, reward_row
 
@@ -43,7 +44,10 @@ class Conversation:
 
 class ToolAgent:
     def __init__(self, engine, tokenizer, env_class, tools: list[dict], sampling: Sampling, group_size: int,
-                 max_turns: int, max_observation_tokens: int, step_timeout_s: float, on_error: str):  # fmt: skip
+                 max_turns: int, max_observation_tokens: int, step_timeout_s: float, on_error: str, lockstep=None):  # fmt: skip
+        """lockstep: the workers' Groups under expert parallelism: every rank takes a turn while any rank has an
+        active conversation (see agreed_rounds)."""
+        self.lockstep = lockstep
         self.engine, self.tokenizer, self.env_class, self.tools = engine, tokenizer, env_class, tools
         self.sampling, self.group_size, self.max_turns = sampling, group_size, max_turns
         self.max_observation_tokens, self.step_timeout_s, self.on_error = max_observation_tokens, step_timeout_s, on_error
@@ -140,7 +144,7 @@ class ToolAgent:
         conversations = [self.start(p) for p in problems for _ in range(n)]
         for _ in range(self.max_turns):
             active = [c for c in conversations if not c.done]
-            if not active:
+            if not agreed_rounds(self.lockstep, int(bool(active))):
                 break
             rollout = self.engine.generate([c.segments[-1].prompt_ids + c.segments[-1].response_ids for c in active], 1, sampling)
             for c, ids, logprobs, reason in zip(active, rollout.response_ids, rollout.logprobs, rollout.finish_reasons):
@@ -159,6 +163,10 @@ class ToolAgent:
             segments = [s for s in c.segments if s.response_ids] or c.segments[:1]
             episodes.append(Episode(segments, c.reward, c.reward > 0, {**c.info, "segments": len(segments)}))
         return episodes
+
+    def serve(self) -> None:
+        """The engine calls of another rank's `generate`, with no episode of this rank's (expert parallelism)."""
+        self.run([], self.group_size, self.sampling)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

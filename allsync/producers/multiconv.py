@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from allsync.episodes import Episode, Segment
+from allsync.producers.groups import agreed_rounds
 from allsync.rollout import Sampling
 from allsync.tasks import Problem, format_response
 
@@ -133,15 +134,17 @@ def extract_memory(response_ids: list[int], open_ids: list[int], close_ids: list
 
 class MultiConversation:
     def __init__(self, engine, tokenizer, score, sampling: Sampling, group_size: int, memory_tokens: int,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, lockstep=None):
         """score(problems, answer responses, group_index) -> (rewards, correct, errors); sampling: the answer's
         (its max_new_tokens is rollout.max_new_tokens); memory writes use the same sampling with at most
-        memory_tokens new tokens."""
+        memory_tokens new tokens. lockstep: the workers' Groups under expert parallelism, where every rank
+        runs as many memory rounds as the rank with the most chunks (see agreed_rounds)."""
         self.engine, self.tokenizer, self.score = engine, tokenizer, score
         self.sampling, self.group_size, self.memory_tokens, self.chunk_tokens = sampling, group_size, memory_tokens, chunk_tokens
         self.open_ids = tokenizer(MEMORY_OPEN, add_special_tokens=False)["input_ids"]
         self.close_ids = tokenizer(MEMORY_CLOSE, add_special_tokens=False)["input_ids"]
         self.eos_id = tokenizer.eos_token_id
+        self.lockstep = lockstep
 
     def prompt_ids(self, question: str, chunk: list[int] | None, memory: list[int]) -> list[int]:
         return conversation_ids(self.tokenizer, question, chunk, memory)
@@ -161,7 +164,7 @@ class MultiConversation:
         write = Sampling(sampling.temperature, sampling.top_p, self.memory_tokens, sampling.greedy)
         if memory == "own":
             chunks = {id(p): chunk_ids(self.tokenizer, p, self.chunk_tokens) for p in problems}
-            for k in range(max((len(chunks[id(p)]) for p in owners), default=0)):
+            for k in range(agreed_rounds(self.lockstep, max((len(chunks[id(p)]) for p in owners), default=0))):
                 active = [i for i, p in enumerate(owners) if k < len(chunks[id(p)])]
                 prompts = [self.prompt_ids(owners[i].prompt, chunks[id(owners[i])][k], memories[i]) for i in active]
                 rollout = self.engine.generate(prompts, 1, write)
@@ -182,6 +185,10 @@ class MultiConversation:
         owners = [p for p in problems for _ in range(n)]
         rewards, correct, _ = self.score(owners, [s[-1].response_ids for s in runs], [i // n for i in range(len(runs))])
         return [Episode(s, r, ok, self.episode_info(p, s)) for p, s, r, ok in zip(owners, runs, rewards, correct)]
+
+    def serve(self) -> None:
+        """The engine calls of another rank's `generate`, with no episode of this rank's (expert parallelism)."""
+        self.run([], self.group_size, self.sampling)
 
     def episode_info(self, problem: Problem, segments: list[Segment]) -> dict:
         """Counts the metrics sum: memory writes, their tokens, truncated / malformed writes, and whether the
