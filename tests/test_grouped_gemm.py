@@ -88,3 +88,38 @@ def test_refusals():
     c.lora.expert_kernel, c.lora.rank, c.model.compute_dtype = "grouped_mm", 12, "bfloat16"
     with pytest.raises(ConfigError, match="lora.expert_kernel = grouped_mm with lora.rank 12 in model.compute_dtype bfloat16"):
         validate(c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (BENCHMARKS.md: GPU checks)")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nf4"])
+def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
+    """On a GPU, bf16 activations, rank 16: `auto` runs grouped_mm (bitsandbytes' CUDA kernels for nf4), and its
+    output and every gradient are within bf16 rounding of the loop's; float32 agrees to 1e-5."""
+    from moe_lora.lora_layers import LoRAExperts, expert_shapes
+    from quant.modules import FrozenExperts
+
+    e, h, i, t, k, r = 16, 256, 128, 512, 4, 16
+    gen = torch.Generator().manual_seed(0)
+    base = FrozenExperts(e, h, i)
+    for x in range(e):
+        for p, (o, n) in expert_shapes(base).items():
+            base.set_weight(x, p, quantize_weight((torch.randn(o, n, generator=gen) / n**0.5).cuda(), fmt))
+    x = torch.randn(t, h, generator=gen).cuda()
+    idx = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)]).cuda()  # expert e-1 idle
+    w = torch.rand(t, k, generator=gen).cuda()
+    grad_out = torch.randn(t, h, generator=gen).cuda()
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float32, 1e-5)):
+        results = []
+        for kernel in ("loop", "auto"):
+            torch.manual_seed(1)
+            lora = LoRAExperts(base, r, 2.0, kernel=kernel)
+            for b in lora.lora_B.values():
+                b.data.normal_(0, 0.1)
+            assert lora.uses_grouped_mm(x.to(dtype), 0.0) == (kernel == "auto")
+            xd, wd = x.to(dtype).requires_grad_(), w.clone().requires_grad_()
+            out = lora(xd, idx, wd)
+            (out.float() * grad_out).sum().backward()
+            results.append([out.float(), xd.grad.float(), wd.grad] + [q.grad for q in lora.factors()])
+            assert all(q.grad[e - 1].abs().max() == 0 for q in lora.factors())
+        for got, want in zip(results[1], results[0]):
+            assert rel(got, want) < tol, (fmt, dtype, rel(got, want))
