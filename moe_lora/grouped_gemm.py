@@ -17,10 +17,13 @@ Backward, dy = w * dout[token]:
     dz_g = s * gmm(dg, B_g)           dx = base_gate^T(dg) + base_up^T(du) + gmm(dz_g, A_g) + gmm(dz_u, A_u)
     dA_g = gmm_K(dz_g^T, xs)          dB_g = s * gmm_K(dg^T, z_g)        (gmm_K: groups along the summed N)
 
-The frozen projections stay one matmul per expert on its contiguous rows (each expert is dequantized only
-while it runs, as in the loop); only the skinny adapter matmuls, 6 forward and 12 backward per expert in
-the loop, become 18 grouped calls in all. Saved for backward: g, u, y, z_g, z_u, z_d per assignment, the
-loop's tensors. Dropout is not supported here (RL training refuses it; `LoRAConfig` routes it to the loop).
+The frozen projections stay one matmul per expert on its contiguous rows, accumulated in place into the
+adapter's output (each expert is dequantized only while it runs, as in the loop); the skinny adapter
+matmuls, 6 forward and 12 backward per expert in the loop, become grouped calls (A_gate and A_up stacked
+as one [E, 2r, in] factor). The rows are processed in chunks of consecutive experts of at most T rows (T
+tokens; about k chunks), so no temporary is larger than the layer's own [T, hidden] input and output, and
+memory stays the loop's. Saved for backward: g, u, y, z_gate_up, z_down per assignment, the loop's
+tensors. Dropout is not supported here (RL training refuses it; `LoRAConfig` routes it to the loop).
 
 grouped_mm needs 16-byte aligned strides: rank * element size must be a multiple of 16 (rank % 8 == 0 in
 bf16, % 4 in float32). `grouped_mm_supported` says whether a rank and dtype qualify.
@@ -28,10 +31,12 @@ bf16, % 4 in float32). `grouped_mm_supported` says whether a rank and dtype qual
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from moe_lora.grouped_lora import ExpertsCall, Routing, factor_map
+from moe_lora.grouped_lora import ExpertsCall, factor_map
 from quant.formats import QuantizedWeight
 from quant.modules import EXPERT_PROJECTIONS
 
@@ -46,43 +51,66 @@ def grouped_mm_supported(rank: int, dtype: torch.dtype) -> bool:
     return grouped_mm_available() and (rank * torch.empty((), dtype=dtype).element_size()) % 16 == 0
 
 
-def spans(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of every expert with rows, in the sorted-assignment layout."""
-    out, start = [], 0
-    for expert, count in enumerate(counts):
-        if count:
-            out.append((expert, start, start + count))
-        start += count
+@dataclass(frozen=True)
+class Chunk:
+    """Experts [first, end) and their sorted rows [start, stop); groups: (expert, first row, end row) of each
+    expert with rows (absolute rows); offsets: grouped_mm's int32 cumulative row counts, relative to start."""
+
+    first: int
+    end: int
+    start: int
+    stop: int
+    groups: list[tuple[int, int, int]]
+    offsets: torch.Tensor
+
+
+def chunks(counts: list[int], max_rows: int, device: torch.device) -> list[Chunk]:
+    """Consecutive experts packed while their rows fit in max_rows (an expert with more rows is a chunk of
+    its own); chunks with no rows are left out. Offsets are built from host counts: no device sync."""
+    out, first, start = [], 0, 0
+    while first < len(counts):
+        end, rows = first + 1, counts[first]
+        while end < len(counts) and rows + counts[end] <= max_rows:
+            rows += counts[end]
+            end += 1
+        if rows:
+            local = torch.tensor(counts[first:end], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+            groups, row = [], start
+            for expert in range(first, end):
+                if counts[expert]:
+                    groups.append((expert, row, row + counts[expert]))
+                row += counts[expert]
+            out.append(Chunk(first, end, start, start + rows, groups, local))
+        first, start = end, start + rows
     return out
 
 
-def group_offsets(routing: Routing, device: torch.device) -> torch.Tensor:
-    """o_e = rows of experts 0..e (int32, as grouped_mm takes them); built from host counts, no device sync."""
-    return torch.tensor(routing.counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
-
-
-def frozen_rows(xs: torch.Tensor, weights: list[QuantizedWeight], groups, out_features: int) -> torch.Tensor:
-    """Row block of expert e: xs[rows] @ W_e^T, each W_e dequantized only for its own matmul."""
-    out = xs.new_empty(xs.shape[0], out_features)
-    for expert, start, end in groups:
-        torch.matmul(xs[start:end], weights[expert].dequantize(xs.dtype).t(), out=out[start:end])
+def add_frozen_rows_(out: torch.Tensor, xs: torch.Tensor, weights: list[QuantizedWeight], chunk: Chunk) -> torch.Tensor:
+    """out[rows of e] += xs[rows of e] @ W_e^T for each expert of the chunk (rows relative to the chunk)."""
+    for expert, start, stop in chunk.groups:
+        rows = slice(start - chunk.start, stop - chunk.start)
+        out[rows].addmm_(xs[rows], weights[expert].dequantize(xs.dtype).t())
     return out
 
 
-def frozen_rows_backward(dys: torch.Tensor, weights: list[QuantizedWeight], groups, in_features: int) -> torch.Tensor:
-    """Row block of expert e: dys[rows] @ W_e (the input gradient of frozen_rows)."""
-    out = dys.new_empty(dys.shape[0], in_features)
-    for expert, start, end in groups:
-        torch.matmul(dys[start:end], weights[expert].dequantize(dys.dtype), out=out[start:end])
+def add_frozen_rows_backward_(out: torch.Tensor, dys: torch.Tensor, weights: list[QuantizedWeight], chunk: Chunk) -> torch.Tensor:
+    """out[rows of e] += dys[rows of e] @ W_e (the input gradient of add_frozen_rows_)."""
+    for expert, start, stop in chunk.groups:
+        rows = slice(start - chunk.start, stop - chunk.start)
+        out[rows].addmm_(dys[rows], weights[expert].dequantize(dys.dtype))
     return out
 
 
 class _Adapters:
-    """The six factor stacks in the compute dtype: A [E, r, in], B [E, out, r]."""
+    """One chunk's factors in the compute dtype: A_gate_up [e, 2r, in] (A_gate stacked on A_up), B_gate,
+    B_up [e, inter, r], A_down [e, r, inter], B_down [e, hidden, r]."""
 
-    def __init__(self, lora, dtype: torch.dtype):
-        factors = factor_map([t.to(dtype) for t in lora])
-        (self.a_gate, self.b_gate), (self.a_up, self.b_up), (self.a_down, self.b_down) = (factors[p] for p in EXPERT_PROJECTIONS)
+    def __init__(self, lora, chunk: Chunk, dtype: torch.dtype):
+        (a_g, b_g), (a_u, b_u), (a_d, b_d) = (factor_map(lora)[p] for p in EXPERT_PROJECTIONS)
+        part = slice(chunk.first, chunk.end)
+        self.a_gate_up = torch.cat([a_g[part], a_u[part]], dim=1).to(dtype)
+        self.b_gate, self.b_up = b_g[part].to(dtype), b_u[part].to(dtype)
+        self.a_down, self.b_down = a_d[part].to(dtype), b_d[part].to(dtype)
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -91,30 +119,76 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     return F.grouped_mm(x, w, offs=offsets)
 
 
-def sorted_forward(xs, ad: _Adapters, call: ExpertsCall, groups, offsets):
-    """[g, u, y, z_gate, z_up, z_down] for the sorted assignments xs [N, hidden]."""
-    s, w = call.scale, call.weights
-    z_gate = _gmm(xs, ad.a_gate.transpose(-2, -1), offsets)
-    z_up = _gmm(xs, ad.a_up.transpose(-2, -1), offsets)
-    g = frozen_rows(xs, w["gate"], groups, ad.b_gate.shape[1]).add_(_gmm(z_gate, ad.b_gate.transpose(-2, -1), offsets), alpha=s)
-    u = frozen_rows(xs, w["up"], groups, ad.b_up.shape[1]).add_(_gmm(z_up, ad.b_up.transpose(-2, -1), offsets), alpha=s)
+def _t(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-2, -1)
+
+
+def chunk_forward(x, weighted_out, tokens, flat_w, ad: _Adapters, call: ExpertsCall, chunk: Chunk) -> list[torch.Tensor]:
+    """Adds the chunk's w * y to weighted_out; returns [g, u, y, z_gate_up, z_down] of its rows."""
+    s, w, offs, r = call.scale, call.weights, chunk.offsets, ad.b_gate.shape[2]
+    xs = x.index_select(0, tokens)
+    z_gu = _gmm(xs, _t(ad.a_gate_up), offs)
+    g = add_frozen_rows_(_gmm(z_gu[:, :r], _t(ad.b_gate), offs).mul_(s), xs, w["gate"], chunk)
+    u = add_frozen_rows_(_gmm(z_gu[:, r:], _t(ad.b_up), offs).mul_(s), xs, w["up"], chunk)
+    del xs
     h = F.silu(g) * u
-    z_down = _gmm(h, ad.a_down.transpose(-2, -1), offsets)
-    y = frozen_rows(h, w["down"], groups, ad.b_down.shape[1]).add_(_gmm(z_down, ad.b_down.transpose(-2, -1), offsets), alpha=s)
-    return [g, u, y, z_gate, z_up, z_down]
+    z_down = _gmm(h, _t(ad.a_down), offs)
+    y = add_frozen_rows_(_gmm(z_down, _t(ad.b_down), offs).mul_(s), h, w["down"], chunk)
+    weighted_out.index_add_(0, tokens, y * flat_w[:, None].to(y.dtype))
+    return [g, u, y, z_gu, z_down]
+
+
+def sorted_rows(call: ExpertsCall, top_k_weights: torch.Tensor, x: torch.Tensor):
+    """(token of each sorted assignment, its routing weight, the chunks)."""
+    routing = call.routing
+    tokens = routing.order // routing.top_k
+    return tokens, top_k_weights.reshape(-1)[routing.order], chunks(routing.counts, max(x.shape[0], 1), x.device)
 
 
 def gmm_forward(x, top_k_weights, lora, call: ExpertsCall, keep_saved: bool):
-    """out [T, H] and, when keep_saved, the six sorted tensors backward needs."""
+    """out [T, H] and, when keep_saved, the five tensors per chunk that backward needs."""
     if call.dropout:
         raise ValueError("the grouped_mm expert kernel has no dropout; the loop kernel (grouped_lora) has")
-    routing = call.routing
-    tokens = routing.order // routing.top_k
-    offsets, groups = group_offsets(routing, x.device), spans(routing.counts)
-    saved = sorted_forward(x.index_select(0, tokens), _Adapters(lora, x.dtype), call, groups, offsets)
-    weighted = saved[2] * top_k_weights.reshape(-1)[routing.order, None].to(x.dtype)
-    out = torch.zeros_like(x).index_add_(0, tokens, weighted)
-    return out, (saved if keep_saved else [])
+    tokens, flat_w, parts = sorted_rows(call, top_k_weights, x)
+    out, saved = torch.zeros_like(x), []
+    for c in parts:
+        rows = slice(c.start, c.stop)
+        tensors = chunk_forward(x, out, tokens[rows], flat_w[rows], _Adapters(lora, c, x.dtype), call, c)
+        if keep_saved:
+            saved += tensors
+    return out, saved
+
+
+def chunk_backward(x, dout, tokens, flat_w, saved, ad: _Adapters, call: ExpertsCall, chunk: Chunk, need_x: bool, need_w: bool):
+    """(dL/d routing weight of each row or None, [dA_gate_up, dB_gate, dB_up, dA_down, dB_down] of the chunk's
+    experts, dL/d xs or None) from the chunk's saved [g, u, y, z_gate_up, z_down]."""
+    g, u, y, z_gu, z_down = saved
+    s, w, offs, r = call.scale, call.weights, chunk.offsets, ad.b_gate.shape[2]
+    d_out = dout.index_select(0, tokens)
+    dw = (d_out * y).sum(-1) if need_w else None
+    dy = d_out.mul_(flat_w[:, None].to(d_out.dtype))
+    dz_down = _gmm(dy, ad.b_down, offs).mul_(s)
+    dh = add_frozen_rows_backward_(_gmm(dz_down, ad.a_down, offs), dy, w["down"], chunk)
+    act = F.silu(g)
+    h = act * u  # the same ops as forward, so h matches forward's bit for bit
+    grad_b_down = _gmm(dy.t(), z_down, offs).mul_(s)
+    grad_a_down = _gmm(dz_down.t(), h, offs)
+    del d_out, dy, h
+    sig = torch.sigmoid(g)
+    dg = dh * u * sig * (1 + g * (1 - sig))
+    du = dh * act
+    del dh, act, sig
+    dz_gu = torch.cat([_gmm(dg, ad.b_gate, offs), _gmm(du, ad.b_up, offs)], dim=1).mul_(s)
+    grad_b_gate = _gmm(dg.t(), z_gu[:, :r], offs).mul_(s)
+    grad_b_up = _gmm(du.t(), z_gu[:, r:], offs).mul_(s)
+    xs = x.index_select(0, tokens)
+    grad_a_gate_up = _gmm(dz_gu.t(), xs, offs)
+    del xs
+    dxs = None
+    if need_x:
+        dxs = add_frozen_rows_backward_(_gmm(dz_gu, ad.a_gate_up, offs), dg, w["gate"], chunk)
+        add_frozen_rows_backward_(dxs, du, w["up"], chunk)
+    return dw, [grad_a_gate_up, grad_b_gate, grad_b_up, grad_a_down, grad_b_down], dxs
 
 
 class GroupedGemmLoRAExperts(torch.autograd.Function):
@@ -133,49 +207,33 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
     def backward(ctx, dout):
         call: ExpertsCall = ctx.call
         x, top_k_weights, *rest = ctx.saved_tensors
-        lora, (g, u, y, z_gate, z_up, z_down) = rest[:6], rest[6:]
-        routing, s, w = call.routing, call.scale, call.weights
+        lora, saved = rest[:6], rest[6:]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        tokens = routing.order // routing.top_k
-        offsets, groups = group_offsets(routing, x.device), spans(routing.counts)
-        ad = _Adapters(lora, x.dtype)
-
-        d_out = dout.index_select(0, tokens)
-        flat_w = top_k_weights.reshape(-1)
-        dw = None
+        tokens, flat_w, parts = sorted_rows(call, top_k_weights, x)
+        grads = [torch.zeros_like(t) for t in lora]  # experts no row reached keep exact zeros
+        (ga_g, gb_g), (ga_u, gb_u), (ga_d, gb_d) = (factor_map(grads)[p] for p in EXPERT_PROJECTIONS)
+        dx = torch.zeros_like(x) if need_x else None
+        dw = torch.zeros_like(flat_w) if need_w else None
+        for i, c in enumerate(parts):
+            rows, part, r = slice(c.start, c.stop), slice(c.first, c.end), lora[0].shape[1]
+            dw_c, (a_gu, b_g, b_u, a_d, b_d), dxs = chunk_backward(
+                x, dout, tokens[rows], flat_w[rows], saved[5 * i : 5 * i + 5], _Adapters(lora, c, x.dtype), call, c, need_x, need_w,
+            )  # fmt: skip
+            ga_g[part].copy_(a_gu[:, :r])
+            ga_u[part].copy_(a_gu[:, r:])
+            gb_g[part].copy_(b_g)
+            gb_u[part].copy_(b_u)
+            ga_d[part].copy_(a_d)
+            gb_d[part].copy_(b_d)
+            idle = [e - c.first for e in range(c.first, c.end) if call.routing.counts[e] == 0]
+            if idle:  # an expert no row reached inside a chunk: exact zeros, whatever a kernel does with an empty group
+                for g in grads:
+                    g[part][idle] = 0
+            if need_w:
+                dw[rows] = dw_c.to(dw.dtype)
+            if need_x:
+                dx.index_add_(0, tokens[rows], dxs)
         if need_w:
-            dw = torch.zeros_like(flat_w)
-            dw[routing.order] = (d_out * y).sum(-1).to(dw.dtype)
-        dy = d_out.mul_(flat_w[routing.order, None].to(d_out.dtype))
-
-        dz_down = _gmm(dy, ad.b_down, offsets).mul_(s)
-        dh = frozen_rows_backward(dy, w["down"], groups, ad.a_down.shape[2]).add_(_gmm(dz_down, ad.a_down, offsets))
-        act = F.silu(g)
-        sig = torch.sigmoid(g)
-        dg = dh * u * sig * (1 + g * (1 - sig))
-        du = dh * act
-        dz_gate = _gmm(dg, ad.b_gate, offsets).mul_(s)
-        dz_up = _gmm(du, ad.b_up, offsets).mul_(s)
-
-        xs = x.index_select(0, tokens)
-        h = act * u  # the same ops as forward, so h matches forward's bit for bit
-        grads = [
-            _gmm(dz_gate.t(), xs, offsets),
-            _gmm(dg.t(), z_gate, offsets).mul_(s),
-            _gmm(dz_up.t(), xs, offsets),
-            _gmm(du.t(), z_up, offsets).mul_(s),
-            _gmm(dz_down.t(), h, offsets),
-            _gmm(dy.t(), z_down, offsets).mul_(s),
-        ]
-        idle = [e for e, count in enumerate(routing.counts) if count == 0]
-        if idle:  # an expert no row reached gets an exact zero, whatever a kernel does with an empty group
-            for gr in grads:
-                gr[idle] = 0
-        lora_grads = [gr.to(t.dtype) if ctx.needs_input_grad[2 + i] else None for i, (gr, t) in enumerate(zip(grads, lora))]
-        dx = None
-        if need_x:
-            dxs = frozen_rows_backward(dg, w["gate"], groups, x.shape[1])
-            dxs.add_(frozen_rows_backward(du, w["up"], groups, x.shape[1]))
-            dxs.add_(_gmm(dz_gate, ad.a_gate, offsets)).add_(_gmm(dz_up, ad.a_up, offsets))
-            dx = torch.zeros_like(x).index_add_(0, tokens, dxs)
+            dw = torch.zeros_like(dw).index_put_((call.routing.order,), dw)
+        lora_grads = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads)]
         return dx, None if dw is None else dw.view_as(top_k_weights), *lora_grads, None

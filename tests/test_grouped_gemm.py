@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from allsync.config import ConfigError, RunConfig, validate
-from moe_lora.grouped_gemm import group_offsets, grouped_mm_supported, spans
-from moe_lora.grouped_lora import Routing
+from moe_lora.grouped_gemm import chunks, grouped_mm_supported
 from moe_lora.lora import LoRAConfig
-from quant.formats import FORMATS
+from quant.formats import FORMATS, quantize_weight
 from quant.modules import group_tokens_by_expert
 from test_moe_lora import ROUTED, T, H, make_experts, rel, routing
 
@@ -68,12 +67,15 @@ def test_auto_picks_the_loop_on_cpu_and_alignment_rules():
     assert grouped_mm_supported(8, torch.bfloat16) and grouped_mm_supported(16, torch.bfloat16)
 
 
-def test_sorted_layout():
-    idx = torch.tensor([[2, 0], [0, 3], [2, 3]])
-    order, counts = group_tokens_by_expert(idx, 5)
-    assert counts == [2, 0, 2, 2, 0]
-    assert spans(counts) == [(0, 0, 2), (2, 2, 4), (3, 4, 6)]
-    assert group_offsets(Routing(order, counts, 2), torch.device("cpu")).tolist() == [2, 2, 4, 6, 6]
+def test_chunks_of_consecutive_experts():
+    """Experts packed in order while their rows fit (one expert with more rows is a chunk of its own); chunks
+    without rows are left out; offsets are relative to the chunk's first row."""
+    idx = torch.tensor([[2, 0], [0, 3], [2, 3], [5, 3], [3, 2]])
+    _, counts = group_tokens_by_expert(idx, 7)
+    assert counts == [2, 0, 3, 4, 0, 1, 0]
+    got = [(c.first, c.end, c.start, c.stop, c.groups, c.offsets.tolist()) for c in chunks(counts, 5, torch.device("cpu"))]
+    assert got == [(0, 3, 0, 5, [(0, 0, 2), (2, 2, 5)], [2, 2, 5]), (3, 7, 5, 10, [(3, 5, 9), (5, 9, 10)], [4, 4, 5, 5])]
+    assert [c.stop - c.start for c in chunks([9, 1], 4, torch.device("cpu"))] == [9, 1]
 
 
 def test_refusals():
