@@ -4,18 +4,20 @@ import pytest
 import torch
 
 from allsync.config import ConfigError, RunConfig, validate
-from moe_lora.grouped_gemm import chunks, grouped_mm_supported
+from moe_lora.grouped_gemm import chunk_rows, chunks, grouped_mm_supported
 from moe_lora.lora import LoRAConfig
 from quant.formats import FORMATS, quantize_weight
 from quant.modules import group_tokens_by_expert
 from test_moe_lora import ROUTED, T, H, make_experts, rel, routing
 
 
-def run(fmt, kernel, dtype=torch.float32, rank_seed=0):
-    """Output, input / routing-weight gradients and the six factor gradients of one kernel."""
+def run(fmt, kernel, dtype=torch.float32, rank_seed=0, idx=None):
+    """Output, input / routing-weight gradients and the six factor gradients of one kernel (idx: the
+    routing's expert ids instead of the random ones)."""
     lora = make_experts(fmt, seed=rank_seed)
     lora.kernel = kernel
-    x, idx, w = routing(dtype=dtype)
+    x, random_idx, w = routing(dtype=dtype)
+    idx = random_idx if idx is None else idx
     out = lora(x, idx, w)
     (out.float() * torch.randn(T, H, generator=torch.Generator().manual_seed(2))).sum().backward()
     with torch.no_grad():
@@ -35,6 +37,22 @@ def test_grouped_mm_equals_loop_in_float32(fmt):
     for grad in got[3:]:
         assert grad.dtype == torch.float32 and grad[ROUTED].abs().max() == 0
     assert torch.equal(inference, got[0])
+
+
+def test_grouped_mm_chunk_with_several_experts_and_an_idle_one():
+    """Rows per expert [4, 0, 4, 20, 20] with chunks of at most T/k = 12 rows: experts 0-2 share one chunk
+    (expert 1, inside it, gets no row), experts 3 and 4 have more rows than a chunk and are one each."""
+    idx = torch.tensor([[0, 2]] * 4 + [[3, 4]] * (T - 4))
+    _, counts = group_tokens_by_expert(idx, 5)
+    assert [(c.first, c.end, len(c.groups)) for c in chunks(counts, chunk_rows(T, 2), torch.device("cpu"))] == [
+        (0, 3, 2), (3, 4, 1), (4, 5, 1),
+    ]  # fmt: skip
+    _, want, _ = run("nf4", "loop", idx=idx)
+    _, got, _ = run("nf4", "grouped_mm", idx=idx)
+    for g, r in zip(got, want):
+        assert rel(g, r) < 1e-6
+    for grad in got[3:]:
+        assert grad[1].abs().max() == 0
 
 
 def test_grouped_mm_in_bfloat16_matches_loop():
