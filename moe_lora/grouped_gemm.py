@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_lora.grouped_lora import ExpertsCall, factor_map
+from moe_lora.grouped_lora import ExpertsCall, experts_call_grads, factor_map, save_experts_call, saved_experts_call
 from quant.formats import QuantizedWeight
 from quant.modules import EXPERT_PROJECTIONS
 
@@ -206,16 +206,12 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
     def forward(ctx, x, top_k_weights, *args):
         *lora, call = args
         out, saved = gmm_forward(x, top_k_weights, lora, call, keep_saved=True)
-        ctx.call = call
-        ctx.save_for_backward(x, top_k_weights, *lora, *saved)
+        save_experts_call(ctx, x, top_k_weights, lora, saved, call)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        call: ExpertsCall = ctx.call
-        x, top_k_weights, *rest = ctx.saved_tensors
-        lora, saved = rest[:6], rest[6:]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        call, x, top_k_weights, lora, saved, need_x, need_w = saved_experts_call(ctx)
         tokens, flat_w, parts = sorted_rows(call, top_k_weights, x)
         grads = [torch.zeros_like(t) for t in lora]  # experts no row reached keep exact zeros
         (ga_g, gb_g), (ga_u, gb_u), (ga_d, gb_d) = (factor_map(grads)[p] for p in EXPERT_PROJECTIONS)
@@ -242,5 +238,4 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
                 dx.index_add_(0, tokens[rows], dxs)
         if need_w:
             dw = torch.zeros_like(dw).index_put_((call.routing.order,), dw)
-        lora_grads = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads)]
-        return dx, None if dw is None else dw.view_as(top_k_weights), *lora_grads, None
+        return experts_call_grads(ctx, dx, dw, top_k_weights, grads)

@@ -197,6 +197,25 @@ def _store_grads(grads: dict[str, tuple], expert: int, eg: ExpertGrads, r: int) 
     gb_d[expert].copy_(eg.b_down)
 
 
+def save_experts_call(ctx, x, top_k_weights, lora, saved, call: ExpertsCall) -> None:
+    """What the backward of an experts autograd Function reads: the call, then x, the weights, the six
+    factors and the kernel's saved tensors."""
+    ctx.call = call
+    ctx.save_for_backward(x, top_k_weights, *lora, *saved)
+
+
+def saved_experts_call(ctx):
+    """(call, x, top_k_weights, six factors, the kernel's saved tensors, need dx, need d weights)."""
+    x, top_k_weights, *rest = ctx.saved_tensors
+    return ctx.call, x, top_k_weights, rest[:6], rest[6:], ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+
+
+def experts_call_grads(ctx, dx, flat_dw, top_k_weights, lora_grads) -> tuple:
+    """backward's return: dx, d weights [T, k], the factor gradients autograd asked for, None for the call."""
+    lora_grads = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(lora_grads)]
+    return dx, None if flat_dw is None else flat_dw.view_as(top_k_weights), *lora_grads, None
+
+
 class GroupedLoRAExperts(torch.autograd.Function):
     """apply(x [T,H], top_k_weights [T,k], a_gate, b_gate, a_up, b_up, a_down, b_down, call) -> [T,H].
 
@@ -206,16 +225,12 @@ class GroupedLoRAExperts(torch.autograd.Function):
     def forward(ctx, x, top_k_weights, *args):
         *lora, call = args
         out, saved = grouped_forward(x, top_k_weights, factor_map(lora), call, keep_saved=True)
-        ctx.call = call
-        ctx.save_for_backward(x, top_k_weights, *lora, *saved)
+        save_experts_call(ctx, x, top_k_weights, lora, saved, call)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        call: ExpertsCall = ctx.call
-        x, top_k_weights, *rest = ctx.saved_tensors
-        lora, saved = rest[:6], rest[6:]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        call, x, top_k_weights, lora, saved, need_x, need_w = saved_experts_call(ctx)
         lora_grads = [torch.zeros_like(t) for t in lora]
         dx = torch.zeros_like(x) if need_x else None
         flat_w = top_k_weights.reshape(-1)
@@ -234,5 +249,4 @@ class GroupedLoRAExperts(torch.autograd.Function):
             _store_grads(grads, expert, eg, r)
             if need_x:
                 dx.index_add_(0, tokens, eg.dx)
-        lora_grads = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(lora_grads)]
-        return dx, None if dw is None else dw.view_as(top_k_weights), *lora_grads, None
+        return experts_call_grads(ctx, dx, dw, top_k_weights, lora_grads)
