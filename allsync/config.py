@@ -391,9 +391,10 @@ def load_config(path: str | os.PathLike) -> RunConfig:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def check_expert_kernel(lora: LoRASection, compute_dtype: str, fail) -> None:
-    """lora.expert_kernel names a kernel that can run this adapter (grouped_mm: torch has it and the rank's
-    strides are 16-byte aligned in the compute dtype)."""
+def check_expert_kernel(lora: LoRASection, compute_dtype: str, device: str, fail) -> None:
+    """lora.expert_kernel names a kernel that can run this adapter (grouped_mm: torch has it, the rank's
+    strides are 16-byte aligned in the compute dtype, and on GPUs the compute dtype is bfloat16, the one
+    torch's CUDA grouped_mm takes)."""
     import torch
 
     from moe_lora.grouped_gemm import grouped_mm_available, grouped_mm_supported
@@ -406,9 +407,12 @@ def check_expert_kernel(lora: LoRASection, compute_dtype: str, fail) -> None:
         return
     if not grouped_mm_available():
         fail(f"lora.expert_kernel = grouped_mm: torch {torch.__version__} has no torch.nn.functional.grouped_mm (use loop or auto)")
-    if not grouped_mm_supported(lora.rank, getattr(torch, compute_dtype)):
+    if not grouped_mm_supported(getattr(torch, compute_dtype), lora.rank):
         fail(f"lora.expert_kernel = grouped_mm with lora.rank {lora.rank} in model.compute_dtype {compute_dtype}: grouped_mm "
              "needs rank x element size to be a multiple of 16 bytes (rank % 8 == 0 in bfloat16, % 4 in float32)")  # fmt: skip
+    if device == "cuda" and compute_dtype != "bfloat16":
+        fail(f"lora.expert_kernel = grouped_mm with model.compute_dtype {compute_dtype} on cuda: torch's CUDA grouped_mm "
+             "takes bfloat16 (use bfloat16, or the loop kernel)")  # fmt: skip
 
 
 def validate(c: RunConfig, source: str = "<config>") -> None:
@@ -432,7 +436,7 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     if c.lora.dropout != 0:
         fail(f"lora.dropout = {c.lora.dropout}: RL trains on-policy, so the trainer's forward must be the policy that "
              "sampled (ratio 1 before the first update); dropout would make every ratio noise. Use 0")  # fmt: skip
-    check_expert_kernel(c.lora, c.model.compute_dtype, fail)
+    check_expert_kernel(c.lora, c.model.compute_dtype, c.parallel.resolved_device(), fail)
     r = c.rollout
     if not (r.temperature > 0 and math.isfinite(r.temperature)):
         fail(f"rollout.temperature = {r.temperature}: must be > 0 (greedy decoding has no policy to train)")

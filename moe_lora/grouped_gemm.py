@@ -20,10 +20,10 @@ Backward, dy = w * dout[token]:
 The frozen projections stay one matmul per expert on its contiguous rows, accumulated in place into the
 adapter's output (each expert is dequantized only while it runs, as in the loop); the skinny adapter
 matmuls, 6 forward and 12 backward per expert in the loop, become grouped calls (A_gate and A_up stacked
-as one [E, 2r, in] factor). The rows are processed in chunks of consecutive experts of at most T/k rows
-(T tokens, top-k; about k^2 chunks), so no temporary is larger than [T/k, hidden] and memory stays the
-loop's (in the CPU benchmark at 256 experts, chunks of T rows peaked 12% above the loop's step memory,
-chunks of T/k rows 0.7%). Saved for backward: g, u, y, z_gate_up, z_down per assignment, the loop's
+as one [E, 2r, in] factor). The rows are processed in chunks of consecutive experts of at most
+min(T, 4 N / E) rows (`chunk_rows`: about 4 average experts; under expert parallelism N and E are the rank's),
+so the temporaries stay near the loop's (in the CPU benchmark at 256 experts, chunks of T rows peaked 12%
+above the loop's step memory, chunks of 4 N / E = T/8 rows 0.7%). Saved for backward: g, u, y, z_gate_up, z_down per assignment, the loop's
 tensors. Dropout is not supported here (RL training refuses it; `LoRAConfig` routes it to the loop).
 
 grouped_mm needs 16-byte aligned strides: rank * element size must be a multiple of 16 (rank % 8 == 0 in
@@ -33,6 +33,7 @@ bf16, % 4 in float32). `grouped_mm_supported` says whether a rank and dtype qual
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +48,11 @@ def grouped_mm_available() -> bool:
     return hasattr(F, "grouped_mm")
 
 
-def grouped_mm_supported(rank: int, dtype: torch.dtype) -> bool:
-    """grouped_mm can run this adapter: the function exists and rank * element size is a multiple of 16 bytes."""
-    return grouped_mm_available() and (rank * torch.empty((), dtype=dtype).element_size()) % 16 == 0
+def grouped_mm_supported(dtype: torch.dtype, *sizes: int) -> bool:
+    """grouped_mm can run these matrices: the function exists and every size (the rank, hidden, moe_intermediate)
+    times the element size is a multiple of 16 bytes (the strides grouped_mm needs)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return grouped_mm_available() and all(size * elem % 16 == 0 for size in sizes)
 
 
 @dataclass(frozen=True)
@@ -65,24 +68,40 @@ class Chunk:
     offsets: torch.Tensor
 
 
-def chunks(counts: list[int], max_rows: int, device: torch.device) -> list[Chunk]:
-    """Consecutive experts packed while their rows fit in max_rows (an expert with more rows is a chunk of
-    its own); chunks with no rows are left out. Offsets are built from host counts: no device sync."""
-    out, first, start = [], 0, 0
+def chunk_spans(counts: list[int], max_rows: int) -> list[tuple[int, int, int, int]]:
+    """(first expert, end expert, first row, end row) of each chunk: consecutive experts packed while their
+    rows fit in max_rows (an expert with more rows is a chunk of its own); chunks with no rows left out."""
+    spans, first, start = [], 0, 0
     while first < len(counts):
         end, rows = first + 1, counts[first]
         while end < len(counts) and rows + counts[end] <= max_rows:
             rows += counts[end]
             end += 1
         if rows:
-            local = torch.tensor(counts[first:end], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
-            groups, row = [], start
-            for expert in range(first, end):
-                if counts[expert]:
-                    groups.append((expert, row, row + counts[expert]))
-                row += counts[expert]
-            out.append(Chunk(first, end, start, start + rows, groups, local))
+            spans.append((first, end, start, start + rows))
         first, start = end, start + rows
+    return spans
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the work queued there (pinned + non_blocking on CUDA)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def chunks(counts: list[int], max_rows: int, device: torch.device) -> list[Chunk]:
+    """The chunks of `chunk_spans`, each with its groups and int32 offsets. Every chunk's offsets come from the
+    host counts in one host-to-device copy that does not wait for the device."""
+    spans = chunk_spans(counts, max_rows)
+    local = [list(accumulate(counts[first:end])) for first, end, _, _ in spans]
+    offsets = to_device_async(torch.tensor([o for part in local for o in part], dtype=torch.int32), device)
+    out, at = [], 0
+    for (first, end, start, stop), part in zip(spans, local):
+        starts = [start + o - c for o, c in zip(part, counts[first:end])]
+        groups = [(e, row, row + counts[e]) for e, row in zip(range(first, end), starts) if counts[e]]
+        out.append(Chunk(first, end, start, stop, groups, offsets[at : at + len(part)]))
+        at += len(part)
     return out
 
 
@@ -139,31 +158,39 @@ def chunk_forward(x, weighted_out, tokens, flat_w, ad: _Adapters, call: ExpertsC
     return [g, u, y, z_gu, z_down]
 
 
-def chunk_rows(tokens: int, top_k: int) -> int:
-    """Most rows of a chunk: T / k, so a chunk's temporaries are at most [T/k, hidden] (about 1/k of the
-    layer's input) and a layer has about k^2 chunks of N = T*k rows."""
-    return max(tokens // top_k, 1)
+CHUNK_EXPERTS = 4  # a chunk holds about this many average experts' rows
 
 
-def sorted_rows(call: ExpertsCall, top_k_weights: torch.Tensor, x: torch.Tensor):
-    """(token of each sorted assignment, its routing weight, the chunks)."""
-    routing = call.routing
-    tokens = routing.order // routing.top_k
-    return tokens, top_k_weights.reshape(-1)[routing.order], chunks(routing.counts, chunk_rows(x.shape[0], routing.top_k), x.device)
+def chunk_rows(tokens: int, rows: int, experts: int) -> int:
+    """Most rows of a chunk: min(T, ceil(4 N / E)) for N routed rows over E experts (T tokens in, the rank's
+    received rows under expert parallelism). A chunk's temporaries are then about those of 4 experts of the
+    loop, and never larger than the layer's [T, hidden] input."""
+    return max(1, min(tokens, -(-CHUNK_EXPERTS * rows // max(experts, 1))))
+
+
+def sorted_tokens(call: ExpertsCall, top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token of each sorted assignment, its routing weight)."""
+    return call.routing.order // call.routing.top_k, top_k_weights.reshape(-1)[call.routing.order]
+
+
+def call_chunks(call: ExpertsCall, x: torch.Tensor) -> list[Chunk]:
+    """The call's chunks of at most `chunk_rows` rows."""
+    counts = call.routing.counts
+    return chunks(counts, chunk_rows(x.shape[0], sum(counts), len(counts)), x.device)
 
 
 def gmm_forward(x, top_k_weights, lora, call: ExpertsCall, keep_saved: bool):
-    """out [T, H] and, when keep_saved, the five tensors per chunk that backward needs."""
+    """(out [T, H], the chunks, and when keep_saved the five tensors per chunk that backward needs)."""
     if call.dropout:
         raise ValueError("the grouped_mm expert kernel has no dropout; the loop kernel (grouped_lora) has")
-    tokens, flat_w, parts = sorted_rows(call, top_k_weights, x)
+    (tokens, flat_w), parts = sorted_tokens(call, top_k_weights), call_chunks(call, x)
     out, saved = torch.zeros_like(x), []
     for c in parts:
         rows = slice(c.start, c.stop)
         tensors = chunk_forward(x, out, tokens[rows], flat_w[rows], _Adapters(lora, c, x.dtype), call, c)
         if keep_saved:
             saved += tensors
-    return out, saved
+    return out, parts, saved
 
 
 def chunk_backward(x, dout, tokens, flat_w, saved, ad: _Adapters, call: ExpertsCall, chunk: Chunk, need_x: bool, need_w: bool):
@@ -205,14 +232,14 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_weights, *args):
         *lora, call = args
-        out, saved = gmm_forward(x, top_k_weights, lora, call, keep_saved=True)
+        out, ctx.parts, saved = gmm_forward(x, top_k_weights, lora, call, keep_saved=True)
         save_experts_call(ctx, x, top_k_weights, lora, saved, call)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         call, x, top_k_weights, lora, saved, need_x, need_w = saved_experts_call(ctx)
-        tokens, flat_w, parts = sorted_rows(call, top_k_weights, x)
+        (tokens, flat_w), parts = sorted_tokens(call, top_k_weights), ctx.parts
         grads = [torch.zeros_like(t) for t in lora]  # experts no row reached keep exact zeros
         (ga_g, gb_g), (ga_u, gb_u), (ga_d, gb_d) = (factor_map(grads)[p] for p in EXPERT_PROJECTIONS)
         dx = torch.zeros_like(x) if need_x else None
@@ -228,10 +255,9 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
             gb_u[part].copy_(b_u)
             ga_d[part].copy_(a_d)
             gb_d[part].copy_(b_d)
-            idle = [e - c.first for e in range(c.first, c.end) if call.routing.counts[e] == 0]
-            if idle:  # an expert no row reached inside a chunk: exact zeros, whatever a kernel does with an empty group
-                for g in grads:
-                    g[part][idle] = 0
+            for idle in (e for e in range(c.first, c.end) if call.routing.counts[e] == 0):
+                for g in grads:  # an expert no row reached inside a chunk: exact zeros, whatever a kernel does with an empty group
+                    g[idle].zero_()
             if need_w:
                 dw[rows] = dw_c.to(dw.dtype)
             if need_x:

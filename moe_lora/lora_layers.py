@@ -96,10 +96,16 @@ class LoRAExperts(nn.Module):
         return self.base.first_expert
 
     def uses_grouped_mm(self, x: torch.Tensor, dropout: float) -> bool:
-        """grouped_mm when asked, or under `auto` on a GPU when the rank's strides are 16-byte aligned in x's
-        dtype and there is no dropout; otherwise the per-expert loop."""
+        """grouped_mm when asked, or under `auto` on a GPU in bfloat16 (what torch's CUDA grouped_mm takes)
+        when the rank, hidden and moe_intermediate strides are 16-byte aligned and there is no dropout;
+        otherwise the per-expert loop. Asked for with sizes it cannot run: ValueError naming them."""
+        hidden, inter = expert_shapes(self.base)["down"]
+        aligned = grouped_mm_supported(x.dtype, self.rank, hidden, inter)
         if self.kernel == "auto":
-            return x.is_cuda and dropout == 0 and grouped_mm_supported(self.rank, x.dtype)
+            return x.is_cuda and x.dtype == torch.bfloat16 and dropout == 0 and aligned
+        if self.kernel == "grouped_mm" and not aligned:
+            raise ValueError(f"the grouped_mm expert kernel needs rank {self.rank}, hidden {hidden} and moe_intermediate "
+                             f"{inter} to be multiples of 16 bytes in {x.dtype}; use kernel loop")  # fmt: skip
         return self.kernel == "grouped_mm"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from allsync.config import ConfigError, RunConfig, validate
-from moe_lora.grouped_gemm import chunk_rows, chunks, grouped_mm_supported
+from moe_lora.grouped_gemm import call_chunks, chunk_rows, chunks, grouped_mm_supported
+from moe_lora.grouped_lora import ExpertsCall, Routing
 from moe_lora.lora import LoRAConfig
 from quant.formats import FORMATS, quantize_weight
 from quant.modules import group_tokens_by_expert
@@ -40,11 +41,11 @@ def test_grouped_mm_equals_loop_in_float32(fmt):
 
 
 def test_grouped_mm_chunk_with_several_experts_and_an_idle_one():
-    """Rows per expert [4, 0, 4, 20, 20] with chunks of at most T/k = 12 rows: experts 0-2 share one chunk
+    """Rows per expert [4, 0, 4, 20, 20] with chunks of at most min(T, 4 N / E) = 24 rows: experts 0-2 share one chunk
     (expert 1, inside it, gets no row), experts 3 and 4 have more rows than a chunk and are one each."""
     idx = torch.tensor([[0, 2]] * 4 + [[3, 4]] * (T - 4))
     _, counts = group_tokens_by_expert(idx, 5)
-    assert [(c.first, c.end, len(c.groups)) for c in chunks(counts, chunk_rows(T, 2), torch.device("cpu"))] == [
+    assert [(c.first, c.end, len(c.groups)) for c in chunks(counts, chunk_rows(T, 2 * T, 5), torch.device("cpu"))] == [
         (0, 3, 2), (3, 4, 1), (4, 5, 1),
     ]  # fmt: skip
     _, want, _ = run("nf4", "loop", idx=idx)
@@ -81,8 +82,8 @@ def test_auto_picks_the_loop_on_cpu_and_alignment_rules():
     assert not lora.uses_grouped_mm(x, 0.0)  # auto: grouped_mm only on GPUs
     lora.kernel = "grouped_mm"
     assert lora.uses_grouped_mm(x, 0.0)
-    assert grouped_mm_supported(4, torch.float32) and not grouped_mm_supported(4, torch.bfloat16)
-    assert grouped_mm_supported(8, torch.bfloat16) and grouped_mm_supported(16, torch.bfloat16)
+    assert grouped_mm_supported(torch.float32, 4) and not grouped_mm_supported(torch.bfloat16, 4)
+    assert grouped_mm_supported(torch.bfloat16, 8, 16, 7168, 2048) and not grouped_mm_supported(torch.bfloat16, 8, 36)
 
 
 def test_chunks_of_consecutive_experts():
@@ -108,27 +109,38 @@ def test_refusals():
     c.lora.expert_kernel, c.lora.rank, c.model.compute_dtype = "grouped_mm", 12, "bfloat16"
     with pytest.raises(ConfigError, match="lora.expert_kernel = grouped_mm with lora.rank 12 in model.compute_dtype bfloat16"):
         validate(c)
+    c.lora.rank, c.model.compute_dtype, c.parallel.device = 8, "float32", "cuda"
+    with pytest.raises(ConfigError, match="lora.expert_kernel = grouped_mm with model.compute_dtype float32 on cuda"):
+        validate(c)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (BENCHMARKS.md: GPU checks)")
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nf4"])
 def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
     """On a GPU, bf16 activations, rank 16: `auto` runs grouped_mm (bitsandbytes' CUDA kernels for nf4), and its
-    output and every gradient are within bf16 rounding of the loop's; float32 agrees to 1e-5."""
+    output and every gradient are within bf16 rounding of the loop's. 64 experts, 32 rows each on average: chunks
+    of about 4 experts, expert 30 (inside a chunk) gets no row. In float32 `auto` runs the loop (torch's CUDA
+    grouped_mm takes bfloat16)."""
     from moe_lora.lora_layers import LoRAExperts, expert_shapes
     from quant.modules import FrozenExperts
 
-    e, h, i, t, k, r = 16, 256, 128, 512, 4, 16
+    e, h, i, t, k, r, idle = 64, 256, 128, 512, 4, 16, 30
     gen = torch.Generator().manual_seed(0)
     base = FrozenExperts(e, h, i)
     for x in range(e):
         for p, (o, n) in expert_shapes(base).items():
             base.set_weight(x, p, quantize_weight((torch.randn(o, n, generator=gen) / n**0.5).cuda(), fmt))
     x = torch.randn(t, h, generator=gen).cuda()
-    idx = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)]).cuda()  # expert e-1 idle
+    idx = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)])
+    idx = (idx + (idx >= idle).long()).cuda()  # experts 0..63 but 30
     w = torch.rand(t, k, generator=gen).cuda()
     grad_out = torch.randn(t, h, generator=gen).cuda()
-    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float32, 1e-5)):
+    lora = LoRAExperts(base, r, 2.0)
+    assert not lora.uses_grouped_mm(x, 0.0) and lora.uses_grouped_mm(x.bfloat16(), 0.0)
+    _, counts = group_tokens_by_expert(idx, e)
+    groups = [len(c.groups) for c in call_chunks(ExpertsCall(None, Routing(None, counts, k), 2.0, 0.0, 0), x)]
+    assert max(groups) >= 3 and counts[idle] == 0
+    for dtype, tol in ((torch.bfloat16, 3e-2),):
         results = []
         for kernel in ("loop", "auto"):
             torch.manual_seed(1)
@@ -140,6 +152,6 @@ def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
             out = lora(xd, idx, wd)
             (out.float() * grad_out).sum().backward()
             results.append([out.float(), xd.grad.float(), wd.grad] + [q.grad for q in lora.factors()])
-            assert all(q.grad[e - 1].abs().max() == 0 for q in lora.factors())
+            assert all(q.grad[idle].abs().max() == 0 for q in lora.factors())
         for got, want in zip(results[1], results[0]):
             assert rel(got, want) < tol, (fmt, dtype, rel(got, want))
