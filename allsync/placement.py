@@ -55,6 +55,10 @@ class WorkerTimeout(WorkerFailure):
 # the exit code of an SPMD process that lost a peer or passed run.step_timeout: an elastic launcher
 # (torchrun --max-restarts N) restarts every process, and the run resumes from its newest good checkpoint
 EXIT_RESTART = 75
+# torch intra-op threads of every worker, in both modes: CPU kernels round differently with other thread counts
+# (a 2-thread matmul is 1e-5 from a 1-thread one), so a torchrun run under another OMP_NUM_THREADS would
+# otherwise drift from the Ray run of the same config and seed
+WORKER_THREADS = 1
 
 
 def gather_or_stop(refs: list, ranks: list[int], method: str, workers: list, timeout: float | None = None) -> list:
@@ -163,7 +167,7 @@ class SPMDGroup:
         self.is_controller = self.rank == 0
         self.step_timeout = config.run.step_timeout
         self.worker = RLWorker(config, problems, rank=self.rank, world_size=self.size, launcher=True, max_model_len=max_model_len,
-                               attempt=attempt)  # fmt: skip
+                               threads=WORKER_THREADS, attempt=attempt)  # fmt: skip
 
     def _rank0_args(self, args: tuple) -> tuple:
         import torch.distributed as dist
@@ -265,7 +269,7 @@ def start_placement(size: int, gpus_per_worker: float = 0):
 
     def start(bundle_index: int, *args, **kwargs):
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle_index)
-        return actor.options(scheduling_strategy=strategy).remote(*args, threads=1, **kwargs)
+        return actor.options(scheduling_strategy=strategy).remote(*args, threads=WORKER_THREADS, **kwargs)
 
     return placement, start
 

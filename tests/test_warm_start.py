@@ -136,3 +136,17 @@ def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError, match="not a warm start with these settings"):
         warm_start(tmp_path / "base", **{**FAST, "steps": 5})
     assert json.loads((out / "warm_start.json").read_text()) == report  # untouched
+
+
+def test_the_base_does_not_depend_on_the_callers_thread_count(tmp_path):
+    """torchrun gives every process OMP_NUM_THREADS=1 and a Ray controller has the machine's cores: the warm
+    start computes with its own fixed thread count, so both build the same base. Control: a warm start that
+    computes with 1 thread instead of 2 writes other weights (CPU kernels split reductions by thread count)."""
+    built = {}
+    for threads in (1, 2):
+        with ws.torch_threads(threads):
+            built[threads] = _disk_tensors(warm_start(tmp_path / f"caller-{threads}", **FAST))[1]
+            assert torch.get_num_threads() == threads  # the caller's count is back
+    assert all(torch.equal(built[1][k], built[2][k]) for k in built[2])
+    one_thread = _disk_tensors(warm_start(tmp_path / "one-thread", **{**FAST, "train": replace(FAST["train"], threads=1)}))[1]
+    assert not all(torch.equal(one_thread[k], built[2][k]) for k in built[2])
