@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -218,9 +219,15 @@ def evaluate(model, tokenizer, problems: list[Problem], settings: EvalSettings, 
 # ------------------------------------------------------------------------------------------ entry point
 @contextmanager
 def torch_threads(n: int):
-    """torch's intra-op thread count set to n inside, restored after."""
+    """torch's intra-op thread count set to n inside, restored after. In a process where vLLM's CPU worker ran,
+    torch.set_num_threads is vLLM's no-op (its threads are bound to cores): the count cannot change, so say so
+    rather than compute at another count than the settings name (a base that may differ in its last bits)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
+    if torch.get_num_threads() != n:
+        warnings.warn(f"torch threads stay {torch.get_num_threads()} (asked for {n}): torch.set_num_threads is disabled "
+                      "in this process (vLLM's CPU worker binds its threads), so the result may differ bitwise from a "
+                      f"run at {n} threads", RuntimeWarning, stacklevel=3)  # fmt: skip
     try:
         yield
     finally:

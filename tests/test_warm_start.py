@@ -1,7 +1,11 @@
 """allsync.warm_start: training batches, DeepSeek-V3 on-disk format, reload through quant's loader, caching."""
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,15 +142,46 @@ def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
     assert json.loads((out / "warm_start.json").read_text()) == report  # untouched
 
 
+# a warm start as a launched process runs it: the caller's thread count from OMP_NUM_THREADS, the warm start's own
+# (settings.train.threads) from argv. A fresh process each, as torchrun and Ray give: in the pytest process an
+# in-process vLLM engine of an earlier test has replaced torch.set_num_threads with a no-op.
+WARM_START_PROCESS = """
+import sys
+from dataclasses import replace
+
+import torch
+from test_warm_start import FAST
+
+from allsync.warm_start import warm_start
+
+out, threads = sys.argv[1], int(sys.argv[2])
+caller = torch.get_num_threads()
+warm_start(out, **{**FAST, "train": replace(FAST["train"], threads=threads)})
+assert torch.get_num_threads() == caller, (torch.get_num_threads(), caller)  # the caller's count is back
+"""
+
+
+def _warm_start_in_process(out, caller_threads: int, threads: int = 2):
+    env = {**os.environ, "OMP_NUM_THREADS": str(caller_threads), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", WARM_START_PROCESS, str(out), str(threads)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _disk_tensors(out)[1]
+
+
 def test_the_base_does_not_depend_on_the_callers_thread_count(tmp_path):
     """torchrun gives every process OMP_NUM_THREADS=1 and a Ray controller has the machine's cores: the warm
     start computes with its own fixed thread count, so both build the same base. Control: a warm start that
     computes with 1 thread instead of 2 writes other weights (CPU kernels split reductions by thread count)."""
-    built = {}
-    for threads in (1, 2):
-        with ws.torch_threads(threads):
-            built[threads] = _disk_tensors(warm_start(tmp_path / f"caller-{threads}", **FAST))[1]
-            assert torch.get_num_threads() == threads  # the caller's count is back
+    built = {caller: _warm_start_in_process(tmp_path / f"caller-{caller}", caller) for caller in (1, 2)}
     assert all(torch.equal(built[1][k], built[2][k]) for k in built[2])
-    one_thread = _disk_tensors(warm_start(tmp_path / "one-thread", **{**FAST, "train": replace(FAST["train"], threads=1)}))[1]
+    one_thread = _warm_start_in_process(tmp_path / "one-thread", caller_threads=2, threads=1)
     assert not all(torch.equal(one_thread[k], built[2][k]) for k in built[2])
+
+
+def test_a_thread_count_that_cannot_be_set_is_reported(monkeypatch):
+    """After vLLM's CPU worker ran in a process, torch.set_num_threads does nothing: the warm start says that it
+    computes at another count than its settings name."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's cpu_worker installs
+    with pytest.warns(RuntimeWarning, match=f"torch threads stay {torch.get_num_threads()} \\(asked for 7\\)"):
+        with ws.torch_threads(7):
+            pass
