@@ -73,15 +73,24 @@ def nvml_handle(device: torch.device):
 
 
 def gpu_sample(handle) -> dict:
+    """NVML's readings of the GPU. A reading the driver refuses (NVMLError: virtualized GPUs may not report
+    power or temperature) is left out, as on CPU, so the health detector skips that signal instead of the
+    step failing."""
     import pynvml
 
-    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    return {
-        "gpu_utilization": float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),  # percent of the last sample period
-        "gpu_power_watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-        "gpu_memory_bytes": float(memory.used),
-        "gpu_temperature_c": float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+    readings = {
+        "gpu_utilization": lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),  # percent of the last period
+        "gpu_power_watts": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+        "gpu_memory_bytes": lambda: float(pynvml.nvmlDeviceGetMemoryInfo(handle).used),
+        "gpu_temperature_c": lambda: float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
     }
+    out = {}
+    for key, read in readings.items():
+        try:
+            out[key] = read()
+        except pynvml.NVMLError:
+            pass
+    return out
 
 
 class WorkerMonitor:

@@ -377,10 +377,11 @@ class RLWorker:
         return lora_state_dict(self.model)
 
     def full_adapter_tensors(self) -> dict[str, torch.Tensor] | None:
-        """The whole adapter, every routed expert included, on rank 0 (None on the others). Under expert
-        parallelism the ranks of the first EP group gather their blocks, so each of them must call it."""
+        """The whole adapter, every routed expert included, on rank 0 (None on the others), in CPU memory:
+        the controller exports it next to base weights read on the CPU, and under Ray it leaves this process.
+        Under expert parallelism the ranks of the first EP group gather their blocks, so each of them must call it."""
         if self.layout is None:
-            return self.adapter_tensors() if self.rank == 0 else None
+            return {k: v.to("cpu", copy=True) for k, v in self.adapter_tensors().items()} if self.rank == 0 else None
         modules = [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoRAExperts)]
         full = self._gather_expert_blocks([t.detach() for _, m in modules for t in m.factors()])
         if full is None:
@@ -388,7 +389,7 @@ class RLWorker:
         tensors = {k: v for k, v in self.adapter_tensors().items() if ".mlp.experts." not in k}
         for i, (name, _) in enumerate(modules):
             tensors.update(expert_slots(PEFT_PREFIX + name, full[6 * i : 6 * i + 6]))
-        return {k: v.clone() for k, v in tensors.items()}
+        return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
 
     def _gather_expert_blocks(self, blocks: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """[E, ...] tensors from every rank's [E/k, ...] blocks of them, gathered over the first EP group in

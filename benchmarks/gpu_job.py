@@ -8,14 +8,16 @@ restarts or step timeout) and in parallel.device; `recipes/dapo.py` runs it. The
 --steps steps (held-out accuracy before and after), the others --cpu-steps (their s/step only). Prints
 per device: steps, median s/step (step_seconds in metrics.jsonl, steps after the first), held-out accuracy
 before -> after, and the s/step ratio of each device against the first; writes the same as JSON to
-OUT/summary.json. Needs what the one-process job imports: torch, transformers, peft, accelerate,
-bitsandbytes, math-verify (no Ray, no vLLM).
+OUT/summary.json after each device, and each run's output to OUT/<device>-<i>.log as it is printed.
+Needs what the one-process job imports: torch, transformers, peft, accelerate, bitsandbytes, math-verify
+(no Ray, no vLLM).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -45,14 +47,19 @@ def step_seconds(metrics_path: Path) -> list[float]:
 
 
 def run_job(config: dict, path: Path) -> dict:
+    """Run one config; its output goes to <path>.log as it is printed (a run cut off by a time limit leaves
+    its log and its metrics.jsonl so far)."""
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path), "--no-ray"],
-                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    (path.parent / f"{path.stem}.log").write_text(done.stdout + done.stderr)
+    log_path = path.parent / f"{path.stem}.log"
+    with log_path.open("w") as log:
+        done = subprocess.run([sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path), "--no-ray"],
+                              stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    output = log_path.read_text()
     if done.returncode != 0:
-        raise RuntimeError(f"{path}: recipes/dapo.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{path}: recipes/dapo.py exited {done.returncode}:\n{output[-3000:]}")
     times = step_seconds(Path(config["run"]["out_dir"]) / "metrics.jsonl")
-    accuracy = ACCURACY.search(done.stdout)
+    accuracy = ACCURACY.search(output)
     return {
         "device": config["parallel"]["device"], "steps": config["run"]["steps"],
         "median_step_seconds": statistics.median(times) if times else None,
@@ -80,7 +87,7 @@ def main(argv=None) -> list[dict]:
         row["step_seconds_vs_first"] = row["median_step_seconds"] / first if first and row["median_step_seconds"] else None
         print(f"{device}: {steps} steps, {row['median_step_seconds']:.3f} s/step (x{row['step_seconds_vs_first']:.2f} of "
               f"{rows[0]['device']}), held-out avg@4 {row['heldout_before']}% -> {row['heldout_after']}%", flush=True)  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+        (out / "summary.json").write_text(json.dumps(rows, indent=2))  # after every device: a cut-off run keeps the rest
     return rows
 
 

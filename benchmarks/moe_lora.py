@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from moe_lora.lora_layers import LoRAExperts
-from quant.formats import QuantizedWeight, quantize_weight
+from quant.formats import quantize_weight
 from quant.modules import EXPERT_PROJECTIONS, FrozenExperts
 
 DEFAULT_EXPERTS = (8, 32, 64, 128, 256)
@@ -115,19 +115,12 @@ def dense_weights(spec: BenchSpec, num_experts: int) -> dict[str, torch.Tensor]:
     }
 
 
-def quantize_on(w: torch.Tensor, fmt: str, device: str) -> QuantizedWeight:
-    if fmt != "fp8":
-        return quantize_weight(w, fmt)
-    qw = quantize_weight(w, fmt)  # fp8 block quantization returns CPU tensors
-    return replace(qw, data=qw.data.to(device), scale=qw.scale.to(device))
-
-
 def frozen_experts(spec: BenchSpec, dense: dict[str, torch.Tensor], fmt: str) -> FrozenExperts:
     n = dense["gate"].shape[0]
     experts = FrozenExperts(n, spec.hidden, spec.intermediate)
     for p in EXPERT_PROJECTIONS:
         for e in range(n):
-            experts.set_weight(e, p, quantize_on(dense[p][e], fmt, spec.device))
+            experts.set_weight(e, p, quantize_weight(dense[p][e], fmt))
     return experts
 
 

@@ -75,7 +75,7 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     """
     out_dim, in_dim = w.shape
     rows, cols = -(-out_dim // block), -(-in_dim // block)
-    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=w.device)
     padded[:out_dim, :in_dim] = w.float()
     tiles = padded.view(rows, block, cols, block)
     amax = tiles.abs().amax(dim=(1, 3))
@@ -156,7 +156,9 @@ def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> Qu
         if state.nested:
             state.state2.code = _shared_table(state.state2.code)
         return QuantizedWeight("nf4", shape, packed, None, state)
-    q, row_absmax, _ = bnb.int8_vectorwise_quant(w.float().contiguous())
+    # bitsandbytes' CUDA kernel takes float16 only (int8's 8 bits lose nothing to float16's 11); its CPU one any float
+    source = w.half() if w.is_cuda else w.float()
+    q, row_absmax, _ = bnb.int8_vectorwise_quant(source.contiguous())
     return QuantizedWeight("int8", shape, q, row_absmax)
 
 

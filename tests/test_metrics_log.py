@@ -62,3 +62,15 @@ def test_the_health_report_splits_phase_time_waits_and_reward_scoring():
     again = m.report({"train_positions": 0}, engine_positions=0)
     assert again["generate_seconds"] == again["train_seconds"] == again["wait_seconds"] == 0.0  # reset after a report
     assert again["rss_growth_bytes"] > 60 * 2**20 and kept.sum() > 0
+
+
+def test_an_nvml_reading_the_driver_refuses_is_left_out():
+    """NVML answers NVMLError for a reading it cannot give (here every one: no NVML library on this machine);
+    the sample leaves those keys out instead of failing the step, and the health detector skips them."""
+    import pynvml
+
+    from allsync.monitor import gpu_sample
+
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlDeviceGetPowerUsage(None)  # what the sample meets
+    assert gpu_sample(None) == {}

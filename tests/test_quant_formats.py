@@ -62,6 +62,14 @@ def test_fp8_block_quantize_scales_and_error():
     assert (err <= w.abs() * 2**-4 + scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200] * 2**-9).all()
 
 
+def test_fp8_quantize_keeps_the_weights_device():
+    """The loader quantizes each tensor where safetensors put it (cuda:N on GPUs): Q and its scales must stay
+    there. The meta device checks the placement on a machine without a GPU; CPU stays CPU."""
+    for device in ("meta", "cpu"):
+        qw = quantize_weight(torch.ones(300, 200, device=device), "fp8")
+        assert qw.data.device.type == device and qw.scale.device.type == device
+
+
 @pytest.mark.parametrize(
     "fmt, max_rel_rms, max_bytes_per_param",
     [("bf16", 0.004, 2.0), ("fp8", 0.035, 1.001), ("int8", 0.012, 1.02), ("nf4", 0.11, 0.5625)],
