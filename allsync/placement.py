@@ -265,6 +265,7 @@ def start_placement(size: int, gpus_per_worker: float = 0):
     bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     placement = placement_group([bundle] * size, strategy="PACK")
     ray.get(placement.ready())
+    print(placement_summary(placement), flush=True)
     actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(RLWorker)
 
     def start(bundle_index: int, *args, **kwargs):
@@ -272,6 +273,33 @@ def start_placement(size: int, gpus_per_worker: float = 0):
         return actor.options(scheduling_strategy=strategy).remote(*args, threads=WORKER_THREADS, **kwargs)
 
     return placement, start
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+
+
+def placement_summary(placement) -> str:
+    """Where a ready placement group put its bundles (bundle i = rank i): "Ray: 16 workers on 2 nodes: 10.0.0.1
+    ranks 0-7; 10.0.0.2 ranks 8-15". Nodes are told apart by Ray node id (several may share an address)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    node_of_rank = placement_group_table(placement)["bundles_to_node_id"]
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    ranks_of_node: dict[str, list[int]] = {}
+    for rank in sorted(node_of_rank):
+        ranks_of_node.setdefault(node_of_rank[rank], []).append(rank)
+    where = "; ".join(f"{address.get(node, node)} ranks {rank_ranges(ranks)}" for node, ranks in ranks_of_node.items())
+    plural = "s" if len(ranks_of_node) > 1 else ""
+    return f"Ray: {len(node_of_rank)} workers on {len(ranks_of_node)} node{plural}: {where}"
 
 
 def rendezvous_address(placement) -> str:

@@ -5,6 +5,7 @@ uninterrupted expert_parallel 1 run logs."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,67 @@ def test_a_hung_ray_worker_passes_the_step_timeout_and_is_replaced(warm_tiny, ra
     got, want = metrics(out), metrics(ray_run)
     for step in want:
         assert got[step] == want[step], f"step {step} differs after the restart"
+
+
+def two_node_config(path: Path, base: Path, out_dir: Path) -> Path:
+    """The launcher tests' run as 2 nodes x 1 worker: the same 2 workers, so the same metrics."""
+    data = run_config(base, out_dir)
+    data["parallel"].update(nodes=2, workers_per_node=1)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_two_torchrun_nodes_log_the_ray_metrics(warm_tiny, ray_run, tmp_path):
+    """Multi-node SPMD as users start it: one torchrun per node with --nnodes 2 --node_rank i and a shared
+    rendezvous endpoint (both "nodes" on this machine). Each process is LOCAL_RANK 0 of its node, and RANK 0's
+    node alone writes the run's files."""
+    from allsync.placement import free_port
+
+    out = tmp_path / "out"
+    config = two_node_config(tmp_path / "c.yaml", warm_tiny, out)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node",
+                               "1", "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", endpoint.split(":")[1],
+                               str(RECIPE), "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]  # fmt: skip
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    assert outputs[0][0].count("held-out accuracy: base ") == 1 and "held-out accuracy" not in outputs[1][0]
+    got, want = metrics(out), metrics(ray_run)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs between 2 torchrun nodes and Ray"
+
+
+def test_a_two_node_ray_cluster_logs_the_single_node_metrics(warm_tiny, ray_run, tmp_path):
+    """The Ray mode joining a cluster through RAY_ADDRESS, as after `ray start --head` and `ray start --address`
+    on another node: two Ray nodes of 1 CPU each (both on this machine), so each worker lands on its own node, and
+    rank 0's TCP store is opened on its node's address."""
+    import os
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        cluster.wait_for_nodes()
+        out = tmp_path / "out"
+        config = two_node_config(tmp_path / "c.yaml", warm_tiny, out)
+        done = subprocess.run([sys.executable, str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "RAY_ADDRESS": cluster.address})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert len({n.unique_id for n in nodes}) == 2
+        assert re.search(r"Ray: 2 workers on 2 nodes: [\d.]+ ranks 0; [\d.]+ ranks 1\n", done.stdout), done.stdout[:500]
+    finally:
+        cluster.shutdown()
+    got, want = metrics(out), metrics(ray_run)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs between a 2-node Ray cluster and 1 node"
+
+
+def test_rank_ranges_name_runs_of_consecutive_ranks():
+    from allsync.placement import rank_ranges
+
+    assert rank_ranges([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8" and rank_ranges([3]) == "3" and rank_ranges(list(range(48))) == "0-47"
