@@ -250,9 +250,10 @@ def spmd_state(config: RunConfig):
 
 
 def start_placement(size: int, gpus_per_worker: float = 0):
-    """A placement group of `size` bundles (1 CPU [+ GPUs] each) and a function starting an RLWorker actor in bundle i."""
+    """A placement group of `size` bundles (1 CPU [+ GPUs] each) and a function starting an RLWorker actor in slot
+    s = 0..size-1: the bundle `ranks_to_bundles` gives rank s, so that each node's slots are consecutive."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from allsync.worker import RLWorker
@@ -265,14 +266,27 @@ def start_placement(size: int, gpus_per_worker: float = 0):
     bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     placement = placement_group([bundle] * size, strategy="PACK")
     ray.get(placement.ready())
-    print(placement_summary(placement), flush=True)
+    node_of_bundle = placement_group_table(placement)["bundles_to_node_id"]
+    bundle_of_rank = ranks_to_bundles(node_of_bundle)
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    print(placement_summary([node_of_bundle[b] for b in bundle_of_rank], address), flush=True)
     actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(RLWorker)
 
-    def start(bundle_index: int, *args, **kwargs):
-        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle_index)
+    def start(slot: int, *args, **kwargs):
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle_of_rank[slot])
         return actor.options(scheduling_strategy=strategy).remote(*args, threads=WORKER_THREADS, **kwargs)
 
     return placement, start
+
+
+def ranks_to_bundles(node_of_bundle: dict[int, str]) -> list[int]:
+    """The bundle of each rank such that every node's ranks are consecutive: nodes in the order of their first
+    bundle, a node's bundles in order. An expert-parallel group (consecutive ranks) of at most a node's GPUs then
+    stays inside that node, and rank 0 keeps bundle 0. {0: A, 1: B, 2: A, 3: B} -> [0, 2, 1, 3]."""
+    bundles_of_node: dict[str, list[int]] = {}
+    for b in sorted(node_of_bundle):
+        bundles_of_node.setdefault(node_of_bundle[b], []).append(b)
+    return [b for bundles in bundles_of_node.values() for b in bundles]
 
 
 def rank_ranges(ranks: list[int]) -> str:
@@ -286,24 +300,19 @@ def rank_ranges(ranks: list[int]) -> str:
     return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
-def placement_summary(placement) -> str:
-    """Where a ready placement group put its bundles (bundle i = rank i): "Ray: 16 workers on 2 nodes: 10.0.0.1
-    ranks 0-7; 10.0.0.2 ranks 8-15". Nodes are told apart by Ray node id (several may share an address)."""
-    import ray
-    from ray.util.placement_group import placement_group_table
-
-    node_of_rank = placement_group_table(placement)["bundles_to_node_id"]
-    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+def placement_summary(node_of_rank: list[str], address: dict[str, str]) -> str:
+    """Where the workers run, nodes told apart by Ray node id (several may share an address): "Ray: 16 workers on
+    2 nodes: 10.0.0.1 ranks 0-7; 10.0.0.2 ranks 8-15"."""
     ranks_of_node: dict[str, list[int]] = {}
-    for rank in sorted(node_of_rank):
-        ranks_of_node.setdefault(node_of_rank[rank], []).append(rank)
+    for rank, node in enumerate(node_of_rank):
+        ranks_of_node.setdefault(node, []).append(rank)
     where = "; ".join(f"{address.get(node, node)} ranks {rank_ranges(ranks)}" for node, ranks in ranks_of_node.items())
     plural = "s" if len(ranks_of_node) > 1 else ""
     return f"Ray: {len(node_of_rank)} workers on {len(ranks_of_node)} node{plural}: {where}"
 
 
 def rendezvous_address(placement) -> str:
-    """tcp://ip:port of a free port on the node of bundle 0 (rank 0 hosts the workers' TCP store there), so
+    """tcp://ip:port of a free port on the node of bundle 0, rank 0's (it hosts the workers' TCP store there), so
     workers on other nodes of a Ray cluster reach it."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -242,7 +242,17 @@ def test_a_two_node_ray_cluster_logs_the_single_node_metrics(warm_tiny, ray_run,
         assert got[step] == want[step], f"step {step} differs between a 2-node Ray cluster and 1 node"
 
 
-def test_rank_ranges_name_runs_of_consecutive_ranks():
-    from allsync.placement import rank_ranges
+def test_each_nodes_ranks_are_consecutive_whatever_bundles_ray_gave_it():
+    """Ray's PACK strategy does not promise that bundle i sits next to bundle i+1: ranks are dealt to bundles so
+    that every node's ranks are consecutive (an expert-parallel group of 8 on 8-GPU nodes stays in one node)."""
+    from allsync.placement import placement_summary, rank_ranges, ranks_to_bundles
 
+    assert ranks_to_bundles({0: "A", 1: "B", 2: "A", 3: "B"}) == [0, 2, 1, 3]
+    interleaved = {b: "AB"[b % 2] for b in range(16)}  # two 8-GPU nodes, bundles alternating between them
+    bundles = ranks_to_bundles(interleaved)
+    assert sorted(bundles) == list(range(16)) and bundles[0] == 0  # a permutation; rank 0 keeps bundle 0
+    node_of_rank = [interleaved[b] for b in bundles]
+    assert node_of_rank == ["A"] * 8 + ["B"] * 8
+    assert ranks_to_bundles({1: "B", 0: "B", 2: "A"}) == [0, 1, 2]  # the node of bundle 0 comes first
+    assert placement_summary(node_of_rank, {"A": "10.0.0.1", "B": "10.0.0.2"}) == "Ray: 16 workers on 2 nodes: 10.0.0.1 ranks 0-7; 10.0.0.2 ranks 8-15"
     assert rank_ranges([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8" and rank_ranges([3]) == "3" and rank_ranges(list(range(48))) == "0-47"
