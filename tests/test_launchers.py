@@ -200,9 +200,9 @@ def test_two_torchrun_nodes_log_the_ray_metrics(warm_tiny, ray_run, tmp_path):
 
     out = tmp_path / "out"
     config = two_node_config(tmp_path / "c.yaml", warm_tiny, out)
-    endpoint = f"127.0.0.1:{free_port()}"
+    port = str(free_port())
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node",
-                               "1", "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", endpoint.split(":")[1],
+                               "1", "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", port,
                                str(RECIPE), "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]  # fmt: skip
     outputs = [node.communicate(timeout=600) for node in nodes]
