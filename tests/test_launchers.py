@@ -256,3 +256,31 @@ def test_each_nodes_ranks_are_consecutive_whatever_bundles_ray_gave_it():
     assert ranks_to_bundles({1: "B", 0: "B", 2: "A"}) == [0, 1, 2]  # the node of bundle 0 comes first
     assert placement_summary(node_of_rank, {"A": "10.0.0.1", "B": "10.0.0.2"}) == "Ray: 16 workers on 2 nodes: 10.0.0.1 ranks 0-7; 10.0.0.2 ranks 8-15"
     assert rank_ranges([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8" and rank_ranges([3]) == "3" and rank_ranges(list(range(48))) == "0-47"
+
+
+@pytest.mark.parametrize("launcher, config, nodes, per_node", [
+    ("cpu_2proc.yaml", "tiny_cpu.yaml", 1, 2),
+    ("gpu_1node_8.yaml", None, 1, 8),
+    ("h100_6x8.yaml", "dapo_math_deepseek_v3_671b.yaml", 6, 8),
+    ("h100_6x8.yaml", "memory_agent_deepseek_v3_671b_48xh100.yaml", 6, 8),
+])  # fmt: skip
+def test_shipped_accelerate_configs_start_the_world_the_recipe_config_plans(launcher, config, nodes, per_node):
+    """What `accelerate launch --config_file recipes/accelerate/X.yaml --machine_rank 3 ...` hands torchrun (its
+    own argument handling, no process started): nnodes x nproc_per_node, equal to the paired recipe config's
+    parallel.nodes x workers_per_node, which the recipe checks against WORLD_SIZE at start."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    rank = "3"
+    node = ["--machine_rank", rank, "--main_process_ip", "10.1.2.3"] if nodes > 1 else []
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "recipes" / "accelerate" / launcher), *node, str(RECIPE)])
+    args, _, _ = _validate_launch_command(args)
+    prepare_multi_gpu_env(args)  # fills torchrun's arguments in
+    assert int(args.nproc_per_node) == per_node
+    if nodes > 1:  # one machine: no --nnodes, torchrun's default of 1
+        assert (int(args.nnodes), str(args.node_rank), args.rdzv_endpoint) == (nodes, rank, "10.1.2.3:29500")
+    else:
+        assert not hasattr(args, "nnodes")
+    if config is not None:
+        parallel = yaml.safe_load((ROOT / "recipes" / "configs" / config).read_text())["parallel"]
+        assert (parallel.get("nodes", 1), parallel["workers_per_node"]) == (nodes, per_node)
