@@ -1,6 +1,6 @@
 """Supervised warm start: teach a tiny DeepSeek-V3 the task's format and part of its skill before RL.
 
-    path = warm_start("runs/tiny-base")   # cached: a second call with the same settings returns at once
+    path = warm_start("runs/tiny-base", WarmStartSettings(seed=1))   # cached: the same settings again return at once
 
 Steps: build a random tiny checkpoint (`moe_lora.tiny.make_tiny`), load it in transformers (fp32),
 train ALL weights with AdamW on chat-formatted (prompt, "Answer: N") pairs with the loss on the answer
@@ -234,14 +234,25 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def settings_differences(stored, wanted, prefix: str = "") -> list[str]:
+    """`key: stored -> wanted` for every (dotted) setting that differs; a missing side reads as None."""
+    if not isinstance(stored, dict) or not isinstance(wanted, dict):
+        return [] if stored == wanted else [f"{prefix or 'settings'}: {stored!r} -> {wanted!r}"]
+    return [line for key in sorted(set(stored) | set(wanted), key=str)
+            for line in settings_differences(stored.get(key), wanted.get(key), f"{prefix}{key}" if not prefix else f"{prefix}.{key}")]  # fmt: skip
+
+
 def cached_report(out: Path, settings: WarmStartSettings) -> dict | None:
-    """The stored report when `out` holds a warm start with these settings; raises when it holds another."""
+    """The stored report when `out` holds a warm start with these settings; raises when it holds another,
+    naming the settings that differ (a base built for another seed holds other held-out problems)."""
     path = out / SETTINGS_FILE
     if not out.exists() or not any(out.iterdir()):
         return None
     stored = json.loads(path.read_text()) if path.exists() else {}
-    if stored.get("settings") != settings.as_json():
-        raise FileExistsError(f"{out} exists but is not a warm start with these settings; use another directory or overwrite=True")
+    differences = settings_differences(stored.get("settings"), settings.as_json())
+    if differences:
+        raise FileExistsError(f"{out} exists but is not a warm start with these settings (stored -> wanted: "
+                              f"{'; '.join(differences[:4])}); use another directory or overwrite=True")  # fmt: skip
     return stored
 
 
@@ -300,21 +311,32 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
     return WarmStartResult(model, tokenizer, report)
 
 
-def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", spec: TinySpec = DEFAULT_SPEC, steps: int = DEFAULT_STEPS,
-               seed: int = 0, task: ArithmeticSpec | ReasoningGymSpec | MemoryRecallSpec | CalculatorSpec = DEFAULT_TASK, train: TrainSettings = TrainSettings(),
-               eval: EvalSettings = EvalSettings(), overwrite: bool = False, progress: bool = True) -> Path:  # fmt: skip
+def settings_for_run(config) -> WarmStartSettings:
+    """The warm start an RL run (`allsync.config.RunConfig`) builds its base with: supervised on the run's own
+    task and split with the run's `task.seed`, so that the problems RL holds out are never warm-start training
+    data (task_splits draws the held-out problems first, from the seed alone)."""
+    from dataclasses import replace
+
+    spec = replace(DEFAULT_SPEC, tool_tokens=True) if config.agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
+    evaluation = EvalSettings(heldout_size=config.task.heldout_size)
+    if config.agent is not None:  # the answer after a tool output ("Answer: 62560" + eos) is longer than arithmetic's
+        evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
+    return WarmStartSettings(spec, config.task.warm_start_spec(config.agent), seed=config.task.seed, eval=evaluation)
+
+
+def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", settings: WarmStartSettings = WarmStartSettings(),
+               overwrite: bool = False, progress: bool = True) -> Path:  # fmt: skip
     """Train (or reuse) the warm-started checkpoint at `out_dir`; returns its path."""
-    if spec.fp8:
+    if settings.model.fp8:
         raise ValueError("warm_start trains from and writes a bf16 checkpoint; use a TinySpec with fp8=False")
     out = Path(out_dir)
-    settings = WarmStartSettings(spec, task, steps, seed, train, eval)
     if not overwrite and cached_report(out, settings) is not None:
         return out
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp, atomic_output_dir(out, overwrite=True) as out_tmp:
-        base = make_tiny(Path(tmp) / "base", spec)
+        base = make_tiny(Path(tmp) / "base", settings.model)
         with torch_threads(settings.train.threads):
             result = train_and_evaluate(settings, base, progress)
         result.report["total_seconds"] = round(time.time() - start, 1)
-        save_checkpoint(out_tmp, result.model, base, spec.shards, result.report)
+        save_checkpoint(out_tmp, result.model, base, settings.model.shards, result.report)
     return out

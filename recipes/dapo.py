@@ -45,19 +45,14 @@ def ensure_base(config: RunConfig) -> None:
         if not (Path(config.model.base) / "config.json").exists():
             raise ConfigError(f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)")
         return
-    from dataclasses import replace
+    from allsync.warm_start import settings_for_run, warm_start
 
-    from allsync.warm_start import DEFAULT_SPEC, EvalSettings, warm_start
-
-    spec = replace(DEFAULT_SPEC, tool_tokens=True) if config.agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
-    try:  # supervised on the run's own task; its held-out problems are the ones RL evaluates on
-        evaluation = EvalSettings(heldout_size=config.task.heldout_size)
-        if config.agent is not None:  # the answer after a tool output ("Answer: 62560" + eos) is longer than arithmetic's
-            evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
-        warm_start(config.model.base, spec=spec, task=config.task.warm_start_spec(config.agent), eval=evaluation)
+    try:  # supervised on the run's own task and seed: the problems RL holds out are never its training data
+        warm_start(config.model.base, settings_for_run(config))
     except FileExistsError as exc:
-        raise ConfigError(f"model.base = {config.model.base!r} with model.warm_start: {exc} (e.g. a cache from an older "
-                          "allsync: delete it to rebuild)") from exc  # fmt: skip
+        raise ConfigError(f"model.base = {config.model.base!r} with model.warm_start: {exc}. A base is built for one "
+                          "task and task.seed (an older allsync may have built it too): give model.base another directory "
+                          "for this run, or delete it to rebuild") from exc  # fmt: skip
 
 
 def heldout_evaluation(group, problems, samples: int, memory: str = "own") -> tuple[dict, list]:

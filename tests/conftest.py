@@ -25,13 +25,11 @@ def warm_tiny(tmp_path_factory):
     """A tiny DeepSeek-V3 given a short supervised warm start on 1-digit addition: it answers in the
     "Answer: N" format and is right often enough that sampled groups have mixed rewards."""
     from allsync.tasks import ArithmeticSpec
-    from allsync.warm_start import EvalSettings, TrainSettings, warm_start
+    from allsync.warm_start import EvalSettings, TrainSettings, WarmStartSettings, warm_start
 
-    return warm_start(
-        tmp_path_factory.mktemp("warm") / "tiny-warm", steps=60, task=ArithmeticSpec(1, 1),
-        train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
-        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
-    )  # fmt: skip
+    settings = WarmStartSettings(task=ArithmeticSpec(1, 1), steps=60, train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+                                 eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12))  # fmt: skip
+    return warm_start(tmp_path_factory.mktemp("warm") / "tiny-warm", settings, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +38,9 @@ def warm_dense(tmp_path_factory):
     from dataclasses import replace
 
     from allsync.tasks import ArithmeticSpec
-    from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, warm_start
+    from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, WarmStartSettings, warm_start
 
-    return warm_start(
-        tmp_path_factory.mktemp("dense") / "warm", spec=replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers), steps=60,
-        task=ArithmeticSpec(1, 1), train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
-        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12), progress=False,
-    )  # fmt: skip
+    settings = WarmStartSettings(replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers), ArithmeticSpec(1, 1), steps=60,
+                                 train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+                                 eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12))  # fmt: skip
+    return warm_start(tmp_path_factory.mktemp("dense") / "warm", settings, progress=False)

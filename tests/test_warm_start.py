@@ -22,8 +22,8 @@ from quant.checkpoint_io import INDEX_NAME, atomic_output_dir
 from quant.layout import expected_tensors
 from quant.loader import QuantPlan, load_frozen_model
 
-FAST = dict(steps=4, seed=0, task=ArithmeticSpec(1, 2), train=TrainSettings(batch_size=8, warmup_steps=2),
-            eval=EvalSettings(heldout_size=6, samples_per_problem=2, max_new_tokens=6), progress=False)  # fmt: skip
+FAST = WarmStartSettings(task=ArithmeticSpec(1, 2), steps=4, seed=0, train=TrainSettings(batch_size=8, warmup_steps=2),
+                         eval=EvalSettings(heldout_size=6, samples_per_problem=2, max_new_tokens=6))  # fmt: skip
 
 
 def _disk_tensors(path):
@@ -79,7 +79,7 @@ def test_to_disk_tensors_rejects_a_foreign_state_dict():
 def trained(tmp_path_factory):
     """A few warm-start steps and the checkpoint saved from them (shared by the checks below)."""
     root = tmp_path_factory.mktemp("ws")
-    settings = WarmStartSettings(DEFAULT_SPEC, FAST["task"], FAST["steps"], 0, FAST["train"], FAST["eval"])
+    settings = FAST
     base = make_tiny(root / "base", DEFAULT_SPEC)
     result = train_and_evaluate(settings, base, progress=False)
     with atomic_output_dir(root / "out") as tmp:
@@ -128,7 +128,7 @@ def test_bf16_checkpoint_reloads_with_the_same_logits(trained):
 
 
 def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
-    out = warm_start(tmp_path / "base", **FAST)
+    out = warm_start(tmp_path / "base", FAST, progress=False)
     report = json.loads((out / "warm_start.json").read_text())
     assert report["total_seconds"] >= report["train_seconds"]
 
@@ -136,9 +136,9 @@ def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
         raise AssertionError("a cached warm start must not train again")
 
     monkeypatch.setattr(ws, "train_and_evaluate", fail)
-    assert warm_start(tmp_path / "base", **FAST) == out
-    with pytest.raises(FileExistsError, match="not a warm start with these settings"):
-        warm_start(tmp_path / "base", **{**FAST, "steps": 5})
+    assert warm_start(tmp_path / "base", FAST, progress=False) == out
+    with pytest.raises(FileExistsError, match=r"not a warm start with these settings \(stored -> wanted: seed: 0 -> 3; steps: 4 -> 5\)"):
+        warm_start(tmp_path / "base", replace(FAST, steps=5, seed=3), progress=False)
     assert json.loads((out / "warm_start.json").read_text()) == report  # untouched
 
 
@@ -156,7 +156,7 @@ from allsync.warm_start import warm_start
 
 out, threads = sys.argv[1], int(sys.argv[2])
 caller = torch.get_num_threads()
-warm_start(out, **{**FAST, "train": replace(FAST["train"], threads=threads)})
+warm_start(out, replace(FAST, train=replace(FAST.train, threads=threads)), progress=False)
 assert torch.get_num_threads() == caller, (torch.get_num_threads(), caller)  # the caller's count is back
 """
 
@@ -185,3 +185,32 @@ def test_a_thread_count_that_cannot_be_set_is_reported(monkeypatch):
     with pytest.warns(RuntimeWarning, match=f"torch threads stay {torch.get_num_threads()} \\(asked for 7\\)"):
         with ws.torch_threads(7):
             pass
+
+SHIPPED = Path(__file__).parents[1] / "recipes" / "configs"
+
+
+@pytest.mark.parametrize("config_name", ["tiny_cpu.yaml", "tiny_cpu_memory.yaml", "tiny_cpu_agent_calculator.yaml"])
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_the_runs_heldout_problems_are_never_warm_start_training_data(config_name, seed):
+    """The base a run builds (settings_for_run) is split with the run's task.seed: none of the problems RL holds
+    out for that seed is among the warm start's training problems. (Before: the warm start split with seed 0
+    whatever task.seed said, and with task.seed 1 195 of the 200 held-out problems were warm-start data.)"""
+    import yaml
+
+    from allsync.config import parse_config
+    from allsync.tasks import task_splits
+    from allsync.warm_start import settings_for_run
+
+    raw = yaml.safe_load((SHIPPED / config_name).read_text())
+    config = parse_config({**raw, "task": {**raw.get("task", {}), "seed": seed}})
+    settings = settings_for_run(config)
+    assert settings.seed == seed
+    warm = task_splits(settings.task, settings.train_size, settings.eval.heldout_size, settings.seed)
+
+    def identity(p):  # a memory-recall problem is its question and the chunks it reads
+        return p.prompt, json.dumps(p.metadata, sort_keys=True)
+
+    heldout = {identity(p) for p in config.task.splits()[0].heldout}
+    assert len(heldout) == config.task.heldout_size and len(warm.train) == settings.train_size
+    assert heldout.isdisjoint(identity(p) for p in warm.train)
+    assert heldout == {identity(p) for p in warm.heldout}  # the base was scored on the run's own held-out problems
