@@ -3,13 +3,16 @@
     pool = RewardPool(RewardSpec(name="math_dapo", timeout_s=10), processes=2)
     results = pool.score([(response, {"prompt": ..., "answer": "42"}), ...])   # [RewardResult, ...]
 
-Each worker is a fresh interpreter (`python -m evals.reward_pool SPEC`, never a fork of the trainer) that
-reads one JSON line per sample on stdin and writes one JSON result line; rewards run in its main thread, so
+Each worker is a fresh interpreter (`python -m evals.reward_pool SPEC IN_FD OUT_FD`, never a fork of the trainer)
+that reads one JSON line per sample from a pipe of its own and writes one JSON result line to another; rewards run
+in its main thread, so
 math-verify's own timeout (signal.alarm, main thread only) works there. Samples go out in waves, one per
 worker, and each wave gets `timeout_s`: a worker that has not answered by then is killed and replaced, and
 its sample is a timeout, so one bad sample costs at most timeout_s plus a restart. An exception of any kind
-(math-verify's TimeoutException subclasses BaseException) comes back as an error naming its type. What
-user code prints goes to stderr, never into the protocol.
+(math-verify's TimeoutException subclasses BaseException) comes back as an error naming its type, and so does a
+score that is NaN or infinite. User code cannot reach the protocol: the process's stdin is /dev/null, its stdout
+(fd 1: print, C code, child processes such as `echo`) is the parent's stderr, and the protocol pipes are not
+inherited by the processes user code starts.
 
 The reward is a registry name (`evals.rewards.score(name, response, ground_truth)` with the row's "answer"),
 or a user function `"package.module:function"` called as function(response, row) -> float | dict, where a
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import selectors
 import subprocess
@@ -68,7 +72,10 @@ def score_sample(spec: RewardSpec, response: str, row: dict) -> float:
         if "score" not in out:
             raise TypeError(f"{spec.function} returned a dict without 'score' (keys {sorted(out)})")
         out = out["score"]
-    return float(out)
+    score = float(out)
+    if not math.isfinite(score):
+        raise ValueError(f"the reward is {score}, not a finite number")
+    return score
 
 
 def _guarded(spec: RewardSpec, response: str, row: dict) -> tuple[float | None, str | None]:
@@ -79,20 +86,34 @@ def _guarded(spec: RewardSpec, response: str, row: dict) -> tuple[float | None, 
 
 
 class _Worker:
-    """One reward process and its pipes."""
+    """One reward process and its two protocol pipes (requests in, results out)."""
 
     def __init__(self, spec: RewardSpec):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the parent's imports resolve
-        self.proc = subprocess.Popen([sys.executable, "-m", "evals.reward_pool", json.dumps(asdict(spec))], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)  # fmt: skip
+        request_read, request_write = os.pipe()
+        result_read, result_write = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "evals.reward_pool", json.dumps(asdict(spec)), str(request_read),
+                                          str(result_write)], stdin=subprocess.DEVNULL, stdout=sys.__stderr__.fileno(),
+                                         pass_fds=(request_read, result_write), env=env)  # fmt: skip
+        finally:
+            os.close(request_read)
+            os.close(result_write)
+        self.requests = os.fdopen(request_write, "w", buffering=1)
+        self.results = os.fdopen(result_read, "r")
 
     def send(self, response: str, row: dict) -> None:
-        self.proc.stdin.write(json.dumps([response, row]) + "\n")
-        self.proc.stdin.flush()
+        self.requests.write(json.dumps([response, row]) + "\n")
+        self.requests.flush()
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        for pipe in (self.requests, self.results):
+            try:
+                pipe.close()
+            except OSError:  # a request the dead process never read
+                pass
 
 
 class RewardPool:
@@ -118,16 +139,17 @@ class RewardPool:
         selector = selectors.DefaultSelector()
         for i, (response, row) in enumerate(wave):
             self.workers[i].send(response, row)
-            selector.register(self.workers[i].proc.stdout, selectors.EVENT_READ, i)
+            selector.register(self.workers[i].results, selectors.EVENT_READ, i)
         results: dict[int, RewardResult] = {}
         deadline = time.monotonic() + self.spec.timeout_s
         while len(results) < len(wave) and (left := deadline - time.monotonic()) > 0:
             for key, _ in selector.select(timeout=left):
                 i = key.data
-                line = self.workers[i].proc.stdout.readline()
+                line = self.workers[i].results.readline()
                 selector.unregister(key.fileobj)
                 if not line:  # the process died (e.g. killed by the OS): restart it
                     results[i] = RewardResult(None, f"reward process exited with code {self.workers[i].proc.wait()}")
+                    self.workers[i].kill()
                     self.workers[i] = _Worker(self.spec)
                     continue
                 value, error = json.loads(line)
@@ -152,14 +174,17 @@ class RewardPool:
         self.close()
 
 
-def serve(spec: RewardSpec) -> None:
-    """A reward process: one JSON line [response, row] in, one JSON line [score | null, error | null] out."""
-    protocol, sys.stdout = sys.stdout, sys.stderr  # what user code prints goes to stderr
-    for line in sys.stdin:
-        response, row = json.loads(line)
-        protocol.write(json.dumps(list(_guarded(spec, response, row))) + "\n")
-        protocol.flush()
+def serve(spec: RewardSpec, request_fd: int, result_fd: int) -> None:
+    """A reward process: one JSON line [response, row] in from request_fd, one JSON line [score | null, error | null]
+    out to result_fd. Neither descriptor is passed on to the processes that user code starts."""
+    for fd in (request_fd, result_fd):
+        os.set_inheritable(fd, False)
+    with os.fdopen(request_fd, "r") as requests, os.fdopen(result_fd, "w") as results:
+        for line in requests:
+            response, row = json.loads(line)
+            results.write(json.dumps(list(_guarded(spec, response, row))) + "\n")
+            results.flush()
 
 
 if __name__ == "__main__":
-    serve(RewardSpec(**json.loads(sys.argv[1])))
+    serve(RewardSpec(**json.loads(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))

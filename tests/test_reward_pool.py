@@ -25,6 +25,24 @@ def test_user_function_dict_score_and_errors():
         assert result.score is None and result.error == "ZeroDivisionError: bad verifier"
 
 
+def test_user_code_that_writes_to_the_real_stdout_or_reads_stdin_cannot_touch_the_protocol():
+    """A reward whose child process (`echo`) or C code writes to fd 1, or that reads stdin: scores come back as the
+    function returned them (before: true scores 0,0,0 came back as 1,0,1, stdout being the protocol)."""
+    samples = [("x", {"answer": "1"})] * 3
+    with RewardPool(RewardSpec(function="reward_functions:echoes"), processes=1) as pool:
+        assert [(r.score, r.error) for r in pool.score(samples)] == [(0.0, None)] * 3
+    with RewardPool(RewardSpec(function="reward_functions:reads_stdin"), processes=2) as pool:
+        assert [(r.score, r.error) for r in pool.score(samples)] == [(0.0, None)] * 3
+
+
+def test_nan_and_inf_rewards_are_errors():
+    with RewardPool(RewardSpec(function="reward_functions:not_finite"), processes=1) as pool:
+        results = pool.score([("nan", {"answer": "1"}), ("-inf", {"answer": "1"}), ("0.5", {"answer": "1"})])
+    assert [r.score for r in results] == [None, None, 0.5]
+    assert results[0].error == "ValueError: the reward is nan, not a finite number"
+    assert results[1].error == "ValueError: the reward is -inf, not a finite number"
+
+
 def test_a_sample_past_its_timeout_costs_the_timeout_plus_at_most_one_second():
     with RewardPool(RewardSpec(function="reward_functions:sleeps", timeout_s=2.0), processes=2) as pool:
         start = time.monotonic()
