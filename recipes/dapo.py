@@ -122,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         if launched and args.no_ray:
             raise ConfigError("--no-ray under torchrun / accelerate launch: every launched process is already one worker "
                               "and Ray is never started; drop --no-ray")  # fmt: skip
-        in_process = not launched and (args.no_ray or config.parallel.workers == 1)  # allsync.placement.WorkerGroup
-        if in_process and (config.run.max_restarts or config.run.step_timeout is not None):
+        restarts = config.run.max_restarts or config.run.step_timeout is not None
+        if args.no_ray and restarts and rank == 0:  # the flag asks for one in-process worker: say what it turns off
+            print(f"note: --no-ray: run.max_restarts = {config.run.max_restarts} and run.step_timeout = {config.run.step_timeout} "
+                  "do not apply (a lost worker is this process; nothing could restart it)", file=sys.stderr)  # fmt: skip
+            config.run.max_restarts, config.run.step_timeout = 0, None
+        elif not launched and config.parallel.workers == 1 and restarts:  # the config contradicts itself
             raise ConfigError(f"{args.config}: run.max_restarts = {config.run.max_restarts} / run.step_timeout = "
-                              f"{config.run.step_timeout} with the worker in this process ({'--no-ray' if args.no_ray else 'one worker'}): "
-                              "a lost worker would be this process; use Ray with 2+ workers or torchrun --max-restarts, "
-                              "or set them to 0 / null")  # fmt: skip
+                              f"{config.run.step_timeout} with one worker, which runs in this process: a lost worker would "
+                              "be this process; use Ray with 2+ workers or torchrun --max-restarts, or set them to 0 / null")  # fmt: skip
         if args.no_ray and config.parallel.expert_parallel > 1:
             raise ConfigError(f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
                               "one in-process worker holds every expert; drop --no-ray or use 1")  # fmt: skip

@@ -124,12 +124,24 @@ def test_expert_parallel_in_one_process_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("run", [{"max_restarts": 1}, {"step_timeout": 60}])
-def test_restart_settings_with_the_worker_in_this_process_are_refused(run, tmp_path):
-    """--no-ray: a lost worker is the recipe's own process, nothing could restart it."""
-    config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(tmp_path / "run"), **run}}
+def test_restart_settings_with_one_worker_in_this_process_are_refused(run, tmp_path):
+    """A config of one worker (it runs in the recipe's own process) with restarts contradicts itself."""
+    config = {"model": {"base": str(tmp_path / "none")}, "parallel": {"workers_per_node": 1}, "run": {"out_dir": str(tmp_path / "run"), **run}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "with one worker, which runs in this process: a lost worker would be this process" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_ray_says_that_restarts_do_not_apply_and_goes_on(tmp_path):
+    """--no-ray with a config that has restarts (the default one has 2 and a 300 s step timeout): one line says
+    they do not apply, and the run goes on (here to the next check: the base that does not exist)."""
+    config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(tmp_path / "run"), "max_restarts": 2, "step_timeout": 300}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    assert "with the worker in this process (--no-ray): a lost worker would be this process" in done.stderr
-    assert not (tmp_path / "run").exists()
+    lines = done.stderr.splitlines()
+    assert lines[0] == "note: --no-ray: run.max_restarts = 2 and run.step_timeout = 300 do not apply (a lost worker is this process; nothing could restart it)"
+    assert done.returncode == 2 and "no checkpoint there" in lines[1]
