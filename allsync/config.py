@@ -716,9 +716,10 @@ def check_agent(c: RunConfig, fail) -> None:
         fail(f"agent with algorithm.advantage {c.algorithm.advantage} / rollout.window: an episode's one reward trains its "
              "turns through a group-relative advantage; use grpo or drgrpo without windows")  # fmt: skip
     if c.reward.function is not None or c.reward.name != RewardSection.name or c.reward.length is not None \
-            or c.algorithm.overlong is not None:
-        fail("reward.name / reward.function / reward.length / algorithm.overlong with agent: the environment's step "
-             "returns the episode's reward; leave them out (reward.on_error and reward.timeout_s still apply)")  # fmt: skip
+            or c.algorithm.overlong is not None or c.reward.timeout_s != RewardSection.timeout_s:
+        fail("reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with agent: the "
+             "environment's step returns the episode's reward; leave them out (reward.on_error still applies, and "
+             "agent.step_timeout_s bounds each environment call)")  # fmt: skip
 
 
 def config_with_model_checks(config: RunConfig, model_config: dict, source: str) -> None:

@@ -2,6 +2,8 @@
 builds rows (an observation that extends the row is appended with loss mask 0, a new context starts a new
 segment), environment errors, and the config refusals."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -79,9 +81,9 @@ class ScriptedEnv:
     with reward 1 if it is even-length; with new_context the second observation replaces the conversation."""
 
     def __init__(self, tools, new_context: bool = False, sleep: float = 0.0, fail: bool = False, bad: bool = False,
-                 never_done: bool = False):  # fmt: skip
+                 never_done: bool = False, long_observation: str | None = None):  # fmt: skip
         self.new_context, self.sleep, self.fail, self.turn = new_context, sleep, fail, 0
-        self.bad, self.never_done = bad, never_done
+        self.bad, self.never_done, self.long_observation = bad, never_done, long_observation
 
     def reset(self, row):
         return [{"role": "user", "content": row["prompt"]}]
@@ -95,6 +97,8 @@ class ScriptedEnv:
         self.turn += 1
         if self.never_done:
             return [{"role": "tool", "content": "again"}], 0.0, False
+        if self.turn == 1 and self.long_observation:  # the role it is sent as
+            return [{"role": self.long_observation, "content": "the output: " + "12 " * 100}], 0.0, False
         if self.turn == 1 and self.new_context:
             return [{"role": "user", "content": "Start over: " + text[:3], "new_context": True}], 0.0, False
         if self.turn == 1:
@@ -107,14 +111,15 @@ def tiny_tools(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tools") / "tiny-tools", TinySpec(seed=0, tool_tokens=True))
 
 
-def agent_config(base, env_kwargs_env="tests.test_agent:ScriptedEnv", on_error="fail", timeout=10.0):
+def agent_config(base, env_kwargs_env="tests.test_agent:ScriptedEnv", on_error="fail", timeout=10.0, observation_tokens=64):
     return parse_config({
         "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
         "lora": {"rank": 4, "alpha": 8},
         "run": {"export": "merged"},
         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 5},
         "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
-        "agent": {"env": env_kwargs_env, "tools": [MULTIPLY], "max_turns": 3, "max_observation_tokens": 64, "step_timeout_s": timeout},
+        "agent": {"env": env_kwargs_env, "tools": [MULTIPLY], "max_turns": 3, "max_observation_tokens": observation_tokens,
+                  "step_timeout_s": timeout},
         "reward": {"on_error": on_error},
         "parallel": {"workers_per_node": 1},
     })  # fmt: skip
@@ -155,7 +160,6 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
     ({"sleep": 60.0}, r"step took longer than agent.step_timeout_s = 0.5 s"),
     ({"fail": True}, r"step raised KeyError"),
     ({"bad": True}, r"malformed observation \[\{'role': 'robot', 'content': 42\}\]"),
-    ({"never_done": True}, r"not done after agent.max_turns = 3 replies"),
 ])  # fmt: skip
 def test_environment_errors_name_the_row_or_score_wrong(tiny_tools, kwargs, message):
     problems = [Problem("What is 2*3?", "6", {"env_kwargs": kwargs})]
@@ -175,12 +179,73 @@ def test_environment_errors_name_the_row_or_score_wrong(tiny_tools, kwargs, mess
         worker.shutdown()
 
 
+def test_an_episode_past_max_turns_is_an_ordinary_wrong_outcome(tiny_tools):
+    """A policy that keeps calling tools is not an environment error: even under reward.on_error fail the episode
+    ends scored 0 and is counted (max_turns_reached), and the step goes on."""
+    problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"never_done": True}})]
+    worker = RLWorker(agent_config(tiny_tools, on_error="fail"), problems)
+    try:
+        episodes, _ = worker.collect(2)
+        assert [(e.reward, e.info["max_turns_reached"], e.info["turns"], e.info["env_errors"]) for e in episodes] == [(0.0, 1, 3, 0)] * 4
+    finally:
+        worker.shutdown()
+
+
+HUNG_ENVIRONMENT = """
+import threading
+from allsync.producers.agent import Conversation, ToolAgent
+from allsync.envs import EnvError
+
+class Hung:
+    def step(self, text):
+        threading.Event().wait()  # never returns
+
+agent = ToolAgent(None, None, Hung, [], None, 1, 1, 1, 0.3, "wrong")
+try:
+    agent.call(Conversation(Hung(), {}, [], ""), "step", "x")
+except EnvError as exc:
+    print(exc)
+"""
+
+
+def test_a_process_exits_after_an_environment_call_hung_past_its_timeout():
+    """The hung call is abandoned on a daemon thread: the process ends (before: Python joined the executor's
+    thread at exit, and --no-ray or torchrun runs never exited)."""
+    done = subprocess.run([sys.executable, "-c", HUNG_ENVIRONMENT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "step took longer than agent.step_timeout_s = 0.3 s"
+
+
+@pytest.mark.parametrize("role, closing", [("tool", "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"), ("user", "<｜Assistant｜>")])
+def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_tools, role, closing):
+    """An observation past agent.max_observation_tokens is cut in its content: the row keeps the template's closing
+    tokens and the next assistant header, goes on as one row, and the trainer's logprobs equal the engine's."""
+    problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"long_observation": role}})]
+    worker = RLWorker(agent_config(tiny_tools, observation_tokens=24), problems)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
+    try:
+        torch.manual_seed(0)
+        episodes, stats = worker.collect(2)
+        for e in episodes:
+            (segment,) = e.segments
+            first = segment.loss_mask.index(0)
+            observed = segment.response_ids[first : first + segment.loss_mask.count(0)]
+            text = tokenizer.decode(observed)
+            assert len(observed) <= 24 and e.info["observation_tokens"] == len(observed) and e.info["observations_cut"] == 1
+            assert text.endswith(closing) and "the output: 12 12" in text and text.count("12") < 100
+            assert e.info["turns"] == 2
+        assert worker.train(episodes, stats["group_index"])["logprob_gap"] < 1e-3
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("change, message", [
     ({"agent": {"env": "allsync.envs.calculator:Nope"}}, r"agent.env: 'allsync.envs.calculator' has no class 'Nope'"),
     ({"agent": {"tools": [{"name": "multiply"}]}}, r"agent.tools\[0\]: expected an OpenAI function schema"),
     ({"agent": {"max_turns": 0}}, r"agent.max_turns \(0\)"),
     ({"algorithm": {"multiconv": {}}, "rollout": {"memory_tokens": 4}}, r"algorithm.multiconv with task.name calculator|agent with algorithm.multiconv"),
-    ({"reward": {"name": "exact"}}, r"reward.name / reward.function / reward.length / algorithm.overlong with agent"),
+    ({"reward": {"name": "exact"}}, r"reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with agent"),
+    ({"reward": {"timeout_s": 3}}, r"reward.timeout_s / reward.length / algorithm.overlong with agent"),
     ({"agent": None}, r"task.name calculator needs an agent section"),
 ])  # fmt: skip
 def test_agent_refusals_name_the_keys(change, message):

@@ -8,15 +8,18 @@ extend it (the environment reset the context, as a memory agent does) starts a n
 engine's own reply ids are never re-encoded, so their logprobs stay valid. The reward at done trains
 every reply token of every segment (allsync/update.py).
 
-Errors (an environment that raises, takes longer than agent.step_timeout_s, returns a malformed
-observation, or is not done after agent.max_turns replies) are reported with the episode's row; with
-reward.on_error fail the step stops, with wrong the episode ends scored 0.
+Errors (an environment that raises, takes longer than agent.step_timeout_s or returns a malformed observation)
+are reported with the episode's row; with reward.on_error fail the step stops, with wrong the episode ends
+scored 0. Environment calls run on a daemon thread: a call past its timeout is abandoned there, and the process
+can still exit. An episode still going after agent.max_turns replies is an ordinary outcome: it ends scored 0
+(`max_turns_reached`). An observation longer than agent.max_observation_tokens is cut in its messages' content
+and rendered again, so the row keeps the template's closing tokens and the next assistant header.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import queue
+import threading
 from dataclasses import dataclass, field
 
 from allsync.envs import EnvError, check_observation
@@ -39,7 +42,44 @@ class Conversation:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=lambda: {"turns": 0, "tool_calls": 0, "tool_errors": 0, "observation_tokens": 0,
-                                                "observations_cut": 0, "env_errors": 0})  # fmt: skip
+                                                "observations_cut": 0, "env_errors": 0, "max_turns_reached": 0})  # fmt: skip
+
+
+class DaemonCaller:
+    """Calls run one at a time on a daemon thread, each with a timeout. A call past it keeps that thread, which is
+    abandoned (a daemon thread never holds the process at exit) and replaced by a fresh one for later calls."""
+
+    def __init__(self):
+        self._start()
+
+    def _start(self) -> None:
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(self.requests,), name="agent-env", daemon=True).start()
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue) -> None:
+        while (request := requests.get()) is not None:
+            fn, args, reply = request
+            try:
+                reply.put((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which reports it with its row
+                reply.put((False, exc))
+
+    def __call__(self, fn, args: tuple, timeout: float):
+        """fn(*args); TimeoutError past `timeout` seconds; what fn raises is raised here."""
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        self.requests.put((fn, args, reply))
+        try:
+            ok, value = reply.get(timeout=timeout)
+        except queue.Empty:
+            self._start()
+            raise TimeoutError from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self.requests.put(None)
 
 
 class ToolAgent:
@@ -51,7 +91,7 @@ class ToolAgent:
         self.engine, self.tokenizer, self.env_class, self.tools = engine, tokenizer, env_class, tools
         self.sampling, self.group_size, self.max_turns = sampling, group_size, max_turns
         self.max_observation_tokens, self.step_timeout_s, self.on_error = max_observation_tokens, step_timeout_s, on_error
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-env")
+        self.caller = DaemonCaller()
 
     def render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools or None, add_generation_prompt=True, tokenize=False)
@@ -61,12 +101,9 @@ class ToolAgent:
 
     def call(self, conversation: Conversation, method: str, *args):
         """env.<method>(*args) with agent.step_timeout_s; EnvError naming the row when it raises or times out."""
-        future = self.pool.submit(getattr(conversation.env, method), *args)
         try:
-            return future.result(timeout=self.step_timeout_s)
-        except FutureTimeout:  # the stuck call keeps its thread; later calls get a fresh one
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-env")
+            return self.caller(getattr(conversation.env, method), args, self.step_timeout_s)
+        except TimeoutError:
             raise EnvError(f"{method} took longer than agent.step_timeout_s = {self.step_timeout_s} s") from None
         except Exception as exc:  # noqa: BLE001 - whatever the user's environment raises is reported with its row
             raise EnvError(f"{method} raised {type(exc).__name__}: {exc}") from exc
@@ -114,8 +151,9 @@ class ToolAgent:
         if done:
             c.done, c.reward = True, float(reward)
             return
-        if c.info["turns"] >= self.max_turns:
-            self.failed(c, EnvError(f"not done after agent.max_turns = {self.max_turns} replies"))
+        if c.info["turns"] >= self.max_turns:  # the policy's own outcome (it kept calling tools): scored as wrong
+            c.done, c.reward = True, 0.0
+            c.info["max_turns_reached"] = 1
             return
         if observation and observation[0].get("new_context"):  # the environment starts the context over
             c.messages = [{k: v for k, v in m.items() if k != "new_context"} for m in observation]
@@ -125,19 +163,35 @@ class ToolAgent:
         segment = c.segments[-1]
         if text.startswith(c.text):  # the same row goes on: the observation's tokens are not trained
             observed = self.encode(text[len(c.text) :])
-            added = observed[: self.max_observation_tokens]
-            segment.response_ids += added
-            segment.engine_logprobs += [0.0] * len(added)
-            segment.loss_mask += [0] * len(added)
-            c.info["observation_tokens"] += len(added)
-            if len(added) < len(observed):  # cut: the row holds less than the rendering, so the next prompt starts a segment
+            if len(observed) > self.max_observation_tokens and observation:
+                c.messages, text, observed = self.cut_observation(c.messages, len(observation), c.text, len(observed))
                 c.info["observations_cut"] += 1
-                c.text += self.tokenizer.decode(added, skip_special_tokens=False)
-            else:
-                c.text = text
+            segment.response_ids += observed
+            segment.engine_logprobs += [0.0] * len(observed)
+            segment.loss_mask += [0] * len(observed)
+            c.info["observation_tokens"] += len(observed)
+            c.text = text
         else:  # the context was reset: a new segment
             c.segments.append(Segment(self.encode(text), [], [], "stop", "turn", 0, []))
             c.text = text
+
+    def cut_observation(self, messages: list[dict], new: int, row_text: str, observed: int) -> tuple[list[dict], str, list[int]]:
+        """(messages, rendering, the rendering's tokens past row_text) with the last `new` messages' contents cut,
+        earlier ones first, until those tokens fit agent.max_observation_tokens. The template's framing (the tool
+        output markers, the next assistant header) is never cut: contents get the budget it leaves, down to
+        nothing. Cut messages stay in the conversation, so the next prompt still extends the row."""
+        contents = [self.encode(m["content"]) for m in messages[-new:]]
+        allowed = self.max_observation_tokens - (observed - sum(map(len, contents)))  # the budget less the framing
+        while True:
+            kept, left = list(messages[:-new]), max(allowed, 0)
+            for m, ids in zip(messages[-new:], contents):
+                kept.append({**m, "content": self.tokenizer.decode(ids[:left], skip_special_tokens=False)})
+                left -= min(left, len(ids))
+            text = self.render(kept)
+            tokens = self.encode(text[len(row_text) :])
+            if len(tokens) <= self.max_observation_tokens or allowed <= 0:  # a cut may re-tokenize a token longer
+                return kept, text, tokens
+            allowed -= len(tokens) - self.max_observation_tokens
 
     def run(self, problems: list[Problem], n: int, sampling: Sampling) -> list[Conversation]:
         """n episodes per problem, every active one advanced one reply per engine call."""
@@ -169,7 +223,7 @@ class ToolAgent:
         self.run([], self.group_size, self.sampling)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.caller.close()
 
 
 def agent_records(conversations: list[Conversation], problem_ids: list[int], n: int) -> list:
