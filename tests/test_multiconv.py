@@ -180,3 +180,19 @@ def test_refusals_name_the_keys(change, message):
     data["rollout"] = {k: v for k, v in data["rollout"].items() if v is not None}
     with pytest.raises(ConfigError, match=message):
         parse_config(data)
+
+
+def test_a_message_list_prompt_is_rendered_through_the_chat_template(tiny_bf16):
+    """verl's layout: `prompt` is a list of messages. Each conversation renders them with the chat template (the
+    system message in its place, the memory and chunk in the last user turn), never as a Python tuple's repr."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
+    question = (("system", "Read carefully."), ("user", "Question: what is a?"))
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    chunk, memory = encode("a = 5"), encode("b = 2")
+    text = tokenizer.decode(conversation_ids(tokenizer, question, chunk, memory))
+    assert text == ("<｜begin▁of▁sentence｜>Read carefully.<｜User｜>Question: what is a?\nMemory: b = 2\nText: a = 5\n"
+                    "New memory:<｜Assistant｜>")
+    assert tokenizer.decode(conversation_ids(tokenizer, question, None, memory)).endswith(
+        "<｜User｜>Question: what is a?\nMemory: b = 2\nAnswer:<｜Assistant｜>")
+    with pytest.raises(ValueError, match="needs a user message"):
+        conversation_ids(tokenizer, (("system", "no question"),), chunk, memory)

@@ -38,11 +38,30 @@ def memory_prompt_text(question: str, with_chunk: bool) -> str:
     return f"{question}\nMemory: {SLOT}\nText: {CHUNK_SLOT}\nNew memory:"
 
 
-def conversation_ids(tokenizer, question: str, chunk: list[int] | None, memory: list[int]) -> list[int]:
+def conversation_messages(question: str | tuple[tuple[str, str], ...], with_chunk: bool) -> list[dict[str, str]]:
+    """The question as chat messages (a text is one user message; a dataset row's (role, content) messages keep
+    their roles), its last user turn holding the memory's (and the chunk's) slots."""
+    if isinstance(question, str):
+        messages = [{"role": "user", "content": question}]
+    else:
+        messages = [{"role": role, "content": content} for role, content in question]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"problem {question!r}: multi-conversation needs a user message to put the memory in")
+    messages[users[-1]] = {"role": "user", "content": memory_prompt_text(messages[users[-1]]["content"], with_chunk)}
+    return messages
+
+
+def question_chars(question: str | tuple[tuple[str, str], ...]) -> int:
+    """Characters of a question's text (its messages' contents summed)."""
+    return len(question) if isinstance(question, str) else sum(len(content) for _, content in question)
+
+
+def conversation_ids(tokenizer, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]) -> list[int]:
     """The chat-template prompt of one conversation with the memory's and the chunk's token ids in place
     (never re-encoded); chunk None: the final answer's conversation."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": memory_prompt_text(question, chunk is not None)}],
-                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
+    rendered = tokenizer.apply_chat_template(conversation_messages(question, chunk is not None), add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     before, after = rendered.split(SLOT)
     if chunk is None:
@@ -66,7 +85,7 @@ def chunk_ids(tokenizer, problem: Problem, chunk_tokens: int | None) -> list[lis
 def longest_conversation_tokens(tokenizer, problems: list[Problem], memory_tokens: int, chunk_tokens: int | None) -> int:
     """Tokens of the longest conversation prompt: the longest question with a full memory and the longest
     chunk (the answer's prompt has no chunk, so it is shorter). Chunk texts are measured by characters."""
-    question = max((p.prompt for p in problems), key=len, default="")
+    question = max((p.prompt for p in problems), key=question_chars, default="")
     if chunk_tokens:
         longest_chunk = chunk_tokens
     else:
@@ -146,7 +165,7 @@ class MultiConversation:
         self.eos_id = tokenizer.eos_token_id
         self.lockstep = lockstep
 
-    def prompt_ids(self, question: str, chunk: list[int] | None, memory: list[int]) -> list[int]:
+    def prompt_ids(self, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]) -> list[int]:
         return conversation_ids(self.tokenizer, question, chunk, memory)
 
     def gold_memory(self, problem: Problem) -> list[int]:
