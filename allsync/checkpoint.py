@@ -136,6 +136,14 @@ def step_directories(checkpoints: Path) -> list[Path]:
     return sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
 
 
+def earlier_run_files(out_dir: Path) -> list[str]:
+    """What an earlier run left in `out_dir` (its metrics log, its checkpoints): a fresh run there would
+    overwrite the log and, with run.keep_checkpoints, prune its own new checkpoints first (the old ones have
+    higher step numbers)."""
+    found = ["metrics.jsonl"] if (out_dir / "metrics.jsonl").exists() else []
+    return found + [f"checkpoints/{p.name}" for p in step_directories(out_dir / "checkpoints")]
+
+
 def prune_checkpoints(checkpoints: Path, keep: int | None) -> list[Path]:
     """Delete all but the newest `keep` step directories (None keeps all); returns what was deleted."""
     if keep is None:

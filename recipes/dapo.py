@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
-from allsync.checkpoint import CheckpointStateError, latest_good_checkpoint, prune_checkpoints, write_manifest
+from allsync.checkpoint import CheckpointStateError, earlier_run_files, latest_good_checkpoint, prune_checkpoints, write_manifest
 from allsync.distributed import spmd_environment
 from allsync.health import HealthMonitor, append_health, make_detector
 from allsync.placement import EXIT_RESTART, SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
@@ -139,7 +139,17 @@ def main(argv: list[str] | None = None) -> int:
                               "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
         if launched:
             spmd_state(config)  # the process group, so that rank 0 alone builds the base while the others wait
-        rank0_first(lambda: ensure_base(config), launched)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) if launched else 0  # an elastic launcher's restart
+        resume = args.resume or attempt > 0
+
+        def prepare() -> None:  # on rank 0: it alone sees the controller's out_dir on a multi-node run
+            if not resume and (files := earlier_run_files(Path(config.run.out_dir))):
+                raise ConfigError(f"run.out_dir = {config.run.out_dir!r} holds an earlier run ({', '.join(files[:3])}"
+                                  f"{', ...' if len(files) > 3 else ''}): --resume continues it (a finished run is evaluated "
+                                  "and exported again); or give run.out_dir another directory, or delete it")  # fmt: skip
+            ensure_base(config)
+
+        rank0_first(prepare, launched)
         model_config = read_config(config.model.base)
         config_with_model_checks(config, model_config, args.config)
         try:
@@ -157,13 +167,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = Path(config.run.out_dir)
     if launched:  # an elastic launcher's restart (after a lost peer or a step timeout) resumes by itself
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         if attempt > config.run.max_restarts:
             if rank == 0:
                 print(f"error: restart {attempt} by the elastic launcher, beyond run.max_restarts = {config.run.max_restarts}; "
                       "stopped", file=sys.stderr)  # fmt: skip
             return 4
-        return spmd_train(config, args.resume or attempt > 0, SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
+        return spmd_train(config, resume, SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
                           splits, out_dir)  # fmt: skip
     gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker
 

@@ -145,3 +145,20 @@ def test_no_ray_says_that_restarts_do_not_apply_and_goes_on(tmp_path):
     lines = done.stderr.splitlines()
     assert lines[0] == "note: --no-ray: run.max_restarts = 2 and run.step_timeout = 300 do not apply (a lost worker is this process; nothing could restart it)"
     assert done.returncode == 2 and "no checkpoint there" in lines[1]
+
+
+def test_a_fresh_run_in_an_earlier_runs_out_dir_is_refused(tmp_path):
+    """Without --resume, a run.out_dir holding an earlier run's log or checkpoints is refused before any work: a
+    fresh run would overwrite the log and, with run.keep_checkpoints, prune its own new checkpoints first."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000600").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 600}\n')
+    config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(out), "keep_checkpoints": 1}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert f"run.out_dir = '{out}' holds an earlier run (metrics.jsonl, checkpoints/step-000600): --resume continues it" in done.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 600}\n' and (out / "checkpoints" / "step-000600").is_dir()
+    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray", "--resume"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "holds an earlier run" not in done.stderr and "no checkpoint there" in done.stderr
