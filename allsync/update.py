@@ -153,14 +153,31 @@ class Learner:
         self.flat_expert_grad = flat_gradients(self.expert_params, flag=False, device=device)
         for p in self.params:  # replicas start identical whatever their seeds (the value head)
             self.groups.broadcast(p.data)
-        o = config.optim
         self.optimized = lora_params + (list(self.value_head.parameters()) if self.value_head is not None else [])
-        param_groups = [{"params": lora_params, "base_lr": o.lr}]
+        param_groups = [{"params": lora_params}]
         if self.value_head is not None:
-            param_groups.append({"params": list(self.value_head.parameters()), "base_lr": o.value_lr})
-        self.optimizer = torch.optim.AdamW(param_groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+            param_groups.append({"params": list(self.value_head.parameters())})
+        self.optimizer = torch.optim.AdamW(param_groups)
+        self.apply_optim_settings()
         self.loss_settings = loss_settings(config)
         self.consecutive_nan = 0
+
+    def optim_settings(self) -> list[dict]:
+        """Per AdamW param group (the adapter's, then the value head's), the settings the config gives it."""
+        o = self.config.optim
+        common = {"betas": tuple(o.betas), "weight_decay": o.weight_decay}
+        return [{"base_lr": o.lr, "lr": o.lr, **common}, {"base_lr": o.value_lr, "lr": o.value_lr, **common}][: len(self.optimizer.param_groups)]
+
+    def apply_optim_settings(self) -> list[str]:
+        """Set each param group's optim.* settings from the config (after loading a checkpoint, whose saved groups
+        would otherwise override them); returns `key: old -> new` for each one that changed."""
+        changed = []
+        for index, (group, settings) in enumerate(zip(self.optimizer.param_groups, self.optim_settings())):
+            for key, value in settings.items():
+                if key != "lr" and key in group and group[key] != value:
+                    changed.append(f"param group {index} {key}: {group[key]} -> {value}")
+                group[key] = value
+        return changed
 
     def all_reduce(self, tensor: torch.Tensor, group: str = "world") -> torch.Tensor:
         """Sum over the workers of `group`, in place; the time blocked in it is not busy time (see Timeline)."""

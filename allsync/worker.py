@@ -18,6 +18,7 @@ process under torchrun / accelerate launch (allsync.placement.SPMDGroup).
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -469,6 +470,9 @@ class RLWorker:
         load_lora_state_dict(self.model, load_file(directory / "adapter" / "adapter_model.safetensors"),
                              other_experts=self.layout is not None)  # fmt: skip
         self.learner.optimizer.load_state_dict(self._shard_optimizer_state(optimizer_state_from_files(trainer_tensors, trainer["optimizer"])))
+        changed = self.learner.apply_optim_settings()  # the config's optim.* win over the saved groups' settings
+        if changed and self.rank == 0:
+            print(f"note: resumed with this config's optim settings: {'; '.join(changed)}", file=sys.stderr)
         self.adapter_version = trainer["adapter_version"]
         if self.value_head is not None:
             head = {k[len(VALUE_HEAD_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(VALUE_HEAD_PREFIX)}

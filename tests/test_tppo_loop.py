@@ -111,6 +111,24 @@ def test_window_state_survives_a_checkpoint(warm_tiny, problems, tmp_path):
         assert got[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
+def test_on_resume_the_configs_optim_settings_win_over_the_saved_ones(warm_tiny, problems, tmp_path, capsys):
+    """AdamW's load_state_dict brings back the saved groups' lr, betas and weight decay: the worker sets this
+    config's again (the moments are kept) and names every change."""
+    a = RLWorker(tppo_config(warm_tiny, lr=1e-2), problems)
+    a.step(1)
+    a.save_state(str(tmp_path))
+    changed = tppo_config(warm_tiny, lr=5e-3)
+    changed.optim.value_lr, changed.optim.betas, changed.optim.weight_decay = 2e-3, [0.8, 0.95], 0.1
+    b = RLWorker(changed, problems)
+    b.load_state(str(tmp_path))
+    groups = b.learner.optimizer.param_groups
+    assert [(g["base_lr"], g["betas"], g["weight_decay"]) for g in groups] == [(5e-3, (0.8, 0.95), 0.1), (2e-3, (0.8, 0.95), 0.1)]
+    assert b.learner.optimizer.state_dict()["state"]  # the moments came back
+    note = capsys.readouterr().err
+    assert "note: resumed with this config's optim settings: param group 0 base_lr: 0.01 -> 0.005; param group 0 betas: (0.9, 0.99) -> (0.8, 0.95)" in note
+    assert "param group 1 base_lr: 0.01 -> 0.002" in note and "param group 1 weight_decay: 0.0 -> 0.1" in note
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
