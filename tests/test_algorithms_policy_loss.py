@@ -104,6 +104,18 @@ def test_aggregation_modes_by_hand():
     assert aggregate_loss(loss, torch.zeros_like(mask), "token-mean").item() == 0.0
 
 
+def test_seq_mean_token_mean_averages_episodes_that_span_several_rows():
+    """An agent episode that started a new context is two rows: the sequence is the episode. Episode A's rows hold
+    tokens with losses (1, 3) and (5); episode B's one row (2, 2, 2): (mean(1, 3, 5) + mean(2, 2, 2)) / 2 episodes
+    (before: the sum of the three row means (2 + 5 + 2) over 2 episodes = 4.5)."""
+    loss = torch.tensor([[1.0, 3.0, 0.0], [5.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    episode_tokens = torch.tensor([3, 3, 3])
+    for agg in ("seq-mean-token-mean", "episode-mean-token-mean"):
+        got = aggregate_loss(loss, mask, agg, global_seqs=2, episode_tokens=episode_tokens)
+        assert got.item() == pytest.approx((3.0 + 2.0) / 2)
+
+
 def test_nan_on_padding_does_not_leak():
     loss = torch.tensor([[1.0, float("nan")]])
     assert aggregate_loss(loss, torch.tensor([[1, 0]]), "token-mean").item() == 1.0

@@ -6,15 +6,16 @@ unmasked token, N = number of unmasked tokens, T_max = ``norm_length`` or
 
     token-mean               sum_{b,t} m L / N
     seq-mean-token-sum       sum_b ( sum_t m L ) / S
-    seq-mean-token-mean      sum_b ( sum_t m L / sum_t m ) / S
+    seq-mean-token-mean      sum_b ( sum_t m L / n_e(b) ) / S
     seq-mean-token-sum-norm  sum_{b,t} m L / (S * T_max)          (Dr.GRPO)
-    episode-mean-token-mean  sum_b ( sum_t m L / n_e(b) ) / E
+    episode-mean-token-mean  the same as seq-mean-token-mean (multi-conversation's name for it)
 
-Episodes (multi-conversation DAPO, agents) span several rows (segments): n_e(b) is the number of
-unmasked tokens of row b's whole episode (``episode_tokens``, see
-:func:`allsync.algorithms.episodes.episode_token_counts`) and E the number of episodes with at least
-one unmasked token (pass it as ``global_seqs``): the token mean inside each episode, then the mean over
-episodes. Without ``episode_tokens`` each row is its own episode (= seq-mean-token-mean).
+A sequence is an episode. Episodes (multi-conversation DAPO, agents that start a new context) span
+several rows (segments): n_e(b) is the number of unmasked tokens of row b's whole episode
+(``episode_tokens``, see :func:`allsync.algorithms.episodes.episode_token_counts`) and S the number of
+episodes with at least one unmasked token (pass it as ``global_seqs``): the token mean inside each
+episode, then the mean over episodes. Without ``episode_tokens`` each row is its own episode
+(n_e(b) = sum_t m[b, t]).
 
 Micro-batching: pass ``global_tokens`` (N of the whole batch) and
 ``global_seqs`` (S of the whole batch, see :func:`loss_normalizers`); each
@@ -72,10 +73,11 @@ def seq_mean_token_sum(loss_mat, mask, global_tokens=None, global_seqs=None, nor
 
 
 def seq_mean_token_mean(loss_mat, mask, global_tokens=None, global_seqs=None, norm_length=None, episode_tokens=None):
-    """``sum_b (sum_t m L / sum_t m) / S`` (S = ``global_seqs`` if given)."""
-    per_seq_tokens = mask.to(loss_mat.dtype).sum(dim=-1)
-    per_seq = _masked(loss_mat, mask).sum(dim=-1) / _safe(per_seq_tokens)
-    return per_seq.sum() / _num_seqs(mask, global_seqs)
+    """``sum_b (sum_t m L / n_e(b)) / S``: n_e(b) = ``episode_tokens[b]`` (the row's own tokens if None),
+    S = ``global_seqs`` (the episodes with a token; without it, the rows with a token)."""
+    per_row_tokens = mask.to(loss_mat.dtype).sum(dim=-1) if episode_tokens is None else episode_tokens.to(loss_mat.dtype)
+    per_row = _masked(loss_mat, mask).sum(dim=-1) / _safe(per_row_tokens)
+    return per_row.sum() / _num_seqs(mask, global_seqs)
 
 
 def seq_mean_token_sum_norm(loss_mat, mask, global_tokens=None, global_seqs=None, norm_length=None, episode_tokens=None):
@@ -84,20 +86,12 @@ def seq_mean_token_sum_norm(loss_mat, mask, global_tokens=None, global_seqs=None
     return _masked(loss_mat, mask).sum() / (_num_seqs(mask, global_seqs) * _safe(t_max))
 
 
-def episode_mean_token_mean(loss_mat, mask, global_tokens=None, global_seqs=None, norm_length=None, episode_tokens=None):
-    """``sum_b (sum_t m L / n_e(b)) / E``: n_e(b) = ``episode_tokens[b]`` (the row's own tokens if None),
-    E = ``global_seqs`` (the episodes with a token; without it, the rows with a token)."""
-    per_row_tokens = mask.to(loss_mat.dtype).sum(dim=-1) if episode_tokens is None else episode_tokens.to(loss_mat.dtype)
-    per_row = _masked(loss_mat, mask).sum(dim=-1) / _safe(per_row_tokens)
-    return per_row.sum() / _num_seqs(mask, global_seqs)
-
-
 LOSS_AGGREGATIONS = {
     "token-mean": token_mean,
     "seq-mean-token-sum": seq_mean_token_sum,
     "seq-mean-token-mean": seq_mean_token_mean,
     "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
-    "episode-mean-token-mean": episode_mean_token_mean,
+    "episode-mean-token-mean": seq_mean_token_mean,
 }
 
 
