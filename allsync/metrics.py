@@ -43,7 +43,8 @@ def aggregate(per_worker: list[dict]) -> dict:
         "trained_tokens": total("trained_tokens"),
         "loss": total("loss_sum"),
         "logprob_gap": max(m["logprob_gap"] for m in per_worker),
-        "grad_norm": per_worker[0]["grad_norm"],
+        "grad_norm": per_worker[0]["grad_norm"],  # the policy's LoRA tensors
+        **({"value_grad_norm": per_worker[0]["value_grad_norm"]} if "value_grad_norm" in per_worker[0] else {}),  # T-PPO's critic
         "optimizer_steps": per_worker[0]["optimizer_steps"],
         "empty_minibatches": per_worker[0]["empty_minibatches"],  # no token on any worker: no optimizer step
         "nan_steps": per_worker[0]["nan_steps"],  # non-finite loss or gradient norm: step skipped on every worker

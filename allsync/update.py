@@ -153,7 +153,9 @@ class Learner:
         self.flat_expert_grad = flat_gradients(self.expert_params, flag=False, device=device)
         for p in self.params:  # replicas start identical whatever their seeds (the value head)
             self.groups.broadcast(p.data)
-        self.optimized = lora_params + (list(self.value_head.parameters()) if self.value_head is not None else [])
+        self.lora_params = lora_params
+        self.value_params = list(self.value_head.parameters()) if self.value_head is not None else []
+        self.optimized = lora_params + self.value_params
         param_groups = [{"params": lora_params}]
         if self.value_head is not None:
             param_groups.append({"params": list(self.value_head.parameters())})
@@ -325,11 +327,14 @@ class Learner:
             local_sq = sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in (self.flat_grad[:-1], self.flat_expert_grad))
             self.all_reduce(self.flat_grad)  # sum of per-rank shares = the full-batch gradient; [-1] = non-finite losses
             self.all_reduce(self.flat_expert_grad, "edp")  # expert blocks: summed over the ranks holding the same block
-            norm = self._total_grad_norm()
-            if self.flat_grad[-1] > 0 or not torch.isfinite(norm):  # identical on every rank: all skip together
+            norm, value_norm = self._total_grad_norm(), self._value_grad_norm()
+            if self.flat_grad[-1] > 0 or not torch.isfinite(norm + value_norm):  # identical on every rank: all skip together
                 out["nan_steps"] += 1
                 continue
-            torch.nn.utils.clip_grads_with_norm_(self.optimized, c.optim.grad_clip, norm)
+            torch.nn.utils.clip_grads_with_norm_(self.lora_params, c.optim.grad_clip, norm)  # each model its own clip
+            if self.value_params:
+                torch.nn.utils.clip_grads_with_norm_(self.value_params, c.optim.grad_clip, value_norm)
+                out["value_grad_norm"] = float(value_norm)
             self.optimizer.step()
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
@@ -337,12 +342,19 @@ class Learner:
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out
 
+    def _value_grad_norm(self) -> torch.Tensor:
+        """||g|| of the critic's value head (replicated: the same on every rank); 0 without a critic. The critic is
+        its own model (T-PPO optimizes policy and value independently): its gradient is clipped and logged apart."""
+        return torch.nn.utils.get_total_norm([p.grad for p in self.value_params]) if self.value_params else torch.zeros(())
+
     def _total_grad_norm(self) -> torch.Tensor:
-        """||g|| over every trainable tensor of the model. The replicated part is the same on every rank; each
+        """||g|| over every LoRA tensor of the policy. The replicated part is the same on every rank; each
         expert block's (identical over its EDP group) is counted once per EDP member by the world all-reduce:
             ||g||^2 = ||g_replicated||^2 + (sum over ranks of ||g_block(rank)||^2) / EDP size.
         One all-reduce gives every rank the same bits, so the clip factor cannot differ between ranks."""
-        replicated = torch.nn.utils.get_total_norm([p.grad for p in self.params]) if self.params else torch.zeros(())
+        value = {id(p) for p in self.value_params}
+        grads = [p.grad for p in self.params if id(p) not in value]
+        replicated = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if self.layout is None:
             return replicated
         block = self.flat_expert_grad.double().pow(2).sum() / self.layout.edp_size

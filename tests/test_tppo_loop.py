@@ -129,6 +129,22 @@ def test_on_resume_the_configs_optim_settings_win_over_the_saved_ones(warm_tiny,
     assert "param group 1 base_lr: 0.01 -> 0.002" in note and "param group 1 weight_decay: 0.0 -> 0.1" in note
 
 
+def test_the_critics_gradient_has_its_own_clip_and_norm(warm_tiny, problems):
+    """Policy and value model are optimized independently (T-PPO): each gradient is clipped to optim.grad_clip by
+    its own norm, and grad_norm is the policy's alone (value_grad_norm the critic's). Before: one norm over both,
+    so a large critic gradient shrank the policy's step and showed up in grad_norm."""
+    config = tppo_config(warm_tiny)
+    config.optim.grad_clip = 1e-6  # both gradients are far larger: each is scaled to exactly this norm
+    config.reward.function = "reward_functions:length_bonus"  # +1 / -0.5: never all zero, as the weak base's 0/1 can be
+    worker = RLWorker(config, problems)
+    m = [worker.step(step) for step in (1, 2, 3)][-1]  # responses finished in step 3: both models get a gradient
+    learner = worker.learner
+    norm = lambda params: float(torch.nn.utils.get_total_norm([p.grad for p in params]))  # noqa: E731 - after the clip
+    assert m["optimizer_steps"] == 1 and m["grad_norm"] > 1e-3 and m["value_grad_norm"] > 1e-3
+    assert norm(learner.lora_params) == pytest.approx(1e-6, rel=1e-3)
+    assert norm(learner.value_params) == pytest.approx(1e-6, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
