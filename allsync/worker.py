@@ -354,6 +354,15 @@ class RLWorker:
         evals.report.SampleRecord fields per response, problem_id the index in `problems`. Multi-conversation
         episodes are run whole and their answers scored; `memory` blank / gold answers from an empty or the
         task's gold memory instead of the episode's own (the memory ablation)."""
+        positions = self.engine.positions
+        try:
+            return self._evaluate(problems, samples, memory)
+        finally:  # evaluation's work is not the next step's: its health signals divide the step's work by its time
+            self.engine.positions = positions
+            if self.dispatch_stats is not None:  # evaluation runs between steps, after the step took its totals
+                self.dispatch_stats.take()
+
+    def _evaluate(self, problems: list[Problem], samples: int, memory: str) -> list[dict]:
         ids = list(range(self.rank, len(problems), self.world_size))
         if not ids and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
             return []

@@ -91,6 +91,19 @@ def test_reward_errors_scored_as_wrong_are_counted(tiny_bf16):
     assert metrics["correct_sum"] == 0 and metrics["reward_sum"] <= 0
 
 
+def test_held_out_evaluation_is_not_counted_as_the_next_steps_generation_work(tiny_bf16):
+    """generate_tokens_per_second (a health signal) divides the step's engine positions by its generate time:
+    the positions held-out evaluation computes between steps must not be added to the next step's."""
+    w = RLWorker(config(tiny_bf16, 1), PROBLEMS)
+    try:
+        w.step(1)
+        assert w.engine.positions == 0  # the step's report took them
+        records = w.evaluate(PROBLEMS[:8], 2)
+        assert len(records) == 16 and w.engine.positions == 0  # before: 16 responses' positions, counted in step 2
+    finally:
+        w.shutdown()
+
+
 def test_trained_samples_must_come_from_the_current_adapter(tiny_bf16, monkeypatch):
     w = RLWorker(config(tiny_bf16, 1), PROBLEMS)
     samples, index = synthetic_groups(0, 2)
