@@ -144,6 +144,21 @@ def earlier_run_files(out_dir: Path) -> list[str]:
     return found + [f"checkpoints/{p.name}" for p in step_directories(out_dir / "checkpoints")]
 
 
+def write_probe(directory: Path, rank: int) -> str:
+    """Rank `rank`'s probe file in `directory` (made if missing); returns this host's name."""
+    import socket
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rank{rank}").write_text(socket.gethostname())
+    return socket.gethostname()
+
+
+def unseen_probes(directory: Path, hosts: list[str]) -> list[str]:
+    """`rank R (host H)` for each rank whose probe file (written on its own node, see write_probe) is not in
+    `directory` as the controller sees it: that node writes checkpoint parts where the controller cannot read them."""
+    return [f"rank {rank} ({host})" for rank, host in enumerate(hosts) if not (directory / f"rank{rank}").is_file()]
+
+
 def prune_checkpoints(checkpoints: Path, keep: int | None) -> list[Path]:
     """Delete all but the newest `keep` step directories (None keeps all); returns what was deleted."""
     if keep is None:

@@ -34,6 +34,7 @@ from allsync.checkpoint import (
     read_state,
     rng_state,
     set_rng_state,
+    write_probe,
     write_state,
 )
 from allsync.config import ConfigError, RunConfig
@@ -447,6 +448,11 @@ class RLWorker:
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The LoRA gradients of the last minibatch, after the all-reduce (what every rank applied)."""
         return [p.grad.detach().clone() for p in self.learner.optimized]
+
+    def write_probe(self, directory: str) -> str:
+        """A file of this rank's in `directory` (the controller checks that it sees every rank's: checkpoint parts
+        are written the same way); returns this host's name."""
+        return write_probe(Path(directory), self.rank)
 
     def save_state(self, directory: str) -> None:
         """This worker's part of a checkpoint (layout in allsync/checkpoint.py): the whole adapter, AdamW state

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
-from allsync.checkpoint import CheckpointStateError, earlier_run_files, latest_good_checkpoint, prune_checkpoints, write_manifest
+from allsync.checkpoint import CheckpointStateError, earlier_run_files, latest_good_checkpoint, prune_checkpoints, unseen_probes, write_manifest
 from allsync.distributed import spmd_environment
 from allsync.health import HealthMonitor, append_health, make_detector
 from allsync.placement import EXIT_RESTART, SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
@@ -89,6 +89,25 @@ def save_checkpoint(group, out_dir: Path, step: int, extra: dict) -> Path:
         write_manifest(tmp)  # last: a directory without it was cut short
     atomic_write_text(out_dir / "checkpoints" / "latest", path.name)  # for people; resume checks the manifests
     return path
+
+
+def unshared_out_dir(group, out_dir: Path) -> str | None:
+    """Every worker writes a probe file into run.out_dir as its node sees it; None when the controller sees all
+    of them, else what is wrong (checkpoint parts of the ranks it cannot see would be lost: multi-node runs need
+    run.out_dir on a filesystem every node mounts). The same answer on every rank."""
+    import shutil
+    import uuid
+
+    probe = out_dir / f".probe-{uuid.uuid4().hex}" if group.is_controller else None
+    hosts = group.call("write_probe", str(probe))  # SPMD: every rank gets the controller's path
+    problem = None
+    if group.is_controller:
+        if unseen := unseen_probes(probe, hosts):
+            problem = (f"run.out_dir = {str(out_dir)!r} is not shared between the nodes: the controller "
+                       f"({hosts[0]}) does not see the files of {', '.join(unseen[:4])}, so their checkpoint parts "
+                       "would be lost; put run.out_dir on a filesystem every node mounts")  # fmt: skip
+        shutil.rmtree(probe, ignore_errors=True)
+    return group.agree(problem)
 
 
 def latest_checkpoint(out_dir: Path, among: set[str] | None = None) -> Path | None:
@@ -268,6 +287,10 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     `group.agree`) and only the controller (rank 0) writes and prints."""
     ctl = group.is_controller
     say = print if ctl else (lambda *a, **k: None)
+    if (problem := unshared_out_dir(group, out_dir)) is not None:
+        if ctl:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     start_step, base_accuracy, nan_run = 0, None, 0
     checkpoint = None
     if resume and ctl:  # rank 0 verifies the manifests; every rank loads what it chose, or stops with it

@@ -88,3 +88,17 @@ def test_prune_keeps_the_newest_checkpoints(tmp_path):
     assert [p.name for p in deleted] == ["step-000003", "step-000006"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000009", "step-000012"]
     assert prune_checkpoints(tmp_path, keep=None) == []
+
+
+def test_a_rank_whose_probe_the_controller_cannot_see_is_named(tmp_path):
+    """Multi-node runs write checkpoint parts into the controller's run.out_dir from every node: each rank writes a
+    probe there first, and a rank whose file the controller does not see (its node has another filesystem at that
+    path: here, its file went to another directory) is named with its host."""
+    from allsync.checkpoint import unseen_probes, write_probe
+
+    seen, elsewhere = tmp_path / "controller-view", tmp_path / "node-1-view"
+    hosts = [write_probe(seen, 0), write_probe(elsewhere, 1), write_probe(seen, 2)]
+    assert unseen_probes(seen, hosts) == [f"rank 1 ({hosts[1]})"]
+    assert unseen_probes(elsewhere, hosts) == [f"rank 0 ({hosts[0]})", f"rank 2 ({hosts[2]})"]
+    write_probe(seen, 1)
+    assert unseen_probes(seen, hosts) == []
