@@ -298,15 +298,16 @@ def longest_prompt_tokens(tokenizer, problems: Iterable[Problem]) -> int:
     return max((len(encode_prompt(tokenizer, Problem(text, ""))) for text in {p.prompt for p in problems}), default=0)
 
 
-def model_len_needed(longest_prompt: int, max_new_tokens: int, max_position_embeddings: int) -> int:
-    """Context a rollout engine needs: longest prompt + rollout.max_new_tokens (a T-PPO window's prompt is
-    the prompt plus the response so far, so the same bound holds). An engine with less would end
+def model_len_needed(longest_prompt: int, max_new_tokens: int, max_position_embeddings: int,
+                     new_tokens_name: str = "rollout.max_new_tokens", prompt_name: str = "the longest prompt") -> int:  # fmt: skip
+    """Context a rollout engine needs: longest prompt + the most new tokens of one call (a T-PPO window's
+    prompt is the prompt plus the response so far, so the same bound holds). An engine with less would end
     responses early as "length" (vLLM does so silently) and overlong shaping would see wrong lengths; a
     model past its max_position_embeddings is outside what it was trained for: ValueError naming both."""
     needed = longest_prompt + max_new_tokens
     if needed > max_position_embeddings:
         raise ValueError(
-            f"rollout.max_new_tokens = {max_new_tokens} plus the longest prompt ({longest_prompt} tokens) is {needed} "
+            f"{new_tokens_name} = {max_new_tokens} plus {prompt_name} ({longest_prompt} tokens) is {needed} "
             f"tokens, more than the checkpoint's max_position_embeddings ({max_position_embeddings})"
         )
     return needed

@@ -161,16 +161,14 @@ class RLWorker:
         if self.config.rollout.engine == "torch":
             lockstep = self.groups if self.groups.expert_parallel else None
             return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, lockstep=lockstep)
-        from allsync.tasks import longest_prompt_tokens, model_len_needed
+        from allsync.producers import engine_model_len
         from allsync.vllm_engine import VLLMEngine, unsupported_targets
 
         lc = self.config.lora
         if (reason := unsupported_targets(lc.targets)) is not None:
             raise ConfigError(f"rollout.engine vllm with lora.targets {lc.targets}: {reason}")
-        model_len = self.max_model_len or model_len_needed(
-            longest_prompt_tokens(self.tokenizer, self.problems), self.config.rollout.max_new_tokens,
-            self.model.config.max_position_embeddings,
-        )  # fmt: skip
+        model_len = self.max_model_len or engine_model_len(self.config, self.tokenizer, self.problems,
+                                                           self.model.config.max_position_embeddings)  # fmt: skip
         engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype,
                             max_model_len=model_len, launcher=self.launcher)  # fmt: skip
         moved = engine.load_adapter(self.adapter_tensors(), 0)

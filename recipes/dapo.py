@@ -261,20 +261,15 @@ def rank0_first(build, launched) -> None:
 
 
 def engine_model_len(config: RunConfig, model_config: dict, problems, source: str) -> int:
-    """Longest prompt + rollout.max_new_tokens, checked against the checkpoint's max_position_embeddings."""
+    """The longest sequence the run's producer can build (allsync.producers.engine_model_len), checked against
+    the checkpoint's max_position_embeddings."""
     from transformers import AutoTokenizer
 
-    from allsync.tasks import longest_prompt_tokens, model_len_needed
+    from allsync.producers import engine_model_len as longest_sequence
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.base)
-    if config.algorithm.multiconv is not None:  # a memory write's prompt: question, memory and chunk
-        from allsync.producers.multiconv import longest_conversation_tokens
-
-        longest = longest_conversation_tokens(tokenizer, problems, config.rollout.memory_tokens, config.rollout.chunk_tokens)
-    else:
-        longest = longest_prompt_tokens(tokenizer, problems)
     try:
-        return model_len_needed(longest, config.rollout.max_new_tokens, model_config.get("max_position_embeddings", 0))
+        return longest_sequence(config, tokenizer, problems, model_config.get("max_position_embeddings", 0))
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
 

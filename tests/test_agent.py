@@ -239,6 +239,31 @@ def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_t
         worker.shutdown()
 
 
+def test_the_engines_context_holds_an_agents_longest_row(tiny_tools):
+    """The engine's max_model_len counts the tool schemas, the earlier replies and observations: every row the
+    agent builds (prompt + replies + observations) fits it, and a setting the checkpoint cannot hold is refused
+    naming agent.max_turns (before: the first prompt without tools + rollout.max_new_tokens, overflowed by turn 2)."""
+    from allsync.producers import engine_model_len
+
+    config = agent_config(tiny_tools, observation_tokens=24)
+    problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"long_observation": "tool"}})]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
+    model_len = engine_model_len(config, tokenizer, problems, 4096)
+    first = len(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2*3?"}], tools=[MULTIPLY],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
+    assert model_len == first + 2 * (5 + 24) + 5  # 3 turns of 5 new tokens, 2 observations of at most 24
+    worker = RLWorker(config, problems)
+    try:
+        episodes, _ = worker.collect(2)
+        assert all(len(s.prompt_ids) + len(s.response_ids) <= model_len for e in episodes for s in e.segments)
+        assert max(len(s.prompt_ids) + len(s.response_ids) for e in episodes for s in e.segments) > first + 5  # past turn 1
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match=r"rollout.max_new_tokens = 5 plus the longest last-turn prompt \(the problem with "
+                                         r"agent.tools, then agent.max_turns - 1 = 2 replies"):  # fmt: skip
+        engine_model_len(config, tokenizer, problems, model_len - 1)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"agent": {"env": "allsync.envs.calculator:Nope"}}, r"agent.env: 'allsync.envs.calculator' has no class 'Nope'"),
     ({"agent": {"tools": [{"name": "multiply"}]}}, r"agent.tools\[0\]: expected an OpenAI function schema"),

@@ -196,3 +196,21 @@ def test_a_message_list_prompt_is_rendered_through_the_chat_template(tiny_bf16):
         "<｜User｜>Question: what is a?\nMemory: b = 2\nAnswer:<｜Assistant｜>")
     with pytest.raises(ValueError, match="needs a user message"):
         conversation_ids(tokenizer, (("system", "no question"),), chunk, memory)
+
+
+def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tiny_bf16):
+    """A memory write may use rollout.memory_tokens new tokens: with memory_tokens > max_new_tokens the context is
+    the longest write's prompt + memory_tokens (before: + max_new_tokens, and vLLM cut the write silently)."""
+    from allsync.config import parse_config
+    from allsync.producers import engine_model_len
+    from allsync.producers.multiconv import longest_conversation_tokens
+    from allsync.tasks import MemoryRecallSpec, memory_recall_splits
+
+    config = parse_config({"task": {"name": "memory_recall"}, "algorithm": {"multiconv": {}},
+                           "rollout": {"memory_tokens": 40, "max_new_tokens": 8}})  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
+    problems = memory_recall_splits(MemoryRecallSpec(2, 3), 20, 5).train
+    longest = longest_conversation_tokens(tokenizer, problems, 40, None)
+    assert engine_model_len(config, tokenizer, problems, 4096) == longest + 40
+    with pytest.raises(ValueError, match=r"rollout.memory_tokens = 40 plus the longest memory write's prompt"):
+        engine_model_len(config, tokenizer, problems, longest + 39)

@@ -27,7 +27,18 @@ from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import agreed_rounds
 from allsync.rollout import Sampling
-from allsync.tasks import Problem, reward_row
+from allsync.tasks import Problem, chat_messages, reward_row
+
+
+def longest_last_turn_prompt(tokenizer, problems: list[Problem], tools: list[dict], max_turns: int, max_new_tokens: int,
+                             max_observation_tokens: int) -> int:  # fmt: skip
+    """Tokens of the longest prompt an agent's last turn can have: the longest problem rendered as a user message
+    with the tool schemas, then max_turns - 1 replies of at most max_new_tokens and observations of at most
+    max_observation_tokens. (An environment whose reset adds messages beyond the problem's makes it longer.)"""
+    texts = {p.prompt: p for p in problems}.values()
+    first = max((len(tokenizer.apply_chat_template(chat_messages(p), tools=tools or None, add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)) for p in texts), default=0)  # fmt: skip
+    return first + (max_turns - 1) * (max_new_tokens + max_observation_tokens)
 
 
 @dataclass
