@@ -68,6 +68,9 @@ class RolloutSection:
     memory_tokens: int | None = None  # algorithm.multiconv: the most tokens of one memory write
     chunk_tokens: int | None = None  # algorithm.multiconv on dataset rows with a context: tokens per chunk read
     logprob_gap_warn: float = 0.05  # warn when engine and trainer logprobs differ by more (mean abs, nats)
+    # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
+    # free once the trainer is resident, less a margin (allsync.vllm_support.engine_memory_share)
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass
@@ -478,6 +481,12 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
             fail(f"lora.rank = {c.lora.rank} with run.export peft: vLLM serves only ranks {VLLM_LORA_RANKS} (or set run.export: merged)")
         if "kv_b_proj" in c.lora.targets:
             fail("lora.targets has kv_b_proj with run.export peft: vLLM ignores LoRA on kv_b_proj (or set run.export: merged)")
+    if c.rollout.gpu_memory_utilization is not None:
+        if c.rollout.engine != "vllm":
+            fail(f"rollout.gpu_memory_utilization = {c.rollout.gpu_memory_utilization} with rollout.engine "
+                 f"{c.rollout.engine}: only the vllm engine reserves GPU memory")  # fmt: skip
+        if not 0 < c.rollout.gpu_memory_utilization <= 1:
+            fail(f"rollout.gpu_memory_utilization = {c.rollout.gpu_memory_utilization}: must be in (0, 1]")
     if c.rollout.engine == "vllm":
         if c.lora.rank not in VLLM_LORA_RANKS:
             fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")

@@ -61,12 +61,28 @@ def finish_reason(vllm_reason: str | None) -> str:
     return "stop" if vllm_reason == "stop" else "length"
 
 
+def memory_share(checkpoint: str, dtype: str, max_model_len: int, configured: float | None) -> float:
+    """vLLM's gpu_memory_utilization on this process's GPU as it is now (the trainer resident):
+    allsync.vllm_support.engine_memory_share with the free and total memory torch reports, the checkpoint's
+    stored bytes (twice that in float32) and one max_model_len sequence of MLA KV cache."""
+    from allsync.vllm_support import engine_memory_share, mla_kv_bytes_per_token
+    from quant.checkpoint_io import checkpoint_bytes
+
+    free, total = torch.cuda.mem_get_info()
+    weights = checkpoint_bytes(checkpoint) * (2 if dtype == "float32" else 1)
+    kv = mla_kv_bytes_per_token(read_config(checkpoint), 4 if dtype == "float32" else 2) * max_model_len
+    return engine_memory_share(total, free, weights, kv, configured)
+
+
 class VLLMEngine:
     def __init__(self, checkpoint: str, lora_rank: int, lora_alpha: float, use_rslora: bool = False,
-                 dtype: str = "float32", *, max_model_len: int, launcher: bool = False):  # fmt: skip
+                 dtype: str = "float32", *, max_model_len: int, launcher: bool = False,
+                 gpu_memory_utilization: float | None = None):  # fmt: skip
         """launcher: this process is one rank of torchrun / accelerate launch. vLLM then runs as that rank
         (`external_launcher`: it takes the launcher's default process group as its world, its device from
-        LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own."""
+        LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own.
+        gpu_memory_utilization: rollout.gpu_memory_utilization; on a GPU None derives it from the memory left
+        free by the trainer (`memory_share`), and a share that cannot hold the KV cache is refused."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -75,9 +91,14 @@ class VLLMEngine:
         self.sleep_mode = current_platform.is_sleep_mode_available()
         self.asleep = False
         self.rank, self.alpha, self.use_rslora = lora_rank, lora_alpha, use_rslora
+        memory = {}
+        if current_platform.is_cuda_alike():
+            memory["gpu_memory_utilization"] = memory_share(checkpoint, dtype, max_model_len, gpu_memory_utilization)
+        elif gpu_memory_utilization is not None:
+            memory["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**vllm_engine_kwargs(checkpoint, dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                                             enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
-                                            enable_sleep_mode=self.sleep_mode,
+                                            enable_sleep_mode=self.sleep_mode, **memory,
                                             **({"distributed_executor_backend": "external_launcher"} if launcher else {})))  # fmt: skip
         self.adapter_version = 0
         self.positions = 0  # prompt + generated tokens, the work a health report divides by

@@ -170,7 +170,8 @@ class RLWorker:
         model_len = self.max_model_len or engine_model_len(self.config, self.tokenizer, self.problems,
                                                            self.model.config.max_position_embeddings)  # fmt: skip
         engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype,
-                            max_model_len=model_len, launcher=self.launcher)  # fmt: skip
+                            max_model_len=model_len, launcher=self.launcher,
+                            gpu_memory_utilization=self.config.rollout.gpu_memory_utilization)  # fmt: skip
         moved = engine.load_adapter(self.adapter_tensors(), 0)
         if self.rank == 0:
             print(f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}")

@@ -129,6 +129,12 @@ def read_weight_map(checkpoint: str | os.PathLike) -> dict[str, str]:
     raise CheckpointError(f"{checkpoint}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
 
+def checkpoint_bytes(checkpoint: str | os.PathLike) -> int:
+    """Bytes of the checkpoint's safetensors files (the weights as stored, headers included)."""
+    checkpoint = Path(checkpoint)
+    return sum((checkpoint / name).stat().st_size for name in set(read_weight_map(checkpoint).values()))
+
+
 def read_config(checkpoint: str | os.PathLike) -> dict:
     path = Path(checkpoint) / "config.json"
     if not path.exists():

@@ -117,3 +117,33 @@ def test_vllm_logprobs_at_temperature_07_equal_the_trainers(engine, dense_ckpt):
     assert gap(1.0) > 1e-2  # the comparison sees the temperature
     with adapters_disabled(model):
         assert gap(0.7) > 1e-2  # and the adapter
+
+
+def test_the_engines_memory_share_is_what_the_trainer_left_free():
+    """vLLM 0.32 refuses to start when free memory < gpu_memory_utilization x total: beside a resident trainer
+    its share comes from the free memory (its default 0.92 never fits), and a share that leaves less KV cache than
+    one longest sequence needs is refused before work, naming the key."""
+    from allsync.vllm_support import GiB, engine_memory_share, mla_kv_bytes_per_token
+
+    v3 = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert mla_kv_bytes_per_token(v3) == 61 * 576 * 2 == 70272
+    kv_20k = mla_kv_bytes_per_token(v3) * 20480  # 1.34 GiB
+    total, free = 80 * GiB, 30 * GiB  # an H100 with the trainer's 50 GiB resident
+    assert engine_memory_share(total, free, 10 * GiB, kv_20k, None) == pytest.approx(28 / 80)
+    assert engine_memory_share(total, free, 10 * GiB, kv_20k, 0.3) == 0.3
+    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization = 0.92: 73.6 GiB, but only 30.0 GiB of the GPU's 80.0 GiB are free"):
+        engine_memory_share(total, free, 10 * GiB, kv_20k, 0.92)
+    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization = 0.350 \(derived from the free memory\) leaves 0.00 GiB "
+                                         r"of KV cache after vLLM's 28.0 GiB of weights"):  # fmt: skip
+        engine_memory_share(total, free, 28 * GiB, kv_20k, None)
+
+
+@pytest.mark.parametrize("rollout, message", [
+    ({"gpu_memory_utilization": 0.5}, r"rollout.gpu_memory_utilization = 0.5 with rollout.engine torch"),
+    ({"engine": "vllm", "gpu_memory_utilization": 1.5}, r"rollout.gpu_memory_utilization = 1.5: must be in \(0, 1\]"),
+])  # fmt: skip
+def test_bad_memory_shares_name_the_key(rollout, message):
+    from allsync.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"rollout": rollout, "lora": {"rank": 8, "targets": ["q_a_proj"]}})
