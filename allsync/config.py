@@ -123,6 +123,10 @@ class OptimSection:
     minibatches: int = 1  # optimizer steps per RL step (split of the batch)
     warmup_steps: int = 0
     value_lr: float = 1e-3  # the critic's value head (gae / egae)
+    # padded tokens (rows x longest row) per forward pass: the logprob passes and each minibatch's forward+backward
+    # run in row groups of at most this many (gradients accumulate exactly); None: all rows at once
+    max_tokens_per_forward: int | None = None
+    activation_checkpointing: bool = False  # keep only decoder-layer inputs for backward and recompute the rest
 
 
 @dataclass
@@ -468,6 +472,8 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         fail(f"run.keep_checkpoints = {c.run.keep_checkpoints}: must be >= 1 (or null to keep all)")
     if c.run.time_limit_minutes is not None and c.run.time_limit_minutes <= 0:
         fail(f"run.time_limit_minutes = {c.run.time_limit_minutes}: must be > 0 (or null for none)")
+    if c.optim.max_tokens_per_forward is not None and c.optim.max_tokens_per_forward < 1:
+        fail(f"optim.max_tokens_per_forward = {c.optim.max_tokens_per_forward}: must be >= 1 (or null: all rows at once)")
     if c.optim.lr < 0 or c.optim.value_lr < 0 or c.optim.weight_decay < 0 or c.optim.grad_clip <= 0:
         fail("optim.lr, optim.value_lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
     if len(c.optim.betas) == 2 and not all(0 <= b < 1 for b in c.optim.betas):

@@ -6,10 +6,12 @@ response token, so `forward_logprobs(...)[0][:, t]` = log p(token_{t+1} | tokens
 
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
+import torch.utils.checkpoint
 from torch import nn
 
 from allsync.algorithms import aggregate_loss, kl_penalty, policy_loss, value_loss
@@ -38,6 +40,38 @@ class SequenceBatch:
     def trimmed(self, width: int) -> "SequenceBatch":
         """The first `width` columns (per-token [B, L-1] tensors keep width - 1)."""
         return SequenceBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.response_mask[:, : width - 1])
+
+
+@contextmanager
+def checkpointed_decoder_layers(model, enabled: bool = True):
+    """Inside: each decoder layer of `model.model.layers` runs under torch.utils.checkpoint (non-reentrant), so a
+    forward keeps only the layers' inputs for backward and recomputes the rest during it (the model stays in
+    eval mode, unlike transformers' gradient_checkpointing, which needs training mode)."""
+    layers = list(model.model.layers) if enabled else []
+    for layer in layers:
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # the class's forward again
+
+
+def token_budget_chunks(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Consecutive row groups whose padded size (rows x the group's longest row) is at most `budget` tokens,
+    in order; a row longer than the budget is a group of its own. None: one group of every row (none if empty)."""
+    if budget is None:
+        return [list(range(len(lengths)))] if lengths else []
+    chunks: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if chunks and (len(chunks[-1]) + 1) * max(longest, n) <= budget:
+            chunks[-1].append(i)
+            longest = max(longest, n)
+        else:
+            chunks.append([i])
+            longest = n
+    return chunks
 
 
 def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SequenceBatch:

@@ -35,6 +35,7 @@ from allsync.trainer import (
     ValueHead,
     ValueTargets,
     build_sequences,
+    checkpointed_decoder_layers,
     forward_logprobs,
     logprob_gap,
     minibatch_loss,
@@ -42,6 +43,7 @@ from allsync.trainer import (
     scatter_response_values,
     to_response_layout,
     to_sequence_layout,
+    token_budget_chunks,
 )
 from moe_lora.expert_parallel import expert_parameters
 from moe_lora.lora import adapters_disabled
@@ -258,10 +260,39 @@ class Learner:
         critic = (zeros, zeros) if self.value_head is not None else (None, None)
         return TrainBatch(seqs, zeros, zeros, *critic, ref_logprobs=kl, engine_logprobs=zeros)
 
+    def forward_chunks(self, batch: SequenceBatch) -> list[list[int]]:
+        """Row groups of at most optim.max_tokens_per_forward padded tokens (one group of all rows without it)."""
+        return token_budget_chunks(batch.attention_mask.sum(-1).tolist(), self.config.optim.max_tokens_per_forward)
+
+    def lockstep_count(self, count: int) -> int:
+        """How many forwards this rank runs for its `count` row groups. Under expert parallelism every rank runs
+        as many as the rank with the most (a rank with fewer runs idle rows: the others' MoE layers need it),
+        which is 1 without a token budget; otherwise `count`."""
+        if not self.groups.expert_parallel:
+            return count
+        return 1 if self.config.optim.max_tokens_per_forward is None else self.groups.max_over_ranks(count)
+
+    def chunked_forward(self, batch: SequenceBatch, value_head: ValueHead | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_logprobs over the batch's row groups (`forward_chunks`), put back together at its width."""
+        if self.config.optim.max_tokens_per_forward is None:
+            return forward_logprobs(self.model, batch, self.config.rollout.temperature, value_head)
+        chunks, width = self.forward_chunks(batch), batch.input_ids.shape[1] - 1
+        forwards = self.lockstep_count(len(chunks))  # agreed before any forward: the MoE layers' all-to-alls pair up
+        parts = []
+        for rows in chunks:
+            part = batch.select(rows)
+            parts.append(forward_logprobs(self.model, part.trimmed(part.width), self.config.rollout.temperature, value_head))
+        for _ in range(forwards - len(chunks)):
+            forward_logprobs(self.model, self.idle_batch().sequences, self.config.rollout.temperature, value_head)
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731 - right padding, as the batch's
+        logprobs = torch.cat([pad(lp) for lp, _ in parts]) if parts else batch.response_mask.new_zeros(0, width)
+        values = torch.cat([pad(v) for _, v in parts]) if value_head is not None and parts else None
+        return logprobs, values
+
     @torch.no_grad()
     def current_logprobs(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The current policy's logprobs (and values, with a critic) of the batch, before any update."""
-        return forward_logprobs(self.model, batch, self.config.rollout.temperature, self.value_head)
+        return self.chunked_forward(batch, self.value_head)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor | None:
@@ -270,7 +301,7 @@ class Learner:
         if not self.config.algorithm.kl_coef:
             return None
         with adapters_disabled(self.model):
-            return forward_logprobs(self.model, batch, self.config.rollout.temperature)[0]
+            return self.chunked_forward(batch, None)[0]
 
     # ------------------------------------------------------------------------------ the update
     def train(self, episodes: list[Episode], group_index: torch.Tensor, adapter_version: int) -> dict:
@@ -311,17 +342,20 @@ class Learner:
             parts = tb.minibatch_rows(minibatches)
             local = torch.stack([tb.counts(rows) for rows in parts])
         totals = self.all_reduce(local.clone())
-        lockstep = self.groups.expert_parallel  # every rank runs every minibatch's forward and backward
         for m, rows in enumerate(parts):
             if totals[m, 0] == 0 and totals[m, 2] == 0:
                 out["empty_minibatches"] += 1
                 continue
             self.flat_grad.zero_()
             self.flat_expert_grad.zero_()
-            if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0):
-                self._backward_minibatch(tb.minibatch(rows), totals[m], out)
-            elif lockstep:
-                self._backward_minibatch(self.idle_batch(), totals[m], None)
+            mb = tb.minibatch(rows) if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0) else None
+            micro = self.forward_chunks(mb.sequences) if mb is not None else []
+            with checkpointed_decoder_layers(self.model, c.optim.activation_checkpointing):
+                for i in range(self.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
+                    if i < len(micro):
+                        self._backward_minibatch(mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])), totals[m], out)
+                    else:
+                        self._backward_minibatch(self.idle_batch(), totals[m], None)
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
             local_sq = sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in (self.flat_grad[:-1], self.flat_expert_grad))

@@ -232,3 +232,51 @@ def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
             ray.get(group.workers[0].adapter_tensors.remote(), timeout=30)
     finally:
         group.shutdown()
+
+
+def peak_saved_bytes(worker: RLWorker, samples, index) -> int:
+    """The most bytes autograd saves for one backward during an update (distinct storages per forward+backward
+    of a micro-batch): the activation memory the update needs at once."""
+    peak, backward = [0], worker.learner._backward_minibatch
+
+    def counted(*args):
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            backward(*args)
+        peak[0] = max(peak[0], sum(storages.values()))
+
+    worker.learner._backward_minibatch = counted
+    trained(worker, samples, index)
+    return peak[0]
+
+
+@pytest.mark.parametrize("optim", [{"max_tokens_per_forward": 30}, {"max_tokens_per_forward": 30, "activation_checkpointing": True},
+                                   {"activation_checkpointing": True}])  # fmt: skip
+def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tiny_bf16, optim):
+    """Micro-batches of at most optim.max_tokens_per_forward padded tokens (the logprob passes and each minibatch's
+    forward+backward), and decoder layers recomputed in backward: the same old and reference logprobs and the same
+    gradient as one forward over every row (KL to the reference on, per-episode means), with less saved for backward."""
+    samples, index = groups(0, 4)
+
+    def worker(**extra):
+        c = config(tiny_bf16, minibatches=2, kl_coef=0.5, loss_agg="seq-mean-token-mean")
+        for key, value in extra.items():
+            setattr(c.optim, key, value)
+        return RLWorker(c, PROBLEMS)
+
+    plain, split = worker(), worker(**optim)
+    want, got = plain.learner.episode_batch(samples, index), split.learner.episode_batch(samples, index)
+    if "max_tokens_per_forward" in optim:
+        assert len(split.learner.forward_chunks(got.sequences)) >= 4  # 12 rows of 9-16 tokens: 1-3 rows per forward
+    mask = want.sequences.response_mask.bool()  # padded positions hold whatever the forward computed there
+    for name in ("old_logprobs", "ref_logprobs"):
+        torch.testing.assert_close(getattr(got, name)[mask], getattr(want, name)[mask], atol=1e-5, rtol=0)
+    saved = [peak_saved_bytes(w, samples, index) for w in (plain, split)]
+    g_want, g_got = torch.cat([g.flatten() for g in plain.gradient_tensors()]), torch.cat([g.flatten() for g in split.gradient_tensors()])
+    assert float((g_got - g_want).abs().max()) < 1e-4 * float(g_want.abs().max())
+    assert saved[1] < saved[0]
