@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
     parser.add_argument("--steps", type=int, help="override run.steps")
+    parser.add_argument("--out-dir", help="override run.out_dir")
     parser.add_argument("--no-ray", action="store_true", help="run one worker in this process")
     args = parser.parse_args(argv)
     launched = spmd_environment()  # (rank, world size, local rank) under torchrun / accelerate launch
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.steps:
             config.run.steps = args.steps
+        if args.out_dir:
+            config.run.out_dir = args.out_dir
         if config.rollout.engine == "vllm":
             from allsync.vllm_engine import unsupported_targets
 
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             if not resume and (files := earlier_run_files(Path(config.run.out_dir))):
                 raise ConfigError(f"run.out_dir = {config.run.out_dir!r} holds an earlier run ({', '.join(files[:3])}"
                                   f"{', ...' if len(files) > 3 else ''}): --resume continues it (a finished run is evaluated "
-                                  "and exported again); or give run.out_dir another directory, or delete it")  # fmt: skip
+                                  "and exported again); or give another directory (--out-dir DIR or run.out_dir), or delete it")  # fmt: skip
             ensure_base(config)
 
         rank0_first(prepare, launched)

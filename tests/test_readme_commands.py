@@ -1,0 +1,127 @@
+"""Every command README.md shows runs as written, with only its step counts and output folders made tiny.
+
+The commands are read from README.md's indented code blocks (`$ ` prompts and continuation lines handled);
+every one must be classified below, so a command added to the README without a test here fails
+`test_every_readme_command_is_classified`. Each runs in a sandbox directory holding a copy of `recipes/`, so
+its relative output folders (`runs/...`) land there; the copied YAML configs run 2 RL steps with an
+evaluation and a checkpoint at step 2, `--steps N` becomes `--steps 2`, and the checkpoint the README exports
+(`step-000100`) becomes `step-000002`. The cheap commands run in the default suite; the ones that train (each
+builds its warm-started base first) are one slow test, in the README's order, exports and evaluations last.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parents[1]
+RUNNERS = ("python ", "allsync ", "accelerate launch ", "torchrun ")
+
+FAST = [
+    "allsync make-tiny runs/tiny",
+    "allsync make-tiny runs/tiny-fp8 --fp8 --experts 16 --layers 4 --dense-layers 1 --seed 3",
+    "allsync load runs/tiny-fp8 --routed-experts nf4 --attention fp8 --shared-experts int8 --dense-mlp bf16",
+    "python recipes/arithmetic_parquet.py",
+]
+SLOW = [
+    "accelerate launch recipes/dapo.py",
+    "accelerate launch recipes/dapo.py --config my.yaml --resume",
+    "python recipes/dapo.py --no-ray --steps 20 --out-dir runs/dapo-20",
+    "accelerate launch recipes/dapo.py --config recipes/configs/tiny_cpu_tppo.yaml",
+    "python recipes/dapo.py --config recipes/configs/tiny_cpu_parquet.yaml",
+    "allsync eval runs/dapo-tiny-parquet/adapter --base runs/tiny-base --data runs/data/arithmetic-eval.parquet --n 8 --top-p 1.0 "
+    "--max-new-tokens 16 --reward arithmetic --out runs/eval-parquet",
+    "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory.yaml",
+    "python recipes/dapo.py --config recipes/configs/tiny_cpu_agent_calculator.yaml",
+    "torchrun --nproc_per_node 2 recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20",
+    "python recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20 --out-dir runs/dapo-tiny-ep2-ray",
+    "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/adapter --format peft",
+    "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/merged --format merged --dtype fp8",
+    "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/merged-as-trained --format merged "
+    "--merge-into trained --routed-experts nf4",
+]
+NOT_RUN = {  # what the tests run another way
+    "python -m pytest -q": "the test command itself",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of README.md's indented code blocks that start with a runner, in order: a `$ ` prompt and a
+    trailing `# comment` stripped, `\\` continuation lines joined; fenced blocks (Python code) are skipped."""
+    commands, fenced, pending = [], False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or not line.startswith("    "):
+            pending = ""
+            continue
+        part = line.strip()
+        if not pending:
+            part = part.removeprefix("$ ").removeprefix("bash install.sh && ")
+            if not part.startswith(RUNNERS):
+                continue
+        part = re.sub(r"\s+#.*$", "", part)
+        if part.endswith("\\"):
+            pending += part[:-1].strip() + " "
+            continue
+        commands.append(pending + part)
+        pending = ""
+    return commands
+
+
+def test_every_readme_command_is_classified():
+    found = readme_commands((ROOT / "README.md").read_text())
+    unknown = [c for c in found if c not in FAST + SLOW and c not in NOT_RUN]
+    assert not unknown, f"README.md commands this test does not run: {unknown}"
+    assert set(FAST + SLOW) <= set(found), f"no longer in README.md: {sorted(set(FAST + SLOW) - set(found))}"
+
+
+def sandbox(tmp_path: Path) -> Path:
+    """A directory with a copy of recipes/ whose configs run 2 steps (evaluated and checkpointed at step 2)."""
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    for path in (tmp_path / "recipes" / "configs").glob("tiny_cpu*.yaml"):
+        config = yaml.safe_load(path.read_text())
+        config.setdefault("run", {}).update(steps=2, eval_every=2, checkpoint_every=2)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return tmp_path
+
+
+def tiny(command: str) -> str:
+    """The command with its step counts and the checkpoint it names made tiny; a placeholder config made real."""
+    command = re.sub(r"--steps \d+", "--steps 2", command).replace("step-000100", "step-000002")
+    return command.replace("--config my.yaml", "--config recipes/configs/tiny_cpu.yaml")
+
+
+def run(command: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    done = subprocess.run(tiny(command), shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done
+
+
+def test_the_cheap_readme_commands_run(tmp_path):
+    cwd = sandbox(tmp_path)
+    outputs = [run(command, cwd, 300).stdout for command in FAST]
+    assert (cwd / "runs" / "tiny" / "model.safetensors.index.json").exists()
+    assert "routed_experts" in outputs[2] and "nf4" in outputs[2]
+    assert "wrote runs/data/arithmetic-train.parquet: 20,000 rows" in outputs[3]
+
+
+@pytest.mark.slow
+def test_the_readme_commands_that_train_run(tmp_path):
+    """Every training command of the README (2 steps each), then the exports and the evaluation of what they wrote."""
+    cwd = sandbox(tmp_path)
+    run("python recipes/arithmetic_parquet.py", cwd, 300)  # the parquet run's data
+    last = [c for c in SLOW if c.startswith(("allsync export", "allsync eval"))]
+    for command in [c for c in SLOW if c not in last] + last:
+        done = run(command, cwd, 1800)
+        if "recipes/dapo.py" in command:
+            assert re.search(r"held-out accuracy: base [\d.]+% -> trained [\d.]+%", done.stdout), command
