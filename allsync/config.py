@@ -100,6 +100,9 @@ class AlgorithmSection:
     max_sampling_rounds: int = 4
     filter_metric: str = "acc"  # dynamic sampling keeps groups whose acc (correctness, DAPO/verl) | reward (shaped) varies
     on_sampling_cap: str = "partial"  # max_sampling_rounds reached: partial (train on the groups kept) | error
+    # dynamic sampling fills: worker (each worker its own quota: a step waits for the unluckiest) | global (the
+    # workers the whole batch together: as many rounds as they need together; a worker may train on more or fewer)
+    sampling_fill: str = "worker"
     overlong: OverlongSection | None = None
     kl_coef: float = 0.0  # beta of the KL penalty to the reference policy (the frozen base, adapters off)
     kl_estimator: str = "k3"
@@ -464,6 +467,11 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
             fail(f"{key} = {value}: must be >= 1{meaning}")
     if c.algorithm.filter_metric not in ("acc", "reward"):
         fail(f"algorithm.filter_metric = {c.algorithm.filter_metric!r}: use acc (correctness, as DAPO) or reward (shaped reward)")
+    if c.algorithm.sampling_fill not in ("worker", "global"):
+        fail(f"algorithm.sampling_fill = {c.algorithm.sampling_fill!r}: use worker (each worker fills its own quota) or "
+             "global (the workers fill the batch together)")  # fmt: skip
+    if c.algorithm.sampling_fill == "global" and not c.algorithm.dynamic_sampling:
+        fail("algorithm.sampling_fill = 'global' without algorithm.dynamic_sampling: there is nothing to fill")
     if c.algorithm.on_sampling_cap not in ("partial", "error"):
         fail(f"algorithm.on_sampling_cap = {c.algorithm.on_sampling_cap!r}: use partial (train on the groups kept) or error")
     if c.algorithm.kl_coef < 0:

@@ -146,24 +146,35 @@ def fill_batch_with_dynamic_sampling(
     generate_fn: Callable[[int], GroupBatch],
     num_groups: int,
     max_rounds: int,
+    share: Callable[[int], tuple[list[int], int]] | None = None,
 ) -> tuple[GroupBatch, DynamicSamplingStats]:
     """Call ``generate_fn(round_index)`` for rounds 0, 1, ... keeping non-constant groups
     (:func:`keep_groups`) until at least ``num_groups`` are kept, then trim to exactly
     ``num_groups`` (the earliest kept groups win).
 
-    Group ids of the result are renumbered 0..num_groups-1 (round by round, first
+    Global filling (``share`` given, one caller per worker): ``share(count)`` returns every worker's count, in
+    rank order, and this worker's rank. Every worker runs rounds until the workers together keep
+    W = sum of their ``num_groups`` (all stop at the same round), then worker r keeps
+        min(k_r, max(0, W - sum_{q<r} k_q))
+    of its earliest groups, so the kept total is exactly W (a worker may keep fewer than its own quota, or none).
+
+    Group ids of the result are renumbered 0..n-1 (round by round, first
     appearance), so groups of different rounds never merge even if their ids collide.
 
     Raises:
         DynamicSamplingExhausted: with groups wanted / kept / rounds run and the kept
-            groups themselves, when ``max_rounds`` rounds do not yield ``num_groups`` groups.
+            groups themselves, when ``max_rounds`` rounds do not yield ``num_groups`` groups
+            (with ``share``: the workers' W).
     """
     if num_groups < 1 or max_rounds < 1:
         raise ValueError(f"need num_groups >= 1 and max_rounds >= 1, got {num_groups}, {max_rounds}")
+    share = share or (lambda count: ([count], 0))
+    quotas, rank = share(num_groups)
+    wanted, kept_by_worker = sum(quotas), [0] * len(quotas)
     kept_parts: list[GroupBatch] = []
     groups_generated = samples_generated = groups_kept = 0
     rounds = 0
-    while groups_kept < num_groups:
+    while sum(kept_by_worker) < wanted:
         if rounds == max_rounds:
             raise DynamicSamplingExhausted(num_groups, groups_kept, rounds, GroupBatch.concat(kept_parts), groups_generated)
         batch = generate_fn(rounds)
@@ -173,7 +184,9 @@ def fill_batch_with_dynamic_sampling(
         samples_generated += len(batch)
         groups_kept += kept.num_groups
         kept_parts.append(kept)
-    result = GroupBatch.concat(kept_parts).first_groups(num_groups)
+        kept_by_worker, _ = share(groups_kept)
+    mine = min(groups_kept, max(0, wanted - sum(kept_by_worker[:rank])))
+    result = GroupBatch.concat(kept_parts).first_groups(mine)
     stats = DynamicSamplingStats(
         rounds=rounds,
         groups_generated=groups_generated,

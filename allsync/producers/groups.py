@@ -24,12 +24,26 @@ def group_batch(episodes: list[Episode], group_size: int, filter_metric: str) ->
     return GroupBatch(torch.arange(len(episodes)) // group_size, metric, episodes)
 
 
+def kept_counts(groups) -> Callable[[int], tuple[list[int], int]]:
+    """Global filling's `share` (allsync.algorithms.fill_batch_with_dynamic_sampling): every worker's count, by one
+    all-reduce of a vector holding this worker's in its rank's slot."""
+
+    def share(count: int) -> tuple[list[int], int]:
+        counts = torch.zeros(groups.world_size, dtype=torch.int64)
+        counts[groups.rank] = count
+        return groups.all_reduce(counts).tolist(), groups.rank
+
+    return share
+
+
 def collect_groups(producer, take_problems: Callable[[int], list[Problem]], groups_wanted: int, algorithm, groups,
                    group_size: int, rank: int) -> tuple[list[Episode], dict]:  # fmt: skip
     """Generate `groups_wanted` groups; with algorithm.dynamic_sampling keep groups whose filter metric
     varies and refill (DAPO). At algorithm.max_sampling_rounds the groups kept so far are trained on
     (on_sampling_cap partial), or the step fails (error). Returns the kept episodes and the round's
-    statistics, among them `generated` (every episode generated) and `group_index` (of the kept ones)."""
+    statistics, among them `generated` (every episode generated) and `group_index` (of the kept ones).
+    algorithm.sampling_fill global: the workers fill the whole batch together (every worker runs the rounds the
+    workers need together, and may keep more or fewer than its quota); worker: each fills its own quota."""
     a = algorithm
     base = {"groups_wanted": groups_wanted, "sampling_cap_hits": 0}
     generated: list[Episode] = []
@@ -46,7 +60,8 @@ def collect_groups(producer, take_problems: Callable[[int], list[Problem]], grou
         return batch.payloads, {**base, "groups_generated": groups_wanted, "sampling_rounds": 1, "groups_kept": groups_wanted,
                                 "generated": list(batch.payloads), "group_index": batch.group_index}  # fmt: skip
     try:
-        batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, a.max_sampling_rounds)
+        share = kept_counts(groups) if a.sampling_fill == "global" else None
+        batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, a.max_sampling_rounds, share)
         rounds, groups_generated = stats.rounds, stats.groups_generated
     except DynamicSamplingExhausted as exc:
         if a.on_sampling_cap == "error":

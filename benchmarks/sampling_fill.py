@@ -1,0 +1,83 @@
+"""What per-worker dynamic sampling costs against global filling, at 2 and 4 workers.
+
+    python -m benchmarks.sampling_fill [--steps 40] [--workers 2,4] [--out runs/sampling-fill]
+
+The default job (recipes/configs/tiny_cpu.yaml, its warm-started base, the same 32 prompts x 8 samples per
+step) run by recipes/dapo.py under Ray for --steps steps, for each worker count with algorithm.sampling_fill
+worker (each worker fills its own quota; the step waits for the worker that needed the most rounds) and global
+(the workers fill the batch together). Per run, from metrics.jsonl: mean generation rounds per step (the most
+any worker ran), groups generated per step (all workers), median s/step (steps after the first) and the held-out
+accuracy at the end; and the ratios worker / global. Writes OUT/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).parents[1]
+DEFAULT_CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
+
+
+def run_config(default: dict, workers: int, fill: str, steps: int, out_dir: Path) -> dict:
+    config = json.loads(json.dumps(default))
+    config["parallel"]["workers_per_node"] = workers
+    config["algorithm"]["sampling_fill"] = fill
+    config["run"].update(out_dir=str(out_dir), steps=steps, eval_every=steps, checkpoint_every=steps, time_limit_minutes=None)
+    return config
+
+
+def summarize(metrics_path: Path) -> dict:
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "sampling_rounds" in r]
+    accuracy = [r["heldout_accuracy"] for r in records if "heldout_accuracy" in r]
+    return {"steps": len(steps), "rounds_per_step": statistics.mean(r["sampling_rounds"] for r in steps),
+            "groups_generated_per_step": statistics.mean(r["groups_generated"] for r in steps),
+            "seconds_per_step": statistics.median(r["step_seconds"] for r in steps[1:]),
+            "heldout_base": accuracy[0], "heldout_end": accuracy[-1]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--workers", default="2,4")
+    parser.add_argument("--out", default="runs/sampling-fill")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    default = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    results: dict[str, dict] = {}
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for fill in ("worker", "global"):
+            name = f"{workers} workers, {fill}"
+            run_dir = out / f"w{workers}-{fill}"
+            config_path = out / f"w{workers}-{fill}.yaml"
+            config_path.write_text(yaml.safe_dump(run_config(default, workers, fill, args.steps, run_dir)))
+            print(f"{name}: {args.steps} steps ...", flush=True)
+            with open(out / f"w{workers}-{fill}.log", "w") as log:
+                done = subprocess.run([sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(config_path)],
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: recipes/dapo.py exited with {done.returncode}; see {out / f'w{workers}-{fill}.log'}")
+            results[name] = summarize(run_dir / "metrics.jsonl")
+            (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\n{'run':<22} {'rounds/step':>11} {'groups/step':>11} {'s/step':>7} {'held-out base -> end':>22}")
+    for name, r in results.items():
+        print(f"{name:<22} {r['rounds_per_step']:>11.2f} {r['groups_generated_per_step']:>11.1f} {r['seconds_per_step']:>7.2f} "
+              f"{100 * r['heldout_base']:>10.1f}% -> {100 * r['heldout_end']:.1f}%")
+    for workers in [int(w) for w in args.workers.split(",")]:
+        per, glob = results[f"{workers} workers, worker"], results[f"{workers} workers, global"]
+        print(f"{workers} workers: per-worker filling runs {per['rounds_per_step'] / glob['rounds_per_step']:.2f}x the rounds, "
+              f"{per['groups_generated_per_step'] / glob['groups_generated_per_step']:.2f}x the groups and "
+              f"{per['seconds_per_step'] / glob['seconds_per_step']:.2f}x the s/step of global filling")
+    return results
+
+
+if __name__ == "__main__":
+    main()
