@@ -1,6 +1,7 @@
 """Fault drills on a live run: does the health detector name the faulty worker, how fast, and how often wrongly?
 
     python -m benchmarks.faults [--episodes 120] [--episode-steps 6] [--out runs/faults] [--score-only]
+                                [--eval-every N] [--checkpoint-every N]
 
 One run of the default tiny job (recipes/configs/tiny_cpu.yaml) with 4 Ray workers, cut into episodes of
 `episode-steps` RL steps after a warm-up. Half the episodes (seeded, shuffled) inject one fault into one random
@@ -70,11 +71,13 @@ def plan(episodes: int, episode_steps: int, seed: int) -> list[Episode]:
     return out
 
 
-def run_config(base: dict, out: Path, episodes: list[Episode]) -> dict:
+def run_config(base: dict, out: Path, episodes: list[Episode], eval_every: int = 10**6, checkpoint_every: int = 10**6) -> dict:
+    """The drill run's config; evaluations and checkpoints only at the end unless given (they run between steps,
+    and the detector must not mistake the step after one for a fault)."""
     config = json.loads(json.dumps(base))
     config["parallel"]["workers_per_node"] = WORKERS
-    config["run"].update(out_dir=str(out), steps=episodes[-1].last, eval_every=10**6, eval_samples=1, checkpoint_every=10**6,
-                         max_consecutive_nan=10)  # fmt: skip
+    config["run"].update(out_dir=str(out), steps=episodes[-1].last, eval_every=eval_every, eval_samples=1,
+                         checkpoint_every=checkpoint_every, max_consecutive_nan=10)  # fmt: skip
     config["run"].pop("time_limit_minutes", None)
     config["health"] = {"faults": [e.fault for e in episodes if e.fault is not None]}
     return config
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/faults")
     parser.add_argument("--score-only", action="store_true", help="score the run already in --out")
     parser.add_argument("--scale", type=int, nargs="*", default=[], help="simulated worker counts for recorded traces")
+    parser.add_argument("--eval-every", type=int, default=10**6, help="run.eval_every of the drill run (default: at the end)")
+    parser.add_argument("--checkpoint-every", type=int, default=10**6, help="run.checkpoint_every (default: at the end)")
     args = parser.parse_args(argv)
 
     from allsync.health import SimilarityDetector, ThresholdDetector, read_worker_records, replay
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     episodes = plan(args.episodes, args.episode_steps, args.seed)
     if not args.score_only:
-        config = run_config(yaml.safe_load(Path(args.config).read_text()), out, episodes)
+        config = run_config(yaml.safe_load(Path(args.config).read_text()), out, episodes, args.eval_every, args.checkpoint_every)
         out.mkdir(parents=True, exist_ok=True)
         (out / "faults.yaml").write_text(yaml.safe_dump(config))
         done = subprocess.run([sys.executable, str(RECIPE), "--config", str(out / "faults.yaml")], text=True)
