@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from evals.generation import cut_at_eos, left_pad
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -55,27 +57,6 @@ class Rollout:
     @property
     def response_lengths(self) -> list[int]:
         return [len(r) for r in self.response_ids]
-
-
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch of left-padded ids and its attention mask."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
-def cut_at_eos(tokens: list[int], eos_id: int) -> tuple[list[int], str]:
-    """Response tokens up to and including the first eos ("stop"), else all of them ("length").
-
-    generate() pads only after an eos, so a row without eos has no padding.
-    """
-    if eos_id in tokens:
-        return tokens[: tokens.index(eos_id) + 1], "stop"
-    return tokens, "length"
 
 
 class TorchEngine:

@@ -44,9 +44,12 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def cut_at_eos(row: list[int], eos_id: int) -> list[int]:
-    """Tokens up to and including the first eos (all of them when there is none)."""
-    return row[: row.index(eos_id) + 1] if eos_id in row else row
+def cut_at_eos(tokens: list[int], eos_id: int) -> tuple[list[int], str]:
+    """Response tokens up to and including the first eos ("stop"), else all of them ("length"). Generation pads
+    only after an eos, so a row without eos has no padding."""
+    if eos_id in tokens:
+        return tokens[: tokens.index(eos_id) + 1], "stop"
+    return tokens, "length"
 
 
 @torch.no_grad()
@@ -64,7 +67,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
                              pad_token_id=pad, **sampling)  # fmt: skip
         for row in out[:, ids.shape[1] :].tolist():
-            kept = cut_at_eos(row, eos)
+            kept, _ = cut_at_eos(row, eos)
             results.append(Generated(tokenizer.decode(kept, skip_special_tokens=True), len(kept)))
     return results
 

@@ -5,7 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-from allsync.rollout import Sampling, TorchEngine, check_plain_logits, cut_at_eos, left_pad
+from allsync.rollout import Sampling, TorchEngine, check_plain_logits
+from evals.generation import cut_at_eos, left_pad
 from allsync.trainer import build_sequences, forward_logprobs, scatter_response_values
 from quant.loader import QuantPlan, load_frozen_model
 
