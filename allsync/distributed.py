@@ -131,3 +131,13 @@ def connect(rank: int, world_size: int, address: str | None, backend: str, layou
 def disconnect() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def worker_device(device: str, launcher: bool) -> torch.device:
+    """cpu, or this worker's GPU: cuda:LOCAL_RANK under a launcher (one process per GPU), cuda:0 under Ray
+    (the actor sees only the GPU its bundle holds)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0)) if launcher else 0
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from allsync.config import RewardSection
+from allsync.distributed import worker_device
 from allsync.rollout import Sampling
 from allsync.tasks import Problem, encode_prompt, reward_row
 from evals.report import SampleRecord
@@ -156,7 +157,6 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
         engine = VLLMEngine(args.base, r, alpha, rslora, dtype=args.compute_dtype, max_model_len=model_len)
         engine.load_adapter(adapter.tensors if adapter is not None else None, 1)
         return engine
-    from allsync.worker import worker_device
     from moe_lora.adapter_io import attach_adapter
     from quant.loader import QuantPlan, load_frozen_model
 

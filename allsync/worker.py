@@ -38,7 +38,7 @@ from allsync.checkpoint import (
     write_state,
 )
 from allsync.config import ConfigError, RunConfig
-from allsync.distributed import Groups, connect
+from allsync.distributed import Groups, connect, worker_device
 from allsync.episodes import Episode, episode_info_sums, stale_versions
 from allsync.evaluation import RewardError, answer_records, sample_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
 from allsync.faults import FaultInjector, parse_faults
@@ -60,18 +60,6 @@ from quant.loader import load_frozen_model
 
 class NaNLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss."""
-
-
-def worker_device(device: str, launcher: bool) -> torch.device:
-    """cpu, or this worker's GPU: cuda:LOCAL_RANK under a launcher (one process per GPU), cuda:0 under Ray
-    (the actor sees only the GPU its bundle holds)."""
-    if device == "cpu":
-        return torch.device("cpu")
-    import os
-
-    index = int(os.environ.get("LOCAL_RANK", 0)) if launcher else 0
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def _dtype(name: str) -> torch.dtype:
