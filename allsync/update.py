@@ -144,24 +144,19 @@ class Learner:
         self.before_gradient_reduce = before_gradient_reduce
         self.model, self.config, self.groups, self.layout = model, config, groups, layout
         self.device, self.pad_id, self.timeline, self.rank = device, pad_id, timeline, rank
-        lora_params = [p for p in model.parameters() if p.requires_grad]
+        self.lora_params = [p for p in model.parameters() if p.requires_grad]
         sharded = {id(p) for p in expert_parameters(model)} if layout is not None else set()
-        self.expert_params = [p for p in lora_params if id(p) in sharded]  # summed over the EDP group
-        self.params = [p for p in lora_params if id(p) not in sharded]  # summed over every rank
+        self.expert_params = [p for p in self.lora_params if id(p) in sharded]  # summed over the EDP group
+        self.replicated_lora_params = [p for p in self.lora_params if id(p) not in sharded]
         self.value_head = ValueHead(model.config.hidden_size).to(device) if config.algorithm.uses_critic else None
-        if self.value_head is not None:
-            self.params += list(self.value_head.parameters())
+        self.value_params = list(self.value_head.parameters()) if self.value_head is not None else []
+        self.params = self.replicated_lora_params + self.value_params  # summed over every rank
         self.flat_grad = flat_gradients(self.params, device=device)  # every rank all-reduces one buffer per minibatch
         self.flat_expert_grad = flat_gradients(self.expert_params, flag=False, device=device)
         for p in self.params:  # replicas start identical whatever their seeds (the value head)
             self.groups.broadcast(p.data)
-        self.lora_params = lora_params
-        self.value_params = list(self.value_head.parameters()) if self.value_head is not None else []
-        self.optimized = lora_params + self.value_params
-        param_groups = [{"params": lora_params}]
-        if self.value_head is not None:
-            param_groups.append({"params": list(self.value_head.parameters())})
-        self.optimizer = torch.optim.AdamW(param_groups)
+        self.optimized = self.lora_params + self.value_params
+        self.optimizer = torch.optim.AdamW([{"params": self.lora_params}] + ([{"params": self.value_params}] if self.value_params else []))
         self.apply_optim_settings()
         self.loss_settings = loss_settings(config)
         self.consecutive_nan = 0
@@ -386,8 +381,7 @@ class Learner:
         expert block's (identical over its EDP group) is counted once per EDP member by the world all-reduce:
             ||g||^2 = ||g_replicated||^2 + (sum over ranks of ||g_block(rank)||^2) / EDP size.
         One all-reduce gives every rank the same bits, so the clip factor cannot differ between ranks."""
-        value = {id(p) for p in self.value_params}
-        grads = [p.grad for p in self.params if id(p) not in value]
+        grads = [p.grad for p in self.replicated_lora_params]
         replicated = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if self.layout is None:
             return replicated
