@@ -23,7 +23,7 @@ import numpy as np
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import agreed_rounds
 from allsync.rollout import Sampling
-from allsync.tasks import Problem, format_response
+from allsync.tasks import Problem, chat_messages, format_response
 
 MEMORY_OPEN, MEMORY_CLOSE = "<memory>", "</memory>"
 SLOT = "\u2063MEMORY\u2063"  # where the memory's token ids go in a rendered prompt (an invisible separator around it)
@@ -41,10 +41,7 @@ def memory_prompt_text(question: str, with_chunk: bool) -> str:
 def conversation_messages(question: str | tuple[tuple[str, str], ...], with_chunk: bool) -> list[dict[str, str]]:
     """The question as chat messages (a text is one user message; a dataset row's (role, content) messages keep
     their roles), its last user turn holding the memory's (and the chunk's) slots."""
-    if isinstance(question, str):
-        messages = [{"role": "user", "content": question}]
-    else:
-        messages = [{"role": role, "content": content} for role, content in question]
+    messages = chat_messages(Problem(question, ""))
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         raise ValueError(f"problem {question!r}: multi-conversation needs a user message to put the memory in")
