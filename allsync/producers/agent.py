@@ -56,6 +56,10 @@ class Conversation:
                                                 "observations_cut": 0, "env_errors": 0, "max_turns_reached": 0})  # fmt: skip
 
 
+class CallTimeout(Exception):
+    """A DaemonCaller call passed its timeout (its own class: a TimeoutError the environment raises is an error)."""
+
+
 class DaemonCaller:
     """Calls run one at a time on a daemon thread, each with a timeout. A call past it keeps that thread, which is
     abandoned (a daemon thread never holds the process at exit) and replaced by a fresh one for later calls."""
@@ -77,14 +81,14 @@ class DaemonCaller:
                 reply.put((False, exc))
 
     def __call__(self, fn, args: tuple, timeout: float):
-        """fn(*args); TimeoutError past `timeout` seconds; what fn raises is raised here."""
+        """fn(*args); CallTimeout past `timeout` seconds; what fn raises is raised here."""
         reply: queue.SimpleQueue = queue.SimpleQueue()
         self.requests.put((fn, args, reply))
         try:
             ok, value = reply.get(timeout=timeout)
         except queue.Empty:
             self._start()
-            raise TimeoutError from None
+            raise CallTimeout from None
         if not ok:
             raise value
         return value
@@ -114,7 +118,7 @@ class ToolAgent:
         """env.<method>(*args) with agent.step_timeout_s; EnvError naming the row when it raises or times out."""
         try:
             return self.caller(getattr(conversation.env, method), args, self.step_timeout_s)
-        except TimeoutError:
+        except CallTimeout:
             raise EnvError(f"{method} took longer than agent.step_timeout_s = {self.step_timeout_s} s") from None
         except Exception as exc:  # noqa: BLE001 - whatever the user's environment raises is reported with its row
             raise EnvError(f"{method} raised {type(exc).__name__}: {exc}") from exc
