@@ -239,7 +239,7 @@ def settings_differences(stored, wanted, prefix: str = "") -> list[str]:
     if not isinstance(stored, dict) or not isinstance(wanted, dict):
         return [] if stored == wanted else [f"{prefix or 'settings'}: {stored!r} -> {wanted!r}"]
     return [line for key in sorted(set(stored) | set(wanted), key=str)
-            for line in settings_differences(stored.get(key), wanted.get(key), f"{prefix}{key}" if not prefix else f"{prefix}.{key}")]  # fmt: skip
+            for line in settings_differences(stored.get(key), wanted.get(key), f"{prefix}.{key}" if prefix else str(key))]  # fmt: skip
 
 
 def cached_report(out: Path, settings: WarmStartSettings) -> dict | None:
