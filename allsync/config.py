@@ -43,6 +43,10 @@ class ModelSection:
     base: str = "runs/tiny-base"  # checkpoint directory
     warm_start: bool = False  # build `base` with allsync.warm_start (tiny model, supervised on the run's task) when it is missing
     compute_dtype: str = "float32"  # bfloat16 on GPUs
+    # keep every frozen weight dequantized in compute_dtype beside its stored format (dequantized once, not at
+    # every forward and backward): the same numbers, faster, but 4 (float32) or 2 bytes per parameter more.
+    # For small models; refused when the copy would take more than half the device's free memory
+    compute_copy: bool = False
     quant: QuantSection = field(default_factory=QuantSection)
 
 

@@ -30,6 +30,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from evals.generation import cut_at_eos, left_pad
+from moe_lora.mla_decode import ExpandedKVCache, expanded_cache_fits, install_expanded_cache
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class TorchEngine:
         self.positions = 0  # token positions computed (rows x padded length), the work a health report divides by
         if getattr(model, "generation_config", None) is not None:
             check_plain_logits(model.generation_config)
+        # MLA keys/values expanded once per token where that costs no more memory than the latent cache
+        # (moe_lora/mla_decode.py); otherwise transformers' latent cache, re-expanded at every step
+        self.expanded_kv = expanded_cache_fits(model.config) and install_expanded_cache(model) > 0
 
     def load_adapter(self, tensors: dict[str, torch.Tensor] | None, version: int) -> int:
         """The engine is the trainer's model: its LoRA tensors are already current; returns bytes moved (0)."""
@@ -110,6 +114,7 @@ class TorchEngine:
             top_p=None if s.greedy else s.top_p, top_k=None,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id,
             logits_processor=LogitsProcessorList([step_logprobs]), synced_gpus=self.lockstep is not None,
+            past_key_values=ExpandedKVCache() if self.expanded_kv else None,
         )  # fmt: skip
         new_tokens = sequences[:, ids.shape[1] :]
         self.positions += sequences.numel()

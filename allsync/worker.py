@@ -56,6 +56,26 @@ from moe_lora.expert_parallel import ExpertLayout, shard_experts
 from moe_lora.lora import PEFT_PREFIX, LoRAConfig, LoRAExperts, attach_lora, expert_slots, load_lora_state_dict, lora_state_dict, seeded_init_
 from quant.checkpoint_io import read_config
 from quant.loader import load_frozen_model
+from quant.modules import compute_copy_bytes, keep_compute_copies
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on `device`: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def keep_compute_copies_within(model, dtype: torch.dtype, device: torch.device) -> int:
+    """model.compute_copy: the dequantized copies (quant.modules.keep_compute_copies), refused before they are
+    made when they would take more than half of `device`'s free memory."""
+    need, free = compute_copy_bytes(model, dtype), free_device_bytes(device)
+    if need > free / 2:
+        raise ConfigError(f"model.compute_copy: a {dtype} copy of the frozen weights needs {need / 2**30:.1f} GiB, more than "
+                          f"half of the {free / 2**30:.1f} GiB free on {device}; set model.compute_copy: false")  # fmt: skip
+    return keep_compute_copies(model, dtype)
 
 
 class NaNLossError(RuntimeError):
@@ -98,6 +118,8 @@ class RLWorker:
         attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora,
                                                  expert_kernel=lc.expert_kernel))
         seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
+        if config.model.compute_copy:
+            keep_compute_copies_within(self.model, _dtype(config.model.compute_dtype), self.device)
         self.dispatch_stats = shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
         if self.layout is not None:
             held, m = self.layout.experts_of(rank), self.model

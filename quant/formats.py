@@ -14,6 +14,7 @@ Formats:
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -35,7 +36,10 @@ def check_format(name: str, where: str = "format") -> str:
     return name
 
 
+@functools.cache
 def _bnb_functional():
+    # once per process: Logger.setLevel clears every logger's level cache, which cost 10% of a default step
+    # when it ran on each dequantization.
     # bitsandbytes warns on import that its optional hub-downloaded CPU kernel is absent; the
     # built-in CPU path it falls back to is the one we use, so the warning is noise here.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
@@ -94,6 +98,9 @@ class QuantizedWeight:
     data: torch.Tensor
     scale: torch.Tensor | None = None  # fp8: scale_inv blocks; int8: row absmax; nf4: absmax (float32)
     nf4_state: Any = field(default=None, repr=False)  # bitsandbytes QuantState (nf4 only)
+    # the dequantized weight in one compute dtype, kept when the model is small enough (`keep_compute_copy`):
+    # the weight is frozen, so the copy is never stale and dequantize() returns it instead of recomputing it
+    compute_copy: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +120,9 @@ class QuantizedWeight:
         return self.shape[0] * self.shape[1]
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """W in `dtype` (the kept compute copy when it has that dtype: the same values, computed once)."""
+        if self.compute_copy is not None and self.compute_copy.dtype == dtype:
+            return self.compute_copy
         if self.fmt == "bf16":
             return self.data.to(dtype)
         if self.fmt == "fp8":
@@ -122,6 +132,16 @@ class QuantizedWeight:
         if self.fmt == "int8":
             return (self.data.float() * (self.scale[:, None] / 127.0)).to(dtype)
         raise AssertionError(self.fmt)
+
+
+def keep_compute_copy(weight: QuantizedWeight, dtype: torch.dtype) -> int:
+    """Keep W dequantized to `dtype` beside its stored format; returns the bytes the copy takes."""
+    weight.compute_copy = None
+    weight.compute_copy = weight.dequantize(dtype).contiguous()
+    if weight.compute_copy.data_ptr() == weight.data.data_ptr():  # bf16 stored, bf16 asked: nothing to keep
+        weight.compute_copy = None
+        return 0
+    return weight.compute_copy.numel() * weight.compute_copy.element_size()
 
 
 _SHARED_TABLES: dict[tuple, torch.Tensor] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quant.formats import QuantizedWeight, frozen_linear
+from quant.formats import QuantizedWeight, frozen_linear, keep_compute_copy
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -97,3 +97,26 @@ class FrozenExperts(nn.Module):
         fmts = {w.fmt for ws in self.weights.values() for w in ws if w is not None}
         shard = f" from expert {self.first_expert}" if self.first_expert or self.dispatch is not None else ""
         return f"{self.num_experts} experts{shard}, {self.hidden_size} -> {self.intermediate_size}, format={','.join(sorted(fmts))}"
+
+
+def frozen_weights(model: nn.Module) -> list[QuantizedWeight]:
+    """Every frozen quantized weight of `model` (its FrozenLinear and FrozenExperts modules)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, FrozenLinear) and m.weight_q is not None:
+            out.append(m.weight_q)
+        elif isinstance(m, FrozenExperts):
+            out += [w for ws in m.weights.values() for w in ws if w is not None]
+    return out
+
+
+def compute_copy_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """What `keep_compute_copies` would add: every frozen weight once in `dtype` (a bf16 weight asked in bf16: 0)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(w.numel * size for w in frozen_weights(model) if not (w.fmt == "bf16" and dtype == torch.bfloat16))
+
+
+def keep_compute_copies(model: nn.Module, dtype: torch.dtype) -> int:
+    """Dequantize every frozen weight once and keep it (model.compute_copy): forward and backward then read the
+    copy instead of dequantizing at every call, with the same values. Returns the bytes added."""
+    return sum(keep_compute_copy(w, dtype) for w in frozen_weights(model))
