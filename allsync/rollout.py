@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, TopPLogitsWarper
 
 from evals.generation import cut_at_eos, left_pad
 from moe_lora.mla_decode import ExpandedKVCache, expanded_cache_fits, install_expanded_cache
@@ -105,27 +105,89 @@ class TorchEngine:
         return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
 
     def _generate_batch(self, prompts: list[list[int]], s: Sampling):
-        ids, mask = (t.to(self.model.device) for t in left_pad(prompts, self.pad_id))
-        temperature = 1.0 if s.greedy else s.temperature
-        step_logprobs = StepLogprobs(ids.shape[1], temperature)
-        sequences = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=s.max_new_tokens,
-            do_sample=not s.greedy, temperature=None if s.greedy else s.temperature,
-            top_p=None if s.greedy else s.top_p, top_k=None,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-            logits_processor=LogitsProcessorList([step_logprobs]), synced_gpus=self.lockstep is not None,
-            past_key_values=ExpandedKVCache() if self.expanded_kv else None,
-        )  # fmt: skip
-        new_tokens = sequences[:, ids.shape[1] :]
-        self.positions += sequences.numel()
-        chosen = step_logprobs.finish(sequences)
+        distinct, repeats = runs_of_equal(prompts)
+        cache = ExpandedKVCache() if self.expanded_kv else DynamicCache(config=self.model.config)
+        tokens, chosen = sample_from_cache(self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep)
+        self.positions += tokens.shape[0] * (max(map(len, prompts)) + tokens.shape[1])
         responses, logprobs, reasons = [], [], []
-        for row, lp in zip(new_tokens.tolist(), chosen.tolist()):
-            tokens, reason = cut_at_eos(row, self.eos_id)
-            responses.append(tokens)
-            logprobs.append(lp[: len(tokens)])
+        for row, lp in zip(tokens.tolist(), chosen.tolist()):
+            tokens_cut, reason = cut_at_eos(row, self.eos_id)
+            responses.append(tokens_cut)
+            logprobs.append(lp[: len(tokens_cut)])
             reasons.append(reason)
         return responses, logprobs, reasons
+
+
+def runs_of_equal(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Consecutive equal rows collapsed: (distinct rows, how many times each repeats), in order."""
+    distinct, repeats = [], []
+    for row in rows:
+        if distinct and distinct[-1] == row:
+            repeats[-1] += 1
+        else:
+            distinct.append(row)
+            repeats.append(1)
+    return distinct, repeats
+
+
+@torch.no_grad()
+def sample_from_cache(model, prompts: list[list[int]], repeats: list[int], s: Sampling, eos_id: int, pad_id: int,
+                      cache, lockstep=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Sample `repeats[i]` responses to prompts[i]: ([rows, steps] token ids, [rows, steps] their logprobs).
+
+    Each distinct prompt is prefilled once (left-padded, positions counted from its first real token), its cache
+    rows and last logits then repeated for its samples. Each step then does what transformers' `generate` does
+    (generation/utils.py `_sample`, 5.19), so a seed gives the same tokens as `model.generate` would:
+        scores = logits (float32);  next ~ softmax(scores / T) (top_p: transformers' TopPLogitsWarper after T),
+        or argmax(scores) when greedy;  a row past eos gets pad;  stop when every row has emitted eos or after
+        max_new_tokens. The logprob of each chosen token is log softmax(scores / T)[next] (T = 1 when greedy).
+    `lockstep` (expert parallelism): every rank forwards until all ranks are done, as generate's synced_gpus.
+    """
+    device = model.device
+    ids, mask = (t.to(device) for t in left_pad(prompts, pad_id))
+    padded = not bool(mask.all())  # as generate: no mask at all when nothing is padded (the causal SDPA path)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    out = model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)  # fmt: skip
+    rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(repeats, device=device))
+    cache.batch_select_indices(rows)
+    logits, mask, position = out.logits[rows, -1], mask[rows], positions[rows, -1:]
+    temperature = 1.0 if s.greedy else s.temperature
+    top_p = TopPLogitsWarper(s.top_p) if not s.greedy and s.top_p < 1.0 else None
+    unfinished = torch.ones(len(rows), dtype=torch.long, device=device)
+    tokens, logprobs = [], []
+    done = False
+    for step in range(s.max_new_tokens):
+        if step:
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            position = position + 1
+            logits = model(input_ids=tokens[-1][:, None], attention_mask=mask if padded else None,
+                           position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
+        if done:  # lockstep: this rank is done, its forward serves the other ranks' tokens
+            if not lockstep.max_over_ranks(0):
+                break
+            continue
+        scores = logits.float()
+        if s.greedy:
+            chosen = scores.argmax(-1)
+        else:
+            warped = scores / temperature
+            if top_p is not None:
+                warped = top_p(None, warped)
+            chosen = torch.multinomial(torch.softmax(warped, dim=-1), num_samples=1).squeeze(1)
+        chosen = chosen * unfinished + pad_id * (1 - unfinished)
+        logprobs.append(torch.log_softmax(scores / temperature, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
+        tokens.append(chosen)
+        unfinished = unfinished & (chosen != eos_id).long()
+        done = not bool(unfinished.any())
+        if lockstep is not None and not lockstep.max_over_ranks(int(not done)):
+            break
+        if done and lockstep is None:
+            break
+    if not tokens:
+        empty = torch.zeros((len(rows), 0), dtype=torch.long, device=device)
+        return empty, empty.float()
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
 # Settings of a checkpoint's generation_config that make generate() sample from something other than
@@ -149,42 +211,3 @@ def check_plain_logits(generation_config) -> None:
         if getattr(generation_config, name, None) not in neutral:
             raise ValueError(f"the checkpoint's generation_config sets {name}={getattr(generation_config, name)!r}: "
                              "the torch engine samples from softmax(logits / T) only; remove it")  # fmt: skip
-
-
-class StepLogprobs(LogitsProcessor):
-    """The chosen tokens' log softmax(logits / T), gathered step by step during `model.generate`.
-
-    transformers 5.19 (generation/utils.py) calls the processors on `scores` = a float32 copy of the step's
-    logits (`_sample`, line 3222-3225); `_get_logits_processor` puts user processors after its own
-    non-sampling ones (line 1572, `_merge_criteria_processor_list` appends them at 1707; none are active
-    here, see `check_plain_logits`) and before the temperature / top-k / top-p warpers (appended from line
-    1575, temperature at 1591). So this processor sees the raw logits, and it returns them unchanged:
-    sampling is exactly what it would be without it. At step t it gathers the
-    logprob of the token chosen at step t-1 (input_ids[:, -1]) from the log softmax it kept at t-1, and
-    keeps step t's log softmax: one [B, V] tensor at a time. `finish` reads the last token's. Rows that
-    ended at eos get pad tokens and meaningless logprobs after it; the caller cuts them at eos.
-    """
-
-    def __init__(self, prompt_width: int, temperature: float):
-        self.prompt_width, self.temperature = prompt_width, temperature
-        self.previous: torch.Tensor | None = None  # [B, V] log softmax of the last step seen
-        self.gathered: list[torch.Tensor] = []  # [B] per generated token, in order
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if input_ids.shape[1] > self.prompt_width:
-            self._gather(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def _gather(self, tokens: torch.Tensor) -> None:
-        self.gathered.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[B, new tokens] logprobs of the generated part of `sequences` (generate's output)."""
-        generated = sequences.shape[1] - self.prompt_width
-        if len(self.gathered) < generated:  # the last token: no later step read it
-            self._gather(sequences[:, -1])
-        self.previous = None
-        # [:generated]: a step after the last kept token may have run and been undone (transformers' deferred
-        # stop check); the tokens it read are not in `sequences`
-        return torch.stack(self.gathered[:generated], dim=1) if generated else torch.zeros((sequences.shape[0], 0))

@@ -86,26 +86,15 @@ def frequent_stop_token(model, prompts, n, sampling, seed) -> int:
 def test_engine_logprobs_are_computed_per_step_and_equal_a_plain_forward(model, temperature):
     """Issue 9 item 13: the engine gathers each step's chosen-token logprob as it generates (no [B, L, V]
     of kept logits); they equal log softmax(logits / T) of a teacher-forced forward of each sample alone
-    (no padding), rows stop at eos at different lengths, and the samples are the old code's for the seed."""
+    (no padding), rows stop at eos at different lengths, and the samples are transformers' `generate`'s for the
+    seed (issue 24: the engine's own decode loop prefills each prompt once and samples as `_sample` does)."""
     prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
     sampling = Sampling(temperature=temperature, max_new_tokens=10)
     eos = frequent_stop_token(model, prompts, 4, sampling, seed=0)
     engine = TorchEngine(model, eos_id=eos, pad_id=2)
 
-    calls = []
-    generate = model.generate
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return generate(*args, **kwargs)
-
-    model.generate = spy
-    try:
-        torch.manual_seed(0)
-        rollout = engine.generate(prompts, n=4, sampling=sampling)
-    finally:
-        del model.generate
-    assert calls and not any(c.get("output_logits") or c.get("output_scores") for c in calls)
+    torch.manual_seed(0)
+    rollout = engine.generate(prompts, n=4, sampling=sampling)
 
     stopped = {len(r) for r, f in zip(rollout.response_ids, rollout.finish_reasons) if f == "stop"}
     assert len(stopped) >= 2 and "length" in rollout.finish_reasons  # eos at different lengths, padding after it
@@ -122,7 +111,10 @@ def test_engine_logprobs_are_computed_per_step_and_equal_a_plain_forward(model, 
     torch.manual_seed(0)
     old = old_generate_batch(model, [p for p in prompts for _ in range(4)], sampling, eos, 2)
     assert old[0] == rollout.response_ids and old[2] == rollout.finish_reasons
-    assert old[1] == rollout.logprobs  # the same float32 arithmetic on the same scores
+    # the engine prefills each distinct prompt once: its rows go through smaller matmuls than generate's, whose float32
+    # sums may round differently (measured: up to 1e-5 nats after 10 steps with padded prompts; 0 on the default task)
+    for engine_lp, old_lp in zip(rollout.logprobs, old[1]):
+        torch.testing.assert_close(torch.tensor(engine_lp), torch.tensor(old_lp), atol=5e-5, rtol=0)
 
 
 def test_generation_configs_that_change_the_sampled_distribution_are_refused():
