@@ -235,6 +235,7 @@ class LossStats:
     approx_kl: float  # k1 between the policy and the sampling policy (old logprobs)
     entropy: float  # policy entropy at the rollout temperature
     kl_ref: float  # KL to the reference policy (the kl_estimator's value); 0 without reference logprobs
+    logprobs: torch.Tensor | None = None  # [B, L-1] the forward's token logprobs, detached
 
 
 def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settings: LossSettings,
@@ -245,9 +246,14 @@ def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settin
     each row's episode's trained tokens, for episode-mean-token-mean), plus
     kl_coef * KL(policy || reference) aggregated the same way when reference logprobs are given
     (reference = the frozen base with the adapters off), plus value_targets.coef * the critic's value
-    loss when a value head is given. Returns (loss, LossStats of token sums)."""
+    loss when a value head is given. Returns (loss, LossStats of token sums).
+
+    old_logprobs None: the policy being trained is the one that sampled (one on-policy minibatch, before any
+    optimizer step), so the old logprobs are this forward's own, detached: r = exp(logprobs - sg(logprobs)) = 1,
+    and the separate no-gradient pass that would compute the same numbers is skipped."""
     out = forward_pass(model, batch, settings.temperature, value_head, with_entropy=True)
     mask = batch.response_mask
+    old_logprobs = out.logprobs.detach() if old_logprobs is None else old_logprobs
     loss, stats = policy_loss(
         out.logprobs, old_logprobs, advantages, mask, clip_low=settings.clip_low,
         clip_high=settings.clip_high, clip_c=settings.clip_c, agg=settings.agg, global_tokens=global_tokens,
@@ -265,5 +271,5 @@ def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settin
         loss = loss + v.coef * vloss
     tokens = float(mask.sum())
     sums = LossStats(float(stats.clipfrac_high) * tokens, float(stats.clipfrac_low) * tokens, float(stats.approx_kl) * tokens,
-                     float((out.entropy * mask).sum()), kl_ref)  # fmt: skip
+                     float((out.entropy * mask).sum()), kl_ref, out.logprobs.detach())  # fmt: skip
     return loss, sums

@@ -61,7 +61,7 @@ class TrainBatch:
     token count of the row's whole episode."""
 
     sequences: SequenceBatch
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: the update's own forward gives them (Learner.reuses_update_forward)
     advantages: torch.Tensor
     returns: torch.Tensor | None = None
     value_mask: torch.Tensor | None = None  # response tokens of finished responses (the critic learns from those)
@@ -185,6 +185,13 @@ class Learner:
         self.timeline.waited(self.groups.waited - before)
         return tensor
 
+    @property
+    def reuses_update_forward(self) -> bool:
+        """Group baselines with one minibatch: every forward of the update runs before its one optimizer step, so
+        the policy it computes is the sampling policy and its own detached logprobs are the old ones (no separate
+        no-gradient pass; trainer.minibatch_loss). A critic's advantages need the values before the update."""
+        return self.config.optim.minibatches == 1 and not self.config.algorithm.uses_critic
+
     # ------------------------------------------------------------------------------ batches
     def episode_batch(self, episodes: list[Episode], group_index: torch.Tensor) -> TrainBatch:
         """Group baselines (GRPO / Dr.GRPO) over the episodes' rewards: one advantage per episode, copied to
@@ -207,7 +214,7 @@ class Learner:
         if a.overlong is not None and a.overlong.filter_truncated:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
-        old_logprobs, _ = self.current_logprobs(batch)
+        old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)[0]
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
         return TrainBatch(batch, old_logprobs, advantages, ref_logprobs=self.reference_logprobs(batch), episode_of_row=episode_of_row,
                           engine_logprobs=engine_logprobs, engine_mask=engine_mask, segment_kinds=[s.kind for s in rows.segments])  # fmt: skip
@@ -303,7 +310,8 @@ class Learner:
         """Group baselines: `episode_batch` then `update` (an idle rank under EP runs the same forward passes)."""
         if not episodes and self.groups.expert_parallel:  # the forward passes episode_batch would run, on an idle row
             idle = self.idle_batch().sequences
-            self.current_logprobs(idle)
+            if not self.reuses_update_forward:
+                self.current_logprobs(idle)
             self.reference_logprobs(idle)
         tb = self.episode_batch(episodes, group_index) if episodes else None
         out = self.update(tb, adapter_version)
@@ -329,10 +337,6 @@ class Learner:
         parts: list[torch.Tensor | None] = [None] * minibatches
         local = torch.zeros(minibatches, 3, dtype=torch.float64)  # per minibatch: policy tokens, episodes, critic tokens (exact past 2^24)
         if tb is not None:
-            out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)
-            if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
-                print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
-                      f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
             out["train_positions"] = tb.sequences.input_ids.numel()  # padded token positions: the work (health signal)
             parts = tb.minibatch_rows(minibatches)
             local = torch.stack([tb.counts(rows) for rows in parts])
@@ -345,12 +349,15 @@ class Learner:
             self.flat_expert_grad.zero_()
             mb = tb.minibatch(rows) if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0) else None
             micro = self.forward_chunks(mb.sequences) if mb is not None else []
+            own_logprobs = []  # the micro-batches' detached logprobs: the old ones when tb has none yet
             with checkpointed_decoder_layers(self.model, c.optim.activation_checkpointing):
                 for i in range(self.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
                     if i < len(micro):
-                        self._backward_minibatch(mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])), totals[m], out)
+                        own_logprobs.append(self._backward_minibatch(mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])), totals[m], out))
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None)
+            if tb is not None and tb.old_logprobs is None:  # one minibatch (reuses_update_forward): all of tb's rows
+                tb.old_logprobs = placed_rows(own_logprobs, micro, tb.engine_logprobs)
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
             local_sq = sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in (self.flat_grad[:-1], self.flat_expert_grad))
@@ -367,6 +374,11 @@ class Learner:
             self.optimizer.step()
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
+        if tb is not None:
+            out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)
+            if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
+                print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
+                      f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out
@@ -389,10 +401,11 @@ class Learner:
         sq = self.all_reduce(block.reshape(1))[0] + replicated.double() ** 2
         return sq.sqrt().float()
 
-    def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict | None) -> None:
+    def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict | None) -> torch.Tensor:
         """Loss of this worker's part of a minibatch (its share of the global batch) and its backward into the
         flat gradient buffers; a non-finite loss sets the buffer's flag instead. out None: an idle row
-        (expert parallelism), whose backward only serves the other ranks' tokens."""
+        (expert parallelism), whose backward only serves the other ranks' tokens. Returns the forward's
+        detached logprobs [rows, width - 1]."""
         c = self.config
         targets = None
         if mb.returns is not None:
@@ -404,10 +417,10 @@ class Learner:
             self.flat_grad[-1] = 1.0
             if self.groups.expert_parallel:  # the EP peers wait for this rank's backward all-to-alls
                 loss.backward()
-            return
+            return sums.logprobs
         loss.backward()
         if out is None:
-            return
+            return sums.logprobs
         out["loss_sum"] += float(loss.detach())
         out["clipfrac_high_sum"] += sums.clipfrac_high
         out["clipfrac_low_sum"] += sums.clipfrac_low
@@ -415,6 +428,16 @@ class Learner:
         out["entropy_sum"] += sums.entropy
         out["kl_ref_sum"] += sums.kl_ref
         out["trained_tokens"] += int(mb.sequences.response_mask.sum())
+        return sums.logprobs
+
+
+def placed_rows(parts: list[torch.Tensor], row_groups: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """Row groups' [rows, width_i] tensors (each cut to its own longest row) put back at their rows of a zero
+    tensor shaped like `like` [B, W]."""
+    full = torch.zeros_like(like)
+    for part, rows in zip(parts, row_groups):
+        full[torch.tensor(rows, device=full.device), : part.shape[1]] = part
+    return full
 
 
 def segment_gaps(tb: TrainBatch) -> dict:

@@ -163,7 +163,8 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
         reference, _ = forward_logprobs(base, tb.sequences)
     mask = tb.sequences.response_mask.bool()
     assert torch.allclose(tb.ref_logprobs[mask], reference[mask], atol=1e-6)
-    assert not torch.allclose(tb.old_logprobs[mask], reference[mask], atol=1e-4)  # the trained policy moved away
+    current, _ = with_kl.learner.current_logprobs(tb.sequences)
+    assert not torch.allclose(current[mask], reference[mask], atol=1e-4)  # the trained policy moved away
 
 
 def fake_rollout():
@@ -280,3 +281,29 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
     g_want, g_got = torch.cat([g.flatten() for g in plain.gradient_tensors()]), torch.cat([g.flatten() for g in split.gradient_tensors()])
     assert float((g_got - g_want).abs().max()) < 1e-4 * float(g_want.abs().max())
     assert saved[1] < saved[0]
+
+
+@pytest.mark.parametrize("optim", [{}, {"max_tokens_per_forward": 40}])
+def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, optim):
+    """Issue 24: with one minibatch (group baselines) the update's own forward is the sampling policy's, so its
+    detached logprobs are the old ones and no separate no-gradient pass runs. The update equals the one given
+    the separate pass's old logprobs: the same loss, clip fractions, logprob gap and adapter, bit for bit here
+    (token budget on: per micro-batch, put back at their rows)."""
+    samples, index = groups(0, 4)
+    workers = [RLWorker(config(tiny_bf16, minibatches=1, **{}), PROBLEMS) for _ in range(2)]
+    for w in workers:
+        for key, value in optim.items():
+            setattr(w.config.optim, key, value)
+    reused, separate = (w.learner.episode_batch(samples, index) for w in workers)
+    assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
+    separate.old_logprobs, _ = workers[1].learner.current_logprobs(separate.sequences)
+    passes = []
+    original = workers[0].learner.current_logprobs
+    workers[0].learner.current_logprobs = lambda *a: passes.append(1) or original(*a)
+    outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
+    assert not passes  # no logprob pass besides the update's forward
+    torch.testing.assert_close(reused.old_logprobs, separate.old_logprobs, atol=0, rtol=0)
+    for key in ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "entropy_sum", "logprob_gap", "grad_norm", "trained_tokens"):
+        assert outs[0][key] == outs[1][key], key
+    a, b = adapter(workers[0]), adapter(workers[1])
+    assert all(torch.equal(a[k], b[k]) for k in a)
