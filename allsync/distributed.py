@@ -5,9 +5,8 @@ Every group is a process group of its own, built on one TCP store through `Prefi
 - Ray: the controller picks `tcp://host:port` and rank 0 hosts the store.
 - SPMD (torchrun / accelerate launch): torch.distributed's default group is initialized from the launcher's
   environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and its store carries the other groups.
-Ray workers keep torch.distributed's default group free (an in-process vLLM engine initializes it for
-itself) unless `default_group` asks for it: under expert parallelism the torch engine's decode loop
-synchronizes its ranks through it (transformers' `synced_gpus`).
+Ray workers keep torch.distributed's default group free: an in-process vLLM engine initializes it for itself
+(the torch engine's decode loop keeps expert-parallel ranks in step through the world group, `max_over_ranks`).
 NCCL on GPUs, gloo on CPU; collectives are the groups' own methods (`allreduce`, `alltoall_base`).
 """
 
@@ -104,8 +103,7 @@ class Groups:
         return [o.to(tensor.device) for o in out]
 
 
-def connect(rank: int, world_size: int, address: str | None, backend: str, layout: ExpertLayout | None,
-            default_group: bool = False) -> Groups:  # fmt: skip
+def connect(rank: int, world_size: int, address: str | None, backend: str, layout: ExpertLayout | None) -> Groups:
     """Build this rank's groups. address: `tcp://host:port` (Ray mode; rank 0 hosts the store), or None
     under a launcher (SPMD), which initializes torch.distributed's default group from the environment."""
     groups = Groups(rank, world_size, layout, device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"))
@@ -119,9 +117,6 @@ def connect(rank: int, world_size: int, address: str | None, backend: str, layou
     else:
         store = open_store(address, rank, world_size)
         groups.world = process_group(store, "world", list(range(world_size)), rank, backend)
-        if default_group:
-            dist.init_process_group(backend, store=dist.PrefixStore("default", store), rank=rank,
-                                    world_size=world_size, timeout=TIMEOUT)  # fmt: skip
     if layout is not None and layout.ep_size > 1:
         groups.ep = process_group(store, f"ep{rank // layout.ep_size}", layout.ep_group(rank), rank, backend)
         groups.edp = process_group(store, f"edp{layout.position(rank)}", layout.edp_group(rank), rank, backend)
@@ -131,6 +126,24 @@ def connect(rank: int, world_size: int, address: str | None, backend: str, layou
 def disconnect() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def keep_freed_host_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the system at once
+    (mallopt: M_MMAP_THRESHOLD 32 MiB, its 64-bit maximum, and M_TRIM_THRESHOLD 1 GiB). A CPU worker allocates
+    and frees activations of a few MiB many times per step; by default each comes from a fresh mmap whose pages
+    fault in again: 10% of the default step (benchmarks/step_profile.py). The resident size stays at its
+    high-water mark. Returns False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**30))
 
 
 def worker_device(device: str, launcher: bool) -> torch.device:
