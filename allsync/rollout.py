@@ -3,22 +3,24 @@
     engine.generate(prompts, n, sampling) -> Rollout   (token ids, logprobs, finish reasons, adapter version)
     engine.load_adapter(tensors, version)
 
-`TorchEngine` generates with the training model itself (transformers' generate with its KV cache): the
-frozen base is shared with the trainer, so a sync only bumps the version. It is the reference and the
-fallback. `VLLMEngine` lives in allsync/vllm_engine.py.
+`TorchEngine` generates with the training model itself: the frozen base is shared with the trainer, so a sync
+only bumps the version. It is the reference and the fallback. `VLLMEngine` lives in allsync/vllm_engine.py.
 
 Logprobs are those of the sampling distribution at temperature T: log softmax(logits / T) of the
 chosen token (top_p = 1), the quantity the trainer recomputes to check engine/trainer agreement.
 
-The torch engine computes them while it generates (`StepLogprobs`, a logits processor): at no time does
-it hold more than one step's [B, V] scores, where keeping every step's logits (`output_logits`) would
+The torch engine decodes with its own loop (`sample_from_cache`), which samples exactly as transformers'
+`generate` does (same ops, same random draws, so a seed gives generate's tokens; tests/test_rollout_trainer.py)
+but prefills each distinct prompt once for its n samples, skips generate's per-step bookkeeping and, on models
+where it is no larger, caches MLA keys/values expanded (moe_lora/mla_decode.py). It keeps one step's [B, V]
+scores at a time and gathers the chosen tokens' logprobs as it goes, where keeping every step's logits would
 hold [B, L, V] (about 10 GB per sequence at V = 129,280 and 20k tokens).
 
 Under expert parallelism (`lockstep`: the workers' allsync.distributed.Groups) every rank's MoE layers
 exchange tokens, so every rank must run every decode step: the ranks agree on the number of generate calls
 (the largest count any rank needs; a rank without prompts of its own generates from a one-token dummy
-prompt, under a forked RNG so that its sampling stream is the one it would have had), and transformers'
-`synced_gpus` keeps a rank whose rows are done decoding until every rank is done.
+prompt, under a forked RNG so that its sampling stream is the one it would have had), and a rank whose rows
+are done keeps forwarding (without sampling) until every rank is done, as generate's `synced_gpus` does.
 """
 
 from __future__ import annotations
@@ -190,10 +192,10 @@ def sample_from_cache(model, prompts: list[list[int]], repeats: list[int], s: Sa
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
-# Settings of a checkpoint's generation_config that make generate() sample from something other than
-# softmax(logits / T) (temperature, top_k and top_p are passed explicitly and override the checkpoint's). The
-# first group adds processors that transformers runs before user processors, so StepLogprobs would not see
-# the model's logits; the second adds warpers after temperature. Value: the setting's neutral values.
+# Settings of a checkpoint's generation_config that would make transformers' generate() sample from something
+# other than softmax(logits / T) (repetition penalties, banned words, min_p, ...). The engine's own loop samples
+# from softmax(logits / T) (after top_p for sampled evaluation) whatever the checkpoint asks, so a checkpoint that
+# asks for one of these is refused rather than silently served differently. Value: the setting's neutral values.
 _EXTRA_PROCESSORS = {
     "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),

@@ -77,10 +77,11 @@ def expanded_cache_forward(attn: DeepseekV3Attention, hidden_states, position_em
 
 def install_expanded_cache(model) -> int:
     """Route every DeepseekV3Attention of `model` through `expanded_cache_forward` (a no-op unless a forward is
-    given an ExpandedKVCache); returns how many attention modules it routed."""
+    given an ExpandedKVCache; routing twice changes nothing); returns how many attention modules are routed."""
     routed = 0
     for module in model.modules():
-        if isinstance(module, DeepseekV3Attention) and not isinstance(module.__dict__.get("forward"), functools.partial):
-            module.forward = functools.partial(expanded_cache_forward, module)
+        if isinstance(module, DeepseekV3Attention):
+            if not isinstance(module.__dict__.get("forward"), functools.partial):
+                module.forward = functools.partial(expanded_cache_forward, module)
             routed += 1
     return routed

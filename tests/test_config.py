@@ -132,3 +132,17 @@ def test_length_reward_is_checked():
         parse_config({"reward": {"length": {"coef": 0}}})
     with pytest.raises(ConfigError, match=r"reward.length with algorithm.advantage egae"):
         parse_config({"reward": {"length": {}}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}, "rollout": {"window": 4}})
+
+
+def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, monkeypatch):
+    """model.compute_copy is refused before the copies are made when they would take more than half of the
+    device's free memory, naming the key."""
+    import allsync.worker as worker_module
+    from allsync.config import ConfigError
+    from allsync.tasks import Problem
+
+    config = parse_config({"model": {"base": str(tiny_bf16), "compute_copy": True}, "run": {"export": "merged"},
+                           "lora": {"rank": 4}, "parallel": {"workers_per_node": 1}})  # fmt: skip
+    monkeypatch.setattr(worker_module, "free_device_bytes", lambda device: 1_000_000)
+    with pytest.raises(ConfigError, match="model.compute_copy: a torch.float32 copy of the frozen weights needs"):
+        worker_module.RLWorker(config, [Problem("1+1", "2")])

@@ -113,3 +113,26 @@ def test_frozen_linear_gradient_and_saved_memory(fmt):
     assert torch.allclose(y, x @ w.T, atol=1e-5)
     assert torch.allclose(x.grad, g @ w, atol=1e-5)
     assert sum(saved) == 0  # nothing saved for backward: the weight is dequantized again there
+
+
+def test_kept_compute_copies_give_the_same_forward_and_backward(tiny_bf16):
+    """model.compute_copy (issue 24): every frozen weight dequantized once and kept. The same logits and input
+    gradients bit for bit (the copy is what dequantize() returned at every call), for nf4, int8 and bf16 weights."""
+    from quant.loader import QuantPlan, load_frozen_model
+    from quant.modules import compute_copy_bytes, frozen_weights, keep_compute_copies
+
+    plan = QuantPlan(routed_experts="nf4", shared_experts="int8", attention="bf16", dense_mlp="nf4")
+    plain, copied = (load_frozen_model(tiny_bf16, plan, compute_dtype=torch.float32, progress=False) for _ in range(2))
+    expected = compute_copy_bytes(copied, torch.float32)
+    assert keep_compute_copies(copied, torch.float32) == expected == sum(w.numel * 4 for w in frozen_weights(copied))
+    assert all(w.compute_copy is not None for w in frozen_weights(copied))
+    ids = torch.randint(3, 200, (2, 9))
+    outs = []
+    for model in (plain, copied):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        logits = model(inputs_embeds=embeds).logits
+        logits.square().sum().backward()
+        outs.append((logits.detach(), embeds.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # bf16 weights asked in bf16: dequantize() already returns the stored tensor, nothing to keep
+    assert compute_copy_bytes(copied, torch.bfloat16) == sum(w.numel * 2 for w in frozen_weights(copied) if w.fmt != "bf16")

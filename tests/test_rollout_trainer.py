@@ -127,3 +127,40 @@ def test_generation_configs_that_change_the_sampled_distribution_are_refused():
     for setting in ({"repetition_penalty": 1.2}, {"min_p": 0.05}, {"no_repeat_ngram_size": 3}):
         with pytest.raises(ValueError, match=next(iter(setting))):
             check_plain_logits(GenerationConfig(**setting))
+
+
+def test_the_expanded_kv_cache_samples_what_the_latent_cache_samples(model):
+    """Issue 24: MLA keys/values expanded once per token (moe_lora/mla_decode.py) against transformers' latent
+    cache re-expanded at every step: the same tokens, and logprobs within float32 noise (each row's expansion is the
+    same product, but the matmul over a few new rows may sum in another order than over the whole cache: measured up
+    to 4.5e-6 nats here with padded prompts, 0 on the default run's task)."""
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    engine = TorchEngine(model, eos_id=1, pad_id=2)
+    assert engine.expanded_kv  # the tiny model: 4 heads x (32 + 64 + 32) = 512 <= 512 + 64 latent values
+    rollouts = []
+    for expanded in (True, False):
+        engine.expanded_kv = expanded
+        torch.manual_seed(3)
+        rollouts.append(engine.generate(prompts, n=3, sampling=sampling))
+    assert rollouts[0].response_ids == rollouts[1].response_ids
+    for a, b in zip(rollouts[0].logprobs, rollouts[1].logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
+
+
+def test_expanded_cache_fits_only_where_it_is_no_larger():
+    from transformers import DeepseekV3Config
+
+    from moe_lora.mla_decode import expanded_cache_fits
+
+    v3 = DeepseekV3Config()  # DeepSeek-V3's shape: 128 heads x 320 values against 576 latent ones
+    assert (v3.num_attention_heads, v3.kv_lora_rank) == (128, 512) and not expanded_cache_fits(v3)
+    tiny = DeepseekV3Config(num_attention_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, kv_lora_rank=512)
+    assert expanded_cache_fits(tiny)
+
+
+def test_prompts_are_prefilled_once_per_run_of_equal_rows():
+    from allsync.rollout import runs_of_equal
+
+    assert runs_of_equal([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
+    assert runs_of_equal([]) == ([], [])
