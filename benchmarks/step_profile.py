@@ -18,7 +18,10 @@ FLOP/s at the same dtype and thread count (the best of square matmuls of 256-102
 
 --baseline REV: the same profile of another git revision (a temporary worktree, its own tiny_cpu.yaml), run in
 turn with this tree's `--rounds` times (baseline, this, baseline, this, ...) so the machine's drift hits both;
-prints the medians side by side and this tree's speed-up (baseline s/step / this s/step). The last line:
+prints the medians side by side and this tree's speed-up (baseline s/step / this s/step). Then the default run
+itself, as the README starts it (`python recipes/dapo.py`: two Ray workers), for `--launch-steps` steps in each
+tree, in turn `--rounds` times: the median step_seconds of its metrics.jsonl (after the first 5 steps) and the
+speed-up. The last line:
 
     step profile: X s/step, generate Y%, train Z% of the step; achieved W% of this machine's measured matmul FLOP/s
 """
@@ -170,8 +173,22 @@ def profile_in_subprocess(tree: Path, steps: int, warmup: int, base: str) -> dic
         return json.loads(Path(out.name).read_text())
 
 
-def compare(baseline_rev: str, rounds: int, steps: int, warmup: int, base: str) -> dict:
-    """The profile of `baseline_rev` and of this tree, in turn, `rounds` times each; medians and the speed-up."""
+def launch_step_seconds(tree: Path, steps: int, base: str) -> float:
+    """The median step_seconds (steps 6..) of the default run started in `tree` as the README does, for `steps` steps."""
+    (tree / "runs").mkdir(exist_ok=True)
+    if not (tree / "runs" / "tiny-base").exists():  # the default config's model.base, built once and shared
+        (tree / "runs" / "tiny-base").symlink_to(base, target_is_directory=True)
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        subprocess.run([sys.executable, "recipes/dapo.py", "--steps", str(steps), "--out-dir", f"{out}/run"], cwd=tree,
+                       env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        rows = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_seconds"] for r in rows if "step_seconds" in r and r["step"] > 5)
+
+
+def compare(baseline_rev: str, rounds: int, steps: int, warmup: int, base: str, launch_steps: int) -> dict:
+    """The profile and the default launch of `baseline_rev` and of this tree, in turn, `rounds` times each;
+    medians and the speed-ups."""
     with tempfile.TemporaryDirectory() as tmp:
         worktree = Path(tmp) / "baseline"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), baseline_rev], check=True,
@@ -182,12 +199,19 @@ def compare(baseline_rev: str, rounds: int, steps: int, warmup: int, base: str) 
                 for name, tree in (("baseline", worktree), ("this", ROOT)):
                     print(f"round {r + 1}/{rounds}: {name} ({tree})", flush=True)
                     runs[name].append(profile_in_subprocess(tree, steps, warmup, base))
+            launches = {"baseline": [], "this": []}
+            for r in range(rounds if launch_steps else 0):
+                for name, tree in (("baseline", worktree), ("this", ROOT)):
+                    print(f"round {r + 1}/{rounds}: the default run of {name}, {launch_steps} steps", flush=True)
+                    launches[name].append(launch_step_seconds(tree, launch_steps, base))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
     median = {name: min(rs, key=lambda p: abs(p["seconds_per_step"] - statistics.median(x["seconds_per_step"] for x in rs)))
               for name, rs in runs.items()}  # fmt: skip
     speedup = median["baseline"]["seconds_per_step"] / median["this"]["seconds_per_step"]
-    return {"baseline_rev": baseline_rev, "runs": runs, "median": median, "speedup": speedup}
+    launch = {name: statistics.median(v) for name, v in launches.items() if v}
+    return {"baseline_rev": baseline_rev, "runs": runs, "median": median, "speedup": speedup, "launch_runs": launches,
+            "launch_seconds_per_step": launch, "launch_speedup": launch["baseline"] / launch["this"] if launch else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -197,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--base", default=str(ROOT / "runs" / "tiny-base"), help="the warm-started base (built if missing)")
     parser.add_argument("--baseline", metavar="REV", help="also profile this git revision, in turn with this tree")
     parser.add_argument("--rounds", type=int, default=2, help="with --baseline: runs of each")
+    parser.add_argument("--launch-steps", type=int, default=60, help="with --baseline: steps of each default run (0: none)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -204,12 +229,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         result = profile(args.steps, args.warmup, base)
     elif args.baseline:
-        result = compare(args.baseline, args.rounds, args.steps, args.warmup, base)
+        result = compare(args.baseline, args.rounds, args.steps, args.warmup, base, args.launch_steps)
         for name in ("baseline", "this"):
             print_profile(result["median"][name], f"{name} ({args.baseline if name == 'baseline' else 'this tree'}): ")
         b, t = result["median"]["baseline"], result["median"]["this"]
         print(f"speed-up: {result['speedup']:.2f}x per step ({b['seconds_per_step']:.3f} -> {t['seconds_per_step']:.3f} s); "
               f"achieved share of the matmul peak {b['achieved_share_of_peak']:.1%} -> {t['achieved_share_of_peak']:.1%}")  # fmt: skip
+        if result["launch_speedup"] is not None:
+            lb, lt = result["launch_seconds_per_step"]["baseline"], result["launch_seconds_per_step"]["this"]
+            print(f"the default run (python recipes/dapo.py, 2 Ray workers): {lb:.3f} -> {lt:.3f} s/step (median), "
+                  f"speed-up {result['launch_speedup']:.2f}x")  # fmt: skip
         print(last_line(t))
     else:
         result = profile(args.steps, args.warmup, base)

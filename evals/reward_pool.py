@@ -4,11 +4,13 @@
     results = pool.score([(response, {"prompt": ..., "answer": "42"}), ...])   # [RewardResult, ...]
 
 Each worker is a fresh interpreter (`python -m evals.reward_pool SPEC IN_FD OUT_FD`, never a fork of the trainer)
-that reads one JSON line per sample from a pipe of its own and writes one JSON result line to another; rewards run
-in its main thread, so
-math-verify's own timeout (signal.alarm, main thread only) works there. Samples go out in waves, one per
-worker, and each wave gets `timeout_s`: a worker that has not answered by then is killed and replaced, and
-its sample is a timeout, so one bad sample costs at most timeout_s plus a restart. An exception of any kind
+that reads JSON requests (a list of samples per line) from a pipe of its own and writes one JSON result line per
+sample, in order, to another; rewards run in its main thread, so math-verify's own timeout (signal.alarm, main
+thread only) works there. The samples are split into one contiguous batch per worker, sent as one request (one
+round trip per batch, not per sample: 5% of the default step). Each sample gets `timeout_s` from the moment its
+worker starts it (the previous result's arrival): a worker that has not answered by then is killed and replaced,
+its sample is a timeout, and the rest of its batch goes to the new worker, so one bad sample costs at most
+timeout_s plus a restart. An exception of any kind
 (math-verify's TimeoutException subclasses BaseException) comes back as an error naming its type, and so does a
 score that is NaN or infinite. User code cannot reach the protocol: the process's stdin is /dev/null, its stdout
 (fd 1: print, C code, child processes such as `echo`) is the parent's stderr, and the protocol pipes are not
@@ -29,6 +31,7 @@ import selectors
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -100,20 +103,30 @@ class _Worker:
             os.close(request_read)
             os.close(result_write)
         self.requests = os.fdopen(request_write, "w", buffering=1)
-        self.results = os.fdopen(result_read, "r")
+        self.results = result_read  # read with os.read: a buffered reader would hide lines from the selector
+        self.received = b""  # bytes read past the last complete line
 
-    def send(self, response: str, row: dict) -> None:
-        self.requests.write(json.dumps([response, row]) + "\n")
+    def send(self, samples: list[tuple[str, dict]]) -> None:
+        self.requests.write(json.dumps([[response, row] for response, row in samples]) + "\n")
         self.requests.flush()
+
+    def read_lines(self) -> list[str] | None:
+        """The complete result lines that have arrived (read once the selector says the pipe is readable); None
+        when the process closed its end (it died)."""
+        chunk = os.read(self.results, 1 << 16)
+        if not chunk:
+            return None
+        *lines, self.received = (self.received + chunk).split(b"\n")
+        return [line.decode() for line in lines]
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        for pipe in (self.requests, self.results):
-            try:
-                pipe.close()
-            except OSError:  # a request the dead process never read
-                pass
+        try:
+            self.requests.close()
+        except OSError:  # a request the dead process never read
+            pass
+        os.close(self.results)
 
 
 class RewardPool:
@@ -128,39 +141,50 @@ class RewardPool:
 
     def score(self, samples: list[tuple[str, dict]]) -> list[RewardResult]:
         """A result per (response, row), in order."""
-        results: list[RewardResult] = []
-        for start in range(0, len(samples), self.processes):
-            results += self._wave(samples[start : start + self.processes])
-        return results
-
-    def _wave(self, wave: list[tuple[str, dict]]) -> list[RewardResult]:
-        while len(self.workers) < len(wave):
+        results: list[RewardResult | None] = [None] * len(samples)
+        pending = {p: deque(batch) for p, batch in enumerate(_split(len(samples), self.processes))}  # per worker: its samples not yet scored
+        while len(self.workers) < len(pending):
             self.workers.append(_Worker(self.spec))
         selector = selectors.DefaultSelector()
-        for i, (response, row) in enumerate(wave):
-            self.workers[i].send(response, row)
-            selector.register(self.workers[i].results, selectors.EVENT_READ, i)
-        results: dict[int, RewardResult] = {}
-        deadline = time.monotonic() + self.spec.timeout_s
-        while len(results) < len(wave) and (left := deadline - time.monotonic()) > 0:
-            for key, _ in selector.select(timeout=left):
-                i = key.data
-                line = self.workers[i].results.readline()
-                selector.unregister(key.fileobj)
-                if not line:  # the process died (e.g. killed by the OS): restart it
-                    results[i] = RewardResult(None, f"reward process exited with code {self.workers[i].proc.wait()}")
-                    self.workers[i].kill()
-                    self.workers[i] = _Worker(self.spec)
+        deadlines: dict[int, float] = {}
+
+        def start(p: int) -> None:  # send worker p what is left of its batch
+            self.workers[p].send([samples[i] for i in pending[p]])
+            selector.register(self.workers[p].results, selectors.EVENT_READ, p)
+            deadlines[p] = time.monotonic() + self.spec.timeout_s
+
+        def replace(p: int, error: str) -> None:  # worker p failed its current sample: a fresh one takes the rest
+            results[pending[p].popleft()] = RewardResult(None, error)
+            selector.unregister(self.workers[p].results)
+            self.workers[p].kill()
+            self.workers[p] = _Worker(self.spec)
+            if pending[p]:
+                start(p)
+            else:
+                del pending[p]
+
+        for p in pending:
+            start(p)
+        while pending:
+            wait = min(deadlines[p] for p in pending) - time.monotonic()
+            for key, _ in selector.select(timeout=max(wait, 0.0)):
+                p = key.data
+                lines = self.workers[p].read_lines()
+                if lines is None:  # the process died (e.g. killed by the OS): restart it
+                    replace(p, f"reward process exited with code {self.workers[p].proc.wait()}")
                     continue
-                value, error = json.loads(line)
-                results[i] = RewardResult(value, error)
+                for line in lines:
+                    value, error = json.loads(line)
+                    results[pending[p].popleft()] = RewardResult(value, error)
+                deadlines[p] = time.monotonic() + self.spec.timeout_s
+                if not pending[p]:
+                    selector.unregister(self.workers[p].results)
+                    del pending[p]
+            now = time.monotonic()
+            for p in [p for p in pending if deadlines[p] <= now]:  # still running its sample: a timeout
+                replace(p, f"timeout after {self.spec.timeout_s:g}s")
         selector.close()
-        for i in range(len(wave)):
-            if i not in results:  # still running its sample: kill it, a fresh one takes its place
-                self.workers[i].kill()
-                self.workers[i] = _Worker(self.spec)
-                results[i] = RewardResult(None, f"timeout after {self.spec.timeout_s:g}s")
-        return [results[i] for i in range(len(wave))]
+        return results
 
     def close(self) -> None:
         for w in self.workers:
@@ -174,16 +198,26 @@ class RewardPool:
         self.close()
 
 
+def _split(count: int, parts: int) -> list[range]:
+    """range(count) in min(parts, count) contiguous batches whose sizes differ by at most one."""
+    n = min(parts, count)
+    if n == 0:
+        return []
+    size, extra = divmod(count, n)
+    starts = [i * size + min(i, extra) for i in range(n + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(n)]
+
+
 def serve(spec: RewardSpec, request_fd: int, result_fd: int) -> None:
-    """A reward process: one JSON line [response, row] in from request_fd, one JSON line [score | null, error | null]
-    out to result_fd. Neither descriptor is passed on to the processes that user code starts."""
+    """A reward process: JSON lines [[response, row], ...] in from request_fd, one JSON line [score | null,
+    error | null] per sample out to result_fd, in order. Neither descriptor is passed on to the processes that user code starts."""
     for fd in (request_fd, result_fd):
         os.set_inheritable(fd, False)
     with os.fdopen(request_fd, "r") as requests, os.fdopen(result_fd, "w") as results:
         for line in requests:
-            response, row = json.loads(line)
-            results.write(json.dumps(list(_guarded(spec, response, row))) + "\n")
-            results.flush()
+            for response, row in json.loads(line):
+                results.write(json.dumps(list(_guarded(spec, response, row))) + "\n")
+                results.flush()
 
 
 if __name__ == "__main__":

@@ -37,3 +37,14 @@ def reads_stdin(response: str, row: dict) -> float:
 
 def not_finite(response: str, row: dict) -> float:
     return float(response)
+
+
+def slow_or_dies_when_asked(response: str, row: dict) -> float:
+    """1.0, except that "slow" never returns and "die" ends the reward process."""
+    import os
+
+    if response == "slow":
+        time.sleep(60)
+    if response == "die":
+        os._exit(3)
+    return 1.0

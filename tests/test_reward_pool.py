@@ -55,6 +55,21 @@ def test_a_sample_past_its_timeout_costs_the_timeout_plus_at_most_one_second():
         assert pool.score([("Answer: 3", {"answer": "3"})])[0].score == 1.0
 
 
+def test_a_batch_goes_on_after_a_timeout_or_a_dead_process_in_it():
+    """Issue 24: each process scores its batch of samples from one request. A sample past its timeout (counted from
+    when its process started it) or one that kills its process costs only itself: a fresh process scores the rest
+    of the batch, in order."""
+    spec = RewardSpec(function="reward_functions:slow_or_dies_when_asked", timeout_s=2.0)
+    for processes in (1, 2):
+        with RewardPool(spec, processes=processes) as pool:
+            start = time.monotonic()
+            results = pool.score([(r, {"answer": "1"}) for r in ("a", "slow", "b", "die", "c", "d")])
+            elapsed = time.monotonic() - start
+        assert [r.score for r in results] == [1.0, None, 1.0, None, 1.0, 1.0]
+        assert results[1].error == "timeout after 2s" and results[3].error == "reward process exited with code 3"
+        assert 2.0 <= elapsed < 4.0
+
+
 @pytest.mark.parametrize("reward, message", [
     ({"name": "f1"}, r"reward.name = 'f1': unknown reward"),
     ({"function": "no_such_module:fn"}, r"reward.function: cannot import 'no_such_module'"),
