@@ -265,8 +265,6 @@ class ParallelSection:
         return self.nodes * self.workers_per_node
 
     def check(self, fail) -> None:
-        import torch
-
         if self.layout not in ("colocated", "disaggregated"):
             fail(f"parallel.layout = {self.layout!r}: use colocated or disaggregated")
         if self.layout == "disaggregated" and (self.workers < 2 or self.workers % 2):
@@ -282,8 +280,6 @@ class ParallelSection:
             fail(f"parallel.device = {self.device!r}: use auto, cpu or cuda")
         if self.backend not in ("auto", "gloo", "nccl"):
             fail(f"parallel.backend = {self.backend!r}: use auto, gloo or nccl")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
         if self.backend == "gloo" and self.resolved_device() == "cuda" and self.expert_parallel > 1:
             fail(f"parallel.backend = gloo with parallel.device cuda and expert_parallel {self.expert_parallel}: gloo has no "
                  "all-to-all for GPU tensors; use nccl (or auto)")  # fmt: skip
@@ -672,6 +668,16 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
         if section is not None:
             section.check(fail)
     check_across_sections(c, fail)
+    check_this_machine(c, fail)
+
+
+def check_this_machine(c: RunConfig, fail) -> None:
+    """What this machine must have for a config that is valid in itself (checked last, so that a config's own
+    mistakes are named first even on a machine that could not run it)."""
+    import torch
+
+    if c.parallel.device == "cuda" and not torch.cuda.is_available():
+        fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
 
 
 def check_across_sections(c: RunConfig, fail) -> None:
