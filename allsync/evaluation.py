@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from allsync.config import RewardSection
+from allsync.config import RewardSection, RunConfig
 from allsync.distributed import worker_device
+from allsync.producers.agent import agent_records
+from allsync.producers.multiconv import MultiConversation
 from allsync.rollout import Sampling
 from allsync.tasks import Problem, encode_prompt, reward_row
 from evals.report import SampleRecord
@@ -72,6 +74,24 @@ def answer_records(tokenizer, pool: RewardPool, reward: RewardSection, problems:
                      len(ids), reason)  # fmt: skip
         for i, (text, score, ok, (ids, reason)) in enumerate(zip(texts, scores, correct, answers))
     ]
+
+
+def heldout_records(engine, producer, tokenizer, pool: RewardPool, config: RunConfig, problems: list[Problem],
+                    problem_ids: list[int], samples: int, memory: str = "own", where: str = "") -> list[SampleRecord]:  # fmt: skip
+    """Held-out evaluation of `problems[i] for i in problem_ids` as the run's producer answers them: greedy
+    (samples=1) or `samples` responses at the rollout temperature with run.eval_top_p, scored. Agents run their
+    turns, multi-conversation episodes run whole and their last answer is scored (`memory` blank / gold: from an
+    empty or the task's gold memory instead of the episode's own, the memory ablation)."""
+    greedy = samples == 1
+    sampling = Sampling(temperature=1.0 if greedy else config.rollout.temperature, top_p=config.run.eval_top_p,
+                        max_new_tokens=config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
+    mine = [problems[i] for i in problem_ids]
+    if config.agent is not None:
+        return agent_records(producer.run(mine, samples, sampling), problem_ids, samples)
+    if isinstance(producer, MultiConversation):
+        answers = [(seg[-1].response_ids, seg[-1].finish_reason) for seg in producer.run(mine, samples, sampling, memory)]
+        return answer_records(tokenizer, pool, config.reward, mine, problem_ids, samples, answers, where)
+    return sample_records(engine, tokenizer, mine, problem_ids, samples, sampling, pool, config.reward, where)
 
 
 # ------------------------------------------------------------------------------------------ allsync eval
