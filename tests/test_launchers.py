@@ -158,11 +158,11 @@ def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_r
     torchrun starts them again, and they resume from the step-2 checkpoint by themselves."""
     out = tmp_path / "out"
     config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 1, "step": 3, "seconds": 600},
-                        step_timeout=30, max_restarts=1)  # fmt: skip
+                        step_timeout=12, max_restarts=1)  # fmt: skip  (a step takes < 1 s here)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
                            "1", str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=400)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 3 passed run.step_timeout = 30 s; exiting with code 75" in done.stderr
+    assert "step 3 passed run.step_timeout = 12 s; exiting with code 75" in done.stderr
     assert "resumed from" in done.stdout and "(step 2)" in done.stdout
     assert trained_steps(out) == [1, 2, 3]
     got, want = metrics(out), metrics(ray_run)
