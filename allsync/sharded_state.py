@@ -1,6 +1,6 @@
 """A worker's part of a training checkpoint (the files in allsync/checkpoint.py's layout).
 
-    state = ShardedTrainingState(model, learner, groups, layout, rank, config)
+    state = ShardedTrainingState(model, learner, layout, rank, config)
     state.save(directory, adapter_version, rank_meta)       # every rank: the whole adapter + AdamW from rank 0
     adapter_version, rank_meta = state.load(directory)      # every rank: its own block back
 
@@ -34,8 +34,10 @@ from moe_lora.lora import PEFT_PREFIX, LoRAExperts, expert_slots, load_lora_stat
 class ShardedTrainingState:
     """The adapter and optimizer state of one worker, gathered whole for the files and sharded back at load."""
 
-    def __init__(self, model, learner, groups, layout, rank: int, config: RunConfig):
-        self.model, self.learner, self.groups, self.layout, self.rank, self.config = model, learner, groups, layout, rank, config
+    def __init__(self, model, learner, layout, rank: int, config: RunConfig):
+        """The expert-parallel gathers go through the learner's process groups (`learner.groups`, the ones its
+        gradients are reduced over)."""
+        self.model, self.learner, self.layout, self.rank, self.config = model, learner, layout, rank, config
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's adapter tensors under PEFT names (its expert block only, under expert parallelism)."""
@@ -61,7 +63,7 @@ class ShardedTrainingState:
         if self.rank >= self.layout.ep_size:
             return None
         flat = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
-        pieces = [p.split([b.numel() for b in blocks]) for p in self.groups.all_gather(flat.cpu(), "ep")]
+        pieces = [p.split([b.numel() for b in blocks]) for p in self.learner.groups.all_gather(flat.cpu(), "ep")]
         if self.rank != 0:
             return None
         return [torch.cat([piece[i].view(b.shape) for piece in pieces]) for i, b in enumerate(blocks)]
