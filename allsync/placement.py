@@ -16,6 +16,7 @@ every process. Two layouts drive the Ray workers step by step:
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -256,13 +257,17 @@ def start_placement(size: int, gpus_per_worker: float = 0):
     from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from allsync.worker import RLWorker
-
     if not ray.is_initialized():
+        # the worker's imports (torch, transformers: ~3 s) overlap Ray's start, which mostly waits for its processes
+        importing = threading.Thread(target=_import_quietly, args=("allsync.worker",), daemon=True)
+        importing.start()
         if os.environ.get("RAY_ADDRESS"):  # a cluster started with `ray start` (see README, "Scaling out")
             ray.init(log_to_driver=True, configure_logging=False)
         else:
             ray.init(num_cpus=max(size, 1), include_dashboard=False, log_to_driver=True, configure_logging=False)
+        importing.join()
+    from allsync.worker import RLWorker  # raises here, in the caller's thread, if the import failed
+
     bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     placement = placement_group([bundle] * size, strategy="PACK")
     ray.get(placement.ready())
@@ -311,11 +316,24 @@ def placement_summary(node_of_rank: list[str], address: dict[str, str]) -> str:
     return f"Ray: {len(node_of_rank)} workers on {len(ranks_of_node)} node{plural}: {where}"
 
 
+def _import_quietly(module: str) -> None:
+    """Import `module` for its side effect (sys.modules); a failure is left for the caller's own import to raise."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        pass
+
+
 def rendezvous_address(placement) -> str:
     """tcp://ip:port of a free port on the node of bundle 0, rank 0's (it hosts the workers' TCP store there), so
-    workers on other nodes of a Ray cluster reach it."""
+    workers on other nodes of a Ray cluster reach it. Found here when that node is this process's (a task would
+    cost a worker process start), else by a task on that node."""
     import ray
+    from ray.util.placement_group import placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if placement_group_table(placement)["bundles_to_node_id"][0] == ray.get_runtime_context().get_node_id():
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
 
     @ray.remote(num_cpus=0)
     def node_address() -> str:

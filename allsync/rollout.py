@@ -108,7 +108,7 @@ class TorchEngine:
 
     def _generate_batch(self, prompts: list[list[int]], s: Sampling):
         distinct, repeats = runs_of_equal(prompts)
-        cache = ExpandedKVCache() if self.expanded_kv else DynamicCache(config=self.model.config)
+        cache = ExpandedKVCache(reserve=s.max_new_tokens) if self.expanded_kv else DynamicCache(config=self.model.config)
         tokens, chosen = sample_from_cache(self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep)
         self.positions += tokens.shape[0] * (max(map(len, prompts)) + tokens.shape[1])
         responses, logprobs, reasons = [], [], []

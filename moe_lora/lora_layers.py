@@ -29,7 +29,10 @@ def init_lora_a_(a: torch.Tensor, generator: torch.Generator | None = None) -> N
 
 
 class LoRALinear(nn.Module):
-    """A FrozenLinear plus a trainable low-rank update: y = x W^T + s * (dropout(x) A^T) B^T."""
+    """A FrozenLinear plus a trainable low-rank update: y = x W^T + (s * dropout(x) A^T) B^T.
+
+    s multiplies the rank-r factor, not the [..., out] product: r values per token instead of out (the same
+    numbers bit for bit when s is a power of two, as alpha / r usually is), and the product is added in place."""
 
     def __init__(self, base: FrozenLinear, rank: int, scale: float, dropout: float = 0.0, dtype=torch.float32):
         super().__init__()
@@ -44,8 +47,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return self.base(x)
-        z = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
-        return self.base(x) + self.scale * F.linear(z, self.lora_B.to(x.dtype))
+        z = F.linear(self.dropout(x), self.lora_A.to(x.dtype)).mul_(self.scale)  # s on the [.., r] factor, not the output
+        return self.base(x).add_(F.linear(z, self.lora_B.to(x.dtype)))
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, scale={self.scale:g}"

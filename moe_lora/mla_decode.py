@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
@@ -32,7 +32,58 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 
 class ExpandedKVCache(DynamicCache):
-    """A DynamicCache whose layers hold expanded MLA keys [B, H, S, d_nope + d_rope] and values [B, H, S, d_v]."""
+    """A DynamicCache whose layers hold expanded MLA keys [B, H, S, d_nope + d_rope] and values [B, H, S, d_v],
+    each in a buffer with room for `reserve` more positions (`ReservedLayer`)."""
+
+    def __init__(self, reserve: int = 0):
+        super().__init__()
+        self.layer_class_to_replicate = functools.partial(ReservedLayer, reserve)
+
+
+class ReservedLayer(DynamicLayer):
+    """A DynamicLayer that writes new positions into preallocated buffers instead of concatenating.
+
+    transformers' layer copies the whole cache at every step (torch.cat): O(S) per token. This one writes
+    the new positions into buffers [B, H, S + reserve, d] and hands out views of their first S positions, so a
+    decode step copies only its own token until the reserve runs out (then one copy into a new buffer with the
+    same reserve). Reordering the batch (batch_select_indices after prefill) replaces the cache with a fresh
+    tensor, which the next update copies into a new buffer. The values are the concatenation's, bit for bit."""
+
+    def __init__(self, reserve: int):
+        super().__init__()
+        self.reserve = reserve
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if not self._buffers_hold_cache(end):
+            self.buffers = (_with_room(self.keys, key_states, end + self.reserve),
+                            _with_room(self.values, value_states, end + self.reserve))  # fmt: skip
+        keys, values = self.buffers
+        keys[:, :, start:end] = key_states
+        values[:, :, start:end] = value_states
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+    def _buffers_hold_cache(self, end: int) -> bool:
+        """The buffers still back self.keys/values (nothing replaced them) and have room up to `end`."""
+        if self.buffers is None:
+            return False
+        keys, values = self.buffers
+        return (keys.shape[-2] >= end and self.keys.shape[0] == keys.shape[0]
+                and self.keys.data_ptr() == keys.data_ptr() and self.values.data_ptr() == values.data_ptr())  # fmt: skip
+
+
+def _with_room(cached: torch.Tensor, new_states: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A [B, H, capacity, d] buffer (B, H, d of new_states) holding `cached` (possibly empty) at its first positions."""
+    batch, heads, _, dim = new_states.shape
+    buffer = new_states.new_empty(batch, heads, capacity, dim)
+    if cached.numel():
+        buffer[:, :, : cached.shape[-2]] = cached
+    return buffer
 
 
 def expanded_cache_fits(config) -> bool:

@@ -132,6 +132,25 @@ def test_lora_linear_equals_dense_reference(fmt):
     assert rel(lora.lora_A.grad, a.grad) < 1e-5 and rel(lora.lora_B.grad, b.grad) < 1e-5
 
 
+def test_lora_linear_scales_the_rank_factor_with_the_same_bits():
+    """s multiplies the [.., r] factor instead of the [.., out] product: with s a power of two (alpha / r = 2)
+    the output and every gradient equal base(x) + s * (x A^T) B^T bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    base = FrozenLinear("attention", H, I)
+    base.weight_q = quantize_weight(torch.randn(I, H, generator=gen) / H**0.5, "nf4")
+    lora = LoRALinear(base, R, 2.0)
+    lora.lora_B.data.normal_(0, 0.1, generator=gen)
+    x = torch.randn(3, 7, H, generator=gen, requires_grad=True)
+    xr, a, b = leaf(x), leaf(lora.lora_A), leaf(lora.lora_B)
+    grad_out = torch.randn(3, 7, I, generator=gen)
+    out = lora(x)
+    ref = base(xr) + 2.0 * F.linear(F.linear(xr, a), b)
+    (out * grad_out).sum().backward()
+    (ref * grad_out).sum().backward()
+    assert torch.equal(out, ref) and torch.equal(x.grad, xr.grad)
+    assert torch.equal(lora.lora_A.grad, a.grad) and torch.equal(lora.lora_B.grad, b.grad)
+
+
 def test_fresh_adapters_leave_the_base_unchanged():
     """B starts at zero (PEFT): output equals the frozen module's exactly; A is PEFT's kaiming init."""
     lora = make_experts("nf4")

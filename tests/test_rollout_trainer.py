@@ -159,6 +159,37 @@ def test_expanded_cache_fits_only_where_it_is_no_larger():
     assert expanded_cache_fits(tiny)
 
 
+def test_the_reserved_cache_layer_holds_what_concatenation_holds():
+    """ReservedLayer writes into preallocated buffers: after a prefill, a batch reorder, decode steps past the
+    reserve and a crop, its keys and values equal transformers' concatenating DynamicLayer bit for bit, and a
+    decode step within the reserve writes in place (no new buffer)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from moe_lora.mla_decode import ReservedLayer
+
+    gen = torch.Generator().manual_seed(0)
+    ours, ref = ReservedLayer(reserve=3), DynamicLayer()
+
+    def update(length: int, batch: int = 4):
+        k, v = torch.randn(batch, 2, length, 6, generator=gen), torch.randn(batch, 2, length, 5, generator=gen)
+        got, want = ours.update(k, v), ref.update(k, v)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+    update(5, batch=2)
+    for layer in (ours, ref):
+        layer.batch_select_indices(torch.tensor([0, 0, 1, 1]))
+    update(1)
+    buffer = ours.buffers[0]
+    update(1)
+    assert ours.buffers[0] is buffer and ours.keys.data_ptr() == buffer.data_ptr()  # in place within the reserve
+    for _ in range(4):
+        update(1)
+    assert ours.buffers[0] is not buffer and ours.get_seq_length() == ref.get_seq_length() == 11
+    for layer in (ours, ref):
+        layer.crop(-2)
+    update(1)
+
+
 def test_prompts_are_prefilled_once_per_run_of_equal_rows():
     from allsync.rollout import runs_of_equal
 
