@@ -94,6 +94,10 @@ class RolloutSection:
     memory_tokens: int | None = None  # algorithm.multiconv: the most tokens of one memory write
     chunk_tokens: int | None = None  # algorithm.multiconv on dataset rows with a context: tokens per chunk read
     logprob_gap_warn: float = 0.05  # warn when engine and trainer logprobs differ by more (mean abs, nats)
+    # torch engine with model.compute_copy: generate with W + s B A formed once per generate call on every LoRA'd
+    # linear (attention, dense and shared MLP; routed experts keep per-group LoRA): one matmul instead of three per
+    # call. The same policy in another rounding order (default run: logprob_gap 5e-7 -> 6e-7 nats)
+    merge_lora: bool = False
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -709,6 +713,12 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
             fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")
         if "kv_b_proj" in c.lora.targets:
             fail("lora.targets has kv_b_proj with rollout.engine vllm: vLLM never applies LoRA on kv_b_proj")
+    if c.rollout.merge_lora and c.rollout.engine != "torch":
+        fail(f"rollout.merge_lora with rollout.engine {c.rollout.engine}: only the torch engine generates with the "
+             "trainer's own weights; vLLM applies the synced adapter itself")  # fmt: skip
+    if c.rollout.merge_lora and not c.model.compute_copy:
+        fail("rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "
+             "model.compute_copy: true (small models) or rollout.merge_lora: false")  # fmt: skip
     if c.parallel.expert_parallel > 1 and c.rollout.engine != "torch":
         fail(f"parallel.expert_parallel = {c.parallel.expert_parallel} with rollout.engine {c.rollout.engine}: the sharded "
              "experts serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch")  # fmt: skip

@@ -25,6 +25,7 @@ are done keeps forwarding (without sampling) until every rank is done, as genera
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ import torch
 from transformers import DynamicCache, TopPLogitsWarper
 
 from evals.generation import cut_at_eos, left_pad
+from moe_lora.lora import lora_merged
 from moe_lora.mla_decode import ExpandedKVCache, expanded_cache_fits, install_expanded_cache
 
 
@@ -65,9 +67,11 @@ class Rollout:
 class TorchEngine:
     """Generation with the training model (shared frozen base and LoRA tensors)."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int = 64, lockstep=None):
+    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int = 64, lockstep=None, merge_lora: bool = False):
+        """merge_lora (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
         self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size
         self.lockstep = lockstep
+        self.merge_lora = merge_lora
         self.adapter_version = 0
         self.positions = 0  # token positions computed (rows x padded length), the work a health report divides by
         if getattr(model, "generation_config", None) is not None:
@@ -92,17 +96,18 @@ class TorchEngine:
         self.model.eval()
         chunks = math.ceil(len(expanded) / self.batch_size)
         calls = self.lockstep.max_over_ranks(chunks) if self.lockstep is not None else chunks
-        for c in range(calls):
-            chunk = expanded[c * self.batch_size : (c + 1) * self.batch_size]
-            if not chunk:  # lockstep only: serve the other ranks' tokens, leave this rank's RNG as it was
-                device = self.model.device
-                with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
-                    self._generate_batch([[self.pad_id]], sampling)
-                continue
-            r, lp, fr = self._generate_batch(chunk, sampling)
-            responses += r
-            logprobs += lp
-            reasons += fr
+        with lora_merged(self.model) if self.merge_lora else contextlib.nullcontext():
+            for c in range(calls):
+                chunk = expanded[c * self.batch_size : (c + 1) * self.batch_size]
+                if not chunk:  # lockstep only: serve the other ranks' tokens, leave this rank's RNG as it was
+                    device = self.model.device
+                    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+                        self._generate_batch([[self.pad_id]], sampling)
+                    continue
+                r, lp, fr = self._generate_batch(chunk, sampling)
+                responses += r
+                logprobs += lp
+                reasons += fr
         self.model.train(was_training)
         return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
 

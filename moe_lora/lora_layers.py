@@ -42,11 +42,14 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True  # False: the frozen base alone (the reference policy; see moe_lora.lora.adapters_disabled)
+        self.merged: torch.Tensor | None = None  # W + s B A, formed for generation (moe_lora.lora.lora_merged)
         init_lora_a_(self.lora_A.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return self.base(x)
+        if self.merged is not None and not torch.is_grad_enabled():
+            return F.linear(x, self.merged)
         z = F.linear(self.dropout(x), self.lora_A.to(x.dtype)).mul_(self.scale)  # s on the [.., r] factor, not the output
         return self.base(x).add_(F.linear(z, self.lora_B.to(x.dtype)))
 

@@ -148,6 +148,37 @@ def test_the_expanded_kv_cache_samples_what_the_latent_cache_samples(model):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
 
 
+def test_merged_lora_generates_the_unmerged_policy(tiny_bf16):
+    """rollout.merge_lora: generation reads W + s B A formed once per call on every LoRALinear with a compute copy.
+    The same tokens as the unmerged forward from the same seed, logprobs within float32 rounding; a forward with
+    gradients inside the block still computes the unmerged form, and nothing merged is left after the call."""
+    from moe_lora.lora import LoRAConfig, attach_lora, lora_merged
+    from moe_lora.lora_layers import LoRALinear
+    from quant.modules import keep_compute_copies
+
+    model = load_frozen_model(tiny_bf16, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32, progress=False)
+    attach_lora(model, LoRAConfig(rank=8, alpha=16))
+    keep_compute_copies(model, torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    gen = torch.Generator().manual_seed(0)
+    for m in linears:
+        m.lora_B.data.normal_(0, 0.05, generator=gen)
+    prompts, sampling = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]], Sampling(temperature=1.0, max_new_tokens=8)
+    rollouts = []
+    for merge in (False, True):
+        torch.manual_seed(3)
+        rollouts.append(TorchEngine(model, eos_id=1, pad_id=2, merge_lora=merge).generate(prompts, n=3, sampling=sampling))
+    assert rollouts[0].response_ids == rollouts[1].response_ids
+    for a, b in zip(rollouts[0].logprobs, rollouts[1].logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    assert all(m.merged is None for m in linears)
+    x = torch.randn(2, 3, linears[0].base.in_features)
+    with lora_merged(model):
+        assert all(m.merged is not None for m in linears)
+        linears[0](x).sum().backward()
+    assert linears[0].lora_B.grad is not None and linears[0].lora_B.grad.abs().sum() > 0
+
+
 def test_expanded_cache_fits_only_where_it_is_no_larger():
     from transformers import DeepseekV3Config
 
