@@ -98,6 +98,9 @@ class RolloutSection:
     # linear (attention, dense and shared MLP; routed experts keep per-group LoRA): one matmul instead of three per
     # call. The same policy in another rounding order (default run: logprob_gap 5e-7 -> 6e-7 nats)
     merge_lora: bool = False
+    # torch engine: samples decoded together (one forward per token for all of them; its KV cache holds decode_batch x
+    # (prompt + max_new_tokens) positions). None: 64. The default run sets a worker's whole round (16 prompts x 8)
+    decode_batch: int | None = None
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -120,6 +123,12 @@ class RolloutSection:
                      f"{self.engine}: only the vllm engine reserves GPU memory")  # fmt: skip
             if not 0 < self.gpu_memory_utilization <= 1:
                 fail(f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.decode_batch is not None:
+            if self.engine != "torch":
+                fail(f"rollout.decode_batch = {self.decode_batch} with rollout.engine {self.engine}: only the torch engine "
+                     "decodes in fixed batches (vLLM schedules its own)")  # fmt: skip
+            if self.decode_batch < 1:
+                fail(f"rollout.decode_batch = {self.decode_batch}: must be >= 1")
         if self.window is not None and not 0 < self.window <= self.max_new_tokens:
             fail(f"rollout.window = {self.window}: must be in 1..rollout.max_new_tokens ({self.max_new_tokens})")
 

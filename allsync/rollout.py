@@ -67,9 +67,10 @@ class Rollout:
 class TorchEngine:
     """Generation with the training model (shared frozen base and LoRA tensors)."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int = 64, lockstep=None, merge_lora: bool = False):
-        """merge_lora (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
-        self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size
+    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int | None = None, lockstep=None, merge_lora: bool = False):
+        """batch_size (rollout.decode_batch): samples decoded together (None: 64). merge_lora (rollout.merge_lora):
+        generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
+        self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size or 64
         self.lockstep = lockstep
         self.merge_lora = merge_lora
         self.adapter_version = 0

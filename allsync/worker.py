@@ -162,8 +162,9 @@ class RLWorker:
         checkpoint, given the LoRA tensors after every update (adapter-only sync)."""
         if self.config.rollout.engine == "torch":
             lockstep = self.groups if self.groups.expert_parallel else None
-            return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, lockstep=lockstep,
-                               merge_lora=self.config.rollout.merge_lora)  # fmt: skip
+            r = self.config.rollout
+            return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, r.decode_batch,
+                               lockstep=lockstep, merge_lora=r.merge_lora)  # fmt: skip
         from allsync.producers import engine_model_len
         from allsync.vllm_engine import VLLMEngine, unsupported_targets
 

@@ -52,6 +52,8 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"optim": {"value_lr": -1.0}}, r"optim\.value_lr"),
         ({"run": {"max_consecutive_nan": 0}}, r"run\.max_consecutive_nan = 0: must be >= 1"),
         ({"rollout": {"merge_lora": True}}, r"rollout\.merge_lora without model\.compute_copy"),
+        ({"rollout": {"decode_batch": 0}}, r"rollout\.decode_batch = 0: must be >= 1"),
+        ({"rollout": {"decode_batch": 32, "engine": "vllm"}}, r"rollout\.decode_batch = 32 with rollout\.engine vllm"),
         ({"rollout": {"merge_lora": True, "engine": "vllm"}, "model": {"compute_copy": True}}, r"rollout\.merge_lora with rollout\.engine vllm"),
         # 4 prompts x 3 samples = 12 split into 4 minibatches globally, but each of the 2 workers holds 6
         ({"rollout": {"prompts_per_step": 4, "group_size": 3}, "optim": {"minibatches": 4}}, r"must divide each worker's samples per step .* = 6\)"),
