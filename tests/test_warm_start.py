@@ -161,21 +161,27 @@ assert torch.get_num_threads() == caller, (torch.get_num_threads(), caller)  # t
 """
 
 
-def _warm_start_in_process(out, caller_threads: int, threads: int = 2):
-    env = {**os.environ, "OMP_NUM_THREADS": str(caller_threads), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", WARM_START_PROCESS, str(out), str(threads)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _disk_tensors(out)[1]
+def _warm_starts_in_processes(runs: dict[str, tuple[int, int]], root: Path) -> dict[str, dict]:
+    """{name: (caller's OMP_NUM_THREADS, warm-start threads)} -> {name: the base's tensors}. The processes run side
+    by side: each computes with its own fixed thread count, so running together changes their speed, not their bits."""
+    procs = {}
+    for name, (caller_threads, threads) in runs.items():
+        env = {**os.environ, "OMP_NUM_THREADS": str(caller_threads), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+        procs[name] = subprocess.Popen([sys.executable, "-c", WARM_START_PROCESS, str(root / name), str(threads)], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    for name, proc in procs.items():
+        _, err = proc.communicate()
+        assert proc.returncode == 0, (name, err[-3000:])
+    return {name: _disk_tensors(root / name)[1] for name in runs}
 
 
 def test_the_base_does_not_depend_on_the_callers_thread_count(tmp_path):
     """torchrun gives every process OMP_NUM_THREADS=1 and a Ray controller has the machine's cores: the warm
     start computes with its own fixed thread count, so both build the same base. Control: a warm start that
     computes with 1 thread instead of 2 writes other weights (CPU kernels split reductions by thread count)."""
-    built = {caller: _warm_start_in_process(tmp_path / f"caller-{caller}", caller) for caller in (1, 2)}
-    assert all(torch.equal(built[1][k], built[2][k]) for k in built[2])
-    one_thread = _warm_start_in_process(tmp_path / "one-thread", caller_threads=2, threads=1)
-    assert not all(torch.equal(one_thread[k], built[2][k]) for k in built[2])
+    built = _warm_starts_in_processes({"caller-1": (1, 2), "caller-2": (2, 2), "one-thread": (2, 1)}, tmp_path)
+    assert all(torch.equal(built["caller-1"][k], built["caller-2"][k]) for k in built["caller-2"])
+    assert not all(torch.equal(built["one-thread"][k], built["caller-2"][k]) for k in built["caller-2"])
 
 
 def test_a_thread_count_that_cannot_be_set_is_reported(monkeypatch):
