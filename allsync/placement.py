@@ -333,14 +333,16 @@ def rendezvous_address(placement) -> str:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if placement_group_table(placement)["bundles_to_node_id"][0] == ray.get_runtime_context().get_node_id():
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
-
-    @ray.remote(num_cpus=0)
-    def node_address() -> str:
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
-
+        return this_node_address()
     strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
-    return ray.get(node_address.options(scheduling_strategy=strategy).remote())
+    return ray.get(ray.remote(num_cpus=0)(this_node_address).options(scheduling_strategy=strategy).remote())
+
+
+def this_node_address() -> str:
+    """tcp://ip:port of a free port on the node this runs on (Ray's address for the node)."""
+    import ray
+
+    return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
 
 
 def stop_placement(workers, placement) -> None:
