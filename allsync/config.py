@@ -123,6 +123,9 @@ class RolloutSection:
                      f"{self.engine}: only the vllm engine reserves GPU memory")  # fmt: skip
             if not 0 < self.gpu_memory_utilization <= 1:
                 fail(f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.merge_lora and self.engine != "torch":
+            fail(f"rollout.merge_lora with rollout.engine {self.engine}: only the torch engine generates with the "
+                 "trainer's own weights; vLLM applies the synced adapter itself")  # fmt: skip
         if self.decode_batch is not None:
             if self.engine != "torch":
                 fail(f"rollout.decode_batch = {self.decode_batch} with rollout.engine {self.engine}: only the torch engine "
@@ -722,9 +725,6 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
             fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")
         if "kv_b_proj" in c.lora.targets:
             fail("lora.targets has kv_b_proj with rollout.engine vllm: vLLM never applies LoRA on kv_b_proj")
-    if c.rollout.merge_lora and c.rollout.engine != "torch":
-        fail(f"rollout.merge_lora with rollout.engine {c.rollout.engine}: only the torch engine generates with the "
-             "trainer's own weights; vLLM applies the synced adapter itself")  # fmt: skip
     if c.rollout.merge_lora and not c.model.compute_copy:
         fail("rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "
              "model.compute_copy: true (small models) or rollout.merge_lora: false")  # fmt: skip
