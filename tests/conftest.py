@@ -44,3 +44,17 @@ def warm_dense(tmp_path_factory):
                                  train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
                                  eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12))  # fmt: skip
     return warm_start(tmp_path_factory.mktemp("dense") / "warm", settings, progress=False)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster of 2 CPUs that the Ray-mode launches join through RAY_ADDRESS (the README's
+    "Scaling out" path), instead of each starting and stopping its own (~8 s each on 2 cores). The reference
+    run of test_launchers (`ray_run`) still starts its own, so both paths run and log the same metrics."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()

@@ -5,6 +5,7 @@ uninterrupted expert_parallel 1 run logs."""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -41,13 +42,15 @@ def write_config(path: Path, base: Path, out_dir: Path, expert_parallel: int = 1
     return path
 
 
-def launch(kind: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch(kind: str, config: Path, *extra: str, ray_address: str | None = None) -> subprocess.CompletedProcess:
+    """recipes/dapo.py under `kind`; the Ray mode starts its own cluster, or joins `ray_address` (RAY_ADDRESS)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | ({"RAY_ADDRESS": ray_address} if ray_address else {})
     prefix = {
         "ray": [sys.executable],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],  # a free port each
         "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU)],
     }[kind]
-    return subprocess.run([*prefix, str(RECIPE), "--config", str(config), *extra], capture_output=True, text=True, timeout=600)
+    return subprocess.run([*prefix, str(RECIPE), "--config", str(config), *extra], capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +75,11 @@ def test_spmd_launchers_log_the_ray_metrics(kind, warm_tiny, ray_run, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-000002"]
 
 
-def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, tmp_path):
+def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_path):
     out = tmp_path / "out"
     done = launch("torchrun", write_config(tmp_path / "ep2.yaml", warm_tiny, out, expert_parallel=2), "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    done = launch("ray", write_config(tmp_path / "ep1.yaml", warm_tiny, out, expert_parallel=1), "--resume")
+    done = launch("ray", write_config(tmp_path / "ep1.yaml", warm_tiny, out, expert_parallel=1), "--resume", ray_address=ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(step 2)" in done.stdout
     got, want = metrics(out), metrics(ray_run)
@@ -121,12 +124,12 @@ def trained_steps(out_dir: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
 
 
-def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted_metrics(warm_tiny, ray_run, tmp_path):
+def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted_metrics(warm_tiny, ray_run, ray_cluster, tmp_path):
     """Worker 1 SIGKILLs itself in step 3's generate phase; the controller stops the step, starts new workers from
     the step-2 checkpoint and finishes: every step once, each equal to the uninterrupted run's."""
     out = tmp_path / "out"
     config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "kill", "rank": 1, "step": 3}, max_restarts=1)
-    done = launch("ray", config)
+    done = launch("ray", config, ray_address=ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker 1 failed in step" in done.stderr and "Restart 1 of run.max_restarts = 1" in done.stderr
     assert "resumed from" in done.stdout and "(step 2)" in done.stdout
@@ -146,9 +149,9 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted
             assert 0 < w["cpu_percent"] < 400 and math.isfinite(w["local_grad_norm"]) and w["probe_seconds"] < 0.05
 
 
-def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, tmp_path):
+def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, ray_cluster, tmp_path):
     config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), {"kind": "kill", "rank": 0, "step": 1})
-    done = launch("ray", config)
+    done = launch("ray", config, ray_address=ray_cluster)
     assert done.returncode == 4
     assert "error: worker 0 failed in step" in done.stderr and "every worker was stopped" in done.stderr
 
@@ -171,11 +174,11 @@ def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_r
 
 
 @pytest.mark.slow
-def test_a_hung_ray_worker_passes_the_step_timeout_and_is_replaced(warm_tiny, ray_run, tmp_path):
+def test_a_hung_ray_worker_passes_the_step_timeout_and_is_replaced(warm_tiny, ray_run, ray_cluster, tmp_path):
     out = tmp_path / "out"
     config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 0, "step": 3, "seconds": 600},
                         max_restarts=1, step_timeout=30)  # fmt: skip
-    done = launch("ray", config)
+    done = launch("ray", config, ray_address=ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no answer from worker(s) 0, 1 within run.step_timeout = 30 s" in done.stderr
     assert trained_steps(out) == [1, 2, 3]

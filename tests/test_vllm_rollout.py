@@ -57,7 +57,7 @@ def test_routed_expert_lora_with_vllm_on_cpu_is_refused_up_front(tiny_bf16, tmp_
     assert not (tmp_path / "o").exists()
 
 
-def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, tmp_path):
+def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, ray_cluster, tmp_path):
     """torchrun --nproc_per_node 2 with rollout.engine vllm: each process runs its own vLLM engine as its rank
     of the launcher's world (external_launcher), gets every update, and the run logs what the Ray mode logs."""
     from test_launchers import EXACT, launch
@@ -68,7 +68,7 @@ def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, tmp_path):
         config = dense_vllm_config(warm_dense, out, workers=2, steps=2, export="merged")
         path = tmp_path / f"{kind}.yaml"
         path.write_text(yaml.safe_dump(config))
-        done = launch(kind, path)
+        done = launch(kind, path, ray_address=ray_cluster if kind == "ray" else None)
         assert done.returncode == 0, (kind, done.stderr[-4000:])
         assert "vLLM engine: adapter-only sync" in done.stdout
         logs[kind] = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "logprob_gap" in r]
