@@ -99,7 +99,7 @@ class RolloutSection:
     # call. The same policy in another rounding order (default run: logprob_gap 5e-7 -> 6e-7 nats)
     merge_lora: bool = False
     # torch engine: samples decoded together (one forward per token for all of them; its KV cache holds decode_batch x
-    # (prompt + max_new_tokens) positions). None: 64. The default run sets a worker's whole round (16 prompts x 8)
+    # (prompt + max_new_tokens) positions). None: 64. The default run sets a worker's whole round (32 prompts x 4)
     decode_batch: int | None = None
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.vllm_support.engine_memory_share)

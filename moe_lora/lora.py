@@ -183,7 +183,8 @@ def lora_merged(model: nn.Module):
     """Inside the block, no-grad forwards of every LoRALinear whose frozen weight has a compute copy (model.compute_copy)
     read M = W + s B A, formed once on entry: y = x M^T, one matmul per call instead of three (generation with the
     adapter of this step). The same function in another rounding order (float32, the default run: logprobs within
-    2.5e-5 nats of the unmerged forward, mean logprob_gap 6e-7). Routed experts keep their per-group LoRA: no full-size expert delta is ever formed.
+    2.5e-5 nats of the unmerged forward, mean logprob_gap 6e-7). Routed experts keep their per-group LoRA: no
+    full-size expert delta is ever formed.
     Forwards with gradients still compute the unmerged form. Cleared on exit, also after an exception."""
     modules = [m for m in model.modules()
                if isinstance(m, LoRALinear) and m.base.weight_q is not None and m.base.weight_q.compute_copy is not None]
