@@ -114,8 +114,6 @@ def fused_to_per_expert(tensors: dict[str, torch.Tensor], config: dict, r: int) 
         else:
             fused.setdefault((int(m.group("layer")), m.group("inner") or ""), {})[m.group("ab")] = t
     hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
-    if fused and hidden == inter:
-        raise AdapterError("fused expert adapter: hidden_size == moe_intermediate_size, gate_up and down cannot be told apart")
     for (layer, inner), ab in fused.items():
         where = f"{PREFIX}model.layers.{layer}.mlp.experts{inner}.lora_A.weight"
         if set(ab) != {"A", "B"}:
@@ -124,7 +122,7 @@ def fused_to_per_expert(tensors: dict[str, torch.Tensor], config: dict, r: int) 
         if a.shape[0] != experts * r or b.shape[1] != experts * r:
             raise AdapterError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not hold {experts} experts x rank {r}")
         a_e, b_e = a.view(experts, r, a.shape[1]), b.view(b.shape[0], r, experts)
-        is_gate_up = a.shape[1] == hidden
+        is_gate_up = fused_projection(a.shape[1], b.shape[0], hidden, inter, where) == "gate_up"
         for e in range(experts):
             base = f"{PREFIX}model.layers.{layer}.mlp.experts.{e}"
             ae, be = a_e[e].contiguous(), b_e[:, :, e].contiguous()
@@ -136,6 +134,19 @@ def fused_to_per_expert(tensors: dict[str, torch.Tensor], config: dict, r: int) 
                 out[f"{base}.down_proj.lora_A.weight"] = ae
                 out[f"{base}.down_proj.lora_B.weight"] = be
     return out
+
+
+def fused_projection(in_features: int, out_features: int, hidden: int, inter: int, where: str) -> str:
+    """Which fused expert tensor a PEFT `target_parameters` pair adapts, from lora_A's columns (in) and lora_B's rows
+    (out): gate_up_proj maps hidden -> 2 x moe_intermediate, down_proj moe_intermediate -> hidden. Both shapes are
+    needed: with hidden == moe_intermediate the inputs agree and the outputs differ (and the other way round for
+    hidden == 2 x moe_intermediate); the two can never agree in both."""
+    shapes = {"gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+    matches = [name for name, shape in shapes.items() if shape == (in_features, out_features)]
+    if not matches:
+        raise AdapterError(f"{where}: maps {in_features} -> {out_features} features; the base's gate_up_proj maps "
+                           f"{hidden} -> {2 * inter} and its down_proj {inter} -> {hidden}")  # fmt: skip
+    return matches[0]
 
 
 def check_fits_base(adapter: Adapter, config: dict, source: str = "adapter") -> None:

@@ -16,6 +16,7 @@ from moe_lora.adapter_io import (
     export_peft,
     read_adapter,
 )
+from moe_lora.tiny import TinySpec, make_tiny
 from quant.checkpoint_io import INDEX_NAME, read_config
 from quant.formats import fp8_block_dequantize, fp8_block_quantize
 from quant.layout import SCALE_SUFFIX, expected_tensors, scale_key
@@ -111,9 +112,13 @@ def test_merged_fp8_export_from_fp8_base(tiny_fp8, tiny_bf16, tmp_path):
     assert torch.equal(read(out, untouched).view(torch.uint8), read(tiny_fp8, untouched).view(torch.uint8))
 
 
-def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path):
+@pytest.mark.parametrize("moe_intermediate", [64, 128])  # 128: hidden == moe_intermediate_size, as the default run's base
+def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path, moe_intermediate):
     from peft import LoraConfig, get_peft_model
 
+    if moe_intermediate != read_config(tiny_bf16)["moe_intermediate_size"]:
+        tiny_bf16 = make_tiny(tmp_path / "base", TinySpec(seed=0, moe_intermediate_size=moe_intermediate))
+    assert read_config(tiny_bf16)["hidden_size"] == 128
     model = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_a_proj"],
                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
@@ -128,7 +133,8 @@ def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path):
 
     adapter = read_adapter(tmp_path / "fused", read_config(tiny_bf16))
     assert f"{PREFIX}model.layers.2.mlp.experts.7.up_proj.lora_B.weight" in adapter.tensors
-    assert adapter.pair("model.layers.1.mlp.experts.3.down_proj")[0].shape == (4, 64)
+    assert adapter.pair("model.layers.1.mlp.experts.3.down_proj")[0].shape == (4, moe_intermediate)
+    assert adapter.pair("model.layers.1.mlp.experts.3.gate_proj")[1].shape == (moe_intermediate, 4)
     assert torch.allclose(logits(merged_reference(tiny_bf16, adapter, round_to_bf16=False)), expected, atol=1e-4)
 
 
