@@ -199,6 +199,12 @@ def heldout_accuracy(adapter: Path, base: Path, data: Path, routed_experts: str,
     return json.loads((out / "summary.json").read_text())["avg@4"]
 
 
+def write_json(data: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -227,17 +233,19 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     if args.minutes is None:
         result["allsync"] = run_allsync(config, out / "allsync", args.allsync_steps)
+        write_json(result, out / "result.json")  # each part as soon as it is measured
         budget = result["allsync"]["seconds"]
     else:
         budget = args.minutes * 60
     result["trl"] = run_trl(config, base, out / "trl", budget)
+    write_json(result, out / "result.json")
     adapters = {"base": out / "trl" / "zero-adapter", "trl": out / "trl" / "adapter"}
     if "allsync" in result:
         adapters["allsync"] = out / "allsync" / "adapter"
     for fmt in FORMATS:
         result[f"heldout_{fmt}"] = {name: heldout_accuracy(path, base, heldout, fmt, out / "eval" / f"{name}-{fmt}")
                                     for name, path in adapters.items()}  # fmt: skip
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    write_json(result, out / "result.json")
     print(json.dumps(result, indent=1))
     if "allsync" in result:
         print(summary_line(result))
