@@ -73,6 +73,18 @@ def first_difference(want: dict, got: dict) -> str | None:
     return None
 
 
+def prepare_data() -> None:
+    """The files the parquet config trains on (recipes/arithmetic_parquet.py, the README's step before it)."""
+    if not (ROOT / "runs" / "data" / "arithmetic-train.parquet").exists():
+        subprocess.run([sys.executable, "recipes/arithmetic_parquet.py", "--out", "runs/data"], cwd=ROOT, check=True)
+
+
+def write_json(data: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("record", "check"))
@@ -89,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stored = json.loads(oracle_path.read_text())
         recorded, steps, scratch = stored["runs"], stored["steps"], Path(tempfile.mkdtemp(prefix="oracle-"))
+    prepare_data()
     results, failures = {}, 0
     for name, config, in_process in tqdm(runs(args.only), desc=f"oracle {args.mode}", unit="run"):
         results[name] = run_one(config, in_process, scratch / name, steps)
+        if args.mode == "record":  # each run kept as soon as it is done
+            write_json({"steps": steps, "runs": results}, oracle_path)
         if args.mode == "check":
             if name not in recorded:
                 print(f"{name}: not in {oracle_path}")
@@ -100,9 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             failures += difference is not None
             print(f"{name}: {'same numbers and adapter bytes' if difference is None else difference}")
     if args.mode == "record":
-        tmp = oracle_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"steps": steps, "runs": results}, indent=1))
-        tmp.replace(oracle_path)
         print(f"wrote {oracle_path}: {len(results)} runs of {steps} steps")
     else:
         print(f"step oracle: {len(results) - failures} of {len(results)} runs the same")
