@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ def file_digests(folder: Path) -> dict[str, str]:
 
 
 def run_one(config: Path, in_process: bool, out_dir: Path, steps: int) -> dict:
+    shutil.rmtree(out_dir, ignore_errors=True)  # a run of this oracle's own scratch folder, never a user's run
     command = [sys.executable, "recipes/dapo.py", "--config", str(config), "--steps", str(steps), "--out-dir", str(out_dir)]
     done = subprocess.run(command + (["--no-ray"] if in_process else []), cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
