@@ -167,6 +167,7 @@ class MultiConvSection:
 @dataclass
 class AlgorithmSection:
     advantage: str = "grpo"  # grpo | drgrpo (group baselines) | gae | egae (PPO with a critic; egae = T-PPO)
+    policy_loss: str = "clipped"  # allsync.algorithms.POLICY_LOSSES: clipped (PPO's surrogate with DAPO's clip-higher)
     loss_agg: str = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -187,9 +188,16 @@ class AlgorithmSection:
     multiconv: MultiConvSection | None = None  # episodes of memory segments (task memory_recall)
 
     @property
+    def estimator(self):
+        """The advantage estimator algorithm.advantage names (allsync.algorithms.ADVANTAGE_ESTIMATORS)."""
+        from allsync.algorithms import get
+
+        return get("advantage", self.advantage)
+
+    @property
     def uses_critic(self) -> bool:
-        """PPO (gae) and T-PPO (egae) learn a value head; grpo / drgrpo use group baselines."""
-        return self.advantage in ("gae", "egae")
+        """The estimator learns a value head (PPO's gae, T-PPO's egae); group baselines (grpo, drgrpo) do not."""
+        return self.estimator.needs_critic
 
     def check(self, fail) -> None:
         from allsync.algorithms import get  # registry lookups name the valid choices
@@ -207,7 +215,7 @@ class AlgorithmSection:
             fail(f"algorithm.on_sampling_cap = {self.on_sampling_cap!r}: use partial (train on the groups kept) or error")
         if self.kl_coef < 0:
             fail(f"algorithm.kl_coef = {self.kl_coef}: must be >= 0")
-        for name, kind in (("advantage", "advantage"), ("loss_agg", "loss_aggregation")):
+        for name, kind in (("advantage", "advantage"), ("policy_loss", "policy_loss"), ("loss_agg", "loss_aggregation")):
             try:
                 get(kind, getattr(self, name))
             except ValueError as exc:
@@ -736,14 +744,14 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
 def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
     """Group baselines need groups; T-PPO's critic needs windows, colocated workers and no group rewards."""
     a, r = c.algorithm, c.rollout
-    if a.advantage in ("grpo", "drgrpo") and r.group_size < 2:
+    if a.estimator.needs_groups and r.group_size < 2:
         fail(f"rollout.group_size = {r.group_size} with algorithm.advantage {a.advantage}: a group needs >= 2 samples")
-    if a.advantage == "egae" and r.window is None:
-        fail("algorithm.advantage egae needs rollout.window (T-PPO's truncated generation windows)")
-    if r.window is not None and a.advantage != "egae":
+    if a.estimator.bootstraps_cut and r.window is None:
+        fail(f"algorithm.advantage {a.advantage} needs rollout.window (T-PPO's truncated generation windows)")
+    if r.window is not None and not a.estimator.bootstraps_cut:
         fail(f"rollout.window = {r.window} with algorithm.advantage {a.advantage}: responses cut at a "
              "window have no reward yet; T-PPO trains them with a critic, so use algorithm.advantage egae")  # fmt: skip
-    if a.uses_critic and a.dynamic_sampling:
+    if a.dynamic_sampling and not a.estimator.needs_groups:
         fail(f"algorithm.dynamic_sampling with algorithm.advantage {a.advantage}: dynamic sampling filters "
              "groups for group baselines (grpo / drgrpo); set it to false for the critic's advantages")  # fmt: skip
     if a.uses_critic and c.parallel.layout != "colocated":
@@ -751,7 +759,7 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
              "in-flight responses live on colocated workers; use parallel.layout colocated")  # fmt: skip
     if a.overlong is not None and a.overlong.max_len > r.max_new_tokens:
         fail(f"algorithm.overlong.max_len = {a.overlong.max_len} exceeds rollout.max_new_tokens = {r.max_new_tokens}")
-    if c.reward.length is not None and a.uses_critic:
+    if c.reward.length is not None and not a.estimator.needs_groups:
         fail(f"reward.length with algorithm.advantage {a.advantage}: the length reward compares the responses "
              "of a group, and T-PPO's windows finish responses one by one, not in groups")  # fmt: skip
 
@@ -789,7 +797,7 @@ def check_multiconv(c: RunConfig, fail) -> None:
         if c.task.name == "memory_recall":
             fail("task.name memory_recall needs algorithm.multiconv (its problems are read chunk by chunk with a memory)")
         return
-    if c.algorithm.uses_critic:
+    if not c.algorithm.estimator.needs_groups:
         fail(f"algorithm.multiconv with algorithm.advantage {c.algorithm.advantage}: the final reward trains every "
              "segment through one group-relative advantage per episode; use grpo or drgrpo")  # fmt: skip
     if r.window is not None:
@@ -819,7 +827,7 @@ def check_agent(c: RunConfig, fail) -> None:
     if c.algorithm.multiconv is not None:
         fail("agent with algorithm.multiconv: a memory agent is an environment that resets its context (a new segment "
              "per reset); use one of the two")  # fmt: skip
-    if c.algorithm.uses_critic or c.rollout.window is not None:
+    if not c.algorithm.estimator.needs_groups or c.rollout.window is not None:
         fail(f"agent with algorithm.advantage {c.algorithm.advantage} / rollout.window: an episode's one reward trains its "
              "turns through a group-relative advantage; use grpo or drgrpo without windows")  # fmt: skip
     if c.reward.function is not None or c.reward.name != RewardSection.name or c.reward.length is not None \

@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from allsync.algorithms import aggregate_loss, kl_penalty, policy_loss, value_loss
+from allsync.algorithms import aggregate_loss, get, kl_penalty, value_loss
 
 
 @dataclass
@@ -214,6 +214,7 @@ class LossSettings:
     temperature: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    policy_loss: str = "clipped"  # a name in allsync.algorithms.POLICY_LOSSES
 
 
 @dataclass
@@ -254,7 +255,7 @@ def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settin
     out = forward_pass(model, batch, settings.temperature, value_head, with_entropy=True)
     mask = batch.response_mask
     old_logprobs = out.logprobs.detach() if old_logprobs is None else old_logprobs
-    loss, stats = policy_loss(
+    loss, stats = get("policy_loss", settings.policy_loss)(
         out.logprobs, old_logprobs, advantages, mask, clip_low=settings.clip_low,
         clip_high=settings.clip_high, clip_c=settings.clip_c, agg=settings.agg, global_tokens=global_tokens,
         global_seqs=global_seqs, norm_length=norm_length, episode_tokens=episode_tokens,

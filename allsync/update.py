@@ -133,7 +133,7 @@ def loss_settings(config) -> LossSettings:
     """The policy loss's settings; algorithm.multiconv.weighting picks the aggregation when set."""
     a = config.algorithm
     agg = WEIGHTING_AGGREGATION[a.multiconv.weighting] if a.multiconv is not None else a.loss_agg
-    return LossSettings(a.clip_low, a.clip_high, a.clip_c, agg, config.rollout.temperature, a.kl_coef, a.kl_estimator)
+    return LossSettings(a.clip_low, a.clip_high, a.clip_c, agg, config.rollout.temperature, a.kl_coef, a.kl_estimator, a.policy_loss)
 
 
 class Learner:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from allsync.algorithms import group_length_reward, overlong_penalty
+from allsync.algorithms import get
 from allsync.checkpoint import write_probe
 from allsync.config import ConfigError, RunConfig
 from allsync.distributed import Groups, connect, keep_freed_host_memory, worker_device
@@ -74,6 +74,13 @@ class NaNLossError(RuntimeError):
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def reward_shapings(config: RunConfig) -> list[tuple[str, object]]:
+    """(shaper name in allsync.algorithms.REWARD_SHAPERS, its config section), in the order they add to the score:
+    DAPO's overlong punishment (algorithm.overlong), then the group length reward (reward.length)."""
+    wanted = (("overlong", config.algorithm.overlong), ("length", config.reward.length))
+    return [(name, settings) for name, settings in wanted if settings is not None]
 
 
 class RLWorker:
@@ -214,12 +221,10 @@ class RLWorker:
         reward within each group (`group_index`), per response; whether each is correct; reward errors."""
         scores, correct, errors = self.score_responses(problems, responses)
         shaped = torch.tensor(scores, dtype=torch.float64)
-        lengths = torch.tensor([len(r) for r in responses])
-        overlong, length = self.config.algorithm.overlong, self.config.reward.length
-        if overlong is not None and responses:
-            shaped += overlong_penalty(lengths, overlong.max_len, overlong.cache_len, overlong.factor).double()
-        if length is not None and responses:
-            shaped += length.coef * group_length_reward(lengths, torch.tensor(correct), torch.tensor(group_index)).double()
+        if responses:
+            lengths, groups = torch.tensor([len(r) for r in responses]), None if group_index is None else torch.tensor(group_index)
+            for name, settings in reward_shapings(self.config):
+                shaped += get("reward_shaping", name)(lengths, torch.tensor(correct), groups, settings)
         return shaped.tolist(), correct, errors
 
     def score_episodes(self, problems: list[Problem], responses: list[list[int]], group_index: list[int]):

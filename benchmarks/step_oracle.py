@@ -48,8 +48,20 @@ def without_timing(row: dict) -> dict:
     return {k: v for k, v in row.items() if not any(word in k for word in TIMING_WORDS)}
 
 
-def file_digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+def file_digests(folder: Path, root: Path = ROOT) -> dict[str, str]:
+    """SHA-256 of each file; in adapter_config.json the base's path is taken relative to the tree `root`, so that two
+    checkouts of the same commit give the same digest."""
+    digests = {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        data = path.read_bytes()
+        if path.name == "adapter_config.json":
+            config = json.loads(data)
+            base = Path(config.get("base_model_name_or_path") or "")
+            if base.is_absolute() and base.is_relative_to(root):
+                config["base_model_name_or_path"] = str(base.relative_to(root))
+            data = json.dumps(config, sort_keys=True).encode()
+        digests[path.name] = hashlib.sha256(data).hexdigest()
+    return digests
 
 
 def run_one(config: Path, in_process: bool, out_dir: Path, steps: int) -> dict:

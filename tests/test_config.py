@@ -27,6 +27,7 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"rollout": {"engine": "vllm"}, "lora": {"targets": ["kv_b_proj"]}, "run": {"export": "merged"}}, r"kv_b_proj with rollout\.engine vllm"),
         ({"lora": {"targets": ["kv_b_proj"]}}, r"kv_b_proj with run\.export peft"),
         ({"algorithm": {"advantage": "ppo2"}}, r"algorithm\.advantage: .*'ppo2'"),
+        ({"algorithm": {"policy_loss": "gspo"}}, r"algorithm\.policy_loss: unknown policy_loss 'gspo'; valid names: clipped"),
         ({"rollout": {"group_size": 1}}, r"rollout\.group_size = 1 with algorithm\.advantage grpo"),
         ({"algorithm": {"advantage": "egae"}}, r"egae needs rollout\.window"),
         ({"algorithm": {"clip_c": 0.5}}, r"algorithm\.clip_c = 0\.5"),

@@ -6,6 +6,9 @@ modified and the outputs carry no autograd history (advantages are targets).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 
@@ -194,9 +197,30 @@ def whitening_sums(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.stack([(m * a).sum(), (m * a * a).sum(), m.sum()])
 
 
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """An advantage rule and what it asks of the rest of the loop, so that checks and the learner ask the estimator
+    instead of naming it. Calling it calls `compute`.
+
+    needs_groups: a baseline from the other responses to the same prompt (rollout.group_size >= 2; DAPO's dynamic
+        sampling filters such groups). compute(rewards [N], group_index [N]) -> [N], one advantage per episode.
+    needs_critic: values from a learned value head (PPO): compute(token_rewards, values, mask, ...) per token.
+    bootstraps_cut: T-PPO's: a response cut at a generation window gets advantages from V at the cut. Such an
+        estimator runs with rollout.window, and only such an estimator can (the others need whole responses).
+    """
+
+    compute: Callable[..., torch.Tensor]
+    needs_groups: bool
+    needs_critic: bool
+    bootstraps_cut: bool = False
+
+    def __call__(self, *args, **kwargs):
+        return self.compute(*args, **kwargs)
+
+
 ADVANTAGE_ESTIMATORS = {
-    "grpo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "gae": gae,
-    "egae": egae,
+    "grpo": AdvantageEstimator(grpo_advantages, needs_groups=True, needs_critic=False),
+    "drgrpo": AdvantageEstimator(drgrpo_advantages, needs_groups=True, needs_critic=False),
+    "gae": AdvantageEstimator(gae, needs_groups=False, needs_critic=True),
+    "egae": AdvantageEstimator(egae, needs_groups=False, needs_critic=True, bootstraps_cut=True),
 }

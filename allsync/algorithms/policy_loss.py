@@ -1,8 +1,14 @@
-"""PPO-style clipped policy-gradient loss with DAPO's clip-higher and dual clip."""
+"""Policy losses behind one signature (`PolicyLoss`), registered by name in POLICY_LOSSES (algorithm.policy_loss).
+
+    clipped   PPO's clipped surrogate with DAPO's clip-higher and the dual clip (policy_loss)
+
+To add one: a function with PolicyLoss's signature, registered below; the trainer calls it for every micro-batch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -110,3 +116,18 @@ def policy_loss(
             approx_kl_k3=_masked_mean(ratio - 1.0 - log_ratio, valid),
         )
     return loss, stats
+
+
+class PolicyLoss(Protocol):
+    """What the trainer calls for each micro-batch: [B, T] token logprobs of the policy being trained (with
+    gradient) and of the sampling policy, per-token advantages and the response mask; the clip settings; the
+    aggregation (allsync.algorithms.aggregation) with the global normalizers. Returns the loss, scaled as this
+    micro-batch's share of the batch, and its detached statistics."""
+
+    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 clip_low: float, clip_high: float, clip_c: float | None, agg: str, global_tokens: Number | None,
+                 global_seqs: Number | None, *, norm_length: int | None, episode_tokens: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, PolicyLossStats]: ...  # fmt: skip
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {"clipped": policy_loss}

@@ -3,7 +3,8 @@
     get("advantage", "grpo")                 -> grpo_advantages
     get("loss_aggregation", "token-mean")    -> token_mean
     get("kl", "k3")                          -> kl_k3
-    get("reward_shaping", "overlong")        -> overlong_penalty
+    get("policy_loss", "clipped")            -> policy_loss
+    get("reward_shaping", "overlong")        -> shape_overlong
 
 Unknown kinds or names raise :class:`UnknownNameError` (a ``ValueError``)
 naming the bad value and listing the valid ones.
@@ -15,14 +16,14 @@ from typing import Any, Callable
 
 from .advantages import ADVANTAGE_ESTIMATORS
 from .aggregation import LOSS_AGGREGATIONS
+from .policy_loss import POLICY_LOSSES
 from .regularizers import KL_ESTIMATORS
-from .reward_shaping import overlong_penalty
+from .reward_shaping import REWARD_SHAPERS
 from .selection import UnknownNameError, select
-
-REWARD_SHAPERS = {"overlong": overlong_penalty}
 
 REGISTRIES: dict[str, dict[str, Callable[..., Any]]] = {
     "advantage": ADVANTAGE_ESTIMATORS,
+    "policy_loss": POLICY_LOSSES,
     "loss_aggregation": LOSS_AGGREGATIONS,
     "kl": KL_ESTIMATORS,
     "reward_shaping": REWARD_SHAPERS,

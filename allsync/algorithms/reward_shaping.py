@@ -1,4 +1,9 @@
-"""DAPO's overlong reward shaping and overlong filtering; Kimi-1.5's group length reward."""
+"""DAPO's overlong reward shaping and overlong filtering; Kimi-1.5's group length reward.
+
+Shapers added to the task's score are registered in REWARD_SHAPERS under one signature,
+    shaper(lengths [N] response tokens, correct [N] bool, group_index [N] or None, settings) -> [N] float64,
+where `settings` is the config section that turns the shaper on (allsync.worker.reward_shapings says which).
+"""
 
 from __future__ import annotations
 
@@ -68,3 +73,18 @@ def group_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_inde
     span = (high - low)[group_index]
     lam = torch.where(span > 0, 0.5 - (lengths - low[group_index]) / span.clamp(min=1e-12), torch.zeros_like(lengths))
     return torch.where(correct.bool(), lam, lam.clamp(max=0.0)).to(torch.float32)
+
+
+def shape_overlong(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings) -> torch.Tensor:
+    """DAPO's soft overlong punishment (:func:`overlong_penalty`) with settings.max_len, .cache_len, .factor."""
+    return overlong_penalty(lengths, settings.max_len, settings.cache_len, settings.factor).double()
+
+
+def shape_length(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings) -> torch.Tensor:
+    """settings.coef x Kimi-1.5's length reward within each group (:func:`group_length_reward`)."""
+    if group_index is None:
+        raise ValueError("the length reward compares the responses of a group: group_index is needed")
+    return settings.coef * group_length_reward(lengths, correct, group_index).double()
+
+
+REWARD_SHAPERS = {"overlong": shape_overlong, "length": shape_length}
