@@ -102,7 +102,7 @@ class RolloutSection:
     # (prompt + max_new_tokens) positions). None: 64. The default run sets a worker's whole round (32 prompts x 4)
     decode_batch: int | None = None
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
-    # free once the trainer is resident, less a margin (allsync.vllm_support.engine_memory_share)
+    # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
 
     def check(self, fail) -> None:

@@ -22,7 +22,7 @@ from allsync.config import RewardSection, RunConfig
 from allsync.distributed import worker_device
 from allsync.producers.agent import agent_records
 from allsync.producers.multiconv import MultiConversation
-from allsync.rollout import Sampling
+from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, encode_prompt, reward_row
 from evals.report import SampleRecord
 from evals.reward_pool import RewardPool
@@ -161,12 +161,12 @@ def load_eval_problems(path: str, template: str | None) -> tuple[list[Problem], 
 
 def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]):
     """The torch engine (our frozen base with the adapter attached) or vLLM serving the adapter."""
-    from allsync.rollout import TorchEngine
+    from allsync.engines.torch_engine import TorchEngine
     from allsync.tasks import longest_prompt_tokens, model_len_needed
     from quant.checkpoint_io import read_config
 
     if args.engine == "vllm":
-        from allsync.vllm_engine import VLLMEngine, unsupported_targets
+        from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
 
         targets = ["routed_experts"] if adapter is not None and any(".mlp.experts." in m for m in adapter.modules()) else []
         if (reason := unsupported_targets(targets)) is not None:

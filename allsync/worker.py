@@ -37,10 +37,10 @@ from allsync.producers.groups import collect_groups
 from allsync.producers.multiconv import MultiConversation
 from allsync.producers.single_turn import SingleTurn
 from allsync.producers.windows import WindowPool
-from allsync.rollout import Sampling, TorchEngine
+from allsync.engines.torch_engine import Sampling, TorchEngine
 from allsync.sharded_state import ShardedTrainingState
 from allsync.tasks import Problem, encode_prompt
-from allsync.update import Learner
+from allsync.learner import Learner
 from evals.reward_pool import RewardPool
 from moe_lora.expert_parallel import ExpertLayout, shard_experts
 from moe_lora.lora import LoRAConfig, LoRAExperts, attach_lora, load_lora_state_dict, seeded_init_
@@ -173,7 +173,7 @@ class RLWorker:
             return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, r.decode_batch,
                                lockstep=lockstep, merge_lora=r.merge_lora)  # fmt: skip
         from allsync.producers import engine_model_len
-        from allsync.vllm_engine import VLLMEngine, unsupported_targets
+        from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
 
         lc = self.config.lora
         if (reason := unsupported_targets(lc.targets)) is not None:

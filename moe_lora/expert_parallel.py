@@ -16,7 +16,7 @@ One MoE layer on a rank with T tokens routed to top-k experts (`ExpertDispatch`)
 Backward of an all-to-all is the all-to-all of the output gradient with the splits swapped (`_AllToAll`).
 
 Every rank of an EP group must enter every MoE layer the same number of times (forward and backward), also
-with no tokens of its own: the callers keep the ranks in lockstep (allsync.worker, allsync.rollout).
+with no tokens of its own: the callers keep the ranks in lockstep (allsync.worker, allsync.engines.torch_engine).
 The collectives are a process group's own `alltoall_base` (works on the bare gloo groups allsync builds,
 where `dist.all_to_all_single(group=...)` and the autograd functional collectives do not; NCCL on GPUs).
 """

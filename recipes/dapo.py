@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out_dir:
             config.run.out_dir = args.out_dir
         if config.rollout.engine == "vllm":
-            from allsync.vllm_engine import unsupported_targets
+            from allsync.engines.vllm_engine import unsupported_targets
 
             if (reason := unsupported_targets(config.lora.targets)) is not None:
                 raise ConfigError(f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import allsync.update as update_module
+import allsync.learner as update_module
 from allsync.config import parse_config
 from allsync.placement import WorkerGroup
 from allsync.tasks import Problem

@@ -5,9 +5,9 @@ from collections import Counter
 import pytest
 import torch
 
-from allsync.rollout import Sampling, TorchEngine, check_plain_logits
+from allsync.engines.torch_engine import Sampling, TorchEngine, check_plain_logits
 from evals.generation import cut_at_eos, left_pad
-from allsync.trainer import build_sequences, forward_logprobs, scatter_response_values
+from allsync.forward import build_sequences, forward_logprobs, scatter_response_values
 from quant.loader import QuantPlan, load_frozen_model
 
 
@@ -222,7 +222,7 @@ def test_the_reserved_cache_layer_holds_what_concatenation_holds():
 
 
 def test_prompts_are_prefilled_once_per_run_of_equal_rows():
-    from allsync.rollout import runs_of_equal
+    from allsync.engines.torch_engine import runs_of_equal
 
     assert runs_of_equal([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
     assert runs_of_equal([]) == ([], [])

@@ -8,7 +8,7 @@ from allsync.algorithms import egae, whiten_advantages, whitening_sums
 from allsync.config import ConfigError, parse_config
 from allsync.metrics import aggregate
 from allsync.tasks import ArithmeticSpec, make_splits
-from allsync.trainer import build_sequences, forward_logprobs, response_positions, to_response_layout, to_sequence_layout
+from allsync.forward import build_sequences, forward_logprobs, response_positions, to_response_layout, to_sequence_layout
 from allsync.producers.windows import PartialResponse
 from allsync.worker import RLWorker
 

@@ -4,7 +4,7 @@ values and gradients as the full log-softmax, entropy included."""
 import pytest
 import torch
 
-from allsync.trainer import build_sequences, forward_pass, token_logprobs
+from allsync.forward import build_sequences, forward_pass, token_logprobs
 from moe_lora.lora import LoRAConfig, attach_lora
 from quant.loader import QuantPlan, load_frozen_model
 

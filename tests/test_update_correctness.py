@@ -9,7 +9,7 @@ import torch
 
 from allsync.config import parse_config
 from allsync.placement import WorkerFailure, WorkerGroup
-from allsync.rollout import Rollout
+from allsync.engines.torch_engine import Rollout
 from allsync.tasks import Problem
 from allsync.episodes import Episode
 from allsync.worker import RLWorker
@@ -145,7 +145,7 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
     At step 1 (B = 0) the policy is the reference, so KL = 0 exactly; at step 2 it is > 0 and the
     penalty changes the update."""
     from quant.loader import QuantPlan, load_frozen_model
-    from allsync.trainer import forward_logprobs
+    from allsync.forward import forward_logprobs
 
     plain, with_kl = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS), RLWorker(config(tiny_bf16, minibatches=1, kl_coef=0.5), PROBLEMS)
     batches = [groups(seed, 2) for seed in range(2)]

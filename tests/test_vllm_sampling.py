@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from allsync.rollout import Sampling
+from allsync.engines.torch_engine import Sampling
 from allsync.tasks import model_len_needed
 
 MAX_MODEL_LEN = 640  # neither vLLM's nor the old default (512)
@@ -25,7 +25,7 @@ def dense_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(dense_ckpt):
     pytest.importorskip("vllm")
-    from allsync.vllm_engine import VLLMEngine
+    from allsync.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(dense_ckpt, lora_rank=8, lora_alpha=16, dtype="float32", max_model_len=MAX_MODEL_LEN)
     yield engine
@@ -44,7 +44,7 @@ def test_model_len_needed_is_prompt_plus_new_tokens_within_the_checkpoint():
 
 def test_vllm_engine_max_model_len_is_required():
     """Issue 9 item 7: no silent 512. The argument has no default (keyword-only)."""
-    from allsync.vllm_engine import VLLMEngine
+    from allsync.engines.vllm_engine import VLLMEngine
 
     parameter = inspect.signature(VLLMEngine).parameters["max_model_len"]
     assert parameter.default is inspect.Parameter.empty and parameter.kind is inspect.Parameter.KEYWORD_ONLY
@@ -84,10 +84,10 @@ def test_vllm_samples_of_identical_prompts_draw_different_streams_and_are_reprod
 @pytest.mark.vllm
 def test_vllm_logprobs_at_temperature_07_equal_the_trainers(engine, dense_ckpt):
     """Issue 9 "vLLM at temperature != 1": vLLM's processed logprobs of its own samples, with a non-zero
-    adapter, against allsync.trainer.forward_logprobs at the same temperature (tolerance of the RL-loop test:
+    adapter, against allsync.forward.forward_logprobs at the same temperature (tolerance of the RL-loop test:
     mean |engine - trainer| < 1e-3 nats). At T = 1, or without the adapter, the trainer's numbers are far from
     them: the check sees both."""
-    from allsync.trainer import build_sequences, forward_logprobs, scatter_response_values
+    from allsync.forward import build_sequences, forward_logprobs, scatter_response_values
     from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, lora_state_dict
     from quant.loader import QuantPlan, load_frozen_model
 
@@ -123,7 +123,7 @@ def test_the_engines_memory_share_is_what_the_trainer_left_free():
     """vLLM 0.32 refuses to start when free memory < gpu_memory_utilization x total: beside a resident trainer
     its share comes from the free memory (its default 0.92 never fits), and a share that leaves less KV cache than
     one longest sequence needs is refused before work, naming the key."""
-    from allsync.vllm_support import GiB, engine_memory_share, mla_kv_bytes_per_token
+    from allsync.engines.vllm_support import GiB, engine_memory_share, mla_kv_bytes_per_token
 
     v3 = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
     assert mla_kv_bytes_per_token(v3) == 61 * 576 * 2 == 70272

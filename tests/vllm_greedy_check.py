@@ -23,7 +23,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from allsync.vllm_support import vllm_engine_kwargs
+    from allsync.engines.vllm_support import vllm_engine_kwargs
 
     extra = {"enable_lora": True, "max_lora_rank": args.max_lora_rank, "max_loras": 1} if args.lora else {}
     llm = LLM(**vllm_engine_kwargs(args.checkpoint, dtype="float32", max_model_len=256, **extra))

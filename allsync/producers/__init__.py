@@ -5,7 +5,7 @@
     windows.py      T-PPO: responses generated a window of tokens per step, trained with a critic
     groups.py       dynamic sampling (keep groups whose metric varies, refill) around any group producer
 
-The update (allsync/update.py) consumes episodes and never knows which producer made them.
+The update (allsync/learner.py) consumes episodes and never knows which producer made them.
 """
 
 

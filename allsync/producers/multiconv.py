@@ -13,7 +13,7 @@ The memory is passed on as token ids (the reply's ids between the tags), never d
 so every segment's prompt holds exactly the tokens the engine produced and its logprobs stay valid. A
 write without a closing tag is passed on as it is: cut at memory_tokens ("truncated"), or ended early
 ("malformed"); a reply without an opening tag leaves an empty memory ("malformed"). Each conversation
-is a new segment of the episode; the reward of the final answer trains them all (allsync/update.py).
+is a new segment of the episode; the reward of the final answer trains them all (allsync/learner.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import agreed_rounds
-from allsync.rollout import Sampling
+from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, format_response
 
 MEMORY_OPEN, MEMORY_CLOSE = "<memory>", "</memory>"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from allsync.episodes import Episode
-from allsync.rollout import Sampling
+from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem
 
 

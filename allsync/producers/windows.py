@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from allsync.algorithms import InFlight, WindowAdvance, advance_window
-from allsync.rollout import Sampling
+from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem
 
 # (problems, responses) -> (rewards, correct, reward errors)

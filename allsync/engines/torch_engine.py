@@ -4,7 +4,7 @@
     engine.load_adapter(tensors, version)
 
 `TorchEngine` generates with the training model itself: the frozen base is shared with the trainer, so a sync
-only bumps the version. It is the reference and the fallback. `VLLMEngine` lives in allsync/vllm_engine.py.
+only bumps the version. It is the reference and the fallback. `VLLMEngine` lives in allsync/engines/vllm_engine.py.
 
 Logprobs are those of the sampling distribution at temperature T: log softmax(logits / T) of the
 chosen token (top_p = 1), the quantity the trainer recomputes to check engine/trainer agreement.
