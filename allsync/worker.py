@@ -222,9 +222,10 @@ class RLWorker:
         scores, correct, errors = self.score_responses(problems, responses)
         shaped = torch.tensor(scores, dtype=torch.float64)
         if responses:
-            lengths, groups = torch.tensor([len(r) for r in responses]), None if group_index is None else torch.tensor(group_index)
+            lengths, is_correct = torch.tensor([len(r) for r in responses]), torch.tensor(correct)
+            groups = None if group_index is None else torch.tensor(group_index)
             for name, settings in reward_shapings(self.config):
-                shaped += get("reward_shaping", name)(lengths, torch.tensor(correct), groups, settings)
+                shaped += get("reward_shaping", name)(lengths, is_correct, groups, settings)
         return shaped.tolist(), correct, errors
 
     def score_episodes(self, problems: list[Problem], responses: list[list[int]], group_index: list[int]):

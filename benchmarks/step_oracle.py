@@ -93,12 +93,6 @@ def prepare_data() -> None:
         subprocess.run([sys.executable, "recipes/arithmetic_parquet.py", "--out", "runs/data"], cwd=ROOT, check=True)
 
 
-def write_json(data: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("record", "check"))
@@ -107,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="config names (file stems) to run; default: all")
     args = parser.parse_args(argv)
     from tqdm import tqdm
+
+    from quant.checkpoint_io import atomic_write_text
 
     oracle_path = args.dir / "oracle.json"
     if args.mode == "record":
@@ -120,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, config, in_process in tqdm(runs(args.only), desc=f"oracle {args.mode}", unit="run"):
         results[name] = run_one(config, in_process, scratch / name, steps)
         if args.mode == "record":  # each run kept as soon as it is done
-            write_json({"steps": steps, "runs": results}, oracle_path)
+            atomic_write_text(oracle_path, json.dumps({"steps": steps, "runs": results}, indent=1))
         if args.mode == "check":
             if name not in recorded:
                 print(f"{name}: not in {oracle_path}")

@@ -49,18 +49,22 @@ def default_config():
 
 
 def shaped_reward(config, completions: list[str], completion_ids: list[list[int]], answer: list[str]) -> list[float]:
-    """The default run's reward of each completion: the task's score plus DAPO's overlong shaping of its length
-    (eos included, as the torch engine counts it)."""
+    """The default run's reward of each completion: the task's score plus the shapers the config turns on, through the
+    worker's own list (allsync.worker.reward_shapings), with lengths counted eos included, as the torch engine counts
+    them. No group ids: a config with the group length reward is refused by that shaper."""
     import torch
 
-    from allsync.algorithms import overlong_penalty
-    from evals.rewards import score
+    from allsync.algorithms import get
+    from allsync.worker import reward_shapings
+    from evals.rewards import is_correct_score, score
 
-    scores = torch.tensor([score(config.reward.name, text, truth) for text, truth in zip(completions, answer)], dtype=torch.float64)
-    o = config.algorithm.overlong
-    if o is not None:
-        scores += overlong_penalty([len(ids) for ids in completion_ids], o.max_len, o.cache_len, o.factor).double()
-    return scores.tolist()
+    scores = [score(config.reward.name, text, truth) for text, truth in zip(completions, answer)]
+    shaped = torch.tensor(scores, dtype=torch.float64)
+    lengths = torch.tensor([len(ids) for ids in completion_ids])
+    correct = torch.tensor([is_correct_score(config.reward.name, value) for value in scores])
+    for name, settings in reward_shapings(config):
+        shaped += get("reward_shaping", name)(lengths, correct, None, settings)
+    return shaped.tolist()
 
 
 def trl_prompts(tokenizer, problems) -> list[str]:
@@ -199,12 +203,6 @@ def heldout_accuracy(adapter: Path, base: Path, data: Path, routed_experts: str,
     return json.loads((out / "summary.json").read_text())["avg@4"]
 
 
-def write_json(data: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -222,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     from allsync.tasks import save_jsonl
     from allsync.warm_start import settings_for_run, warm_start
+    from quant.checkpoint_io import atomic_write_text
 
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -233,19 +232,19 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     if args.minutes is None:
         result["allsync"] = run_allsync(config, out / "allsync", args.allsync_steps)
-        write_json(result, out / "result.json")  # each part as soon as it is measured
+        atomic_write_text(out / "result.json", json.dumps(result, indent=1))  # each part as soon as it is measured
         budget = result["allsync"]["seconds"]
     else:
         budget = args.minutes * 60
     result["trl"] = run_trl(config, base, out / "trl", budget)
-    write_json(result, out / "result.json")
+    atomic_write_text(out / "result.json", json.dumps(result, indent=1))
     adapters = {"base": out / "trl" / "zero-adapter", "trl": out / "trl" / "adapter"}
     if "allsync" in result:
         adapters["allsync"] = out / "allsync" / "adapter"
     for fmt in FORMATS:
         result[f"heldout_{fmt}"] = {name: heldout_accuracy(path, base, heldout, fmt, out / "eval" / f"{name}-{fmt}")
                                     for name, path in adapters.items()}  # fmt: skip
-    write_json(result, out / "result.json")
+    atomic_write_text(out / "result.json", json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     if "allsync" in result:
         print(summary_line(result))
