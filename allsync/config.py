@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from allsync.tasks import TASKS, ArithmeticTask, TaskSettings
 from quant.formats import FORMATS
 
 
@@ -312,130 +313,6 @@ class ParallelSection:
 
 
 @dataclass
-class TaskSection:
-    name: str = "arithmetic"  # arithmetic (generated) | dataset (train_files / eval_files) | reasoning_gym
-    min_digits: int = 1  # arithmetic only, as are max_digits and ops
-    max_digits: int = 3
-    ops: list[str] = field(default_factory=lambda: ["+"])
-    train_size: int = 20000  # arithmetic and reasoning_gym: generated training rows
-    heldout_size: int = 200  # arithmetic and reasoning_gym: unique held-out problems
-    seed: int = 0  # arithmetic, reasoning_gym: the generated splits; dataset: the shuffle of the training rows
-    train_files: list[str] = field(default_factory=list)  # dataset: parquet / JSONL / JSON (evals/datasets.py)
-    eval_files: list[str] = field(default_factory=list)  # dataset: the held-out evaluation rows
-    template: str | None = None  # dataset, reasoning_gym: "dapo_math" (DAPO's math prompt) or a text with {problem}
-    dataset: str | None = None  # reasoning_gym: the generator's name (reasoning_gym.create_dataset), e.g. chain_sum
-    dataset_args: dict[str, int | float | str | bool | list] = field(default_factory=dict)  # reasoning_gym: its settings
-    chunks: int = 2  # memory_recall: chunks read one per conversation, as are per_chunk and teacher_decoy_rate
-    per_chunk: int = 3  # memory_recall: assignments per chunk
-    teacher_decoy_rate: float = 0.7  # memory_recall: how often the warm start's teacher keeps the decoy in memory
-    asked_first: bool = False  # memory_recall: the asked assignment opens the first chunk (else a random place in it)
-    a_digits: int = 3  # calculator: "What is a*b?" with an a_digits-digit a and a b_digits-digit b
-    b_digits: int = 2
-    teacher_tool_rate: float = 0.3  # calculator: how often the warm start's teacher calls the tool
-
-    USES = {
-        "arithmetic": ("min_digits", "max_digits", "ops", "train_size", "heldout_size", "seed"),
-        "dataset": ("train_files", "eval_files", "template", "seed"),
-        "reasoning_gym": ("dataset", "dataset_args", "train_size", "heldout_size", "template", "seed"),
-        "memory_recall": ("chunks", "per_chunk", "teacher_decoy_rate", "asked_first", "train_size", "heldout_size", "seed"),
-        "calculator": ("a_digits", "b_digits", "teacher_tool_rate", "train_size", "heldout_size", "seed"),
-    }
-
-    def template_text(self) -> str | None:
-        from evals.datasets import DAPO_MATH_TEMPLATE
-
-        return DAPO_MATH_TEMPLATE if self.template == "dapo_math" else self.template
-
-    def spec(self):
-        from allsync.tasks import ArithmeticSpec
-
-        return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
-
-    def warm_start_task(self):
-        """The generated task the warm start supervises (ArithmeticSpec or ReasoningGymSpec); None for dataset."""
-        from allsync.tasks import ReasoningGymSpec
-
-        if self.name == "reasoning_gym":
-            return ReasoningGymSpec(self.dataset, dict(self.dataset_args), self.template_text())
-        if self.name == "memory_recall":
-            return self.memory_spec()
-        if self.name == "calculator":
-            return self.calculator_spec()
-        return self.spec() if self.name == "arithmetic" else None
-
-    def calculator_spec(self):
-        from allsync.tasks import CalculatorSpec
-
-        return CalculatorSpec(self.a_digits, self.b_digits, self.teacher_tool_rate)
-
-    def warm_start_spec(self, agent: "AgentSection | None"):
-        """warm_start_task() with what the prompts hold besides the task (a calculator agent's tool schemas)."""
-        task = self.warm_start_task()
-        if self.name == "calculator" and agent is not None:
-            import dataclasses
-            import json
-
-            task = dataclasses.replace(task, tools_json=json.dumps(agent.tools, sort_keys=True))
-        return task
-
-    def memory_spec(self):
-        from allsync.tasks import MemoryRecallSpec
-
-        return MemoryRecallSpec(self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first)
-
-    def splits(self):
-        """(Splits, report lines): the generated arithmetic problems, or the dataset files' unique rows."""
-        from allsync.tasks import dataset_splits, make_splits
-
-        if self.name == "dataset":
-            return dataset_splits(self.train_files, self.eval_files, self.template_text(), self.seed)
-        if self.name == "reasoning_gym":
-            from allsync.tasks import reasoning_gym_splits
-
-            return reasoning_gym_splits(self.dataset, self.dataset_args, self.train_size, self.heldout_size,
-                                        self.template_text(), self.seed)  # fmt: skip
-        if self.name == "memory_recall":
-            from allsync.tasks import memory_recall_splits
-
-            return memory_recall_splits(self.memory_spec(), self.train_size, self.heldout_size, self.seed), []
-        if self.name == "calculator":
-            from allsync.tasks import calculator_splits
-
-            return calculator_splits(self.calculator_spec(), self.train_size, self.heldout_size, self.seed), []
-        return make_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
-
-    def check(self, fail) -> None:
-        if self.name not in self.USES:
-            fail(f"task.name = {self.name!r}: use arithmetic (generated problems), dataset (task.train_files, task.eval_files), "
-                 f"reasoning_gym (task.dataset) or memory_recall (with algorithm.multiconv)")  # fmt: skip
-        defaults = TaskSection()
-        for f in fields(TaskSection):
-            if f.name not in ("name", *self.USES[self.name]) and getattr(self, f.name) != getattr(defaults, f.name):
-                fail(f"task.{f.name} is set but task.name is {self.name}, which does not use it")
-        if self.template is not None and self.template != "dapo_math" and "{problem}" not in self.template:
-            fail(f"task.template = {self.template!r}: use dapo_math or a text containing {{problem}}")
-        if self.name == "dataset":
-            if not self.train_files or not self.eval_files:
-                fail("task.name dataset needs task.train_files and task.eval_files (parquet, JSONL or JSON)")
-        elif self.name == "reasoning_gym":
-            if self.dataset is None:
-                fail("task.name reasoning_gym needs task.dataset (a reasoning-gym generator, e.g. chain_sum)")
-            import reasoning_gym
-
-            try:
-                reasoning_gym.create_dataset(self.dataset, **self.dataset_args, seed=self.seed, size=1)
-            except ValueError as exc:
-                fail(f"task.dataset = {self.dataset!r}: {exc}")
-            except (TypeError, AssertionError) as exc:
-                fail(f"task.dataset_args {self.dataset_args} for reasoning-gym {self.dataset}: {exc or 'rejected by its config'}")
-        else:
-            try:
-                {"memory_recall": self.memory_spec, "calculator": self.calculator_spec}.get(self.name, self.spec)().validate()
-            except ValueError as exc:
-                fail(f"task: {exc}")
-
-
-@dataclass
 class LengthRewardSection:
     coef: float = 1.0  # reward += coef * Kimi-1.5's group length reward (allsync.algorithms.group_length_reward)
 
@@ -444,7 +321,7 @@ class LengthRewardSection:
 class RewardSection:
     """How a response is scored (evals/rewards.py, in worker processes: evals/reward_pool.py)."""
 
-    name: str = "arithmetic"  # math_dapo (+1/-1) | math_verify | exact | arithmetic (0/1)
+    name: str | None = None  # math_dapo (+1/-1) | math_verify | exact | arithmetic (0/1); None: the task's default_reward
     function: str | None = None  # "package.module:function": function(response, row) -> float | dict; replaces name
     timeout_s: float = 10.0  # per sample; a slower sample is an error
     on_error: str = "fail"  # a reward that raises or times out: fail (stop the run, naming the sample) | wrong
@@ -577,11 +454,15 @@ class RunConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    task: TaskSection = field(default_factory=TaskSection)
+    task: TaskSettings = field(default_factory=ArithmeticTask)  # the settings class of task.name (allsync.tasks)
     reward: RewardSection = field(default_factory=RewardSection)
     run: RunSection = field(default_factory=RunSection)
     health: HealthSection = field(default_factory=HealthSection)
     agent: AgentSection | None = None
+
+    def __post_init__(self):
+        if self.reward.name is None and self.reward.function is None:  # the task's own reward (allsync.tasks)
+            self.reward.name = self.task.default_reward
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -627,13 +508,30 @@ def _build(cls, data: dict, where: str, source: str):
             continue
         value, annotation = data[f.name], hints[f.name]
         sub = _dataclass_of(annotation)
-        if sub is not None and isinstance(value, dict):
+        if annotation is TaskSettings:
+            kwargs[f.name] = _build_task(value, source)
+        elif sub is not None and isinstance(value, dict):
             kwargs[f.name] = _build(sub, value, key, source)
         elif _type_ok(value, annotation):
             kwargs[f.name] = value
         else:
             raise ConfigError(f"{source}: '{key}' = {value!r} is not of type {annotation}")
     return cls(**kwargs)
+
+
+def _build_task(data, source: str) -> TaskSettings:
+    """The `task:` section: the settings class of task.name (allsync.tasks.TASKS) built from its other keys; a
+    key another task uses is refused as not used by this one."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: task must be a mapping, got {type(data).__name__}")
+    name = data.get("name", ArithmeticTask.name)
+    if name not in TASKS:
+        raise ConfigError(f"{source}: task.name = {name!r}: use one of {', '.join(TASKS)}")
+    own = {f.name for f in fields(TASKS[name])}
+    for key in data:
+        if key not in own and any(key in {f.name for f in fields(other)} for other in TASKS.values()):
+            raise ConfigError(f"{source}: task.{key} is set but task.name is {name}, which does not use it")
+    return _build(TASKS[name], {k: v for k, v in data.items() if k != "name"}, "task", source)
 
 
 def parse_config(data: dict, source: str = "<config>") -> RunConfig:
@@ -830,7 +728,7 @@ def check_agent(c: RunConfig, fail) -> None:
     if not c.algorithm.estimator.needs_groups or c.rollout.window is not None:
         fail(f"agent with algorithm.advantage {c.algorithm.advantage} / rollout.window: an episode's one reward trains its "
              "turns through a group-relative advantage; use grpo or drgrpo without windows")  # fmt: skip
-    if c.reward.function is not None or c.reward.name != RewardSection.name or c.reward.length is not None \
+    if c.reward.function is not None or c.reward.name != c.task.default_reward or c.reward.length is not None \
             or c.algorithm.overlong is not None or c.reward.timeout_s != RewardSection.timeout_s:
         fail("reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with agent: the "
              "environment's step returns the episode's reward; leave them out (reward.on_error still applies, and "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from allsync.tasks import ArithmeticSpec, CalculatorSpec, MemoryRecallSpec, Problem, ReasoningGymSpec, chat_messages, task_splits
+from allsync.tasks import ArithmeticSpec, Problem, WarmStartTask
 from evals.generation import EvalSettings, evaluate_model
 from moe_lora.tiny import TinySpec, make_tiny
 from quant.checkpoint_io import atomic_output_dir, split_into_shards, write_shards
@@ -64,7 +64,7 @@ class TrainSettings:
 @dataclass(frozen=True)
 class WarmStartSettings:
     model: TinySpec = DEFAULT_SPEC
-    task: ArithmeticSpec | ReasoningGymSpec | MemoryRecallSpec | CalculatorSpec = DEFAULT_TASK
+    task: WarmStartTask = DEFAULT_TASK  # the task's spec (allsync.tasks.registry): splits, teacher, held-out prompts
     steps: int = DEFAULT_STEPS
     seed: int = 0
     train: TrainSettings = field(default_factory=TrainSettings)
@@ -80,22 +80,6 @@ class WarmStartSettings:
 
 
 # ------------------------------------------------------------------------------------------ data
-def encode_problems(tokenizer, problems: list[Problem], with_answer: bool) -> list[list[int]]:
-    """Chat-formatted token ids; with_answer appends `Answer: N<eos>` (the template's assistant turn)."""
-    texts = [
-        tokenizer.apply_chat_template(chat_messages(p, with_answer), add_generation_prompt=not with_answer, tokenize=False)
-        for p in problems
-    ]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def answer_start(prompt_ids: list[int], full_ids: list[int]) -> int:
-    """Index of the first answer token: the prompt (ending in `<｜Assistant｜>`) must prefix the example."""
-    if full_ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError("the chat template's prompt is not a prefix of the full example")
-    return len(prompt_ids)
-
-
 def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch; labels are the answer tokens (incl. eos), IGNORE_INDEX elsewhere.
 
@@ -110,12 +94,6 @@ def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, tor
         input_ids[i, : len(ids)], attention_mask[i, : len(ids)] = t, 1
         labels[i, start : len(ids)] = t[start:]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def training_examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
-    full = encode_problems(tokenizer, problems, with_answer=True)
-    prompts = encode_problems(tokenizer, problems, with_answer=False)
-    return [(f, answer_start(p, f)) for p, f in zip(prompts, full)]
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -207,9 +185,8 @@ def save_checkpoint(out_tmp: Path, model, base_dir: Path, shards: int, report: d
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-def evaluate(model, tokenizer, problems: list[Problem], settings: EvalSettings, seed: int = 0) -> dict:
-    """evals.generation.evaluate_model on chat-formatted prompts; examples carry their prompts."""
-    prompts = encode_problems(tokenizer, problems, with_answer=False)
+def evaluate(model, tokenizer, problems: list[Problem], prompts: list[list[int]], settings: EvalSettings, seed: int = 0) -> dict:
+    """evals.generation.evaluate_model on the task's held-out prompts; examples carry their problems' prompts."""
     report = evaluate_model(model, tokenizer, prompts, [p.answer for p in problems], settings, seed)
     for example, p in zip(report["greedy_examples"], problems):
         example["prompt"] = p.prompt
@@ -270,37 +247,15 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
     start = time.time()
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
-    splits = task_splits(settings.task, settings.train_size, settings.eval.heldout_size, settings.seed)
+    task = settings.task
+    splits = task.splits(settings.train_size, settings.eval.heldout_size, settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    memory_task, calculator_task = isinstance(settings.task, MemoryRecallSpec), isinstance(settings.task, CalculatorSpec)
-    if memory_task:  # every memory write and answer of the noisy teacher (allsync/producers/multiconv.py)
-        from allsync.producers.multiconv import teacher_examples
-
-        examples = teacher_examples(tokenizer, splits.train, settings.task.teacher_decoy_rate, settings.seed)
-    elif calculator_task:  # tool calls (sometimes) and answers (allsync/envs/calculator.py)
-        from allsync.envs import calculator
-
-        examples = calculator.teacher_examples(tokenizer, splits.train, calculator.tools_of(settings.task),
-                                               settings.task.teacher_tool_rate, settings.seed)  # fmt: skip
-    else:
-        examples = training_examples(tokenizer, splits.train)
+    examples = task.teacher_examples(tokenizer, splits.train, settings.seed)
     losses = train_steps(model, examples, settings, tokenizer.pad_token_id, progress)
     train_s = time.time() - start
     round_to_bf16_(model)
-    if memory_task:  # the answer step alone, reading the gold memory (episodes are evaluated by the recipe)
-        from allsync.producers.multiconv import conversation_ids
-
-        prompts = [conversation_ids(tokenizer, p.prompt, None, tokenizer(p.metadata["gold_memory"], add_special_tokens=False)["input_ids"])
-                   for p in splits.heldout]  # fmt: skip
-        metrics = evaluate_model(model, tokenizer, prompts, [p.answer for p in splits.heldout], settings.eval, settings.seed)
-    elif calculator_task:  # the answer step alone, after a correct call and its output (episodes: the recipe)
-        from allsync.envs import calculator
-
-        prompts = calculator.answer_prompts(tokenizer, splits.heldout, calculator.tools_of(settings.task))
-        metrics = evaluate_model(model, tokenizer, prompts, [p.answer for p in splits.heldout], settings.eval, settings.seed)
-    else:
-        metrics = evaluate(model, tokenizer, splits.heldout, settings.eval, settings.seed)
+    metrics = evaluate(model, tokenizer, splits.heldout, task.heldout_prompts(tokenizer, splits.heldout), settings.eval, settings.seed)
     report = {
         "settings": settings.as_json(),
         "train_seconds": round(train_s, 1),
@@ -314,14 +269,14 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
 def settings_for_run(config) -> WarmStartSettings:
     """The warm start an RL run (`allsync.config.RunConfig`) builds its base with: supervised on the run's own
     task and split with the run's `task.seed`, so that the problems RL holds out are never warm-start training
-    data (task_splits draws the held-out problems first, from the seed alone)."""
+    data (the task's splits draw the held-out problems first, from the seed alone)."""
     from dataclasses import replace
 
     spec = replace(DEFAULT_SPEC, tool_tokens=True) if config.agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
     evaluation = EvalSettings(heldout_size=config.task.heldout_size)
     if config.agent is not None:  # the answer after a tool output ("Answer: 62560" + eos) is longer than arithmetic's
         evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
-    return WarmStartSettings(spec, config.task.warm_start_spec(config.agent), seed=config.task.seed, eval=evaluation)
+    return WarmStartSettings(spec, config.task.warm_start_task(config.agent), seed=config.task.seed, eval=evaluation)
 
 
 def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", settings: WarmStartSettings = WarmStartSettings(),

@@ -60,8 +60,9 @@ def test_reasoning_gym_reward_uses_the_generators_score_answer():
 def test_reasoning_gym_task_config_is_checked():
     ok = {"task": {"name": "reasoning_gym", "dataset": "chain_sum", "dataset_args": CHAIN_SUM}, "reward": {"name": "reasoning_gym"}}
     assert parse_config(ok).task.dataset_args == CHAIN_SUM
+    assert parse_config({"task": ok["task"]}).reward.name == "reasoning_gym"  # the task's default_reward
     with pytest.raises(ConfigError, match=r"reward.name = 'arithmetic' with task.name = 'reasoning_gym'"):
-        parse_config({"task": ok["task"]})
+        parse_config({"task": ok["task"], "reward": {"name": "arithmetic"}})
     with pytest.raises(ConfigError, match=r"reward.name = 'reasoning_gym' with task.name = 'arithmetic'"):
         parse_config({"reward": {"name": "reasoning_gym"}})
     with pytest.raises(ConfigError, match=r"task.dataset = 'no_such_task': Dataset 'no_such_task' not registered"):
@@ -104,14 +105,14 @@ def test_the_recipe_trains_on_a_reasoning_gym_task(warm_tiny, tmp_path):
 
 
 def test_warm_start_supervises_the_runs_own_task():
-    from allsync.tasks import ArithmeticSpec, ReasoningGymSpec, task_splits
+    from allsync.tasks import ArithmeticSpec, ReasoningGymSpec
 
     rg = parse_config({"model": {"warm_start": True}, "task": {"name": "reasoning_gym", "dataset": "chain_sum", "dataset_args": CHAIN_SUM,
                        "template": "Q: {problem}"}, "reward": {"name": "reasoning_gym"}}).task  # fmt: skip
     assert rg.warm_start_task() == ReasoningGymSpec("chain_sum", CHAIN_SUM, "Q: {problem}")
     # the warm start's held-out problems are the run's: drawn first, whatever the number of training problems
     spec = ReasoningGymSpec("chain_sum", CHAIN_SUM)
-    assert task_splits(spec, 400, 20, 0).heldout == task_splits(spec, 100, 20, 0).heldout
+    assert spec.splits(400, 20, 0).heldout == spec.splits(100, 20, 0).heldout
     assert parse_config({"task": {"min_digits": 2, "max_digits": 2}}).task.warm_start_task() == ArithmeticSpec(2, 2, ("+",))
     with pytest.raises(ConfigError, match=r"model.warm_start with task.name dataset"):
         parse_config({"model": {"warm_start": True}, "task": {"name": "dataset", "train_files": ["a"], "eval_files": ["b"]}})

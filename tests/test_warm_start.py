@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 
 from allsync import warm_start as ws
-from allsync.tasks import ArithmeticSpec, Problem
+from allsync.tasks import ArithmeticSpec, Problem, answer_examples
 from allsync.warm_start import (
     DEFAULT_SPEC, EvalSettings, TrainSettings, WarmStartSettings, collate, lr_at, save_checkpoint, to_disk_tensors,
-    train_and_evaluate, training_examples, warm_start,
+    train_and_evaluate, warm_start,
 )  # fmt: skip
 from moe_lora.tiny import build_tokenizer, make_tiny, tiny_config
 from quant.checkpoint_io import INDEX_NAME, atomic_output_dir
@@ -37,7 +37,7 @@ def _disk_tensors(path):
 
 def test_training_example_labels_only_the_answer():
     tok = build_tokenizer()
-    (ids, start), (ids2, start2) = training_examples(tok, [Problem("What is 1+2?", "3"), Problem("What is 10+20?", "30")])
+    (ids, start), (ids2, start2) = answer_examples(tok, [Problem("What is 1+2?", "3"), Problem("What is 10+20?", "30")])
     assert tok.decode(ids) == "<｜begin▁of▁sentence｜><｜User｜>What is 1+2?<｜Assistant｜>Answer: 3<｜end▁of▁sentence｜>"
     assert tok.decode(ids[start:]) == "Answer: 3<｜end▁of▁sentence｜>" and len(ids) - start == 10
     batch = collate([(ids, start), (ids2, start2)], pad_id=tok.pad_token_id)
@@ -204,14 +204,13 @@ def test_the_runs_heldout_problems_are_never_warm_start_training_data(config_nam
     import yaml
 
     from allsync.config import parse_config
-    from allsync.tasks import task_splits
     from allsync.warm_start import settings_for_run
 
     raw = yaml.safe_load((SHIPPED / config_name).read_text())
     config = parse_config({**raw, "task": {**raw.get("task", {}), "seed": seed}})
     settings = settings_for_run(config)
     assert settings.seed == seed
-    warm = task_splits(settings.task, settings.train_size, settings.eval.heldout_size, settings.seed)
+    warm = settings.task.splits(settings.train_size, settings.eval.heldout_size, settings.seed)
 
     def identity(p):  # a memory-recall problem is its question and the chunks it reads
         return p.prompt, json.dumps(p.metadata, sort_keys=True)

@@ -13,7 +13,6 @@ row's answer, else 0; it needs no math-verify, whose timeout cannot run in the e
 
 from __future__ import annotations
 
-import json
 import random
 import re
 
@@ -98,7 +97,3 @@ def answer_prompts(tokenizer, problems: list[Problem], tools: list[dict]) -> lis
         out.append(tokenizer(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                            tokenize=False), add_special_tokens=False)["input_ids"])  # fmt: skip
     return out
-
-
-def tools_of(spec) -> list[dict]:
-    return json.loads(spec.tools_json)

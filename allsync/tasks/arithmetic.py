@@ -1,0 +1,127 @@
+"""arithmetic: seeded problems with exact integer answers.
+
+    spec = ArithmeticSpec(max_digits=3)
+    splits = make_splits(spec, train_size=20000, heldout_size=200, seed=0)
+    splits.train[0]  # Problem(prompt="What is 47+385?", answer="432")
+
+The model is asked to reply `Answer: 432` (see `format_response`), a few tokens, so generation is cheap.
+
+Difficulty: each operand has d digits, d drawn uniformly from min_digits..max_digits, then the value
+uniformly among d-digit numbers (d=1 includes 0). More digits means more carries to get right.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from allsync.tasks.problems import ANSWER_PREFIX, Problem, Splits, answer_examples, encode_problems, generated_splits
+from allsync.tasks.registry import register_task
+
+OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@dataclass(frozen=True)
+class ArithmeticSpec:
+    """Operands of min_digits..max_digits digits combined with one of `ops` ("+", "-", "*")."""
+
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: tuple[str, ...] = ("+",)
+    nonnegative: bool = True  # "-": put the larger operand first so answers are >= 0
+
+    def validate(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"need 1 <= min_digits ({self.min_digits}) <= max_digits ({self.max_digits})")
+        unknown = [op for op in self.ops if op not in OPERATIONS]
+        if unknown or not self.ops:
+            raise ValueError(f"ops {self.ops!r}: each must be one of {sorted(OPERATIONS)}")
+
+    def space_size(self) -> int:
+        """Distinct problems: (sum over d of count(d))^2 * len(ops), count(1) = 10, count(d) = 9 * 10^(d-1)."""
+        per_operand = sum(digit_count(d) for d in range(self.min_digits, self.max_digits + 1))
+        return per_operand**2 * len(self.ops)
+
+    def max_answer_chars(self) -> int:
+        """Longest answer string, from the extreme operands lo = smallest, hi = 10^max_digits - 1."""
+        lo, hi = (0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)), 10**self.max_digits - 1
+        results = [OPERATIONS[op](a, b) for op in self.ops for a in (lo, hi) for b in (lo, hi)]
+        if self.nonnegative:
+            results = [abs(r) for r in results]
+        return max(len(str(r)) for r in results)
+
+    def max_response_tokens(self) -> int:
+        """Tokens of the longest `Answer: N` reply plus eos (the tokenizer is byte-level: 1 char = 1 token)."""
+        return len(ANSWER_PREFIX) + self.max_answer_chars() + 1
+
+    # the warm start's side (allsync.tasks.registry.WarmStartTask)
+    def splits(self, train_size: int, heldout_size: int, seed: int) -> Splits:
+        return make_splits(self, train_size, heldout_size, seed)
+
+    def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
+        return answer_examples(tokenizer, problems)
+
+    def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
+        return encode_problems(tokenizer, problems, with_answer=False)
+
+
+def digit_count(d: int) -> int:
+    """How many integers have exactly d digits (0 counts as one digit)."""
+    return 10 if d == 1 else 9 * 10 ** (d - 1)
+
+
+def random_operand(rng: random.Random, spec: ArithmeticSpec) -> int:
+    d = rng.randint(spec.min_digits, spec.max_digits)
+    return rng.randint(0, 9) if d == 1 else rng.randint(10 ** (d - 1), 10**d - 1)
+
+
+def make_problem(a: int, op: str, b: int) -> Problem:
+    return Problem(prompt=f"What is {a}{op}{b}?", answer=str(OPERATIONS[op](a, b)))
+
+
+def sample_problem(rng: random.Random, spec: ArithmeticSpec) -> Problem:
+    a, b = random_operand(rng, spec), random_operand(rng, spec)
+    op = rng.choice(spec.ops)
+    if op == "-" and spec.nonnegative and a < b:
+        a, b = b, a
+    return make_problem(a, op, b)
+
+
+def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+    """Seeded, disjoint splits: `heldout_size` distinct prompts, then `train_size` draws avoiding them."""
+    spec.validate()
+    if heldout_size > spec.space_size() // 2:
+        raise ValueError(f"heldout_size {heldout_size} is more than half of the {spec.space_size()} distinct problems")
+    return generated_splits(lambda rng: sample_problem(rng, spec), lambda p: p.prompt, train_size, heldout_size,
+                            random.Random(f"arithmetic-{seed}"))  # fmt: skip
+
+
+@register_task
+@dataclass
+class ArithmeticTask:
+    """task.name arithmetic: generated problems (ArithmeticSpec), `Answer: N` replies."""
+
+    name: str = field(default="arithmetic", init=False)
+    default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the sum, 0/1
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    train_size: int = 20000  # generated training rows
+    heldout_size: int = 200  # unique held-out problems
+    seed: int = 0  # the generated splits
+
+    def spec(self) -> ArithmeticSpec:
+        return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
+
+    def check(self, fail) -> None:
+        try:
+            self.spec().validate()
+        except ValueError as exc:
+            fail(f"task: {exc}")
+
+    def splits(self) -> tuple[Splits, list[str]]:
+        return make_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
+
+    def warm_start_task(self, agent=None) -> ArithmeticSpec:
+        return self.spec()

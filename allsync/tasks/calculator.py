@@ -1,0 +1,87 @@
+"""calculator: "What is 347*29?" for a tool agent that can call multiply (allsync/envs/calculator.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from allsync.tasks.problems import Problem, Splits, generated_splits
+from allsync.tasks.registry import register_task
+
+
+@dataclass(frozen=True)
+class CalculatorSpec:
+    """calculator: "What is 347*29?", an a_digits-digit times a b_digits-digit number, for a tool agent
+    (allsync/envs/calculator.py). `teacher_tool_rate` is the warm start's teacher only: how often it calls the
+    multiply tool; otherwise it answers at once with an estimate (the product rounded to two significant
+    digits, rarely right)."""
+
+    a_digits: int = 3
+    b_digits: int = 2
+    teacher_tool_rate: float = 0.3
+    tools_json: str = "[]"  # the agent's tool schemas (JSON), which the prompts list: the warm start must see the same
+
+    def validate(self) -> None:
+        if not (1 <= self.a_digits <= 6 and 1 <= self.b_digits <= 6):
+            raise ValueError(f"calculator: a_digits ({self.a_digits}) and b_digits ({self.b_digits}) must be in 1..6")
+        if not 0 <= self.teacher_tool_rate <= 1:
+            raise ValueError(f"calculator: teacher_tool_rate = {self.teacher_tool_rate} must be in [0, 1]")
+
+    def draw(self, rng: random.Random) -> Problem:
+        a = rng.randint(10 ** (self.a_digits - 1), 10**self.a_digits - 1)
+        b = rng.randint(10 ** (self.b_digits - 1), 10**self.b_digits - 1)
+        return Problem(f"What is {a}*{b}?", str(a * b))
+
+    # the warm start's side (allsync.tasks.registry.WarmStartTask)
+    def splits(self, train_size: int, heldout_size: int, seed: int) -> Splits:
+        return calculator_splits(self, train_size, heldout_size, seed)
+
+    def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
+        """Tool calls (sometimes) and answers (allsync/envs/calculator.py)."""
+        from allsync.envs import calculator
+
+        return calculator.teacher_examples(tokenizer, problems, json.loads(self.tools_json), self.teacher_tool_rate, seed)
+
+    def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
+        """The answer step alone, after a correct call and its output (whole episodes: the recipe)."""
+        from allsync.envs import calculator
+
+        return calculator.answer_prompts(tokenizer, problems, json.loads(self.tools_json))
+
+
+def calculator_splits(spec: CalculatorSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+    return generated_splits(spec.draw, lambda p: p.prompt, train_size, heldout_size, random.Random(f"calculator-{seed}"))
+
+
+@register_task
+@dataclass
+class CalculatorTask:
+    """task.name calculator (with an agent section whose env is allsync.envs.calculator:Calculator)."""
+
+    name: str = field(default="calculator", init=False)
+    default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the product, 0/1
+    a_digits: int = 3  # "What is a*b?" with an a_digits-digit a and a b_digits-digit b
+    b_digits: int = 2
+    teacher_tool_rate: float = 0.3  # how often the warm start's teacher calls the tool
+    train_size: int = 20000  # generated training problems
+    heldout_size: int = 200  # unique held-out problems
+    seed: int = 0  # the generated splits
+
+    def spec(self) -> CalculatorSpec:
+        return CalculatorSpec(self.a_digits, self.b_digits, self.teacher_tool_rate)
+
+    def check(self, fail) -> None:
+        try:
+            self.spec().validate()
+        except ValueError as exc:
+            fail(f"task: {exc}")
+
+    def splits(self) -> tuple[Splits, list[str]]:
+        return calculator_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
+
+    def warm_start_task(self, agent=None) -> CalculatorSpec:
+        """The spec with the agent's tool schemas, which the prompts list: the warm start must see the same."""
+        spec = self.spec()
+        return spec if agent is None else replace(spec, tools_json=json.dumps(agent.tools, sort_keys=True))

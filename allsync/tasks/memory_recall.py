@@ -1,0 +1,103 @@
+"""memory_recall: assignments read chunk by chunk in separate conversations, a memory carried between them, and
+a question about the first chunk at the end (multi-conversation DAPO: algorithm.multiconv)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from allsync.tasks.problems import Problem, Splits, generated_splits
+from allsync.tasks.registry import register_task
+
+
+@dataclass(frozen=True)
+class MemoryRecallSpec:
+    """memory_recall: `chunks` chunks of `per_chunk` assignments ("a=47 k=31 x=90") with distinct letters; the
+    asked letter is in the first chunk (its first assignment with asked_first, else at a random place), and
+    the last assignment of the last chunk is the decoy (the most recent one read). The question asks for
+    the asked letter, so the answer needs the first chunk's assignment carried in memory to the end.
+    `teacher_decoy_rate` is the warm start's noisy teacher only: the probability that its last memory write
+    keeps the decoy instead of the asked assignment. (asked_first: a 2-layer tiny model does not learn to
+    find a letter among three in a warm start: its first write was right 35% of the time after 2,000 steps.)"""
+
+    chunks: int = 2
+    per_chunk: int = 3
+    min_value: int = 10
+    max_value: int = 99
+    teacher_decoy_rate: float = 0.7
+    asked_first: bool = False
+
+    def validate(self) -> None:
+        if self.chunks < 2 or self.per_chunk < 2 or self.chunks * self.per_chunk > 26:
+            raise ValueError(f"memory_recall: need chunks >= 2, per_chunk >= 2 and chunks x per_chunk <= 26 letters "
+                             f"(got {self.chunks} x {self.per_chunk})")  # fmt: skip
+        if not 0 <= self.min_value < self.max_value:
+            raise ValueError(f"memory_recall: need 0 <= min_value ({self.min_value}) < max_value ({self.max_value})")
+        if not 0 <= self.teacher_decoy_rate <= 1:
+            raise ValueError(f"memory_recall: teacher_decoy_rate = {self.teacher_decoy_rate} must be in [0, 1]")
+
+    # the warm start's side (allsync.tasks.registry.WarmStartTask)
+    def splits(self, train_size: int, heldout_size: int, seed: int) -> Splits:
+        return memory_recall_splits(self, train_size, heldout_size, seed)
+
+    def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
+        """Every memory write and answer of the noisy teacher (allsync/producers/multiconv.py)."""
+        from allsync.producers.multiconv import teacher_examples
+
+        return teacher_examples(tokenizer, problems, self.teacher_decoy_rate, seed)
+
+    def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
+        """The answer step alone, reading the gold memory (whole episodes are evaluated by the recipe)."""
+        from allsync.producers.multiconv import conversation_ids
+
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return [conversation_ids(tokenizer, p.prompt, None, encode(p.metadata["gold_memory"])) for p in problems]
+
+
+def memory_recall_problem(rng: random.Random, spec: MemoryRecallSpec) -> Problem:
+    """One problem: prompt "Question: what is a?", answer "47", metadata chunks / gold_memory / decoy_memory."""
+    letters = rng.sample("abcdefghijklmnopqrstuvwxyz", spec.chunks * spec.per_chunk)
+    values = [rng.randint(spec.min_value, spec.max_value) for _ in letters]
+    pairs = [f"{x}={v}" for x, v in zip(letters, values)]
+    chunks = [" ".join(pairs[k * spec.per_chunk : (k + 1) * spec.per_chunk]) for k in range(spec.chunks)]
+    asked = 0 if spec.asked_first else rng.randrange(spec.per_chunk)
+    return Problem(f"Question: what is {letters[asked]}?", str(values[asked]),
+                   {"chunks": chunks, "gold_memory": pairs[asked], "decoy_memory": pairs[-1]})  # fmt: skip
+
+
+def memory_recall_splits(spec: MemoryRecallSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+    """Held-out problems first (distinct question and chunks), then training draws that are never held out."""
+    return generated_splits(lambda rng: memory_recall_problem(rng, spec), lambda p: (p.prompt, *p.metadata["chunks"]),
+                            train_size, heldout_size, random.Random(seed))  # fmt: skip
+
+
+@register_task
+@dataclass
+class MemoryRecallTask:
+    """task.name memory_recall (with algorithm.multiconv)."""
+
+    name: str = field(default="memory_recall", init=False)
+    default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the asked value, 0/1
+    chunks: int = 2  # chunks read one per conversation
+    per_chunk: int = 3  # assignments per chunk
+    teacher_decoy_rate: float = 0.7  # how often the warm start's teacher keeps the decoy in memory
+    asked_first: bool = False  # the asked assignment opens the first chunk (else a random place in it)
+    train_size: int = 20000  # generated training problems
+    heldout_size: int = 200  # unique held-out problems
+    seed: int = 0  # the generated splits
+
+    def spec(self) -> MemoryRecallSpec:
+        return MemoryRecallSpec(self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first)
+
+    def check(self, fail) -> None:
+        try:
+            self.spec().validate()
+        except ValueError as exc:
+            fail(f"task: {exc}")
+
+    def splits(self) -> tuple[Splits, list[str]]:
+        return memory_recall_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
+
+    def warm_start_task(self, agent=None) -> MemoryRecallSpec:
+        return self.spec()

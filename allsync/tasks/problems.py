@@ -1,0 +1,154 @@
+"""What every task shares: a Problem (prompt, answer, metadata), seeded disjoint Splits, and how a problem
+becomes a chat prompt, a reward row or a supervised example.
+
+Splits: the held-out set is drawn first (distinct by a key), then training draws whose key is never a held-out
+one, so no held-out problem ever appears in train (train may repeat a problem when the space is small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ANSWER_PREFIX = "Answer: "
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str | tuple[tuple[str, str], ...]  # the user's text, or (role, content) messages (dataset rows)
+    answer: str
+    metadata: dict | None = field(default=None, compare=False)  # what the reward needs besides the answer (JSON)
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[Problem]
+    heldout: list[Problem]
+
+
+def generated_splits(draw, key, train_size: int, heldout_size: int, rng: random.Random) -> Splits:
+    """`heldout_size` problems distinct by key(problem) drawn first, then `train_size` draws whose key is
+    never a held-out one (train may repeat a problem). draw(rng) -> Problem."""
+    heldout: dict = {}
+    while len(heldout) < heldout_size:
+        p = draw(rng)
+        heldout.setdefault(key(p), p)
+    train: list[Problem] = []
+    while len(train) < train_size:
+        p = draw(rng)
+        if key(p) not in heldout:
+            train.append(p)
+    return Splits(train=train, heldout=list(heldout.values()))
+
+
+def reward_row(problem: Problem) -> dict:
+    """What a reward sees of a problem (JSON): prompt, answer and, when the task has it, metadata."""
+    row = {"prompt": problem.prompt, "answer": problem.answer}
+    if problem.metadata is not None:
+        row["metadata"] = problem.metadata
+    return row
+
+
+def format_response(answer: str) -> str:
+    """The assistant's reply the warm start teaches and the verifier reads: `Answer: 432`."""
+    return f"{ANSWER_PREFIX}{answer}"
+
+
+def chat_messages(problem: Problem, with_answer: bool = False) -> list[dict[str, str]]:
+    if isinstance(problem.prompt, str):
+        messages = [{"role": "user", "content": problem.prompt}]
+    else:
+        messages = [{"role": role, "content": content} for role, content in problem.prompt]
+    if with_answer:
+        messages.append({"role": "assistant", "content": format_response(problem.answer)})
+    return messages
+
+
+def encode_prompt(tokenizer, problem: Problem) -> list[int]:
+    """The problem as the model sees it: the chat template's token ids, ending with the assistant's turn."""
+    return tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def longest_prompt_tokens(tokenizer, problems: Iterable[Problem]) -> int:
+    """Token count of the longest encoded prompt (distinct prompt texts are encoded once)."""
+    return max((len(encode_prompt(tokenizer, Problem(text, ""))) for text in {p.prompt for p in problems}), default=0)
+
+
+def model_len_needed(longest_prompt: int, max_new_tokens: int, max_position_embeddings: int,
+                     new_tokens_name: str = "rollout.max_new_tokens", prompt_name: str = "the longest prompt") -> int:  # fmt: skip
+    """Context a rollout engine needs: longest prompt + the most new tokens of one call (a T-PPO window's
+    prompt is the prompt plus the response so far, so the same bound holds). An engine with less would end
+    responses early as "length" (vLLM does so silently) and overlong shaping would see wrong lengths; a
+    model past its max_position_embeddings is outside what it was trained for: ValueError naming both."""
+    needed = longest_prompt + max_new_tokens
+    if needed > max_position_embeddings:
+        raise ValueError(
+            f"{new_tokens_name} = {max_new_tokens} plus {prompt_name} ({longest_prompt} tokens) is {needed} "
+            f"tokens, more than the checkpoint's max_position_embeddings ({max_position_embeddings})"
+        )
+    return needed
+
+
+# ------------------------------------------------------------------------------------------ supervised examples
+def encode_problems(tokenizer, problems: list[Problem], with_answer: bool) -> list[list[int]]:
+    """Chat-formatted token ids; with_answer appends `Answer: N<eos>` (the template's assistant turn)."""
+    texts = [
+        tokenizer.apply_chat_template(chat_messages(p, with_answer), add_generation_prompt=not with_answer, tokenize=False)
+        for p in problems
+    ]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def answer_start(prompt_ids: list[int], full_ids: list[int]) -> int:
+    """Index of the first answer token: the prompt (ending in `<｜Assistant｜>`) must prefix the example."""
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError("the chat template's prompt is not a prefix of the full example")
+    return len(prompt_ids)
+
+
+def answer_examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
+    """(prompt + `Answer: N` + eos ids, index of the first answer token) per problem: a one-step task's teacher."""
+    full = encode_problems(tokenizer, problems, with_answer=True)
+    prompts = encode_problems(tokenizer, problems, with_answer=False)
+    return [(f, answer_start(p, f)) for p, f in zip(prompts, full)]
+
+
+# ------------------------------------------------------------------------------------------ files
+def save_jsonl(problems: Iterable[Problem], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for p in problems:
+            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+    return path
+
+
+def load_jsonl(path: str | os.PathLike) -> list[Problem]:
+    problems = []
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or set(row) != {"prompt", "answer"}:
+                raise ValueError(f"{path}:{n}: expected an object with keys prompt and answer, got {line.strip()[:80]!r}")
+            problems.append(Problem(str(row["prompt"]), str(row["answer"])))
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ templates
+def check_template(template: str | None, fail) -> None:
+    """task.template is dapo_math (DAPO's math prompt), a text with {problem}, or None."""
+    if template is not None and template != "dapo_math" and "{problem}" not in template:
+        fail(f"task.template = {template!r}: use dapo_math or a text containing {{problem}}")
+
+
+def template_text(template: str | None) -> str | None:
+    """The prompt text of task.template: DAPO's math prompt for dapo_math, else the text (None: as is)."""
+    from evals.datasets import DAPO_MATH_TEMPLATE
+
+    return DAPO_MATH_TEMPLATE if template == "dapo_math" else template

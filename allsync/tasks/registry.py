@@ -1,0 +1,51 @@
+"""The task registry: a run's `task:` section names a task (`task.name`), and the module of that task registers
+the settings class that holds the section's other keys.
+
+A task's settings class is a dataclass whose fields are its YAML keys (plus `name`, a field with init=False
+whose default is the task's name), registered with `@register_task`. It provides:
+
+    check(fail)                     refuse a bad value, naming the key (fail(message) raises)
+    splits() -> (Splits, lines)     the training and held-out problems, and report lines for the log
+    warm_start_task(agent)          what the warm start supervises (a WarmStartTask), or None when it cannot
+
+A WarmStartTask is a frozen dataclass whose fields are the warm start's settings of the task (they go into the
+warm start's cache key, warm_start.json), with
+
+    splits(train_size, heldout_size, seed) -> Splits            held-out problems first, from the seed alone
+    teacher_examples(tokenizer, problems, seed) -> [(ids, k)]   supervised examples, targets from index k on
+    heldout_prompts(tokenizer, problems) -> [ids]               what the warm start's evaluation generates from
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from allsync.tasks.problems import Problem, Splits
+
+TASKS: dict[str, type] = {}
+
+
+class WarmStartTask(Protocol):
+    def splits(self, train_size: int, heldout_size: int, seed: int) -> Splits: ...
+
+    def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]: ...
+
+    def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]: ...
+
+
+class TaskSettings(Protocol):
+    name: str
+
+    def check(self, fail) -> None: ...
+
+    def splits(self) -> tuple[Splits, list[str]]: ...
+
+    def warm_start_task(self, agent=None) -> WarmStartTask | None: ...
+
+
+def register_task(cls: type) -> type:
+    """Class decorator: `cls.name` becomes a value of task.name."""
+    if cls.name in TASKS:
+        raise ValueError(f"task {cls.name!r} is registered twice ({TASKS[cls.name].__module__} and {cls.__module__})")
+    TASKS[cls.name] = cls
+    return cls
