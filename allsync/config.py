@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from allsync.producers.registry import DEFAULT_PRODUCER, ProducerSettings, default_producer, producer_classes
 from allsync.tasks import TASKS, ArithmeticTask, TaskSettings
 from quant.formats import FORMATS
 
@@ -91,9 +92,6 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    window: int | None = None  # T-PPO generation window (tokens per step); None = generate to the end
-    memory_tokens: int | None = None  # algorithm.multiconv: the most tokens of one memory write
-    chunk_tokens: int | None = None  # algorithm.multiconv on dataset rows with a context: tokens per chunk read
     logprob_gap_warn: float = 0.05  # warn when engine and trainer logprobs differ by more (mean abs, nats)
     # torch engine with model.compute_copy: generate with W + s B A formed once per generate call on every LoRA'd
     # linear (attention, dense and shared MLP; routed experts keep per-group LoRA): one matmul instead of three per
@@ -133,8 +131,6 @@ class RolloutSection:
                      "decodes in fixed batches (vLLM schedules its own)")  # fmt: skip
             if self.decode_batch < 1:
                 fail(f"rollout.decode_batch = {self.decode_batch}: must be >= 1")
-        if self.window is not None and not 0 < self.window <= self.max_new_tokens:
-            fail(f"rollout.window = {self.window}: must be in 1..rollout.max_new_tokens ({self.max_new_tokens})")
 
 
 @dataclass
@@ -147,22 +143,6 @@ class OverlongSection:
     def check(self, fail) -> None:
         if not 0 < self.cache_len < self.max_len:
             fail(f"algorithm.overlong: need 0 < cache_len ({self.cache_len}) < max_len ({self.max_len})")
-
-
-@dataclass
-class MultiConvSection:
-    """Multi-conversation DAPO (allsync/producers/multiconv.py): the final answer's reward trains every segment."""
-
-    credit: str = "all"  # all: every segment's tokens train | final: only the answer segment's (the ablation)
-    weighting: str = "token"  # token: token mean over the batch | episode: token mean per episode, then mean over episodes
-
-    def check(self, fail) -> None:
-        from allsync.algorithms import CREDIT_RULES
-
-        if self.credit not in CREDIT_RULES:
-            fail(f"algorithm.multiconv.credit = {self.credit!r}: use all (every segment trains) or final (only the answer)")
-        if self.weighting not in ("token", "episode"):
-            fail(f"algorithm.multiconv.weighting = {self.weighting!r}: use token or episode")
 
 
 @dataclass
@@ -186,7 +166,6 @@ class AlgorithmSection:
     gamma: float = 1.0  # gae / egae discount
     lam: float = 0.95  # gae / egae lambda
     value_coef: float = 0.5  # weight of the critic's value loss (gae / egae)
-    multiconv: MultiConvSection | None = None  # episodes of memory segments (task memory_recall)
 
     @property
     def estimator(self):
@@ -234,8 +213,6 @@ class AlgorithmSection:
                 fail(f"algorithm.kl_estimator: {exc}")
         if self.overlong is not None:
             self.overlong.check(fail)
-        if self.multiconv is not None:
-            self.multiconv.check(fail)
 
 
 @dataclass
@@ -419,34 +396,6 @@ class HealthSection:
 
 
 @dataclass
-class AgentSection:
-    """Multi-turn tool agents (allsync/producers/agent.py): an environment answers each reply until done."""
-
-    env: str = ""  # "package.module:Class" with reset(row) and step(assistant_text) (allsync/envs/__init__.py)
-    tools: list[dict] = field(default_factory=list)  # OpenAI function schemas: {type: function, function: {name, description, parameters}}
-    max_turns: int = 4  # replies per episode; an episode not done by then is an error (reward.on_error)
-    max_observation_tokens: int = 256  # an observation's tokens beyond this are cut (and counted)
-    step_timeout_s: float = 10.0  # an env.reset / env.step slower than this is an error (reward.on_error)
-
-    def check(self, fail) -> None:
-        from allsync.envs import load_env_class
-
-        try:
-            load_env_class(self.env)
-        except ValueError as exc:
-            fail(f"agent.env: {exc}")
-        for i, tool in enumerate(self.tools):
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                    or not isinstance(function.get("description", ""), str) or not isinstance(function.get("parameters", {}), dict):
-                fail(f"agent.tools[{i}]: expected an OpenAI function schema {{type: function, function: {{name, description, "
-                     f"parameters}}}}, got {tool!r}")  # fmt: skip
-        if self.max_turns < 1 or self.max_observation_tokens < 1 or not self.step_timeout_s > 0:
-            fail(f"agent.max_turns ({self.max_turns}) and agent.max_observation_tokens ({self.max_observation_tokens}) must be "
-                 f">= 1 and agent.step_timeout_s ({self.step_timeout_s}) > 0")  # fmt: skip
-
-
-@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoRASection = field(default_factory=LoRASection)
@@ -458,7 +407,7 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     run: RunSection = field(default_factory=RunSection)
     health: HealthSection = field(default_factory=HealthSection)
-    agent: AgentSection | None = None
+    producer: ProducerSettings = field(default_factory=default_producer)  # the settings class of producer.kind (allsync.producers)
 
     def __post_init__(self):
         if self.reward.name is None and self.reward.function is None:  # the task's own reward (allsync.tasks)
@@ -491,12 +440,25 @@ def _dataclass_of(annotation):
     return next((c for c in candidates if is_dataclass(c)), None)
 
 
+# keys of earlier versions -> where they are now
+MOVED_KEYS = {
+    "rollout.window": "producer: {kind: windows, window: N}",
+    "rollout.memory_tokens": "producer: {kind: multiconv, memory_tokens: N}",
+    "rollout.chunk_tokens": "producer: {kind: multiconv, chunk_tokens: N}",
+    "algorithm.multiconv": "producer: {kind: multiconv, memory_tokens: N, credit, weighting}",
+    "agent": "producer: {kind: agent, env, tools, max_turns, max_observation_tokens, step_timeout_s}",
+}
+
+
 def _build(cls, data: dict, where: str, source: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {where or 'the file'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     for key in data:
+        dotted = f"{where}.{key}" if where else str(key)
+        if dotted in MOVED_KEYS:
+            raise ConfigError(f"{source}: '{dotted}' has moved: write {MOVED_KEYS[dotted]} (allsync/producers/)")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else f" (known: {', '.join(names)})"
@@ -508,8 +470,8 @@ def _build(cls, data: dict, where: str, source: str):
             continue
         value, annotation = data[f.name], hints[f.name]
         sub = _dataclass_of(annotation)
-        if annotation is TaskSettings:
-            kwargs[f.name] = _build_task(value, source)
+        if annotation in (TaskSettings, ProducerSettings):
+            kwargs[f.name] = _build_named_section(f.name, value, source)
         elif sub is not None and isinstance(value, dict):
             kwargs[f.name] = _build(sub, value, key, source)
         elif _type_ok(value, annotation):
@@ -519,19 +481,28 @@ def _build(cls, data: dict, where: str, source: str):
     return cls(**kwargs)
 
 
-def _build_task(data, source: str) -> TaskSettings:
-    """The `task:` section: the settings class of task.name (allsync.tasks.TASKS) built from its other keys; a
-    key another task uses is refused as not used by this one."""
+# section -> (the key naming the class, its registry, the default name)
+NAMED_SECTIONS = {
+    "task": ("name", lambda: TASKS, ArithmeticTask.name),
+    "producer": ("kind", producer_classes, DEFAULT_PRODUCER),
+}
+
+
+def _build_named_section(section: str, data, source: str):
+    """`task:` / `producer:`: the class its name key picks from the registry (allsync.tasks, allsync.producers),
+    built from the section's other keys; a key only another class of the registry has is refused as unused."""
+    name_key, registry, default = NAMED_SECTIONS[section]
+    classes = registry()
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: task must be a mapping, got {type(data).__name__}")
-    name = data.get("name", ArithmeticTask.name)
-    if name not in TASKS:
-        raise ConfigError(f"{source}: task.name = {name!r}: use one of {', '.join(TASKS)}")
-    own = {f.name for f in fields(TASKS[name])}
+        raise ConfigError(f"{source}: {section} must be a mapping, got {type(data).__name__}")
+    name = data.get(name_key, default)
+    if name not in classes:
+        raise ConfigError(f"{source}: {section}.{name_key} = {name!r}: use one of {', '.join(classes)}")
+    own = {f.name for f in fields(classes[name])}
     for key in data:
-        if key not in own and any(key in {f.name for f in fields(other)} for other in TASKS.values()):
-            raise ConfigError(f"{source}: task.{key} is set but task.name is {name}, which does not use it")
-    return _build(TASKS[name], {k: v for k, v in data.items() if k != "name"}, "task", source)
+        if key not in own and any(key in {f.name for f in fields(other)} for other in classes.values()):
+            raise ConfigError(f"{source}: {section}.{key} is set but {section}.{name_key} is {name}, which does not use it")
+    return _build(classes[name], {k: v for k, v in data.items() if k != name_key}, section, source)
 
 
 def parse_config(data: dict, source: str = "<config>") -> RunConfig:
@@ -586,7 +557,7 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     def fail(msg: str):
         raise ConfigError(f"{source}: {msg}")
 
-    for section in (c.model, c.lora, c.rollout, c.algorithm, c.optim, c.parallel, c.task, c.reward, c.run, c.health, c.agent):
+    for section in (c.model, c.lora, c.rollout, c.algorithm, c.optim, c.parallel, c.task, c.reward, c.run, c.health, c.producer):
         if section is not None:
             section.check(fail)
     check_across_sections(c, fail)
@@ -608,11 +579,12 @@ def check_across_sections(c: RunConfig, fail) -> None:
 
     check_expert_kernel(c.lora, c.model.compute_dtype, c.parallel.resolved_device(), fail)
     check_engine_and_export(c, fail)
+    if c.task.needs_producer not in (None, c.producer.kind):
+        fail(f"task.name {c.task.name} needs producer.kind {c.task.needs_producer} ({c.task.needs_producer_because})")
+    c.producer.check_with(c, fail)
     check_algorithm_with_rollout(c, fail)
     check_batch_split(c, fail)
     check_task_with_reward(c, fail)
-    check_multiconv(c, fail)
-    check_agent(c, fail)
     try:
         parse_faults(c.health.faults, c.parallel.workers)
     except (ValueError, TypeError) as exc:
@@ -640,15 +612,11 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
 
 
 def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
-    """Group baselines need groups; T-PPO's critic needs windows, colocated workers and no group rewards."""
+    """Group baselines need groups; a critic needs colocated workers and no group rewards (what each producer
+    needs of the algorithm, its settings' check_with says)."""
     a, r = c.algorithm, c.rollout
     if a.estimator.needs_groups and r.group_size < 2:
         fail(f"rollout.group_size = {r.group_size} with algorithm.advantage {a.advantage}: a group needs >= 2 samples")
-    if a.estimator.bootstraps_cut and r.window is None:
-        fail(f"algorithm.advantage {a.advantage} needs rollout.window (T-PPO's truncated generation windows)")
-    if r.window is not None and not a.estimator.bootstraps_cut:
-        fail(f"rollout.window = {r.window} with algorithm.advantage {a.advantage}: responses cut at a "
-             "window have no reward yet; T-PPO trains them with a critic, so use algorithm.advantage egae")  # fmt: skip
     if a.dynamic_sampling and not a.estimator.needs_groups:
         fail(f"algorithm.dynamic_sampling with algorithm.advantage {a.advantage}: dynamic sampling filters "
              "groups for group baselines (grpo / drgrpo); set it to false for the critic's advantages")  # fmt: skip
@@ -683,56 +651,6 @@ def check_task_with_reward(c: RunConfig, fail) -> None:
     if c.model.warm_start and t.name == "dataset":
         fail("model.warm_start with task.name dataset: the warm start supervises `Answer: N` replies on a generated task "
              "(arithmetic or reasoning_gym); give a model.base that exists and set model.warm_start: false")  # fmt: skip
-
-
-def check_multiconv(c: RunConfig, fail) -> None:
-    """algorithm.multiconv, rollout.memory_tokens and task memory_recall go together."""
-    mc, r = c.algorithm.multiconv, c.rollout
-    if mc is None:
-        if r.memory_tokens is not None or r.chunk_tokens is not None:
-            fail(f"rollout.memory_tokens / rollout.chunk_tokens ({r.memory_tokens} / {r.chunk_tokens}) without "
-                 "algorithm.multiconv: only memory conversations use them")  # fmt: skip
-        if c.task.name == "memory_recall":
-            fail("task.name memory_recall needs algorithm.multiconv (its problems are read chunk by chunk with a memory)")
-        return
-    if not c.algorithm.estimator.needs_groups:
-        fail(f"algorithm.multiconv with algorithm.advantage {c.algorithm.advantage}: the final reward trains every "
-             "segment through one group-relative advantage per episode; use grpo or drgrpo")  # fmt: skip
-    if r.window is not None:
-        fail(f"algorithm.multiconv with rollout.window = {r.window}: T-PPO windows and memory segments do not mix")
-    if c.algorithm.loss_agg != AlgorithmSection.loss_agg:
-        fail(f"algorithm.loss_agg = {c.algorithm.loss_agg} with algorithm.multiconv: the aggregation is "
-             "algorithm.multiconv.weighting (token or episode)")  # fmt: skip
-    if r.memory_tokens is None or r.memory_tokens < 1:
-        fail(f"algorithm.multiconv needs rollout.memory_tokens >= 1 (the most tokens of one memory write), got {r.memory_tokens}")
-    if c.task.name not in ("memory_recall", "dataset"):
-        fail(f"algorithm.multiconv with task.name {c.task.name}: the problems must come in chunks: use task memory_recall, "
-             "or dataset rows with a context and rollout.chunk_tokens")  # fmt: skip
-    if (c.task.name == "dataset") != (r.chunk_tokens is not None):
-        fail(f"rollout.chunk_tokens = {r.chunk_tokens} with task.name {c.task.name}: dataset rows' contexts are cut every "
-             "rollout.chunk_tokens tokens (set it for dataset, leave it out for memory_recall, whose chunks are given)")  # fmt: skip
-    if r.chunk_tokens is not None and r.chunk_tokens < 1:
-        fail(f"rollout.chunk_tokens = {r.chunk_tokens}: must be >= 1")
-
-
-def check_agent(c: RunConfig, fail) -> None:
-    """A tool agent needs the calculator task's agent section and a producer that can run it."""
-    ag = c.agent
-    if ag is None:
-        if c.task.name == "calculator":
-            fail("task.name calculator needs an agent section (agent.env: allsync.envs.calculator:Calculator and its tools)")
-        return
-    if c.algorithm.multiconv is not None:
-        fail("agent with algorithm.multiconv: a memory agent is an environment that resets its context (a new segment "
-             "per reset); use one of the two")  # fmt: skip
-    if not c.algorithm.estimator.needs_groups or c.rollout.window is not None:
-        fail(f"agent with algorithm.advantage {c.algorithm.advantage} / rollout.window: an episode's one reward trains its "
-             "turns through a group-relative advantage; use grpo or drgrpo without windows")  # fmt: skip
-    if c.reward.function is not None or c.reward.name != c.task.default_reward or c.reward.length is not None \
-            or c.algorithm.overlong is not None or c.reward.timeout_s != RewardSection.timeout_s:
-        fail("reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with agent: the "
-             "environment's step returns the episode's reward; leave them out (reward.on_error still applies, and "
-             "agent.step_timeout_s bounds each environment call)")  # fmt: skip
 
 
 def config_with_model_checks(config: RunConfig, model_config: dict, source: str) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from allsync.config import RewardSection, RunConfig
 from allsync.distributed import worker_device
-from allsync.producers.agent import agent_records
+from allsync.producers.agent import ToolAgent, agent_records
 from allsync.producers.multiconv import MultiConversation
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, encode_prompt, reward_row
@@ -86,7 +86,7 @@ def heldout_records(engine, producer, tokenizer, pool: RewardPool, config: RunCo
     sampling = Sampling(temperature=1.0 if greedy else config.rollout.temperature, top_p=config.run.eval_top_p,
                         max_new_tokens=config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
     mine = [problems[i] for i in problem_ids]
-    if config.agent is not None:
+    if isinstance(producer, ToolAgent):
         return agent_records(producer.run(mine, samples, sampling), problem_ids, samples)
     if isinstance(producer, MultiConversation):
         answers = [(seg[-1].response_ids, seg[-1].finish_reason) for seg in producer.run(mine, samples, sampling, memory)]

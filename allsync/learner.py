@@ -48,7 +48,7 @@ from allsync.forward import (
 from moe_lora.expert_parallel import expert_parameters
 from moe_lora.lora import adapters_disabled
 
-# algorithm.multiconv.weighting -> the loss aggregation it means (allsync.algorithms.aggregation)
+# producer.weighting (multiconv) -> the loss aggregation it means (allsync.algorithms.aggregation)
 WEIGHTING_AGGREGATION = {"token": "token-mean", "episode": "episode-mean-token-mean"}
 
 
@@ -129,10 +129,15 @@ def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
     return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
 
 
+def multiconv_settings(config):
+    """The producer's settings when it is multi-conversation (producer.kind multiconv), else None."""
+    return config.producer if config.producer.kind == "multiconv" else None
+
+
 def loss_settings(config) -> LossSettings:
-    """The policy loss's settings; algorithm.multiconv.weighting picks the aggregation when set."""
-    a = config.algorithm
-    agg = WEIGHTING_AGGREGATION[a.multiconv.weighting] if a.multiconv is not None else a.loss_agg
+    """The policy loss's settings; producer.weighting picks the aggregation with producer.kind multiconv."""
+    a, mc = config.algorithm, multiconv_settings(config)
+    agg = WEIGHTING_AGGREGATION[mc.weighting] if mc is not None else a.loss_agg
     return LossSettings(a.clip_low, a.clip_high, a.clip_c, agg, config.rollout.temperature, a.kl_coef, a.kl_estimator, a.policy_loss)
 
 
@@ -196,7 +201,7 @@ class Learner:
     def episode_batch(self, episodes: list[Episode], group_index: torch.Tensor) -> TrainBatch:
         """Group baselines (GRPO / Dr.GRPO) over the episodes' rewards: one advantage per episode, copied to
         every trained token of each of its segments (allsync.algorithms.episodes); with
-        algorithm.multiconv.credit final only the answer segments train. DAPO's overlong filter masks a
+        producer.credit final (multiconv) only the answer segments train. DAPO's overlong filter masks a
         whole episode whose answer was cut at the token budget."""
         a = self.config.algorithm
         rows = flatten(episodes)
@@ -208,9 +213,8 @@ class Learner:
         if (masks := rows.loss_masks) is not None:  # tool observations: not chosen by the policy, not trained
             batch.response_mask = batch.response_mask * scatter_response_values(masks, batch)
         engine_mask = batch.response_mask
-        if a.multiconv is not None:
-            batch.response_mask = credit_mask(batch.response_mask, torch.tensor(rows.is_answer, device=self.device),
-                                              a.multiconv.credit)  # fmt: skip
+        if (mc := multiconv_settings(self.config)) is not None:
+            batch.response_mask = credit_mask(batch.response_mask, torch.tensor(rows.is_answer, device=self.device), mc.credit)
         if a.overlong is not None and a.overlong.filter_truncated:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
@@ -315,7 +319,7 @@ class Learner:
             self.reference_logprobs(idle)
         tb = self.episode_batch(episodes, group_index) if episodes else None
         out = self.update(tb, adapter_version)
-        if tb is not None and self.config.algorithm.multiconv is not None:
+        if tb is not None and multiconv_settings(self.config) is not None:
             out.update(segment_gaps(tb))
         return out
 

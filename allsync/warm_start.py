@@ -272,11 +272,12 @@ def settings_for_run(config) -> WarmStartSettings:
     data (the task's splits draw the held-out problems first, from the seed alone)."""
     from dataclasses import replace
 
-    spec = replace(DEFAULT_SPEC, tool_tokens=True) if config.agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
+    agent = config.producer if config.producer.kind == "agent" else None
+    spec = replace(DEFAULT_SPEC, tool_tokens=True) if agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
     evaluation = EvalSettings(heldout_size=config.task.heldout_size)
-    if config.agent is not None:  # the answer after a tool output ("Answer: 62560" + eos) is longer than arithmetic's
+    if agent is not None:  # the answer after a tool output ("Answer: 62560" + eos) is longer than arithmetic's
         evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
-    return WarmStartSettings(spec, config.task.warm_start_task(config.agent), seed=config.task.seed, eval=evaluation)
+    return WarmStartSettings(spec, config.task.warm_start_task(agent), seed=config.task.seed, eval=evaluation)
 
 
 def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", settings: WarmStartSettings = WarmStartSettings(),

@@ -34,10 +34,9 @@ from allsync.evaluation import RewardError, heldout_records, score_texts  # noqa
 from allsync.faults import FaultInjector, parse_faults
 from allsync.monitor import WorkerMonitor
 from allsync.producers.groups import collect_groups
-from allsync.producers.multiconv import MultiConversation
-from allsync.producers.single_turn import SingleTurn
+from allsync.producers.registry import ProducerContext
 from allsync.producers.windows import WindowPool
-from allsync.engines.torch_engine import Sampling, TorchEngine
+from allsync.engines.torch_engine import TorchEngine
 from allsync.sharded_state import ShardedTrainingState
 from allsync.tasks import Problem, encode_prompt
 from allsync.learner import Learner
@@ -145,23 +144,12 @@ class RLWorker:
         return self.learner.value_head
 
     def _make_producer(self):
-        """The episode producer the config asks for (allsync/producers/)."""
-        c, r = self.config, self.config.rollout
-        lockstep = self.groups if self.groups.expert_parallel else None  # every rank makes the same engine calls
-        if c.algorithm.uses_critic:
-            return WindowPool(self.engine, self.encode_prompt, self.take_problems, r.prompts_per_step // self.world_size * r.group_size,
-                              r.group_size, r.window or r.max_new_tokens, r.max_new_tokens, r.temperature, r.top_p)  # fmt: skip
-        if c.agent is not None:
-            from allsync.envs import load_env_class
-            from allsync.producers.agent import ToolAgent
-
-            a = c.agent
-            return ToolAgent(self.engine, self.tokenizer, load_env_class(a.env), a.tools, self.sampling(), r.group_size,
-                             a.max_turns, a.max_observation_tokens, a.step_timeout_s, c.reward.on_error, lockstep)  # fmt: skip
-        if c.algorithm.multiconv is not None:
-            return MultiConversation(self.engine, self.tokenizer, self.score_episodes, self.sampling(), r.group_size,
-                                     r.memory_tokens, r.chunk_tokens, lockstep)  # fmt: skip
-        return SingleTurn(self.engine, self.encode_prompt, self.score_episodes, self.sampling(), r.group_size)
+        """The episode producer producer.kind names (allsync/producers/), given this worker's engine and data."""
+        c = self.config
+        context = ProducerContext(c, self.engine, self.tokenizer, self.encode_prompt, self.take_problems, self.score_episodes,
+                                  c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
+                                  lockstep=self.groups if self.groups.expert_parallel else None)  # fmt: skip
+        return c.producer.build(context)
 
     # ------------------------------------------------------------------------------ helpers
     def _make_engine(self):
@@ -172,14 +160,13 @@ class RLWorker:
             r = self.config.rollout
             return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, r.decode_batch,
                                lockstep=lockstep, merge_lora=r.merge_lora)  # fmt: skip
-        from allsync.producers import engine_model_len
         from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
 
         lc = self.config.lora
         if (reason := unsupported_targets(lc.targets)) is not None:
             raise ConfigError(f"rollout.engine vllm with lora.targets {lc.targets}: {reason}")
-        model_len = self.max_model_len or engine_model_len(self.config, self.tokenizer, self.problems,
-                                                           self.model.config.max_position_embeddings)  # fmt: skip
+        model_len = self.max_model_len or self.config.producer.model_len(self.config, self.tokenizer, self.problems,
+                                                                         self.model.config.max_position_embeddings)  # fmt: skip
         engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype,
                             max_model_len=model_len, launcher=self.launcher,
                             gpu_memory_utilization=self.config.rollout.gpu_memory_utilization)  # fmt: skip
@@ -203,10 +190,6 @@ class RLWorker:
         picked = [self.problems[((self.position + i) * self.world_size + self.rank) % n] for i in range(count)]
         self.position += count
         return picked
-
-    def sampling(self) -> Sampling:
-        r = self.config.rollout
-        return Sampling(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
 
     # ------------------------------------------------------------------------------ rollout + reward
     def score_responses(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
@@ -287,7 +270,7 @@ class RLWorker:
             "reward_errors": errors,
             **ds,
         }
-        if self.config.algorithm.multiconv is not None or self.config.agent is not None:
+        if self.config.producer.logs_episode_info:  # segments, memory tokens, turns, ...
             metrics.update(episode_info_sums(generated))
         return episodes, group_index, metrics
 

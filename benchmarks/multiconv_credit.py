@@ -2,7 +2,7 @@
 
     python benchmarks/multiconv_credit.py [--config recipes/configs/tiny_cpu_memory.yaml] [--steps N]
 
-Runs the memory recipe twice with everything equal but algorithm.multiconv.credit (all: every segment
+Runs the memory recipe twice with everything equal but producer.credit (all: every segment
 trains; final: only the answer segment, the ablation), one run after the other on the same machine, each
 to the same step count. Prints both runs' wall time, held-out accuracy (base -> trained) and memory
 ablation (the trained policy answering from its own memory, a blanked one, the gold one), then
@@ -28,9 +28,9 @@ DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "tiny_cp
 
 
 def run(config: dict, credit: str, steps: int | None) -> dict:
-    """One recipe run with multiconv.credit set; its summary lines parsed and its metrics read."""
+    """One recipe run with producer.credit set; its summary lines parsed and its metrics read."""
     config = json.loads(json.dumps(config))
-    config["algorithm"]["multiconv"]["credit"] = credit
+    config["producer"]["credit"] = credit
     config["run"]["out_dir"] = f"{config['run']['out_dir']}-credit-{credit}"
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)

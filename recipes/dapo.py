@@ -264,15 +264,13 @@ def rank0_first(build, launched) -> None:
 
 
 def engine_model_len(config: RunConfig, model_config: dict, problems, source: str) -> int:
-    """The longest sequence the run's producer can build (allsync.producers.engine_model_len), checked against
-    the checkpoint's max_position_embeddings."""
+    """The longest sequence the run's producer can build (its settings' model_len), checked against the
+    checkpoint's max_position_embeddings."""
     from transformers import AutoTokenizer
-
-    from allsync.producers import engine_model_len as longest_sequence
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.base)
     try:
-        return longest_sequence(config, tokenizer, problems, model_config.get("max_position_embeddings", 0))
+        return config.producer.model_len(config, tokenizer, problems, model_config.get("max_position_embeddings", 0))
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
 
@@ -367,7 +365,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     greedy = heldout_accuracy(group, splits.heldout, 1)
     record(step, {"heldout_greedy_accuracy": greedy})
     ablation = None
-    if config.algorithm.multiconv is not None:  # how much the answers owe to the memory the episodes wrote
+    if config.producer.kind == "multiconv":  # how much the answers owe to the memory the episodes wrote
         n = config.run.eval_samples
         ablation = {mode: heldout_accuracy(group, splits.heldout, n, mode) for mode in ("blank", "gold")}
         record(step, {"heldout_accuracy_blank_memory": ablation["blank"], "heldout_accuracy_gold_memory": ablation["gold"]})

@@ -61,7 +61,7 @@ def test_calculator_answers_calls_and_scores_the_answer():
     assert env.step(format_tool_calls([ToolCall("multiply", {"a": "7", "b": 2})]))[0][0]["content"].startswith("error:")
     assert env.step("Answer: 10063") == (None, 1.0, True)
     assert env.step("Answer: 10000") == (None, 0.0, True)
-    with pytest.raises(ValueError, match=r"agent.tools names \['divide'\]"):
+    with pytest.raises(ValueError, match=r"producer.tools names \['divide'\]"):
         Calculator([{"type": "function", "function": {"name": "divide", "description": ""}}])
 
 
@@ -118,8 +118,8 @@ def agent_config(base, env_kwargs_env="tests.test_agent:ScriptedEnv", on_error="
         "run": {"export": "merged"},
         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 5},
         "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
-        "agent": {"env": env_kwargs_env, "tools": [MULTIPLY], "max_turns": 3, "max_observation_tokens": observation_tokens,
-                  "step_timeout_s": timeout},
+        "producer": {"kind": "agent", "env": env_kwargs_env, "tools": [MULTIPLY], "max_turns": 3,
+                     "max_observation_tokens": observation_tokens, "step_timeout_s": timeout},
         "reward": {"on_error": on_error},
         "parallel": {"workers_per_node": 1},
     })  # fmt: skip
@@ -157,7 +157,7 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"sleep": 60.0}, r"step took longer than agent.step_timeout_s = 0.5 s"),
+    ({"sleep": 60.0}, r"step took longer than producer.step_timeout_s = 0.5 s"),
     ({"fail": True}, r"step raised KeyError"),
     ({"bad": True}, r"malformed observation \[\{'role': 'robot', 'content': 42\}\]"),
 ])  # fmt: skip
@@ -213,12 +213,12 @@ def test_a_process_exits_after_an_environment_call_hung_past_its_timeout():
     thread at exit, and --no-ray or torchrun runs never exited)."""
     done = subprocess.run([sys.executable, "-c", HUNG_ENVIRONMENT], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "step took longer than agent.step_timeout_s = 0.3 s"
+    assert done.stdout.strip() == "step took longer than producer.step_timeout_s = 0.3 s"
 
 
 @pytest.mark.parametrize("role, closing", [("tool", "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"), ("user", "<｜Assistant｜>")])
 def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_tools, role, closing):
-    """An observation past agent.max_observation_tokens is cut in its content: the row keeps the template's closing
+    """An observation past producer.max_observation_tokens is cut in its content: the row keeps the template's closing
     tokens and the next assistant header, goes on as one row, and the trainer's logprobs equal the engine's."""
     problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"long_observation": role}})]
     worker = RLWorker(agent_config(tiny_tools, observation_tokens=24), problems)
@@ -242,13 +242,11 @@ def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_t
 def test_the_engines_context_holds_an_agents_longest_row(tiny_tools):
     """The engine's max_model_len counts the tool schemas, the earlier replies and observations: every row the
     agent builds (prompt + replies + observations) fits it, and a setting the checkpoint cannot hold is refused
-    naming agent.max_turns (before: the first prompt without tools + rollout.max_new_tokens, overflowed by turn 2)."""
-    from allsync.producers import engine_model_len
-
+    naming producer.max_turns (before: the first prompt without tools + rollout.max_new_tokens, overflowed by turn 2)."""
     config = agent_config(tiny_tools, observation_tokens=24)
     problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"long_observation": "tool"}})]
     tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
-    model_len = engine_model_len(config, tokenizer, problems, 4096)
+    model_len = config.producer.model_len(config, tokenizer, problems, 4096)
     first = len(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2*3?"}], tools=[MULTIPLY],
                                               add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
     assert model_len == first + 2 * (5 + 24) + 5  # 3 turns of 5 new tokens, 2 observations of at most 24
@@ -260,21 +258,23 @@ def test_the_engines_context_holds_an_agents_longest_row(tiny_tools):
     finally:
         worker.shutdown()
     with pytest.raises(ValueError, match=r"rollout.max_new_tokens = 5 plus the longest last-turn prompt \(the problem with "
-                                         r"agent.tools, then agent.max_turns - 1 = 2 replies"):  # fmt: skip
-        engine_model_len(config, tokenizer, problems, model_len - 1)
+                                         r"producer.tools, then producer.max_turns - 1 = 2 replies"):  # fmt: skip
+        config.producer.model_len(config, tokenizer, problems, model_len - 1)
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"agent": {"env": "allsync.envs.calculator:Nope"}}, r"agent.env: 'allsync.envs.calculator' has no class 'Nope'"),
-    ({"agent": {"tools": [{"name": "multiply"}]}}, r"agent.tools\[0\]: expected an OpenAI function schema"),
-    ({"agent": {"max_turns": 0}}, r"agent.max_turns \(0\)"),
-    ({"algorithm": {"multiconv": {}}, "rollout": {"memory_tokens": 4}}, r"algorithm.multiconv with task.name calculator|agent with algorithm.multiconv"),
-    ({"reward": {"name": "exact"}}, r"reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with agent"),
-    ({"reward": {"timeout_s": 3}}, r"reward.timeout_s / reward.length / algorithm.overlong with agent"),
-    ({"agent": None}, r"task.name calculator needs an agent section"),
+    ({"producer": {"env": "allsync.envs.calculator:Nope"}}, r"producer.env: 'allsync.envs.calculator' has no class 'Nope'"),
+    ({"producer": {"tools": [{"name": "multiply"}]}}, r"producer.tools\[0\]: expected an OpenAI function schema"),
+    ({"producer": {"max_turns": 0}}, r"producer.max_turns \(0\)"),
+    ({"producer": {"memory_tokens": 4}}, r"producer.memory_tokens is set but producer.kind is agent"),
+    ({"algorithm": {"advantage": "gae", "dynamic_sampling": False}}, r"producer.kind agent with algorithm.advantage gae"),
+    ({"reward": {"name": "exact"}}, r"reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind agent"),
+    ({"reward": {"timeout_s": 3}}, r"reward.timeout_s / reward.length / algorithm.overlong with producer.kind agent"),
+    ({"producer": None}, r"task.name calculator needs producer.kind agent"),
+    ({"agent": {}}, r"'agent' has moved: write producer: \{kind: agent, env, tools"),
 ])  # fmt: skip
 def test_agent_refusals_name_the_keys(change, message):
-    data = {"task": {"name": "calculator"}, "agent": {"env": "allsync.envs.calculator:Calculator", "tools": [MULTIPLY]}}
+    data = {"task": {"name": "calculator"}, "producer": {"kind": "agent", "env": "allsync.envs.calculator:Calculator", "tools": [MULTIPLY]}}
     for section, values in change.items():
         data[section] = None if values is None else {**data.get(section, {}), **values}
     data = {k: v for k, v in data.items() if v is not None}

@@ -29,7 +29,7 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"algorithm": {"advantage": "ppo2"}}, r"algorithm\.advantage: .*'ppo2'"),
         ({"algorithm": {"policy_loss": "gspo"}}, r"algorithm\.policy_loss: unknown policy_loss 'gspo'; valid names: clipped"),
         ({"rollout": {"group_size": 1}}, r"rollout\.group_size = 1 with algorithm\.advantage grpo"),
-        ({"algorithm": {"advantage": "egae"}}, r"egae needs rollout\.window"),
+        ({"algorithm": {"advantage": "egae"}}, r"algorithm\.advantage egae learns a critic"),
         ({"algorithm": {"clip_c": 0.5}}, r"algorithm\.clip_c = 0\.5"),
         ({"parallel": {"layout": "disaggregated", "workers_per_node": 3}}, r"disaggregated needs an even number"),
         ({"optim": {"minibatches": 3}}, r"optim\.minibatches = 3 must divide"),
@@ -91,7 +91,7 @@ def test_shipped_configs_validate():
         load_config(memory_path)
     memory = yaml.safe_load(memory_path.read_text())
     torch_engine = parse_config({**memory, "rollout": {**memory["rollout"], "engine": "torch"}})  # EP 16 + multiconv passes
-    assert torch_engine.algorithm.multiconv.credit == "all" and torch_engine.rollout.chunk_tokens == 5000
+    assert torch_engine.producer.credit == "all" and torch_engine.producer.chunk_tokens == 5000
     assert torch_engine.parallel.expert_parallel == 16 and torch_engine.lora.expert_kernel == "grouped_mm"
     for path in configs.glob("*.yaml"):
         if path not in (big_path, memory_path):
@@ -136,7 +136,8 @@ def test_length_reward_is_checked():
     with pytest.raises(ConfigError, match=r"reward.length.coef = 0: must be > 0"):
         parse_config({"reward": {"length": {"coef": 0}}})
     with pytest.raises(ConfigError, match=r"reward.length with algorithm.advantage egae"):
-        parse_config({"reward": {"length": {}}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}, "rollout": {"window": 4}})
+        parse_config({"reward": {"length": {}}, "algorithm": {"advantage": "egae", "dynamic_sampling": False},
+                      "producer": {"kind": "windows", "window": 4}})
 
 
 def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, monkeypatch):

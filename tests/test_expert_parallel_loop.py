@@ -27,7 +27,7 @@ def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = 
     data = run_config(base, Path("unused"), expert_parallel)
     data["optim"].update(optim or {})
     if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a value head, EGAE
-        data["rollout"]["window"] = 4
+        data["producer"] = {"kind": "windows", "window": 4}
         data["algorithm"] = {"advantage": "egae", "dynamic_sampling": False}
         data["optim"]["value_lr"] = 1e-2
     return parse_config(data)
@@ -136,8 +136,9 @@ def test_multiconv_at_ep2_logs_the_ep1_steps(warm_tiny):
     def data(ep: int) -> dict:
         d = run_config(warm_tiny, Path("unused"), ep)
         d["task"] = {"name": "dataset", "train_files": ["rows.jsonl"], "eval_files": ["rows.jsonl"]}  # the problems come below
-        d["rollout"].update(prompts_per_step=4, group_size=2, memory_tokens=4, chunk_tokens=5, max_new_tokens=4)
-        d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False, "multiconv": {}}
+        d["rollout"].update(prompts_per_step=4, group_size=2, max_new_tokens=4)
+        d["producer"] = {"kind": "multiconv", "memory_tokens": 4, "chunk_tokens": 5}
+        d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False}
         d["reward"] = {"name": "exact"}
         return d
 
@@ -163,7 +164,8 @@ def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
         d = run_config(base, Path("unused"), ep)
         d["rollout"].update(prompts_per_step=2, group_size=2, max_new_tokens=5)
         d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False}
-        d["agent"] = {"env": "tests.test_agent:ScriptedEnv", "tools": [MULTIPLY], "max_turns": 3, "max_observation_tokens": 64}
+        d["producer"] = {"kind": "agent", "env": "tests.test_agent:ScriptedEnv", "tools": [MULTIPLY], "max_turns": 3,
+                         "max_observation_tokens": 64}
         d["reward"] = {"on_error": "wrong"}
         return d
 

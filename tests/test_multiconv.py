@@ -66,8 +66,9 @@ def memory_config(base, **multiconv):
         "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
         "lora": {"rank": 4, "alpha": 8},
         "run": {"export": "merged"},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "memory_tokens": 5},
-        "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False, "multiconv": multiconv},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6},
+        "producer": {"kind": "multiconv", "memory_tokens": 5, **multiconv},
+        "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
         "task": {"name": "memory_recall"},
         "parallel": {"workers_per_node": 1},
     })  # fmt: skip
@@ -147,7 +148,7 @@ def test_a_context_is_cut_into_chunks_of_token_ids(tiny_bf16):
     prompt = conversation_ids(tokenizer, problem.prompt, chunks[1], [5, 6])
     memory_at = find_ids(prompt, [5, 6])
     assert memory_at > 0 and find_ids(prompt, chunks[1], memory_at + 2) > memory_at  # the chunk's ids follow the memory's
-    with pytest.raises(ValueError, match="needs metadata chunks, or a context with rollout.chunk_tokens"):
+    with pytest.raises(ValueError, match="needs metadata chunks, or a context with producer.chunk_tokens"):
         chunk_ids(tokenizer, Problem("q", "a"), 10)
 
 
@@ -160,24 +161,24 @@ def test_flatten_marks_answers_and_truncated_episodes():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"algorithm": {"advantage": "egae", "dynamic_sampling": False, "multiconv": {}}, "rollout": {"window": 4}},
-     r"algorithm.multiconv with algorithm.advantage egae"),
-    ({"algorithm": {"multiconv": {}}, "rollout": {"window": 4}}, r"rollout.window = 4 with algorithm.advantage grpo"),
-    ({"algorithm": {"multiconv": {"credit": "some"}}}, r"algorithm.multiconv.credit = 'some'"),
-    ({"algorithm": {"multiconv": {"weighting": "seq"}}}, r"algorithm.multiconv.weighting = 'seq'"),
-    ({"algorithm": {"multiconv": {}, "loss_agg": "seq-mean-token-mean"}}, r"algorithm.loss_agg = seq-mean-token-mean with algorithm.multiconv"),
-    ({"algorithm": {"multiconv": {}}, "rollout": {"memory_tokens": None}}, r"needs rollout.memory_tokens"),
-    ({"algorithm": {"multiconv": None}, "rollout": {"memory_tokens": None}}, r"task.name memory_recall needs algorithm.multiconv"),
-    ({"algorithm": {"multiconv": None}, "task": {"name": "arithmetic"}}, r"rollout.memory_tokens / rollout.chunk_tokens \(8 / None\) without algorithm.multiconv"),
-    ({"task": {"name": "arithmetic"}, "rollout": {"memory_tokens": 8}}, r"algorithm.multiconv with task.name arithmetic"),
-    ({"rollout": {"chunk_tokens": 16}}, r"rollout.chunk_tokens = 16 with task.name memory_recall"),
+    ({"algorithm": {"advantage": "egae", "dynamic_sampling": False}}, r"producer.kind multiconv with algorithm.advantage egae"),
+    ({"producer": {"window": 4}}, r"producer.window is set but producer.kind is multiconv, which does not use it"),
+    ({"producer": {"credit": "some"}}, r"producer.credit = 'some'"),
+    ({"producer": {"weighting": "seq"}}, r"producer.weighting = 'seq'"),
+    ({"algorithm": {"loss_agg": "seq-mean-token-mean"}}, r"algorithm.loss_agg = seq-mean-token-mean with producer.kind multiconv"),
+    ({"producer": {"memory_tokens": None}}, r"needs producer.memory_tokens"),
+    ({"producer": {"kind": "single_turn", "memory_tokens": None}}, r"task.name memory_recall needs producer.kind multiconv"),
+    ({"producer": {"kind": "single_turn"}, "task": {"name": "arithmetic"}}, r"producer.memory_tokens is set but producer.kind is single_turn"),
+    ({"task": {"name": "arithmetic"}}, r"producer.kind multiconv with task.name arithmetic"),
+    ({"producer": {"chunk_tokens": 16}}, r"producer.chunk_tokens = 16 with task.name memory_recall"),
+    ({"rollout": {"memory_tokens": 8}}, r"'rollout.memory_tokens' has moved: write producer: \{kind: multiconv, memory_tokens: N\}"),
+    ({"algorithm": {"multiconv": {}}}, r"'algorithm.multiconv' has moved"),
 ])  # fmt: skip
 def test_refusals_name_the_keys(change, message):
-    data = {"rollout": {"memory_tokens": 8, "prompts_per_step": 2}, "algorithm": {"multiconv": {}}, "task": {"name": "memory_recall"}}
+    data = {"rollout": {"prompts_per_step": 2}, "producer": {"kind": "multiconv", "memory_tokens": 8}, "task": {"name": "memory_recall"}}
     for section, values in change.items():
         data[section] = {**data.get(section, {}), **values}
-    data["algorithm"] = {k: v for k, v in data["algorithm"].items() if not (k == "multiconv" and v is None)}
-    data["rollout"] = {k: v for k, v in data["rollout"].items() if v is not None}
+    data["producer"] = {k: v for k, v in data["producer"].items() if v is not None}
     with pytest.raises(ConfigError, match=message):
         parse_config(data)
 
@@ -199,18 +200,17 @@ def test_a_message_list_prompt_is_rendered_through_the_chat_template(tiny_bf16):
 
 
 def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tiny_bf16):
-    """A memory write may use rollout.memory_tokens new tokens: with memory_tokens > max_new_tokens the context is
+    """A memory write may use producer.memory_tokens new tokens: with memory_tokens > max_new_tokens the context is
     the longest write's prompt + memory_tokens (before: + max_new_tokens, and vLLM cut the write silently)."""
     from allsync.config import parse_config
-    from allsync.producers import engine_model_len
     from allsync.producers.multiconv import longest_conversation_tokens
     from allsync.tasks import MemoryRecallSpec, memory_recall_splits
 
-    config = parse_config({"task": {"name": "memory_recall"}, "algorithm": {"multiconv": {}},
-                           "rollout": {"memory_tokens": 40, "max_new_tokens": 8}})  # fmt: skip
+    config = parse_config({"task": {"name": "memory_recall"}, "producer": {"kind": "multiconv", "memory_tokens": 40},
+                           "rollout": {"max_new_tokens": 8}})  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
     problems = memory_recall_splits(MemoryRecallSpec(2, 3), 20, 5).train
     longest = longest_conversation_tokens(tokenizer, problems, 40, None)
-    assert engine_model_len(config, tokenizer, problems, 4096) == longest + 40
-    with pytest.raises(ValueError, match=r"rollout.memory_tokens = 40 plus the longest memory write's prompt"):
-        engine_model_len(config, tokenizer, problems, longest + 39)
+    assert config.producer.model_len(config, tokenizer, problems, 4096) == longest + 40
+    with pytest.raises(ValueError, match=r"producer.memory_tokens = 40 plus the longest memory write's prompt"):
+        config.producer.model_len(config, tokenizer, problems, longest + 39)

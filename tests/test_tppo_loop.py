@@ -19,7 +19,8 @@ def tppo_config(base, lr=1e-3, **algorithm):
     return parse_config({
         "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
         "lora": {"rank": 8, "alpha": 16},
-        "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": MAX_NEW, "window": WINDOW},
+        "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": MAX_NEW},
+        "producer": {"kind": "windows", "window": WINDOW},
         "algorithm": {"advantage": "egae", "dynamic_sampling": False, **algorithm},
         "optim": {"lr": lr, "value_lr": 1e-2},
         "parallel": {"workers_per_node": 1},
@@ -148,11 +149,20 @@ def test_the_critics_gradient_has_its_own_clip_and_norm(warm_tiny, problems):
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"rollout": {"window": 4}, "algorithm": {"dynamic_sampling": False}}, r"rollout\.window = 4 with algorithm\.advantage grpo"),
-        ({"rollout": {"window": 4}, "algorithm": {"advantage": "egae"}}, r"algorithm\.dynamic_sampling with algorithm\.advantage egae"),
+        ({"producer": {"kind": "windows", "window": 4}, "algorithm": {"dynamic_sampling": False}},
+         r"producer\.kind windows with algorithm\.advantage grpo"),
+        ({"producer": {"kind": "windows", "window": 4}, "algorithm": {"advantage": "gae", "dynamic_sampling": False}},
+         r"producer\.window = 4 with algorithm\.advantage gae"),
+        ({"producer": {"kind": "windows"}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}},
+         r"algorithm\.advantage egae needs producer\.window"),
+        ({"producer": {"kind": "windows", "window": 40}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}},
+         r"producer\.window = 40: must be in 1\.\.rollout\.max_new_tokens"),
+        ({"algorithm": {"advantage": "gae", "dynamic_sampling": False}}, r"algorithm\.advantage gae learns a critic.*producer: \{kind: windows\}"),
+        ({"producer": {"kind": "windows", "window": 4}, "algorithm": {"advantage": "egae"}}, r"algorithm\.dynamic_sampling with algorithm\.advantage egae"),
         ({"algorithm": {"advantage": "gae", "dynamic_sampling": False, "lam": 1.5}}, r"algorithm\.lam = 1\.5"),
-        ({"algorithm": {"advantage": "gae", "dynamic_sampling": False}, "parallel": {"layout": "disaggregated"}},
+        ({"producer": {"kind": "windows"}, "algorithm": {"advantage": "gae", "dynamic_sampling": False}, "parallel": {"layout": "disaggregated"}},
          r"parallel\.layout disaggregated with algorithm\.advantage gae"),
+        ({"rollout": {"window": 4}}, r"'rollout\.window' has moved: write producer: \{kind: windows, window: N\}"),
     ],
 )
 def test_critic_configs_name_the_key(data, message):

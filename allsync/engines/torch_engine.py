@@ -44,6 +44,11 @@ class Sampling:
     max_new_tokens: int = 16
     greedy: bool = False
 
+    @classmethod
+    def for_training(cls, rollout) -> "Sampling":
+        """The training rollout's sampling: rollout.temperature, rollout.top_p, rollout.max_new_tokens."""
+        return cls(temperature=rollout.temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens)
+
 
 @dataclass
 class Rollout:

@@ -1,7 +1,7 @@
 """Agent environments: the protocol the multi-turn producer (allsync/producers/agent.py) drives.
 
     class MyEnv:
-        def __init__(self, tools: list[dict], **env_kwargs): ...      # tools: OpenAI function schemas (agent.tools)
+        def __init__(self, tools: list[dict], **env_kwargs): ...      # tools: OpenAI function schemas (producer.tools)
         def reset(self, row: dict) -> list[dict]: ...                 # the first messages (system / user)
         def step(self, assistant_text: str) -> tuple[list[dict] | None, float, bool]:
             ...                                                       # (observation messages, reward, done)
@@ -14,14 +14,14 @@ messages with role "tool", "user" or "system" and a str content, appended to the
 counts when done is True. An observation whose first message has `"new_context": True` replaces the
 conversation instead (a memory agent that starts over from its summary): the next prompt no longer
 extends the row, so it starts a new segment.
-The config names the class: `agent.env: "package.module:Class"`.
+The config names the class: `producer.env: "package.module:Class"` (producer.kind agent).
 """
 
 from __future__ import annotations
 
 
 class EnvError(RuntimeError):
-    """An environment raised, timed out, answered malformed observations, or ran past agent.max_turns."""
+    """An environment raised, timed out, answered malformed observations, or ran past producer.max_turns."""
 
 
 def load_env_class(spec: str):

@@ -32,7 +32,7 @@ class Calculator:
         names = [t["function"]["name"] for t in tools]
         unknown = [n for n in names if n not in FUNCTIONS]
         if unknown:
-            raise ValueError(f"agent.tools names {unknown}: the calculator implements {sorted(FUNCTIONS)}")
+            raise ValueError(f"producer.tools names {unknown}: the calculator implements {sorted(FUNCTIONS)}")
         self.available = set(names)
         self.answer = ""
 

@@ -1,4 +1,4 @@
-"""Multi-turn tool agents: an environment (allsync.envs) answers each reply until it says done.
+"""Multi-turn tool agents (producer.kind agent): an environment (allsync.envs) answers each reply until it says done.
 
 Per episode: messages = env.reset(row); the chat template renders them with the tools; the engine
 replies; env.step(reply) returns observation messages, a reward and done. One rule builds the rows:
@@ -8,11 +8,11 @@ extend it (the environment reset the context, as a memory agent does) starts a n
 engine's own reply ids are never re-encoded, so their logprobs stay valid. The reward at done trains
 every reply token of every segment (allsync/learner.py).
 
-Errors (an environment that raises, takes longer than agent.step_timeout_s or returns a malformed observation)
+Errors (an environment that raises, takes longer than producer.step_timeout_s or returns a malformed observation)
 are reported with the episode's row; with reward.on_error fail the step stops, with wrong the episode ends
 scored 0. Environment calls run on a daemon thread: a call past its timeout is abandoned there, and the process
-can still exit. An episode still going after agent.max_turns replies is an ordinary outcome: it ends scored 0
-(`max_turns_reached`). An observation longer than agent.max_observation_tokens is cut in its messages' content
+can still exit. An episode still going after producer.max_turns replies is an ordinary outcome: it ends scored 0
+(`max_turns_reached`). An observation longer than producer.max_observation_tokens is cut in its messages' content
 and rendered again, so the row keeps the template's closing tokens and the next assistant header.
 """
 
@@ -21,13 +21,15 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import agreed_rounds
+from allsync.producers.registry import ProducerContext, register_producer
 from allsync.engines.torch_engine import Sampling
-from allsync.tasks import Problem, chat_messages, reward_row
+from allsync.tasks import Problem, chat_messages, model_len_needed, reward_row
 
 
 def longest_last_turn_prompt(tokenizer, problems: list[Problem], tools: list[dict], max_turns: int, max_new_tokens: int,
@@ -115,11 +117,11 @@ class ToolAgent:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def call(self, conversation: Conversation, method: str, *args):
-        """env.<method>(*args) with agent.step_timeout_s; EnvError naming the row when it raises or times out."""
+        """env.<method>(*args) with producer.step_timeout_s; EnvError naming the row when it raises or times out."""
         try:
             return self.caller(getattr(conversation.env, method), args, self.step_timeout_s)
         except CallTimeout:
-            raise EnvError(f"{method} took longer than agent.step_timeout_s = {self.step_timeout_s} s") from None
+            raise EnvError(f"{method} took longer than producer.step_timeout_s = {self.step_timeout_s} s") from None
         except Exception as exc:  # noqa: BLE001 - whatever the user's environment raises is reported with its row
             raise EnvError(f"{method} raised {type(exc).__name__}: {exc}") from exc
 
@@ -192,7 +194,7 @@ class ToolAgent:
 
     def cut_observation(self, messages: list[dict], new: int, row_text: str, observed: int) -> tuple[list[dict], str, list[int]]:
         """(messages, rendering, the rendering's tokens past row_text) with the last `new` messages' contents cut,
-        earlier ones first, until those tokens fit agent.max_observation_tokens. The template's framing (the tool
+        earlier ones first, until those tokens fit producer.max_observation_tokens. The template's framing (the tool
         output markers, the next assistant header) is never cut: contents get the budget it leaves, down to
         nothing. Cut messages stay in the conversation, so the next prompt still extends the row."""
         contents = [self.encode(m["content"]) for m in messages[-new:]]
@@ -256,3 +258,62 @@ def agent_records(conversations: list[Conversation], problem_ids: list[int], n: 
         records.append(SampleRecord(problem_ids[i // n], c.row["prompt"], last, answer_of("arithmetic", last), c.reward,
                                     c.reward > 0, tokens, reason, c.info["tool_calls"]))  # fmt: skip
     return records
+
+
+@register_producer
+@dataclass
+class AgentSettings:
+    """producer.kind agent: multi-turn tool agents; an environment answers each reply until it says done."""
+
+    kind: str = field(default="agent", init=False)
+    logs_episode_info: ClassVar[bool] = True
+    env: str = ""  # "package.module:Class" with reset(row) and step(assistant_text) (allsync/envs/__init__.py)
+    tools: list[dict] = field(default_factory=list)  # OpenAI function schemas: {type: function, function: {name, description, parameters}}
+    max_turns: int = 4  # replies per episode; an episode not done by then is an ordinary wrong outcome
+    max_observation_tokens: int = 256  # an observation's tokens beyond this are cut (and counted)
+    step_timeout_s: float = 10.0  # an env.reset / env.step slower than this is an error (reward.on_error)
+
+    def check(self, fail) -> None:
+        from allsync.envs import load_env_class
+
+        try:
+            load_env_class(self.env)
+        except ValueError as exc:
+            fail(f"producer.env: {exc}")
+        for i, tool in enumerate(self.tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("description", ""), str) or not isinstance(function.get("parameters", {}), dict):
+                fail(f"producer.tools[{i}]: expected an OpenAI function schema {{type: function, function: {{name, description, "
+                     f"parameters}}}}, got {tool!r}")  # fmt: skip
+        if self.max_turns < 1 or self.max_observation_tokens < 1 or not self.step_timeout_s > 0:
+            fail(f"producer.max_turns ({self.max_turns}) and producer.max_observation_tokens ({self.max_observation_tokens}) "
+                 f"must be >= 1 and producer.step_timeout_s ({self.step_timeout_s}) > 0")  # fmt: skip
+
+    def check_with(self, config, fail) -> None:
+        a, rw = config.algorithm, config.reward
+        if not a.estimator.needs_groups:
+            fail(f"producer.kind agent with algorithm.advantage {a.advantage}: an episode's one reward trains its turns "
+                 "through a group-relative advantage; use grpo or drgrpo")  # fmt: skip
+        if rw.function is not None or rw.name != config.task.default_reward or rw.length is not None \
+                or a.overlong is not None or rw.timeout_s != type(rw)().timeout_s:
+            fail("reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind "
+                 "agent: the environment's step returns the episode's reward; leave them out (reward.on_error still "
+                 "applies, and producer.step_timeout_s bounds each environment call)")  # fmt: skip
+
+    def build(self, context: ProducerContext) -> ToolAgent:
+        from allsync.envs import load_env_class
+
+        c = context.config
+        return ToolAgent(context.engine, context.tokenizer, load_env_class(self.env), self.tools, Sampling.for_training(c.rollout),
+                         c.rollout.group_size, self.max_turns, self.max_observation_tokens, self.step_timeout_s,
+                         c.reward.on_error, context.lockstep)  # fmt: skip
+
+    def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
+        """Its last turn's prompt (the problem with producer.tools, then max_turns - 1 replies and observations) +
+        rollout.max_new_tokens."""
+        new_tokens = config.rollout.max_new_tokens
+        longest = longest_last_turn_prompt(tokenizer, problems, self.tools, self.max_turns, new_tokens, self.max_observation_tokens)
+        return model_len_needed(longest, new_tokens, max_position_embeddings, prompt_name=(
+            f"the longest last-turn prompt (the problem with producer.tools, then producer.max_turns - 1 = {self.max_turns - 1} "
+            f"replies of rollout.max_new_tokens and observations of producer.max_observation_tokens = {self.max_observation_tokens})"))  # fmt: skip

@@ -1,4 +1,5 @@
-"""Multi-conversation DAPO (MemAgent's Multi-Conv DAPO): a long input read chunk by chunk with a memory.
+"""Multi-conversation DAPO (MemAgent's Multi-Conv DAPO): a long input read chunk by chunk with a memory
+(producer.kind multiconv).
 
 For each episode of a problem (question q, chunks c_1..c_K: the texts of `problem.metadata["chunks"]`, or
 the token ids of `problem.metadata["context"]` cut every `chunk_tokens` tokens, as MemAgent reads a long
@@ -18,12 +19,16 @@ is a new segment of the episode; the reward of the final answer trains them all 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import numpy as np
 
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import agreed_rounds
+from allsync.producers.registry import ProducerContext, register_producer
 from allsync.engines.torch_engine import Sampling
-from allsync.tasks import Problem, chat_messages, format_response
+from allsync.tasks import Problem, chat_messages, format_response, model_len_needed
 
 MEMORY_OPEN, MEMORY_CLOSE = "<memory>", "</memory>"
 SLOT = "\u2063MEMORY\u2063"  # where the memory's token ids go in a rendered prompt (an invisible separator around it)
@@ -76,7 +81,7 @@ def chunk_ids(tokenizer, problem: Problem, chunk_tokens: int | None) -> list[lis
         ids = tokenizer(metadata["context"], add_special_tokens=False)["input_ids"]
         return [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)]
     raise ValueError(f"problem {problem.prompt!r}: multi-conversation needs metadata chunks, or a context with "
-                     "rollout.chunk_tokens")  # fmt: skip
+                     "producer.chunk_tokens")  # fmt: skip
 
 
 def longest_conversation_tokens(tokenizer, problems: list[Problem], memory_tokens: int, chunk_tokens: int | None) -> int:
@@ -218,3 +223,57 @@ class MultiConversation:
         if (problem.metadata or {}).get("gold_memory") is not None:
             info["memory_exact"] = int(memory == self.gold_memory(problem))
         return info
+
+
+@register_producer
+@dataclass
+class MultiConvSettings:
+    """producer.kind multiconv: the final answer's reward trains every memory segment (task memory_recall, or
+    dataset rows with a context cut every chunk_tokens)."""
+
+    kind: str = field(default="multiconv", init=False)
+    logs_episode_info: ClassVar[bool] = True
+    memory_tokens: int | None = None  # the most tokens of one memory write (required)
+    chunk_tokens: int | None = None  # dataset rows with a context: tokens per chunk read (memory_recall gives its chunks)
+    credit: str = "all"  # all: every segment's tokens train | final: only the answer segment's (the ablation)
+    weighting: str = "token"  # token: token mean over the batch | episode: token mean per episode, then mean over episodes
+
+    def check(self, fail) -> None:
+        from allsync.algorithms import CREDIT_RULES
+
+        if self.credit not in CREDIT_RULES:
+            fail(f"producer.credit = {self.credit!r}: use all (every segment trains) or final (only the answer)")
+        if self.weighting not in ("token", "episode"):
+            fail(f"producer.weighting = {self.weighting!r}: use token or episode")
+        if self.memory_tokens is None or self.memory_tokens < 1:
+            fail(f"producer.kind multiconv needs producer.memory_tokens >= 1 (the most tokens of one memory write), got {self.memory_tokens}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            fail(f"producer.chunk_tokens = {self.chunk_tokens}: must be >= 1")
+
+    def check_with(self, config, fail) -> None:
+        a, task = config.algorithm, config.task.name
+        if not a.estimator.needs_groups:
+            fail(f"producer.kind multiconv with algorithm.advantage {a.advantage}: the final reward trains every segment "
+                 "through one group-relative advantage per episode; use grpo or drgrpo")  # fmt: skip
+        if a.loss_agg != type(a)().loss_agg:
+            fail(f"algorithm.loss_agg = {a.loss_agg} with producer.kind multiconv: the aggregation is producer.weighting "
+                 "(token or episode)")  # fmt: skip
+        if task not in ("memory_recall", "dataset"):
+            fail(f"producer.kind multiconv with task.name {task}: the problems must come in chunks: use task memory_recall, "
+                 "or dataset rows with a context and producer.chunk_tokens")  # fmt: skip
+        if (task == "dataset") != (self.chunk_tokens is not None):
+            fail(f"producer.chunk_tokens = {self.chunk_tokens} with task.name {task}: dataset rows' contexts are cut every "
+                 "producer.chunk_tokens tokens (set it for dataset, leave it out for memory_recall, whose chunks are given)")  # fmt: skip
+
+    def build(self, context: ProducerContext) -> MultiConversation:
+        r = context.config.rollout
+        return MultiConversation(context.engine, context.tokenizer, context.score, Sampling.for_training(r), r.group_size,
+                                 self.memory_tokens, self.chunk_tokens, context.lockstep)  # fmt: skip
+
+    def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
+        """The longest memory write's prompt (question, a full memory, the longest chunk) + max(rollout.max_new_tokens,
+        producer.memory_tokens): a write may use memory_tokens."""
+        longest = longest_conversation_tokens(tokenizer, problems, self.memory_tokens, self.chunk_tokens)
+        new_tokens, name = max((config.rollout.max_new_tokens, "rollout.max_new_tokens"), (self.memory_tokens, "producer.memory_tokens"))
+        return model_len_needed(longest, new_tokens, max_position_embeddings, name,
+                                "the longest memory write's prompt (question, producer.memory_tokens of memory, the longest chunk)")  # fmt: skip

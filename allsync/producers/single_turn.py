@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 from allsync.episodes import Episode
 from allsync.engines.torch_engine import Sampling
-from allsync.tasks import Problem
+from allsync.producers.registry import ProducerContext, register_producer
+from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
 
 class SingleTurn:
@@ -27,3 +31,29 @@ class SingleTurn:
 
     def serve(self) -> None:
         self.engine.generate([], self.group_size, self.sampling)
+
+
+@register_producer
+@dataclass
+class SingleTurnSettings:
+    """producer.kind single_turn (the default): each problem's prompt answered rollout.group_size times."""
+
+    kind: str = field(default="single_turn", init=False)
+    logs_episode_info: ClassVar[bool] = False
+
+    def check(self, fail) -> None:
+        pass
+
+    def check_with(self, config, fail) -> None:
+        a = config.algorithm
+        if a.estimator.needs_critic:
+            fail(f"algorithm.advantage {a.advantage} learns a critic, which trains on windows of in-flight responses: "
+                 "use producer: {kind: windows} (producer.window: N for T-PPO, none for whole responses)")  # fmt: skip
+
+    def build(self, context: ProducerContext) -> SingleTurn:
+        r = context.config.rollout
+        return SingleTurn(context.engine, context.encode_prompt, context.score, Sampling.for_training(r), r.group_size)
+
+    def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
+        """Longest prompt + rollout.max_new_tokens."""
+        return model_len_needed(longest_prompt_tokens(tokenizer, problems), config.rollout.max_new_tokens, max_position_embeddings)

@@ -1,6 +1,6 @@
-"""T-PPO's in-flight pool: every response advances by one window of tokens per step.
+"""T-PPO's in-flight pool: every response advances by one window of tokens per step (producer.kind windows).
 
-Each step the pool's responses (prompt + response so far) get `rollout.window` more tokens from the
+Each step the pool's responses (prompt + response so far) get `producer.window` more tokens from the
 current adapter (without a window: the whole response, PPO). Responses that end (eos or
 rollout.max_new_tokens) are finished and leave the pool; new samples (group_size per problem) refill it
 to prompts_per_step / workers x group_size. The update trains exactly this window's tokens, so each
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 from allsync.algorithms import InFlight, WindowAdvance, advance_window
 from allsync.engines.torch_engine import Sampling
-from allsync.tasks import Problem
+from allsync.producers.registry import ProducerContext, register_producer
+from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
 # (problems, responses) -> (rewards, correct, reward errors)
 Rewards = Callable[[list[Problem], list[list[int]]], tuple[list[float], list[bool], int]]
@@ -130,3 +132,40 @@ class WindowPool:
     def load_json(self, data: dict) -> None:
         self.in_flight = [PartialResponse.from_json(r) for r in data["in_flight"]]
         self.waiting = [PartialResponse.from_json(r) for r in data["waiting"]]
+
+
+@register_producer
+@dataclass
+class WindowsSettings:
+    """producer.kind windows: PPO with a critic over in-flight responses; `window` tokens per step (T-PPO, with
+    algorithm.advantage egae), or None for whole responses (PPO, gae)."""
+
+    kind: str = field(default="windows", init=False)
+    logs_episode_info: ClassVar[bool] = False
+    window: int | None = None  # tokens generated per step for every in-flight response; None: to the end
+
+    def check(self, fail) -> None:
+        if self.window is not None and self.window < 1:
+            fail(f"producer.window = {self.window}: must be >= 1 (or left out for whole responses)")
+
+    def check_with(self, config, fail) -> None:
+        a, r = config.algorithm, config.rollout
+        if not a.estimator.needs_critic:
+            fail(f"producer.kind windows with algorithm.advantage {a.advantage}: in-flight responses are trained with a "
+                 "critic's values; use gae (whole responses) or egae (T-PPO windows)")  # fmt: skip
+        if self.window is not None and self.window > r.max_new_tokens:
+            fail(f"producer.window = {self.window}: must be in 1..rollout.max_new_tokens ({r.max_new_tokens})")
+        if a.estimator.bootstraps_cut and self.window is None:
+            fail(f"algorithm.advantage {a.advantage} needs producer.window (T-PPO's truncated generation windows)")
+        if self.window is not None and not a.estimator.bootstraps_cut:
+            fail(f"producer.window = {self.window} with algorithm.advantage {a.advantage}: responses cut at a window have "
+                 "no reward yet; T-PPO bootstraps them from the critic, so use algorithm.advantage egae")  # fmt: skip
+
+    def build(self, context: ProducerContext) -> WindowPool:
+        r = context.config.rollout
+        return WindowPool(context.engine, context.encode_prompt, context.take_problems, context.samples_per_step,
+                          r.group_size, self.window or r.max_new_tokens, r.max_new_tokens, r.temperature, r.top_p)  # fmt: skip
+
+    def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
+        """A window's prompt is the prompt plus the response so far: longest prompt + rollout.max_new_tokens."""
+        return model_len_needed(longest_prompt_tokens(tokenizer, problems), config.rollout.max_new_tokens, max_position_embeddings)

@@ -104,6 +104,8 @@ class ArithmeticTask:
 
     name: str = field(default="arithmetic", init=False)
     default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the sum, 0/1
+    needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
+    needs_producer_because: ClassVar[str] = ""
     min_digits: int = 1
     max_digits: int = 3
     ops: list[str] = field(default_factory=lambda: ["+"])

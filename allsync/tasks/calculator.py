@@ -62,6 +62,8 @@ class CalculatorTask:
 
     name: str = field(default="calculator", init=False)
     default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the product, 0/1
+    needs_producer: ClassVar[str | None] = "agent"  # producer.kind it must run with (None: any that fits)
+    needs_producer_because: ClassVar[str] = "a tool agent: producer.env allsync.envs.calculator:Calculator and its tools"
     a_digits: int = 3  # "What is a*b?" with an a_digits-digit a and a b_digits-digit b
     b_digits: int = 2
     teacher_tool_rate: float = 0.3  # how often the warm start's teacher calls the tool

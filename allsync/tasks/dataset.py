@@ -40,6 +40,8 @@ class DatasetTask:
 
     name: str = field(default="dataset", init=False)
     default_reward: ClassVar[str] = "math_dapo"  # reward.name when the config names none: DAPO's +1/-1 on the last "Answer:" line
+    needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
+    needs_producer_because: ClassVar[str] = ""
     train_files: list[str] = field(default_factory=list)  # parquet / JSONL / JSON (evals/datasets.py)
     eval_files: list[str] = field(default_factory=list)  # the held-out evaluation rows
     template: str | None = None  # "dapo_math" (DAPO's math prompt) or a text with {problem}

@@ -1,5 +1,5 @@
 """memory_recall: assignments read chunk by chunk in separate conversations, a memory carried between them, and
-a question about the first chunk at the end (multi-conversation DAPO: algorithm.multiconv)."""
+a question about the first chunk at the end (multi-conversation DAPO: producer.kind multiconv)."""
 
 from __future__ import annotations
 
@@ -75,10 +75,12 @@ def memory_recall_splits(spec: MemoryRecallSpec, train_size: int, heldout_size: 
 @register_task
 @dataclass
 class MemoryRecallTask:
-    """task.name memory_recall (with algorithm.multiconv)."""
+    """task.name memory_recall (with producer.kind multiconv)."""
 
     name: str = field(default="memory_recall", init=False)
     default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the asked value, 0/1
+    needs_producer: ClassVar[str | None] = "multiconv"  # producer.kind it must run with (None: any that fits)
+    needs_producer_because: ClassVar[str] = "its problems are read chunk by chunk with a memory"
     chunks: int = 2  # chunks read one per conversation
     per_chunk: int = 3  # assignments per chunk
     teacher_decoy_rate: float = 0.7  # how often the warm start's teacher keeps the decoy in memory

@@ -4,6 +4,8 @@ the settings class that holds the section's other keys.
 A task's settings class is a dataclass whose fields are its YAML keys (plus `name`, a field with init=False
 whose default is the task's name), registered with `@register_task`. It provides:
 
+    default_reward, needs_producer  (class attributes) reward.name when the config names none; the producer.kind
+                                    the task must run with, or None (and needs_producer_because: why)
     check(fail)                     refuse a bad value, naming the key (fail(message) raises)
     splits() -> (Splits, lines)     the training and held-out problems, and report lines for the log
     warm_start_task(agent)          what the warm start supervises (a WarmStartTask), or None when it cannot
@@ -35,6 +37,9 @@ class WarmStartTask(Protocol):
 
 class TaskSettings(Protocol):
     name: str
+    default_reward: str
+    needs_producer: str | None
+    needs_producer_because: str
 
     def check(self, fail) -> None: ...
 

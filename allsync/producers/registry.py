@@ -1,0 +1,72 @@
+"""The producer registry: a run's `producer:` section names how episodes are made (`producer.kind`), and the module
+of that producer registers the settings class that holds the section's other keys.
+
+A producer's settings class is a dataclass whose fields are its YAML keys (plus `kind`, a field with init=False
+whose default is the producer's name), registered with `@register_producer`. It provides:
+
+    check(fail)                          refuse a bad value of its own keys, naming the key
+    check_with(config, fail)             the rules that tie it to the rest of the config (estimator, task, ...)
+    build(context) -> producer           the producer a worker runs (context: ProducerContext)
+    model_len(config, tokenizer, problems, max_position_embeddings) -> int
+                                         the longest sequence it builds, which the rollout engine must hold
+    logs_episode_info: bool              (class attribute) its episodes' info (segments, turns, ...) is logged
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+PRODUCERS: dict[str, type] = {}
+DEFAULT_PRODUCER = "single_turn"
+
+
+@dataclass
+class ProducerContext:
+    """What a worker hands a producer: its engine, its tokenizer and its view of the data and the reward."""
+
+    config: Any  # the run's RunConfig
+    engine: Any  # allsync.engines: generate / load_adapter
+    tokenizer: Any
+    encode_prompt: Callable  # problem -> prompt ids
+    take_problems: Callable  # count -> the next problems of this worker's share
+    score: Callable  # (problems, responses, group_index) -> (rewards, correct, reward errors)
+    samples_per_step: int  # this worker's samples per step (prompts_per_step / workers x group_size)
+    lockstep: Any = None  # the workers' Groups under expert parallelism (every rank makes the same engine calls)
+
+
+class ProducerSettings(Protocol):
+    kind: str
+    logs_episode_info: bool
+
+    def check(self, fail) -> None: ...
+
+    def check_with(self, config, fail) -> None: ...
+
+    def build(self, context: ProducerContext): ...
+
+    def model_len(self, config, tokenizer, problems: list, max_position_embeddings: int) -> int: ...
+
+
+def register_producer(cls: type) -> type:
+    """Class decorator: `cls.kind` becomes a value of producer.kind."""
+    if cls.kind in PRODUCERS:
+        raise ValueError(f"producer {cls.kind!r} is registered twice ({PRODUCERS[cls.kind].__module__} and {cls.__module__})")
+    PRODUCERS[cls.kind] = cls
+    return cls
+
+
+def producer_classes() -> dict[str, type]:
+    """The registry after every module of allsync/producers/ was imported (each registers its settings class;
+    imported on first use, so reading a config does not load the engines)."""
+    package = importlib.import_module("allsync.producers")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"allsync.producers.{module.name}")
+    return PRODUCERS
+
+
+def default_producer():
+    return producer_classes()[DEFAULT_PRODUCER]()
