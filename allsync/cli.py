@@ -202,7 +202,7 @@ def _add_health(sub: argparse._SubParsersAction) -> None:
 def _run_health(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from allsync.health import DETECTORS, health_report, plot_health
+    from allsync.health.detector import DETECTORS, health_report, plot_health
 
     report, alarms = health_report(args.run_dir, DETECTORS[args.replay]() if args.replay else None)
     png = plot_health(args.run_dir, alarms, args.png or Path(args.run_dir) / "health.png")

@@ -371,7 +371,7 @@ class RunSection:
 
 @dataclass
 class HealthSection:
-    """Finding the faulty worker (allsync/health.py) and fault drills (allsync/faults.py)."""
+    """Finding the faulty worker (allsync/health/detector.py) and fault drills (allsync/health/faults.py)."""
 
     detector: str = "similarity"  # similarity (Minder-style: workers compared with each other) | threshold (the baseline) | off
     window: int = 2  # steps averaged per comparison
@@ -575,7 +575,7 @@ def check_this_machine(c: RunConfig, fail) -> None:
 
 def check_across_sections(c: RunConfig, fail) -> None:
     """The rules that span sections."""
-    from allsync.faults import parse_faults
+    from allsync.health.faults import parse_faults
 
     check_expert_kernel(c.lora, c.model.compute_dtype, c.parallel.resolved_device(), fail)
     check_engine_and_export(c, fail)

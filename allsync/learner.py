@@ -145,7 +145,7 @@ class Learner:
     def __init__(self, model, config, groups, layout, device: torch.device, pad_id: int, timeline, rank: int,
                  before_gradient_reduce=None):  # fmt: skip
         """groups: allsync.distributed.Groups (world / ep / edp); layout: the ExpertLayout or None.
-        before_gradient_reduce(flat_grad): called before every gradient all-reduce (fault drills, allsync/faults.py)."""
+        before_gradient_reduce(flat_grad): called before every gradient all-reduce (fault drills, allsync/health/faults.py)."""
         self.before_gradient_reduce = before_gradient_reduce
         self.model, self.config, self.groups, self.layout = model, config, groups, layout
         self.device, self.pad_id, self.timeline, self.rank = device, pad_id, timeline, rank

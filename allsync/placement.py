@@ -93,7 +93,7 @@ class WorkerGroup:
 
     def __init__(self, config: RunConfig, problems: list[Problem], use_ray: bool = True, gpus_per_worker: float = 0,
                  max_model_len: int | None = None, attempt: int = 0):  # fmt: skip
-        """attempt: how many times the run has restarted its workers (allsync.faults: drills fire in attempt 0)."""
+        """attempt: how many times the run has restarted its workers (allsync.health.faults: drills fire in attempt 0)."""
         self.size = config.parallel.workers
         self.step_timeout = config.run.step_timeout
         self.use_ray = use_ray and self.size > 1

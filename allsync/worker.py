@@ -31,8 +31,8 @@ from allsync.config import ConfigError, RunConfig
 from allsync.distributed import Groups, connect, keep_freed_host_memory, worker_device
 from allsync.episodes import Episode, episode_info_sums, stale_versions
 from allsync.evaluation import RewardError, heldout_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
-from allsync.faults import FaultInjector, parse_faults
-from allsync.monitor import WorkerMonitor
+from allsync.health.faults import FaultInjector, parse_faults
+from allsync.health.monitor import WorkerMonitor
 from allsync.producers.groups import collect_groups
 from allsync.producers.registry import ProducerContext
 from allsync.producers.windows import WindowPool
@@ -92,7 +92,7 @@ class RLWorker:
         launcher: SPMD, started by torchrun / accelerate launch: the groups come from the environment.
         max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see
         allsync.tasks.model_len_needed); None computes it from `problems`. attempt: 0 for a run's first start, n
-        after its n-th restart (fault drills, allsync/faults.py, fire only in the first)."""
+        after its n-th restart (fault drills, allsync/health/faults.py, fire only in the first)."""
         self.config, self.rank, self.world_size, self.launcher = config, rank, world_size, launcher
         if threads:
             torch.set_num_threads(threads)

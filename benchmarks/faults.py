@@ -5,9 +5,9 @@
 
 One run of the default tiny job (recipes/configs/tiny_cpu.yaml) with 4 Ray workers, cut into episodes of
 `episode-steps` RL steps after a warm-up. Half the episodes (seeded, shuffled) inject one fault into one random
-worker from the episode's second step (health.faults, allsync/faults.py), cycling through the kinds below; the
+worker from the episode's second step (health.faults, allsync/health/faults.py), cycling through the kinds below; the
 others run clean. The run logs every worker's report (workers.jsonl); both detectors then replay it
-(allsync/health.py: the Minder-style similarity detector the run used online, and the per-metric threshold
+(allsync/health/detector.py: the Minder-style similarity detector the run used online, and the per-metric threshold
 baseline). Scoring, per episode:
 - injected: a true positive when an alarm names the faulty worker from the fault's first step to the episode's
   end; latency = alarm step - first faulty step + 1 (steps) and the wall time from that step's start to the
@@ -37,7 +37,7 @@ RECIPE = ROOT / "recipes" / "dapo.py"
 DEFAULT = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
 WORKERS = 4
 WARMUP_STEPS = 6
-# kind -> the fault's settings (allsync.faults.Fault): severities a real fleet sees (a device at half speed, a
+# kind -> the fault's settings (allsync.health.faults.Fault): severities a real fleet sees (a device at half speed, a
 # 10 s stall, a gradient group 1 s late, 128 MiB leaked per step, NaN gradients)
 KINDS = {
     "slow": {"factor": 2.0, "steps": 3},
@@ -119,7 +119,7 @@ def fault_patterns(records: dict[int, list[dict]], episodes: list[Episode]) -> l
     signal relative to the median of the others (ratio for log signals, difference otherwise; NaN kept)."""
     import numpy as np
 
-    from allsync.health import PRIORITY
+    from allsync.health.detector import PRIORITY
 
     patterns = []
     for e in episodes:
@@ -144,7 +144,7 @@ def scale_trace(records: dict[int, list[dict]], episodes: list[Episode], workers
     episodes get a random live fault pattern on a random worker."""
     import numpy as np
 
-    from allsync.health import PRIORITY
+    from allsync.health.detector import PRIORITY
 
     rng = np.random.default_rng(seed)
     keys = [sig.key for sig in PRIORITY]
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10**6, help="run.checkpoint_every (default: at the end)")
     args = parser.parse_args(argv)
 
-    from allsync.health import SimilarityDetector, ThresholdDetector, read_worker_records, replay
+    from allsync.health.detector import SimilarityDetector, ThresholdDetector, read_worker_records, replay
 
     out = Path(args.out)
     episodes = plan(args.episodes, args.episode_steps, args.seed)

@@ -30,7 +30,7 @@ from allsync.config import ConfigError, RunConfig, config_with_model_checks, loa
 from allsync.metrics import MetricsLog, aggregate, plot_run
 from allsync.checkpoint import CheckpointStateError, earlier_run_files, latest_good_checkpoint, prune_checkpoints, unseen_probes, write_manifest
 from allsync.distributed import spmd_environment
-from allsync.health import HealthMonitor, append_health, make_detector
+from allsync.health.detector import HealthMonitor, append_health, make_detector
 from allsync.placement import EXIT_RESTART, SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
 from evals.report import write_evaluation
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
@@ -326,7 +326,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     for step in bar:
         reports = group.step(step)
         metrics = aggregate(reports)
-        for alarm in monitor.observe(step, reports) if monitor is not None else []:  # allsync/health.py
+        for alarm in monitor.observe(step, reports) if monitor is not None else []:  # allsync/health/detector.py
             tqdm.write(f"health: {alarm.describe()}", file=sys.stderr)
             bar.set_description(f"RL steps (alarm: worker {alarm.rank} at step {step})")
         nan_run = nan_run + 1 if metrics["nan_steps"] else 0

@@ -1,4 +1,4 @@
-"""Fault drills (allsync/faults.py): the config names a bad entry by key, and each fault does what it says on its
+"""Fault drills (allsync/health/faults.py): the config names a bad entry by key, and each fault does what it says on its
 rank, during its steps only."""
 
 import time
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from allsync.config import ConfigError, parse_config
-from allsync.faults import Fault, FaultInjector, parse_faults
+from allsync.health.faults import Fault, FaultInjector, parse_faults
 
 
 @pytest.mark.parametrize("entry, message", [

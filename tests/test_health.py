@@ -1,4 +1,4 @@
-"""The health detector (allsync/health.py) on synthetic worker reports: it names the worker that stands out from
+"""The health detector (allsync/health/detector.py) on synthetic worker reports: it names the worker that stands out from
 the others, ignores a slowdown every worker shares (where the threshold baseline alarms), alarms at once on a
 non-finite gradient, waits `continuity` steps for an ordinary deviation, prefers the higher-priority metric; its
 monitor writes workers.jsonl / health.jsonl and replays them on resume; `allsync health` reports and draws them."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from allsync.cli import main as cli
-from allsync.health import HealthMonitor, SimilarityDetector, ThresholdDetector, alarm_record, read_health_events, replay
+from allsync.health.detector import HealthMonitor, SimilarityDetector, ThresholdDetector, alarm_record, read_health_events, replay
 
 
 def reports(steps: int, workers: int = 4, seed: int = 0, common: float = 0.2, own: float = 0.1) -> list[list[dict]]:

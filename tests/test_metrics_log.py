@@ -5,7 +5,7 @@ import json
 import pytest
 
 from allsync.metrics import MetricsLog, read_records
-from allsync.monitor import Timeline
+from allsync.health.monitor import Timeline
 
 
 def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
@@ -46,7 +46,7 @@ def test_the_health_report_splits_phase_time_waits_and_reward_scoring():
 
     import torch
 
-    from allsync.monitor import WorkerMonitor
+    from allsync.health.monitor import WorkerMonitor
 
     m = WorkerMonitor(torch.device("cpu"))
     m.timeline.waited(0.5)  # blocked in a collective inside the generate phase, recorded at its end
@@ -69,7 +69,7 @@ def test_an_nvml_reading_the_driver_refuses_is_left_out():
     the sample leaves those keys out instead of failing the step, and the health detector skips them."""
     import pynvml
 
-    from allsync.monitor import gpu_sample
+    from allsync.health.monitor import gpu_sample
 
     with pytest.raises(pynvml.NVMLError):
         pynvml.nvmlDeviceGetPowerUsage(None)  # what the sample meets

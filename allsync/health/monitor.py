@@ -3,7 +3,7 @@ GPUs the device's utilization, power, memory and temperature (NVML through nvidi
 
 The worker adds these to its step report beside its phase times (`Timeline`), tokens/s, loss,
 local gradient norm and logprob gap; the controller writes them to workers.jsonl and TensorBoard and feeds
-them to the detector (allsync/health.py). One sample costs two system calls (and four NVML queries on a
+them to the detector (allsync/health/detector.py). One sample costs two system calls (and four NVML queries on a
 GPU); `probe_seconds` reports what it cost, so the overhead is measured, not assumed.
 """
 
@@ -103,7 +103,7 @@ class WorkerMonitor:
         self.last_rss: float | None = None
 
     def report(self, metrics: dict, engine_positions: int) -> dict:
-        """The step's signals (allsync/health.py): busy seconds per phase (reward scoring apart from generation)
+        """The step's signals (allsync/health/detector.py): busy seconds per phase (reward scoring apart from generation)
         and blocked in collectives; token positions generated (`engine_positions`) and trained
         (metrics["train_positions"]) per busy second, the engine's and the trainer's padded work, or under expert
         parallelism the routed rows this rank's experts received per busy second (routing makes loads unequal);
