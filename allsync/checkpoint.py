@@ -112,7 +112,7 @@ def read_state(directory: Path, name: str) -> tuple[dict[str, torch.Tensor], dic
         raise CheckpointStateError(
             f"{directory / (name + '.pt')}: a pickled checkpoint from an older allsync; it is not loaded, because "
             "unpickling runs code from the checkpoint directory. Start a new run (or export its adapter/ with allsync export)"
-        )  # fmt: skip
+        )
     paths = directory / f"{name}.safetensors", directory / f"{name}.json"
     for path in paths:
         if not path.exists():
@@ -133,7 +133,9 @@ def step_directories(checkpoints: Path) -> list[Path]:
     """checkpoints/step-NNNNNN directories, oldest first."""
     if not checkpoints.is_dir():
         return []
-    return sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
+    return sorted(
+        p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()
+    )
 
 
 def earlier_run_files(out_dir: Path) -> list[str]:
@@ -197,12 +199,18 @@ def read_manifest(directory: Path) -> dict[str, dict]:
     format or version, or lists a path outside the directory or an entry without an int size and a hash."""
     path = directory / MANIFEST
     if not path.is_file():
-        raise CheckpointStateError(f"{directory}: no {MANIFEST}: the checkpoint was cut short or written by an older allsync")
+        raise CheckpointStateError(
+            f"{directory}: no {MANIFEST}: the checkpoint was cut short or written by an older allsync"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointStateError(f"{path}: unreadable manifest ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != MANIFEST_VERSION:
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or manifest.get("version") != MANIFEST_VERSION
+    ):
         raise CheckpointStateError(f"{path}: unreadable manifest (not a {MANIFEST_FORMAT} version {MANIFEST_VERSION})")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(valid_entry(name, entry) for name, entry in files.items()):
@@ -213,8 +221,14 @@ def read_manifest(directory: Path) -> dict[str, dict]:
 def valid_entry(name: str, entry) -> bool:
     """A relative path that stays inside the directory, an int size and a sha256 hex string."""
     parts = name.split("/")
-    return (bool(name) and not name.startswith("/") and ".." not in parts and isinstance(entry, dict)
-            and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str))  # fmt: skip
+    return (
+        bool(name)
+        and not name.startswith("/")
+        and ".." not in parts
+        and isinstance(entry, dict)
+        and type(entry.get("bytes")) is int
+        and isinstance(entry.get("sha256"), str)
+    )
 
 
 def verify_checkpoint(directory: Path) -> None:
@@ -236,7 +250,9 @@ def verify_checkpoint(directory: Path) -> None:
             raise CheckpointStateError(f"{directory / name}: sha256 differs from the manifest: corrupted")
 
 
-def latest_good_checkpoint(checkpoints: Path, warn: Callable[[str], object] = print, among: set[str] | None = None) -> Path | None:
+def latest_good_checkpoint(
+    checkpoints: Path, warn: Callable[[str], object] = print, among: set[str] | None = None
+) -> Path | None:
     """The newest checkpoints/step-NNNNNN that passes `verify_checkpoint`, warning (through `warn`) about
     each newer one refused. None when there is no step directory; a `CheckpointStateError` listing every
     refusal when none passes. The `latest` pointer is not consulted: it cannot vouch for the files.
@@ -254,6 +270,8 @@ def latest_good_checkpoint(checkpoints: Path, warn: Callable[[str], object] = pr
             warn(f"warning: {exc}; falling back to the previous checkpoint")
         return directory
     if refused:
-        raise CheckpointStateError(f"{checkpoints}: no checkpoint to resume from, every one is refused:\n  "
-                                   + "\n  ".join(str(exc) for exc in refused))  # fmt: skip
+        raise CheckpointStateError(
+            f"{checkpoints}: no checkpoint to resume from, every one is refused:\n  "
+            + "\n  ".join(str(exc) for exc in refused)
+        )
     return None

@@ -1,12 +1,12 @@
 """The `allsync` command.
 
-    allsync make-tiny OUT [--layers N --experts E --dense-layers K --fp8 --seed S ...]
-    allsync load CKPT [--routed-experts nf4 --attention fp8 ...] [--prompt TEXT]
-    allsync export SRC --base CKPT --out DIR --format peft|merged [--dtype bf16|fp8]
-                   [--merge-into checkpoint|trained --routed-experts nf4 ...]
-    allsync eval SRC|none --base CKPT --data FILE --out DIR [--engine torch|vllm] [--n 32] [--temperature 1.0]
-                 [--top-p 0.7] [--max-new-tokens N] [--reward math_dapo] [--template dapo_math]
-    allsync health RUN_DIR [--replay similarity|threshold] [--png PATH]
+allsync make-tiny OUT [--layers N --experts E --dense-layers K --fp8 --seed S ...]
+allsync load CKPT [--routed-experts nf4 --attention fp8 ...] [--prompt TEXT]
+allsync export SRC --base CKPT --out DIR --format peft|merged [--dtype bf16|fp8]
+               [--merge-into checkpoint|trained --routed-experts nf4 ...]
+allsync eval SRC|none --base CKPT --data FILE --out DIR [--engine torch|vllm] [--n 32] [--temperature 1.0]
+             [--top-p 0.7] [--max-new-tokens N] [--reward math_dapo] [--template dapo_math]
+allsync health RUN_DIR [--replay similarity|threshold] [--png PATH]
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def _add_quant_flags(p: argparse.ArgumentParser) -> None:
 
     for group in QUANTIZABLE_GROUPS:
         p.add_argument(
-            "--" + group.replace("_", "-"), default=getattr(QuantPlan(), group), choices=FORMATS,
+            "--" + group.replace("_", "-"),
+            default=getattr(QuantPlan(), group),
+            choices=FORMATS,
             help=f"frozen format of {group} (default %(default)s)",
-        )  # fmt: skip
+        )
     p.add_argument("--double-quant", action="store_true", help="nf4: quantize the absmax statistics too")
 
 
@@ -61,7 +63,9 @@ def _quant_plan(args: argparse.Namespace):
 
 
 def _add_load(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("load", help="load a checkpoint frozen and quantized; print its byte report and a greedy completion")
+    p = sub.add_parser(
+        "load", help="load a checkpoint frozen and quantized; print its byte report and a greedy completion"
+    )
     p.add_argument("checkpoint")
     _add_quant_flags(p)
     p.add_argument("--prompt", default="what is 12+30?", help="user message for the greedy completion")
@@ -103,17 +107,20 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, choices=("peft", "merged"))
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="merged only: bf16 or FP8 128x128 blocks")
     p.add_argument(
-        "--merge-into", default="checkpoint", choices=("checkpoint", "trained"),
+        "--merge-into",
+        default="checkpoint",
+        choices=("checkpoint", "trained"),
         help="merged only: fold s*B*A into each adapted weight as the base checkpoint stores it (checkpoint, the "
         "default: the full-precision base plus the adapter), or into that weight quantized to the format it was "
         "trained in and dequantized (trained: exactly the weights the trained model used; give those formats "
         "with the flags below, as in the run's model.quant)",
-    )  # fmt: skip
+    )
     for group in QUANTIZABLE_GROUPS:
         p.add_argument(
-            "--" + group.replace("_", "-"), choices=FORMATS,
+            "--" + group.replace("_", "-"),
+            choices=FORMATS,
             help=f"--merge-into trained: the format the {group} weights were trained in (default {getattr(QuantPlan(), group)}, as in `allsync load`)",
-        )  # fmt: skip
+        )
     p.add_argument("--double-quant", action="store_true", help="--merge-into trained: nf4 was double-quantized")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(run=_run_export)
@@ -128,7 +135,9 @@ def trained_plan_of(args: argparse.Namespace):
     if args.format != "merged" or args.merge_into != "trained":
         given = [f"--{g.replace('_', '-')}" for g in named] + (["--double-quant"] if args.double_quant else [])
         if given:
-            raise ValueError(f"{', '.join(given)}: training formats apply only with --format merged --merge-into trained")
+            raise ValueError(
+                f"{', '.join(given)}: training formats apply only with --format merged --merge-into trained"
+            )
         return None
     return QuantPlan(**named, double_quant=args.double_quant)
 
@@ -144,7 +153,11 @@ def _run_export(args: argparse.Namespace) -> None:
         into = ""
     else:
         out = export_merged(adapter, args.base, args.out, dtype=args.dtype, trained_plan=plan, overwrite=args.overwrite)
-        into = " merged into the base's stored weights" if plan is None else f" merged into the weights as trained ({_plan_text(plan)})"
+        into = (
+            " merged into the base's stored weights"
+            if plan is None
+            else f" merged into the weights as trained ({_plan_text(plan)})"
+        )
     print(f"wrote {args.format} export of {len(adapter.modules())} adapted modules (rank {adapter.r}){into} to {out}")
 
 
@@ -159,25 +172,41 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     from allsync.evaluation import EvalArgs
 
     d = EvalArgs("", "", "", "")
-    p = sub.add_parser("eval", help="sample n responses per problem of a data file, score them, write samples, summary and plot")
+    p = sub.add_parser(
+        "eval", help="sample n responses per problem of a data file, score them, write samples, summary and plot"
+    )
     p.add_argument("src", help="a training checkpoint, a PEFT adapter directory, or none (the base alone)")
     p.add_argument("--base", required=True, help="the base checkpoint")
     p.add_argument("--data", required=True, help="parquet / JSONL / JSON rows (verl's layout or {prompt, answer})")
     p.add_argument("--out", required=True, help="writes samples.jsonl, summary.json and eval.png here")
-    p.add_argument("--engine", default=d.engine, choices=("torch", "vllm"),
-                   help="torch: our frozen base with the adapter attached; vllm: the adapter served by vLLM (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--engine",
+        default=d.engine,
+        choices=("torch", "vllm"),
+        help="torch: our frozen base with the adapter attached; vllm: the adapter served by vLLM (default %(default)s)",
+    )
     p.add_argument("--n", type=int, default=d.n, help="samples per problem (default %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=d.top_p, help="(default %(default)s, DAPO's AIME setting)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="(default %(default)s)")
-    p.add_argument("--reward", default=d.reward, help="math_dapo | math_verify | exact | arithmetic (default %(default)s)")
-    p.add_argument("--reward-timeout-s", type=float, default=d.reward_timeout_s, help="per sample (default %(default)s)")
-    p.add_argument("--on-error", default=d.on_error, choices=("fail", "wrong"), help="a reward that raises or times out")
+    p.add_argument(
+        "--reward", default=d.reward, help="math_dapo | math_verify | exact | arithmetic (default %(default)s)"
+    )
+    p.add_argument(
+        "--reward-timeout-s", type=float, default=d.reward_timeout_s, help="per sample (default %(default)s)"
+    )
+    p.add_argument(
+        "--on-error", default=d.on_error, choices=("fail", "wrong"), help="a reward that raises or times out"
+    )
     p.add_argument("--template", default=None, help="dapo_math, or a text with {problem}, for plain string prompts")
-    p.add_argument("--batch-problems", type=int, default=d.batch_problems, help="problems per generate call (default %(default)s)")
+    p.add_argument(
+        "--batch-problems", type=int, default=d.batch_problems, help="problems per generate call (default %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"))
-    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="torch engine (default %(default)s)")
+    p.add_argument(
+        "--device", default=d.device, choices=("auto", "cpu", "cuda"), help="torch engine (default %(default)s)"
+    )
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     _add_quant_flags(p)  # the torch engine's frozen formats: give the run's model.quant
     p.set_defaults(run=_run_eval)
@@ -191,10 +220,15 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 
 def _add_health(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("health", help="report a run's workers and alarms (workers.jsonl, health.jsonl) and draw their timeline")
+    p = sub.add_parser(
+        "health", help="report a run's workers and alarms (workers.jsonl, health.jsonl) and draw their timeline"
+    )
     p.add_argument("run_dir", help="a run's out_dir")
-    p.add_argument("--replay", choices=("similarity", "threshold"), help="replay this detector (default settings) instead of "
-                   "reading the alarms the run raised")  # fmt: skip
+    p.add_argument(
+        "--replay",
+        choices=("similarity", "threshold"),
+        help="replay this detector (default settings) instead of reading the alarms the run raised",
+    )
     p.add_argument("--png", help="where to draw the timeline (default RUN_DIR/health.png)")
     p.set_defaults(run=_run_health)
 
@@ -211,7 +245,9 @@ def _run_health(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_load(sub)

@@ -48,7 +48,9 @@ class QuantSection:
 @dataclass
 class ModelSection:
     base: str = "runs/tiny-base"  # checkpoint directory
-    warm_start: bool = False  # build `base` with allsync.warm_start (tiny model, supervised on the run's task) when it is missing
+    warm_start: bool = (
+        False  # build `base` with allsync.warm_start (tiny model, supervised on the run's task) when it is missing
+    )
     compute_dtype: str = "float32"  # bfloat16 on GPUs
     # keep every frozen weight dequantized in compute_dtype beside its stored format (dequantized once, not at
     # every forward and backward): the same numbers, faster, but 4 (float32) or 2 bytes per parameter more.
@@ -66,7 +68,17 @@ class ModelSection:
 class LoRASection:
     rank: int = 8
     alpha: float = 16.0
-    targets: list[str] = field(default_factory=lambda: ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts"])
+    targets: list[str] = field(
+        default_factory=lambda: [
+            "q_a_proj",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "o_proj",
+            "dense_mlp",
+            "shared_experts",
+            "routed_experts",
+        ]
+    )
     dropout: float = 0.0
     use_rslora: bool = False
     expert_kernel: str = "auto"  # routed experts: loop | grouped_mm | auto (grouped_mm on GPUs where the rank allows)
@@ -80,8 +92,10 @@ class LoRASection:
         if self.rank < 1:
             fail(f"lora.rank = {self.rank}: must be >= 1")
         if self.dropout != 0:
-            fail(f"lora.dropout = {self.dropout}: RL trains on-policy, so the trainer's forward must be the policy that "
-                 "sampled (ratio 1 before the first update); dropout would make every ratio noise. Use 0")  # fmt: skip
+            fail(
+                f"lora.dropout = {self.dropout}: RL trains on-policy, so the trainer's forward must be the policy that "
+                "sampled (ratio 1 before the first update); dropout would make every ratio noise. Use 0"
+            )
 
 
 @dataclass
@@ -108,9 +122,11 @@ class RolloutSection:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             fail(f"rollout.temperature = {self.temperature}: must be > 0 (greedy decoding has no policy to train)")
         if self.top_p != 1.0:
-            fail(f"rollout.top_p = {self.top_p}: training samples from the full softmax at the rollout temperature (top_p 1), "
-                 "because the trainer's logprobs are those of the full softmax and a nucleus sample is drawn from another "
-                 "policy; use run.eval_top_p for sampled evaluation")  # fmt: skip
+            fail(
+                f"rollout.top_p = {self.top_p}: training samples from the full softmax at the rollout temperature (top_p 1), "
+                "because the trainer's logprobs are those of the full softmax and a nucleus sample is drawn from another "
+                "policy; use run.eval_top_p for sampled evaluation"
+            )
         for key in ("prompts_per_step", "group_size", "max_new_tokens"):
             if getattr(self, key) < 1:
                 fail(f"rollout.{key} = {getattr(self, key)}: must be >= 1")
@@ -118,17 +134,23 @@ class RolloutSection:
             fail(f"rollout.engine = {self.engine!r}: use torch or vllm")
         if self.gpu_memory_utilization is not None:
             if self.engine != "vllm":
-                fail(f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization} with rollout.engine "
-                     f"{self.engine}: only the vllm engine reserves GPU memory")  # fmt: skip
+                fail(
+                    f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization} with rollout.engine "
+                    f"{self.engine}: only the vllm engine reserves GPU memory"
+                )
             if not 0 < self.gpu_memory_utilization <= 1:
                 fail(f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]")
         if self.merge_lora and self.engine != "torch":
-            fail(f"rollout.merge_lora with rollout.engine {self.engine}: only the torch engine generates with the "
-                 "trainer's own weights; vLLM applies the synced adapter itself")  # fmt: skip
+            fail(
+                f"rollout.merge_lora with rollout.engine {self.engine}: only the torch engine generates with the "
+                "trainer's own weights; vLLM applies the synced adapter itself"
+            )
         if self.decode_batch is not None:
             if self.engine != "torch":
-                fail(f"rollout.decode_batch = {self.decode_batch} with rollout.engine {self.engine}: only the torch engine "
-                     "decodes in fixed batches (vLLM schedules its own)")  # fmt: skip
+                fail(
+                    f"rollout.decode_batch = {self.decode_batch} with rollout.engine {self.engine}: only the torch engine "
+                    "decodes in fixed batches (vLLM schedules its own)"
+                )
             if self.decode_batch < 1:
                 fail(f"rollout.decode_batch = {self.decode_batch}: must be >= 1")
 
@@ -155,7 +177,9 @@ class AlgorithmSection:
     clip_c: float | None = None
     dynamic_sampling: bool = True
     max_sampling_rounds: int = 4
-    filter_metric: str = "acc"  # dynamic sampling keeps groups whose acc (correctness, DAPO/verl) | reward (shaped) varies
+    filter_metric: str = (
+        "acc"  # dynamic sampling keeps groups whose acc (correctness, DAPO/verl) | reward (shaped) varies
+    )
     on_sampling_cap: str = "partial"  # max_sampling_rounds reached: partial (train on the groups kept) | error
     # dynamic sampling fills: worker (each worker its own quota: a step waits for the unluckiest) | global (the
     # workers the whole batch together: as many rounds as they need together; a worker may train on more or fewer)
@@ -185,17 +209,27 @@ class AlgorithmSection:
         if self.max_sampling_rounds < 1:
             fail(f"algorithm.max_sampling_rounds = {self.max_sampling_rounds}: must be >= 1")
         if self.filter_metric not in ("acc", "reward"):
-            fail(f"algorithm.filter_metric = {self.filter_metric!r}: use acc (correctness, as DAPO) or reward (shaped reward)")
+            fail(
+                f"algorithm.filter_metric = {self.filter_metric!r}: use acc (correctness, as DAPO) or reward (shaped reward)"
+            )
         if self.sampling_fill not in ("worker", "global"):
-            fail(f"algorithm.sampling_fill = {self.sampling_fill!r}: use worker (each worker fills its own quota) or "
-                 "global (the workers fill the batch together)")  # fmt: skip
+            fail(
+                f"algorithm.sampling_fill = {self.sampling_fill!r}: use worker (each worker fills its own quota) or "
+                "global (the workers fill the batch together)"
+            )
         if self.sampling_fill == "global" and not self.dynamic_sampling:
             fail("algorithm.sampling_fill = 'global' without algorithm.dynamic_sampling: there is nothing to fill")
         if self.on_sampling_cap not in ("partial", "error"):
-            fail(f"algorithm.on_sampling_cap = {self.on_sampling_cap!r}: use partial (train on the groups kept) or error")
+            fail(
+                f"algorithm.on_sampling_cap = {self.on_sampling_cap!r}: use partial (train on the groups kept) or error"
+            )
         if self.kl_coef < 0:
             fail(f"algorithm.kl_coef = {self.kl_coef}: must be >= 0")
-        for name, kind in (("advantage", "advantage"), ("policy_loss", "policy_loss"), ("loss_agg", "loss_aggregation")):
+        for name, kind in (
+            ("advantage", "advantage"),
+            ("policy_loss", "policy_loss"),
+            ("loss_agg", "loss_aggregation"),
+        ):
             try:
                 get(kind, getattr(self, name))
             except ValueError as exc:
@@ -231,7 +265,9 @@ class OptimSection:
 
     def check(self, fail) -> None:
         if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < 1:
-            fail(f"optim.max_tokens_per_forward = {self.max_tokens_per_forward}: must be >= 1 (or null: all rows at once)")
+            fail(
+                f"optim.max_tokens_per_forward = {self.max_tokens_per_forward}: must be >= 1 (or null: all rows at once)"
+            )
         if self.lr < 0 or self.value_lr < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             fail("optim.lr, optim.value_lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
         if len(self.betas) != 2:
@@ -270,12 +306,18 @@ class ParallelSection:
         if self.layout not in ("colocated", "disaggregated"):
             fail(f"parallel.layout = {self.layout!r}: use colocated or disaggregated")
         if self.layout == "disaggregated" and (self.workers < 2 or self.workers % 2):
-            fail(f"parallel.layout disaggregated needs an even number >= 2 of workers (nodes x workers_per_node = {self.workers})")
+            fail(
+                f"parallel.layout disaggregated needs an even number >= 2 of workers (nodes x workers_per_node = {self.workers})"
+            )
         if self.tensor_parallel != 1:
-            fail(f"parallel.tensor_parallel = {self.tensor_parallel}: the loop has no tensor parallelism; use 1 (routed experts "
-                 "shard with parallel.expert_parallel)")  # fmt: skip
+            fail(
+                f"parallel.tensor_parallel = {self.tensor_parallel}: the loop has no tensor parallelism; use 1 (routed experts "
+                "shard with parallel.expert_parallel)"
+            )
         if self.expert_parallel < 1 or self.workers % self.expert_parallel:
-            fail(f"parallel.expert_parallel = {self.expert_parallel} must divide the {self.workers} workers (nodes x workers_per_node)")
+            fail(
+                f"parallel.expert_parallel = {self.expert_parallel} must divide the {self.workers} workers (nodes x workers_per_node)"
+            )
         if self.expert_parallel > 1 and self.layout != "colocated":
             fail(f"parallel.expert_parallel = {self.expert_parallel} with parallel.layout {self.layout}: use colocated")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -283,10 +325,14 @@ class ParallelSection:
         if self.backend not in ("auto", "gloo", "nccl"):
             fail(f"parallel.backend = {self.backend!r}: use auto, gloo or nccl")
         if self.backend == "gloo" and self.resolved_device() == "cuda" and self.expert_parallel > 1:
-            fail(f"parallel.backend = gloo with parallel.device cuda and expert_parallel {self.expert_parallel}: gloo has no "
-                 "all-to-all for GPU tensors; use nccl (or auto)")  # fmt: skip
+            fail(
+                f"parallel.backend = gloo with parallel.device cuda and expert_parallel {self.expert_parallel}: gloo has no "
+                "all-to-all for GPU tensors; use nccl (or auto)"
+            )
         if self.resolved_backend() == "nccl" and self.resolved_device() != "cuda":
-            fail(f"parallel.backend = nccl with parallel.device {self.device} (runs on cpu): NCCL needs GPUs; use gloo or auto")
+            fail(
+                f"parallel.backend = nccl with parallel.device {self.device} (runs on cpu): NCCL needs GPUs; use gloo or auto"
+            )
 
 
 @dataclass
@@ -298,12 +344,16 @@ class LengthRewardSection:
 class RewardSection:
     """How a response is scored (evals/rewards.py, in worker processes: evals/reward_pool.py)."""
 
-    name: str | None = None  # math_dapo (+1/-1) | math_verify | exact | arithmetic (0/1); None: the task's default_reward
+    name: str | None = (
+        None  # math_dapo (+1/-1) | math_verify | exact | arithmetic (0/1); None: the task's default_reward
+    )
     function: str | None = None  # "package.module:function": function(response, row) -> float | dict; replaces name
     timeout_s: float = 10.0  # per sample; a slower sample is an error
     on_error: str = "fail"  # a reward that raises or times out: fail (stop the run, naming the sample) | wrong
     processes: int = 1  # reward processes per worker
-    length: LengthRewardSection | None = None  # Kimi-1.5's length reward per group, added beside DAPO's overlong shaping
+    length: LengthRewardSection | None = (
+        None  # Kimi-1.5's length reward per group, added beside DAPO's overlong shaping
+    )
 
     def spec(self):
         from evals.reward_pool import RewardSpec
@@ -344,7 +394,9 @@ class RunSection:
     keep_checkpoints: int | None = None  # keep only the newest N checkpoints (None: keep all)
     seed: int = 0
     max_consecutive_nan: int = 3
-    max_restarts: int = 0  # a lost worker (dead, or past step_timeout) restarts the workers from the last good checkpoint, this often
+    max_restarts: int = (
+        0  # a lost worker (dead, or past step_timeout) restarts the workers from the last good checkpoint, this often
+    )
     step_timeout: float | None = None  # seconds a step may take before its workers count as lost (None: wait)
     export: str = "peft"  # the trained adapter at the end: peft (vLLM serves it) | merged (full bf16 checkpoint)
 
@@ -352,7 +404,9 @@ class RunSection:
         if not 0 < self.eval_top_p <= 1:
             fail(f"run.eval_top_p = {self.eval_top_p}: must be in (0, 1]")
         if self.eval_samples < 1:
-            fail(f"run.eval_samples = {self.eval_samples}: must be >= 1 (1 = greedy, k = avg@k at the rollout temperature)")
+            fail(
+                f"run.eval_samples = {self.eval_samples}: must be >= 1 (1 = greedy, k = avg@k at the rollout temperature)"
+            )
         if self.max_consecutive_nan < 1:
             fail(f"run.max_consecutive_nan = {self.max_consecutive_nan}: must be >= 1")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
@@ -373,16 +427,22 @@ class RunSection:
 class HealthSection:
     """Finding the faulty worker (allsync/health/detector.py) and fault drills (allsync/health/faults.py)."""
 
-    detector: str = "similarity"  # similarity (Minder-style: workers compared with each other) | threshold (the baseline) | off
+    detector: str = (
+        "similarity"  # similarity (Minder-style: workers compared with each other) | threshold (the baseline) | off
+    )
     window: int = 2  # steps averaged per comparison
     continuity: int = 2  # consecutive flagged steps before an alarm
-    min_distance: float = 2.0  # a worker's distance to the others, in units of the metric's cross-worker noise (its p90)
+    min_distance: float = (
+        2.0  # a worker's distance to the others, in units of the metric's cross-worker noise (its p90)
+    )
     min_z: float = 1.5  # its distance's z-score across workers
     faults: list[dict] = field(default_factory=list)  # drills: {kind, rank, step, steps, factor, seconds, mb}
 
     def check(self, fail) -> None:
         if self.detector not in ("similarity", "threshold", "off"):
-            fail(f"health.detector = {self.detector!r}: use similarity (workers compared with each other), threshold (the baseline) or off")
+            fail(
+                f"health.detector = {self.detector!r}: use similarity (workers compared with each other), threshold (the baseline) or off"
+            )
         for key in ("window", "continuity"):
             if getattr(self, key) < 1:
                 fail(f"health.{key} = {getattr(self, key)}: must be >= 1")
@@ -392,7 +452,9 @@ class HealthSection:
         if self.detector != "similarity":
             for key in ("window", "continuity", "min_distance", "min_z"):
                 if getattr(self, key) != getattr(HealthSection(), key):
-                    fail(f"health.{key} = {getattr(self, key)} with health.detector {self.detector}: only the similarity detector reads it")
+                    fail(
+                        f"health.{key} = {getattr(self, key)} with health.detector {self.detector}: only the similarity detector reads it"
+                    )
 
 
 @dataclass
@@ -407,7 +469,9 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     run: RunSection = field(default_factory=RunSection)
     health: HealthSection = field(default_factory=HealthSection)
-    producer: ProducerSettings = field(default_factory=default_producer)  # the settings class of producer.kind (allsync.producers)
+    producer: ProducerSettings = field(
+        default_factory=default_producer
+    )  # the settings class of producer.kind (allsync.producers)
 
     def __post_init__(self):
         if self.reward.name is None and self.reward.function is None:  # the task's own reward (allsync.tasks)
@@ -436,7 +500,11 @@ def _type_ok(value, annotation) -> bool:
 
 def _dataclass_of(annotation):
     """The dataclass inside `X` or `X | None`, else None."""
-    candidates = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    candidates = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
     return next((c for c in candidates if is_dataclass(c)), None)
 
 
@@ -461,7 +529,11 @@ def _build(cls, data: dict, where: str, source: str):
             raise ConfigError(f"{source}: '{dotted}' has moved: write {MOVED_KEYS[dotted]} (allsync/producers/)")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else f" (known: {', '.join(names)})"
+            hint = (
+                f" (did you mean {where + '.' if where else ''}{close[0]}?)"
+                if close
+                else f" (known: {', '.join(names)})"
+            )
             raise ConfigError(f"{source}: unknown key '{where + '.' if where else ''}{key}'{hint}")
     kwargs = {}
     for f in fields(cls):
@@ -501,7 +573,9 @@ def _build_named_section(section: str, data, source: str):
     own = {f.name for f in fields(classes[name])}
     for key in data:
         if key not in own and any(key in {f.name for f in fields(other)} for other in classes.values()):
-            raise ConfigError(f"{source}: {section}.{key} is set but {section}.{name_key} is {name}, which does not use it")
+            raise ConfigError(
+                f"{source}: {section}.{key} is set but {section}.{name_key} is {name}, which does not use it"
+            )
     return _build(classes[name], {k: v for k, v in data.items() if k != name_key}, section, source)
 
 
@@ -541,13 +615,19 @@ def check_expert_kernel(lora: LoRASection, compute_dtype: str, device: str, fail
     if kernel != "grouped_mm":
         return
     if not grouped_mm_available():
-        fail(f"lora.expert_kernel = grouped_mm: torch {torch.__version__} has no torch.nn.functional.grouped_mm (use loop or auto)")
+        fail(
+            f"lora.expert_kernel = grouped_mm: torch {torch.__version__} has no torch.nn.functional.grouped_mm (use loop or auto)"
+        )
     if not grouped_mm_supported(getattr(torch, compute_dtype), lora.rank):
-        fail(f"lora.expert_kernel = grouped_mm with lora.rank {lora.rank} in model.compute_dtype {compute_dtype}: grouped_mm "
-             "needs rank x element size to be a multiple of 16 bytes (rank % 8 == 0 in bfloat16, % 4 in float32)")  # fmt: skip
+        fail(
+            f"lora.expert_kernel = grouped_mm with lora.rank {lora.rank} in model.compute_dtype {compute_dtype}: grouped_mm "
+            "needs rank x element size to be a multiple of 16 bytes (rank % 8 == 0 in bfloat16, % 4 in float32)"
+        )
     if device == "cuda" and compute_dtype != "bfloat16":
-        fail(f"lora.expert_kernel = grouped_mm with model.compute_dtype {compute_dtype} on cuda: torch's CUDA grouped_mm "
-             "takes bfloat16 (use bfloat16, or the loop kernel)")  # fmt: skip
+        fail(
+            f"lora.expert_kernel = grouped_mm with model.compute_dtype {compute_dtype} on cuda: torch's CUDA grouped_mm "
+            "takes bfloat16 (use bfloat16, or the loop kernel)"
+        )
 
 
 def validate(c: RunConfig, source: str = "<config>") -> None:
@@ -557,7 +637,19 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     def fail(msg: str):
         raise ConfigError(f"{source}: {msg}")
 
-    for section in (c.model, c.lora, c.rollout, c.algorithm, c.optim, c.parallel, c.task, c.reward, c.run, c.health, c.producer):
+    for section in (
+        c.model,
+        c.lora,
+        c.rollout,
+        c.algorithm,
+        c.optim,
+        c.parallel,
+        c.task,
+        c.reward,
+        c.run,
+        c.health,
+        c.producer,
+    ):
         if section is not None:
             section.check(fail)
     check_across_sections(c, fail)
@@ -595,20 +687,28 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
     """What vLLM serves (the exported adapter, the rollout engine) and where the sharded experts can generate."""
     if c.run.export == "peft":  # the export at the end must not fail after the whole run
         if c.lora.rank not in VLLM_LORA_RANKS:
-            fail(f"lora.rank = {c.lora.rank} with run.export peft: vLLM serves only ranks {VLLM_LORA_RANKS} (or set run.export: merged)")
+            fail(
+                f"lora.rank = {c.lora.rank} with run.export peft: vLLM serves only ranks {VLLM_LORA_RANKS} (or set run.export: merged)"
+            )
         if "kv_b_proj" in c.lora.targets:
-            fail("lora.targets has kv_b_proj with run.export peft: vLLM ignores LoRA on kv_b_proj (or set run.export: merged)")
+            fail(
+                "lora.targets has kv_b_proj with run.export peft: vLLM ignores LoRA on kv_b_proj (or set run.export: merged)"
+            )
     if c.rollout.engine == "vllm":
         if c.lora.rank not in VLLM_LORA_RANKS:
             fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")
         if "kv_b_proj" in c.lora.targets:
             fail("lora.targets has kv_b_proj with rollout.engine vllm: vLLM never applies LoRA on kv_b_proj")
     if c.rollout.merge_lora and not c.model.compute_copy:
-        fail("rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "
-             "model.compute_copy: true (small models) or rollout.merge_lora: false")  # fmt: skip
+        fail(
+            "rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "
+            "model.compute_copy: true (small models) or rollout.merge_lora: false"
+        )
     if c.parallel.expert_parallel > 1 and c.rollout.engine != "torch":
-        fail(f"parallel.expert_parallel = {c.parallel.expert_parallel} with rollout.engine {c.rollout.engine}: the sharded "
-             "experts serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch")  # fmt: skip
+        fail(
+            f"parallel.expert_parallel = {c.parallel.expert_parallel} with rollout.engine {c.rollout.engine}: the sharded "
+            "experts serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch"
+        )
 
 
 def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
@@ -618,16 +718,22 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
     if a.estimator.needs_groups and r.group_size < 2:
         fail(f"rollout.group_size = {r.group_size} with algorithm.advantage {a.advantage}: a group needs >= 2 samples")
     if a.dynamic_sampling and not a.estimator.needs_groups:
-        fail(f"algorithm.dynamic_sampling with algorithm.advantage {a.advantage}: dynamic sampling filters "
-             "groups for group baselines (grpo / drgrpo); set it to false for the critic's advantages")  # fmt: skip
+        fail(
+            f"algorithm.dynamic_sampling with algorithm.advantage {a.advantage}: dynamic sampling filters "
+            "groups for group baselines (grpo / drgrpo); set it to false for the critic's advantages"
+        )
     if a.uses_critic and c.parallel.layout != "colocated":
-        fail(f"parallel.layout {c.parallel.layout} with algorithm.advantage {a.advantage}: the critic's "
-             "in-flight responses live on colocated workers; use parallel.layout colocated")  # fmt: skip
+        fail(
+            f"parallel.layout {c.parallel.layout} with algorithm.advantage {a.advantage}: the critic's "
+            "in-flight responses live on colocated workers; use parallel.layout colocated"
+        )
     if a.overlong is not None and a.overlong.max_len > r.max_new_tokens:
         fail(f"algorithm.overlong.max_len = {a.overlong.max_len} exceeds rollout.max_new_tokens = {r.max_new_tokens}")
     if c.reward.length is not None and not a.estimator.needs_groups:
-        fail(f"reward.length with algorithm.advantage {a.advantage}: the length reward compares the responses "
-             "of a group, and T-PPO's windows finish responses one by one, not in groups")  # fmt: skip
+        fail(
+            f"reward.length with algorithm.advantage {a.advantage}: the length reward compares the responses "
+            "of a group, and T-PPO's windows finish responses one by one, not in groups"
+        )
 
 
 def check_batch_split(c: RunConfig, fail) -> None:
@@ -635,22 +741,30 @@ def check_batch_split(c: RunConfig, fail) -> None:
     p = c.parallel
     data_parallel = p.workers // p.tensor_parallel  # experts are sharded over EP ranks, tokens still over every rank
     if c.rollout.prompts_per_step % data_parallel:
-        fail(f"rollout.prompts_per_step = {c.rollout.prompts_per_step} must divide evenly over the {data_parallel} data-parallel workers")
+        fail(
+            f"rollout.prompts_per_step = {c.rollout.prompts_per_step} must divide evenly over the {data_parallel} data-parallel workers"
+        )
     per_worker = c.rollout.prompts_per_step // data_parallel * c.rollout.group_size
     if per_worker % c.optim.minibatches:
-        fail(f"optim.minibatches = {c.optim.minibatches} must divide each worker's samples per step (rollout.prompts_per_step "
-             f"/ {data_parallel} workers x rollout.group_size = {per_worker})")  # fmt: skip
+        fail(
+            f"optim.minibatches = {c.optim.minibatches} must divide each worker's samples per step (rollout.prompts_per_step "
+            f"/ {data_parallel} workers x rollout.group_size = {per_worker})"
+        )
 
 
 def check_task_with_reward(c: RunConfig, fail) -> None:
     """reasoning-gym tasks score with their own reward; the warm start needs a generated task."""
     t, rw = c.task, c.reward
     if (rw.name == "reasoning_gym" and rw.function is None) != (t.name == "reasoning_gym" and rw.function is None):
-        fail(f"reward.name = {rw.name!r} with task.name = {t.name!r}: reasoning-gym tasks score with their generator's own "
-             f"score_answer (reward.name: reasoning_gym), which needs a reasoning-gym task's metadata")  # fmt: skip
+        fail(
+            f"reward.name = {rw.name!r} with task.name = {t.name!r}: reasoning-gym tasks score with their generator's own "
+            f"score_answer (reward.name: reasoning_gym), which needs a reasoning-gym task's metadata"
+        )
     if c.model.warm_start and t.name == "dataset":
-        fail("model.warm_start with task.name dataset: the warm start supervises `Answer: N` replies on a generated task "
-             "(arithmetic or reasoning_gym); give a model.base that exists and set model.warm_start: false")  # fmt: skip
+        fail(
+            "model.warm_start with task.name dataset: the warm start supervises `Answer: N` replies on a generated task "
+            "(arithmetic or reasoning_gym); give a model.base that exists and set model.warm_start: false"
+        )
 
 
 def config_with_model_checks(config: RunConfig, model_config: dict, source: str) -> None:
@@ -661,4 +775,3 @@ def config_with_model_checks(config: RunConfig, model_config: dict, source: str)
             f"{source}: parallel.expert_parallel = {config.parallel.expert_parallel} does not divide the "
             f"{experts} routed experts of {config.model.base}"
         )
-

@@ -106,7 +106,12 @@ class Groups:
 def connect(rank: int, world_size: int, address: str | None, backend: str, layout: ExpertLayout | None) -> Groups:
     """Build this rank's groups. address: `tcp://host:port` (Ray mode; rank 0 hosts the store), or None
     under a launcher (SPMD), which initializes torch.distributed's default group from the environment."""
-    groups = Groups(rank, world_size, layout, device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"))
+    groups = Groups(
+        rank,
+        world_size,
+        layout,
+        device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"),
+    )
     if world_size == 1:
         return groups
     if address is None:

@@ -34,11 +34,21 @@ class Episode:
     info: dict = field(default_factory=dict)  # per-episode counts the metrics sum (memory tokens, tool calls ...)
 
     @staticmethod
-    def single(prompt_ids: list[int], response_ids: list[int], engine_logprobs: list[float], finish_reason: str,
-               reward: float, correct: bool, adapter_version: int) -> "Episode":  # fmt: skip
+    def single(
+        prompt_ids: list[int],
+        response_ids: list[int],
+        engine_logprobs: list[float],
+        finish_reason: str,
+        reward: float,
+        correct: bool,
+        adapter_version: int,
+    ) -> "Episode":
         """Today's single-turn sample: one answer segment."""
-        return Episode([Segment(prompt_ids, response_ids, engine_logprobs, finish_reason, "answer", adapter_version)],
-                       reward, correct)  # fmt: skip
+        return Episode(
+            [Segment(prompt_ids, response_ids, engine_logprobs, finish_reason, "answer", adapter_version)],
+            reward,
+            correct,
+        )
 
     @property
     def final(self) -> Segment:

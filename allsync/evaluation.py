@@ -38,8 +38,9 @@ def reward_name(reward: RewardSection) -> str:
     return reward.name if reward.function is None else ""
 
 
-def score_texts(pool: RewardPool, reward: RewardSection, problems: list[Problem], texts: list[str],
-                where: str = "") -> tuple[list[float], list[bool], int]:  # fmt: skip
+def score_texts(
+    pool: RewardPool, reward: RewardSection, problems: list[Problem], texts: list[str], where: str = ""
+) -> tuple[list[float], list[bool], int]:
     """(scores, correct, errors) of responses `texts` to `problems` in the reward processes. A sample whose
     reward raised or timed out stops the run naming it (reward.on_error fail) or scores as wrong (wrong)."""
     results = pool.score([(t, reward_row(p)) for t, p in zip(texts, problems)])
@@ -49,47 +50,99 @@ def score_texts(pool: RewardPool, reward: RewardSection, problems: list[Problem]
         if r.error is not None:
             errors += 1
             if reward.on_error == "fail":
-                raise RewardError(f"reward {reward.function or reward.name} failed on sample {i}{where} (prompt "
-                                  f"{problems[i].prompt!r}, response {texts[i]!r}): {r.error} (reward.on_error: fail)")  # fmt: skip
+                raise RewardError(
+                    f"reward {reward.function or reward.name} failed on sample {i}{where} (prompt "
+                    f"{problems[i].prompt!r}, response {texts[i]!r}): {r.error} (reward.on_error: fail)"
+                )
         scores.append(wrong_score(name) if r.error is not None else r.score)
     return scores, [is_correct_score(name, s) for s in scores], errors
 
 
-def sample_records(engine, tokenizer, problems: list[Problem], problem_ids: list[int], n: int, sampling: Sampling,
-                   pool: RewardPool, reward: RewardSection, where: str = "") -> list[SampleRecord]:  # fmt: skip
+def sample_records(
+    engine,
+    tokenizer,
+    problems: list[Problem],
+    problem_ids: list[int],
+    n: int,
+    sampling: Sampling,
+    pool: RewardPool,
+    reward: RewardSection,
+    where: str = "",
+) -> list[SampleRecord]:
     """n responses per problem from `engine`, scored: one SampleRecord per response."""
     rollout = engine.generate([encode_prompt(tokenizer, p) for p in problems], n, sampling)
-    return answer_records(tokenizer, pool, reward, problems, problem_ids, n, list(zip(rollout.response_ids, rollout.finish_reasons)), where)
+    return answer_records(
+        tokenizer,
+        pool,
+        reward,
+        problems,
+        problem_ids,
+        n,
+        list(zip(rollout.response_ids, rollout.finish_reasons)),
+        where,
+    )
 
 
-def answer_records(tokenizer, pool: RewardPool, reward: RewardSection, problems: list[Problem], problem_ids: list[int],
-                   n: int, answers: list[tuple[list[int], str]], where: str = "") -> list[SampleRecord]:  # fmt: skip
+def answer_records(
+    tokenizer,
+    pool: RewardPool,
+    reward: RewardSection,
+    problems: list[Problem],
+    problem_ids: list[int],
+    n: int,
+    answers: list[tuple[list[int], str]],
+    where: str = "",
+) -> list[SampleRecord]:
     """n answers per problem, each (response ids, finish reason), scored: one SampleRecord per answer."""
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in answers]
     owners = [problems[i // n] for i in range(len(answers))]
     scores, correct, _ = score_texts(pool, reward, owners, texts, where)
     name = reward_name(reward)
     return [
-        SampleRecord(problem_ids[i // n], reward_row(owners[i])["prompt"], text, answer_of(name, text), score, ok,
-                     len(ids), reason)  # fmt: skip
+        SampleRecord(
+            problem_ids[i // n],
+            reward_row(owners[i])["prompt"],
+            text,
+            answer_of(name, text),
+            score,
+            ok,
+            len(ids),
+            reason,
+        )
         for i, (text, score, ok, (ids, reason)) in enumerate(zip(texts, scores, correct, answers))
     ]
 
 
-def heldout_records(engine, producer, tokenizer, pool: RewardPool, config: RunConfig, problems: list[Problem],
-                    problem_ids: list[int], samples: int, memory: str = "own", where: str = "") -> list[SampleRecord]:  # fmt: skip
+def heldout_records(
+    engine,
+    producer,
+    tokenizer,
+    pool: RewardPool,
+    config: RunConfig,
+    problems: list[Problem],
+    problem_ids: list[int],
+    samples: int,
+    memory: str = "own",
+    where: str = "",
+) -> list[SampleRecord]:
     """Held-out evaluation of `problems[i] for i in problem_ids` as the run's producer answers them: greedy
     (samples=1) or `samples` responses at the rollout temperature with run.eval_top_p, scored. Agents run their
     turns, multi-conversation episodes run whole and their last answer is scored (`memory` blank / gold: from an
     empty or the task's gold memory instead of the episode's own, the memory ablation)."""
     greedy = samples == 1
-    sampling = Sampling(temperature=1.0 if greedy else config.rollout.temperature, top_p=config.run.eval_top_p,
-                        max_new_tokens=config.rollout.max_new_tokens, greedy=greedy)  # fmt: skip
+    sampling = Sampling(
+        temperature=1.0 if greedy else config.rollout.temperature,
+        top_p=config.run.eval_top_p,
+        max_new_tokens=config.rollout.max_new_tokens,
+        greedy=greedy,
+    )
     mine = [problems[i] for i in problem_ids]
     if isinstance(producer, ToolAgent):
         return agent_records(producer.run(mine, samples, sampling), problem_ids, samples)
     if isinstance(producer, MultiConversation):
-        answers = [(seg[-1].response_ids, seg[-1].finish_reason) for seg in producer.run(mine, samples, sampling, memory)]
+        answers = [
+            (seg[-1].response_ids, seg[-1].finish_reason) for seg in producer.run(mine, samples, sampling, memory)
+        ]
         return answer_records(tokenizer, pool, config.reward, mine, problem_ids, samples, answers, where)
     return sample_records(engine, tokenizer, mine, problem_ids, samples, sampling, pool, config.reward, where)
 
@@ -115,7 +168,9 @@ class EvalArgs:
     compute_dtype: str = "float32"
     device: str = "auto"
     overwrite: bool = False
-    plan: object = None  # torch engine: the frozen formats (quant.loader.QuantPlan; None: its defaults, NF4 routed experts)
+    plan: object = (
+        None  # torch engine: the frozen formats (quant.loader.QuantPlan; None: its defaults, NF4 routed experts)
+    )
 
 
 def resolved_device(device: str) -> str:
@@ -132,12 +187,16 @@ def check_eval_args(args: EvalArgs) -> None:
     if args.n < 1 or args.batch_problems < 1 or args.max_new_tokens < 1:
         raise ValueError("--n, --batch-problems and --max-new-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ValueError(f"--temperature {args.temperature} must be >= 0 (0: greedy) and --top-p {args.top_p} in (0, 1]")
+        raise ValueError(
+            f"--temperature {args.temperature} must be >= 0 (0: greedy) and --top-p {args.top_p} in (0, 1]"
+        )
     if args.temperature == 0 and args.n > 1:
         raise ValueError(f"--temperature 0 is greedy: every one of --n {args.n} samples would be the same; use --n 1")
     if args.reward not in REWARDS or args.reward in NEEDS_METADATA:
         usable = [r for r in REWARDS if r not in NEEDS_METADATA]
-        raise ValueError(f"--reward {args.reward!r}: use one of {', '.join(usable)} (data files carry no reasoning-gym metadata)")
+        raise ValueError(
+            f"--reward {args.reward!r}: use one of {', '.join(usable)} (data files carry no reasoning-gym metadata)"
+        )
     if args.device not in ("auto", "cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"--device {args.device!r}: use auto, cpu or cuda (cuda needs a visible GPU)")
     if args.on_error not in ("fail", "wrong"):
@@ -168,12 +227,19 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
     if args.engine == "vllm":
         from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
 
-        targets = ["routed_experts"] if adapter is not None and any(".mlp.experts." in m for m in adapter.modules()) else []
+        targets = (
+            ["routed_experts"] if adapter is not None and any(".mlp.experts." in m for m in adapter.modules()) else []
+        )
         if (reason := unsupported_targets(targets)) is not None:
             raise ValueError(f"--engine vllm: {reason}")
-        model_len = model_len_needed(longest_prompt_tokens(tokenizer, problems), args.max_new_tokens,
-                                     read_config(args.base)["max_position_embeddings"])  # fmt: skip
-        r, alpha, rslora = (adapter.r, adapter.lora_alpha, adapter.use_rslora) if adapter is not None else (8, 8.0, False)
+        model_len = model_len_needed(
+            longest_prompt_tokens(tokenizer, problems),
+            args.max_new_tokens,
+            read_config(args.base)["max_position_embeddings"],
+        )
+        r, alpha, rslora = (
+            (adapter.r, adapter.lora_alpha, adapter.use_rslora) if adapter is not None else (8, 8.0, False)
+        )
         engine = VLLMEngine(args.base, r, alpha, rslora, dtype=args.compute_dtype, max_model_len=model_len)
         engine.load_adapter(adapter.tensors if adapter is not None else None, 1)
         return engine
@@ -181,7 +247,9 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
     from quant.loader import QuantPlan, load_frozen_model
 
     device = worker_device(resolved_device(args.device), launcher=False)
-    model = load_frozen_model(args.base, args.plan or QuantPlan(), compute_dtype=getattr(torch, args.compute_dtype), device=device)
+    model = load_frozen_model(
+        args.base, args.plan or QuantPlan(), compute_dtype=getattr(torch, args.compute_dtype), device=device
+    )
     if adapter is not None:
         attach_adapter(model, adapter)
     model.eval()
@@ -206,21 +274,35 @@ def evaluate_cli(args: EvalArgs) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     engine = make_eval_engine(args, adapter, tokenizer, problems)
     greedy = args.temperature == 0
-    sampling = Sampling(temperature=1.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
-                        max_new_tokens=args.max_new_tokens, greedy=greedy)  # fmt: skip
+    sampling = Sampling(
+        temperature=1.0 if greedy else args.temperature,
+        top_p=1.0 if greedy else args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        greedy=greedy,
+    )
     reward = RewardSection(name=args.reward, timeout_s=args.reward_timeout_s, on_error=args.on_error)
     torch.manual_seed(args.seed)
     records: list[SampleRecord] = []
-    with RewardPool(RewardSpec(args.reward, None, args.reward_timeout_s)) as pool, \
-            tqdm(total=len(problems), unit="problem", desc=f"eval n={args.n}") as bar:  # fmt: skip
+    with (
+        RewardPool(RewardSpec(args.reward, None, args.reward_timeout_s)) as pool,
+        tqdm(total=len(problems), unit="problem", desc=f"eval n={args.n}") as bar,
+    ):
         for start in range(0, len(problems), args.batch_problems):
             chunk = problems[start : start + args.batch_problems]
             ids = list(range(start, start + len(chunk)))
             records += sample_records(engine, tokenizer, chunk, ids, args.n, sampling, pool, reward)
             bar.update(len(chunk))
     summary = summarize_samples(records, args.n)
-    summary.update(src=args.src, base=os.path.abspath(args.base), data=os.path.abspath(args.data), engine=args.engine,
-                   temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, reward=args.reward)  # fmt: skip
+    summary.update(
+        src=args.src,
+        base=os.path.abspath(args.base),
+        data=os.path.abspath(args.data),
+        engine=args.engine,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        reward=args.reward,
+    )
     write_evaluation(args.out, records, summary)
     if hasattr(engine, "close"):
         engine.close()

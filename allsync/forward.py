@@ -39,7 +39,9 @@ class SequenceBatch:
 
     def trimmed(self, width: int) -> "SequenceBatch":
         """The first `width` columns (per-token [B, L-1] tensors keep width - 1)."""
-        return SequenceBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.response_mask[:, : width - 1])
+        return SequenceBatch(
+            self.input_ids[:, :width], self.attention_mask[:, :width], self.response_mask[:, : width - 1]
+        )
 
 
 @contextmanager
@@ -104,8 +106,9 @@ class ValueHead(nn.Module):
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits held at once by `token_logprobs` (64 MiB in float32)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """z = (h W^T) / T in float32 -> (z[target] - logsumexp(z), entropy = logsumexp(z) - sum softmax(z) z)."""
     z = torch.nn.functional.linear(hidden, weight).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
@@ -117,8 +120,14 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return logprobs, entropy
 
 
-def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk_elements: int = LOGIT_CHUNK_ELEMENTS):  # fmt: skip
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
+):
     """log softmax(h_t W^T / T)[target_t] for hidden [B, L, H], targets [B, L] -> ([B, L], entropy [B, L]).
 
     Computed over chunks of positions so that at most ~chunk_elements logits exist at once, never the
@@ -148,8 +157,13 @@ class ForwardOut:
     entropy: torch.Tensor | None = None  # entropy of softmax(logits_t / T), no gradient
 
 
-def forward_pass(model, batch: SequenceBatch, temperature: float = 1.0, value_head: ValueHead | None = None,
-                 with_entropy: bool = False) -> ForwardOut:  # fmt: skip
+def forward_pass(
+    model,
+    batch: SequenceBatch,
+    temperature: float = 1.0,
+    value_head: ValueHead | None = None,
+    with_entropy: bool = False,
+) -> ForwardOut:
     """One forward pass of the decoder, then chunked token logprobs (`token_logprobs`) from its last
     hidden state and the frozen lm_head: the [B, L, V] logits are never built."""
     out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
@@ -239,10 +253,20 @@ class LossStats:
     logprobs: torch.Tensor | None = None  # [B, L-1] the forward's token logprobs, detached
 
 
-def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settings: LossSettings,
-                   global_tokens, global_seqs, norm_length: int | None = None, ref_logprobs=None,
-                   value_head: ValueHead | None = None, value_targets: ValueTargets | None = None,
-                   episode_tokens: torch.Tensor | None = None):  # fmt: skip
+def minibatch_loss(
+    model,
+    batch: SequenceBatch,
+    old_logprobs,
+    advantages,
+    settings: LossSettings,
+    global_tokens,
+    global_seqs,
+    norm_length: int | None = None,
+    ref_logprobs=None,
+    value_head: ValueHead | None = None,
+    value_targets: ValueTargets | None = None,
+    episode_tokens: torch.Tensor | None = None,
+):
     """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss; episode_tokens:
     each row's episode's trained tokens, for episode-mean-token-mean), plus
     kl_coef * KL(policy || reference) aggregated the same way when reference logprobs are given
@@ -256,21 +280,40 @@ def minibatch_loss(model, batch: SequenceBatch, old_logprobs, advantages, settin
     mask = batch.response_mask
     old_logprobs = out.logprobs.detach() if old_logprobs is None else old_logprobs
     loss, stats = get("policy_loss", settings.policy_loss)(
-        out.logprobs, old_logprobs, advantages, mask, clip_low=settings.clip_low,
-        clip_high=settings.clip_high, clip_c=settings.clip_c, agg=settings.agg, global_tokens=global_tokens,
-        global_seqs=global_seqs, norm_length=norm_length, episode_tokens=episode_tokens,
-    )  # fmt: skip
+        out.logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        clip_c=settings.clip_c,
+        agg=settings.agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+        episode_tokens=episode_tokens,
+    )
     kl_ref = 0.0
     if ref_logprobs is not None:
         kl = kl_penalty(out.logprobs, ref_logprobs, settings.kl_estimator)
-        loss = loss + settings.kl_coef * aggregate_loss(kl, mask, settings.agg, global_tokens, global_seqs, norm_length, episode_tokens)
+        loss = loss + settings.kl_coef * aggregate_loss(
+            kl, mask, settings.agg, global_tokens, global_seqs, norm_length, episode_tokens
+        )
         kl_ref = float((kl.detach() * mask).sum())
     if value_head is not None:
         v = value_targets
         finished = v.mask.sum(-1) > 0
-        vloss, _ = value_loss(out.values, v.returns, v.mask, finished, agg="token-mean", global_tokens=max(float(v.global_tokens), 1.0))
+        vloss, _ = value_loss(
+            out.values, v.returns, v.mask, finished, agg="token-mean", global_tokens=max(float(v.global_tokens), 1.0)
+        )
         loss = loss + v.coef * vloss
     tokens = float(mask.sum())
-    sums = LossStats(float(stats.clipfrac_high) * tokens, float(stats.clipfrac_low) * tokens, float(stats.approx_kl) * tokens,
-                     float((out.entropy * mask).sum()), kl_ref, out.logprobs.detach())  # fmt: skip
+    sums = LossStats(
+        float(stats.clipfrac_high) * tokens,
+        float(stats.clipfrac_low) * tokens,
+        float(stats.approx_kl) * tokens,
+        float((out.entropy * mask).sum()),
+        kl_ref,
+        out.logprobs.detach(),
+    )
     return loss, sums

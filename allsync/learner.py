@@ -69,7 +69,9 @@ class TrainBatch:
     episode_of_row: torch.Tensor | None = None  # None: every row is its own episode
     episode_tokens: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None  # [B, L-1] the rollout engine's logprobs at the response tokens
-    engine_mask: torch.Tensor | None = None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
+    engine_mask: torch.Tensor | None = (
+        None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
+    )
     segment_kinds: list[str] | None = None  # per row: answer | memory | turn
 
     def __post_init__(self) -> None:
@@ -88,17 +90,27 @@ class TrainBatch:
     def minibatch_rows(self, minibatches: int) -> list[torch.Tensor]:
         """Exactly `minibatches` row sets holding balanced counts of whole episodes (some may be empty)."""
         bounds = torch.searchsorted(self.episode_of_row.cpu(), torch.arange(self.num_episodes + 1))
-        return [torch.arange(int(bounds[p[0]]), int(bounds[p[-1] + 1])) if len(p) else torch.zeros(0, dtype=torch.long)
-                for p in torch.arange(self.num_episodes).tensor_split(minibatches)]  # fmt: skip
+        return [
+            torch.arange(int(bounds[p[0]]), int(bounds[p[-1] + 1])) if len(p) else torch.zeros(0, dtype=torch.long)
+            for p in torch.arange(self.num_episodes).tensor_split(minibatches)
+        ]
 
     def minibatch(self, rows: torch.Tensor) -> "TrainBatch":
         """These rows, cut to their own longest row (sequences are right-padded to the whole batch's)."""
         sequences = self.sequences.select(rows)
         width = sequences.width
         cut = lambda t: None if t is None else t[rows][:, : width - 1]  # noqa: E731
-        return TrainBatch(sequences.trimmed(width), cut(self.old_logprobs), cut(self.advantages), cut(self.returns),
-                          cut(self.value_mask), cut(self.ref_logprobs), self.episode_of_row[rows], self.episode_tokens[rows],
-                          cut(self.engine_logprobs))  # fmt: skip
+        return TrainBatch(
+            sequences.trimmed(width),
+            cut(self.old_logprobs),
+            cut(self.advantages),
+            cut(self.returns),
+            cut(self.value_mask),
+            cut(self.ref_logprobs),
+            self.episode_of_row[rows],
+            self.episode_tokens[rows],
+            cut(self.engine_logprobs),
+        )
 
     def counts(self, rows: torch.Tensor) -> torch.Tensor:
         """[policy tokens, episodes with a policy token, critic tokens] of these rows."""
@@ -108,14 +120,18 @@ class TrainBatch:
         return torch.tensor([float(mask.sum()), float(with_tokens), float(critic)], dtype=torch.float64)
 
 
-def flat_gradients(params: list[torch.nn.Parameter], flag: bool = True, device: torch.device | None = None) -> torch.Tensor:
+def flat_gradients(
+    params: list[torch.nn.Parameter], flag: bool = True, device: torch.device | None = None
+) -> torch.Tensor:
     """One zeroed buffer holding every parameter's .grad as a view, plus (flag) one last slot for a flag (a
     rank's non-finite loss): a minibatch's gradients and the flag are all-reduced in one collective."""
     if not params:
         return torch.zeros(int(flag), device=device)
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
-        raise TypeError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; one flat gradient buffer needs one")
+        raise TypeError(
+            f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; one flat gradient buffer needs one"
+        )
     flat = torch.zeros(sum(p.numel() for p in params) + int(flag), dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
@@ -138,12 +154,24 @@ def loss_settings(config) -> LossSettings:
     """The policy loss's settings; producer.weighting picks the aggregation with producer.kind multiconv."""
     a, mc = config.algorithm, multiconv_settings(config)
     agg = WEIGHTING_AGGREGATION[mc.weighting] if mc is not None else a.loss_agg
-    return LossSettings(a.clip_low, a.clip_high, a.clip_c, agg, config.rollout.temperature, a.kl_coef, a.kl_estimator, a.policy_loss)
+    return LossSettings(
+        a.clip_low, a.clip_high, a.clip_c, agg, config.rollout.temperature, a.kl_coef, a.kl_estimator, a.policy_loss
+    )
 
 
 class Learner:
-    def __init__(self, model, config, groups, layout, device: torch.device, pad_id: int, timeline, rank: int,
-                 before_gradient_reduce=None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        config,
+        groups,
+        layout,
+        device: torch.device,
+        pad_id: int,
+        timeline,
+        rank: int,
+        before_gradient_reduce=None,
+    ):
         """groups: allsync.distributed.Groups (world / ep / edp); layout: the ExpertLayout or None.
         before_gradient_reduce(flat_grad): called before every gradient all-reduce (fault drills, allsync/health/faults.py)."""
         self.before_gradient_reduce = before_gradient_reduce
@@ -161,7 +189,9 @@ class Learner:
         for p in self.params:  # replicas start identical whatever their seeds (the value head)
             self.groups.broadcast(p.data)
         self.optimized = self.lora_params + self.value_params
-        self.optimizer = torch.optim.AdamW([{"params": self.lora_params}] + ([{"params": self.value_params}] if self.value_params else []))
+        self.optimizer = torch.optim.AdamW(
+            [{"params": self.lora_params}] + ([{"params": self.value_params}] if self.value_params else [])
+        )
         self.apply_optim_settings()
         self.loss_settings = loss_settings(config)
         self.consecutive_nan = 0
@@ -170,7 +200,9 @@ class Learner:
         """Per AdamW param group (the adapter's, then the value head's), the settings the config gives it."""
         o = self.config.optim
         common = {"betas": tuple(o.betas), "weight_decay": o.weight_decay}
-        return [{"base_lr": o.lr, "lr": o.lr, **common}, {"base_lr": o.value_lr, "lr": o.value_lr, **common}][: len(self.optimizer.param_groups)]
+        return [{"base_lr": o.lr, "lr": o.lr, **common}, {"base_lr": o.value_lr, "lr": o.value_lr, **common}][
+            : len(self.optimizer.param_groups)
+        ]
 
     def apply_optim_settings(self) -> list[str]:
         """Set each param group's optim.* settings from the config (after loading a checkpoint, whose saved groups
@@ -214,17 +246,34 @@ class Learner:
             batch.response_mask = batch.response_mask * scatter_response_values(masks, batch)
         engine_mask = batch.response_mask
         if (mc := multiconv_settings(self.config)) is not None:
-            batch.response_mask = credit_mask(batch.response_mask, torch.tensor(rows.is_answer, device=self.device), mc.credit)
+            batch.response_mask = credit_mask(
+                batch.response_mask, torch.tensor(rows.is_answer, device=self.device), mc.credit
+            )
         if a.overlong is not None and a.overlong.filter_truncated:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
         old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)[0]
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
-        return TrainBatch(batch, old_logprobs, advantages, ref_logprobs=self.reference_logprobs(batch), episode_of_row=episode_of_row,
-                          engine_logprobs=engine_logprobs, engine_mask=engine_mask, segment_kinds=[s.kind for s in rows.segments])  # fmt: skip
+        return TrainBatch(
+            batch,
+            old_logprobs,
+            advantages,
+            ref_logprobs=self.reference_logprobs(batch),
+            episode_of_row=episode_of_row,
+            engine_logprobs=engine_logprobs,
+            engine_mask=engine_mask,
+            segment_kinds=[s.kind for s in rows.segments],
+        )
 
-    def window_batch(self, prompts: list[list[int]], responses: list[list[int]], window_starts: list[int],
-                     finished: dict[int, str], reward_of: dict[int, float], engine_logprobs: list[list[float]]) -> TrainBatch:  # fmt: skip
+    def window_batch(
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        window_starts: list[int],
+        finished: dict[int, str],
+        reward_of: dict[int, float],
+        engine_logprobs: list[list[float]],
+    ) -> TrainBatch:
         """T-PPO: advantages by EGAE over each response so far (reward on the last token of finished ones; a
         cut response bootstraps V(s_l) = V(s_{l-1})), computed with the current critic and whitened over this
         window's tokens of every worker; the policy trains on this window's tokens (from window_starts), the
@@ -239,22 +288,27 @@ class Learner:
         for i, reward in reward_of.items():
             token_rewards[i, len(responses[i]) - 1] = reward
         is_finished = torch.tensor([i in finished for i in range(len(prompts))], device=self.device)
-        advantages, returns = egae(token_rewards, to_response_layout(old_values, index, valid), valid.float(), ~is_finished,
-                                   a.gamma, a.lam)  # fmt: skip
+        advantages, returns = egae(
+            token_rewards, to_response_layout(old_values, index, valid), valid.float(), ~is_finished, a.gamma, a.lam
+        )
         starts = torch.tensor(window_starts, device=self.device)
         in_window = valid & (torch.arange(valid.shape[1], device=self.device)[None, :] >= starts[:, None])
         policy_mask = to_sequence_layout(in_window.float(), index, valid, width)
         if a.overlong is not None and a.overlong.filter_truncated:
-            policy_mask = overlong_filter_mask([finished.get(i, "continuing") for i in range(len(prompts))], policy_mask)
+            policy_mask = overlong_filter_mask(
+                [finished.get(i, "continuing") for i in range(len(prompts))], policy_mask
+            )
         advantages = to_sequence_layout(advantages, index, valid, width)
         sums = self.all_reduce(whitening_sums(advantages, policy_mask))  # the whole batch's statistics
         return TrainBatch(
-            SequenceBatch(seqs.input_ids, seqs.attention_mask, policy_mask), old_logprobs,
+            SequenceBatch(seqs.input_ids, seqs.attention_mask, policy_mask),
+            old_logprobs,
             advantages=whiten_advantages(advantages, policy_mask, sums).float(),
             returns=to_sequence_layout(returns, index, valid, width),
             value_mask=seqs.response_mask * is_finished[:, None],
-            ref_logprobs=self.reference_logprobs(seqs), engine_logprobs=engine,
-        )  # fmt: skip
+            ref_logprobs=self.reference_logprobs(seqs),
+            engine_logprobs=engine,
+        )
 
     def idle_batch(self) -> TrainBatch:
         """One row whose tokens are all masked out: a rank with nothing to train runs it so that its MoE
@@ -278,7 +332,9 @@ class Learner:
             return count
         return 1 if self.config.optim.max_tokens_per_forward is None else self.groups.max_over_ranks(count)
 
-    def chunked_forward(self, batch: SequenceBatch, value_head: ValueHead | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def chunked_forward(
+        self, batch: SequenceBatch, value_head: ValueHead | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_logprobs over the batch's row groups (`forward_chunks`), put back together at its width."""
         if self.config.optim.max_tokens_per_forward is None:
             return forward_logprobs(self.model, batch, self.config.rollout.temperature, value_head)
@@ -287,7 +343,9 @@ class Learner:
         parts = []
         for rows in chunks:
             part = batch.select(rows)
-            parts.append(forward_logprobs(self.model, part.trimmed(part.width), self.config.rollout.temperature, value_head))
+            parts.append(
+                forward_logprobs(self.model, part.trimmed(part.width), self.config.rollout.temperature, value_head)
+            )
         for _ in range(forwards - len(chunks)):
             forward_logprobs(self.model, self.idle_batch().sequences, self.config.rollout.temperature, value_head)
         pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731 - right padding, as the batch's
@@ -334,12 +392,28 @@ class Learner:
         minibatches = c.optim.minibatches
         for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
             group["lr"] = warmup_lr(group["base_lr"], adapter_version, c.optim.warmup_steps)
-        out = {"loss_sum": 0.0, "clipfrac_high_sum": 0.0, "clipfrac_low_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
-               "kl_ref_sum": 0.0, "logprob_gap": 0.0, "trained_samples": tb.num_episodes if tb else 0, "trained_tokens": 0,
-               "nan_steps": 0, "optimizer_steps": 0, "empty_minibatches": 0, "grad_norm": 0.0}  # fmt: skip
-        local_sq = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's own gradient, before the all-reduce
+        out = {
+            "loss_sum": 0.0,
+            "clipfrac_high_sum": 0.0,
+            "clipfrac_low_sum": 0.0,
+            "kl_sum": 0.0,
+            "entropy_sum": 0.0,
+            "kl_ref_sum": 0.0,
+            "logprob_gap": 0.0,
+            "trained_samples": tb.num_episodes if tb else 0,
+            "trained_tokens": 0,
+            "nan_steps": 0,
+            "optimizer_steps": 0,
+            "empty_minibatches": 0,
+            "grad_norm": 0.0,
+        }
+        local_sq = torch.zeros(
+            (), dtype=torch.float64, device=self.device
+        )  # this rank's own gradient, before the all-reduce
         parts: list[torch.Tensor | None] = [None] * minibatches
-        local = torch.zeros(minibatches, 3, dtype=torch.float64)  # per minibatch: policy tokens, episodes, critic tokens (exact past 2^24)
+        local = torch.zeros(
+            minibatches, 3, dtype=torch.float64
+        )  # per minibatch: policy tokens, episodes, critic tokens (exact past 2^24)
         if tb is not None:
             out["train_positions"] = tb.sequences.input_ids.numel()  # padded token positions: the work (health signal)
             parts = tb.minibatch_rows(minibatches)
@@ -357,18 +431,29 @@ class Learner:
             with checkpointed_decoder_layers(self.model, c.optim.activation_checkpointing):
                 for i in range(self.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
                     if i < len(micro):
-                        own_logprobs.append(self._backward_minibatch(mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])), totals[m], out))
+                        own_logprobs.append(
+                            self._backward_minibatch(
+                                mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])), totals[m], out
+                            )
+                        )
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None)
             if tb is not None and tb.old_logprobs is None:  # one minibatch (reuses_update_forward): all of tb's rows
                 tb.old_logprobs = placed_rows(own_logprobs, micro, tb.engine_logprobs)
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
-            local_sq = sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in (self.flat_grad[:-1], self.flat_expert_grad))
-            self.all_reduce(self.flat_grad)  # sum of per-rank shares = the full-batch gradient; [-1] = non-finite losses
+            local_sq = sum(
+                torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                for g in (self.flat_grad[:-1], self.flat_expert_grad)
+            )
+            self.all_reduce(
+                self.flat_grad
+            )  # sum of per-rank shares = the full-batch gradient; [-1] = non-finite losses
             self.all_reduce(self.flat_expert_grad, "edp")  # expert blocks: summed over the ranks holding the same block
             norm, value_norm = self._total_grad_norm(), self._value_grad_norm()
-            if self.flat_grad[-1] > 0 or not torch.isfinite(norm + value_norm):  # identical on every rank: all skip together
+            if self.flat_grad[-1] > 0 or not torch.isfinite(
+                norm + value_norm
+            ):  # identical on every rank: all skip together
                 out["nan_steps"] += 1
                 continue
             torch.nn.utils.clip_grads_with_norm_(self.lora_params, c.optim.grad_clip, norm)  # each model its own clip
@@ -381,8 +466,10 @@ class Learner:
         if tb is not None:
             out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
-                print(f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
-                      f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels")  # fmt: skip
+                print(
+                    f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
+                    f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels"
+                )
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out
@@ -390,7 +477,9 @@ class Learner:
     def _value_grad_norm(self) -> torch.Tensor:
         """||g|| of the critic's value head (replicated: the same on every rank); 0 without a critic. The critic is
         its own model (T-PPO optimizes policy and value independently): its gradient is clipped and logged apart."""
-        return torch.nn.utils.get_total_norm([p.grad for p in self.value_params]) if self.value_params else torch.zeros(())
+        return (
+            torch.nn.utils.get_total_norm([p.grad for p in self.value_params]) if self.value_params else torch.zeros(())
+        )
 
     def _total_grad_norm(self) -> torch.Tensor:
         """||g|| over every LoRA tensor of the policy. The replicated part is the same on every rank; each
@@ -414,9 +503,20 @@ class Learner:
         targets = None
         if mb.returns is not None:
             targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)
-        loss, sums = minibatch_loss(self.model, mb.sequences, mb.old_logprobs, mb.advantages, self.loss_settings,
-                                    totals[0], totals[1], norm_length=c.rollout.max_new_tokens, ref_logprobs=mb.ref_logprobs,
-                                    value_head=self.value_head, value_targets=targets, episode_tokens=mb.episode_tokens)  # fmt: skip
+        loss, sums = minibatch_loss(
+            self.model,
+            mb.sequences,
+            mb.old_logprobs,
+            mb.advantages,
+            self.loss_settings,
+            totals[0],
+            totals[1],
+            norm_length=c.rollout.max_new_tokens,
+            ref_logprobs=mb.ref_logprobs,
+            value_head=self.value_head,
+            value_targets=targets,
+            episode_tokens=mb.episode_tokens,
+        )
         if not torch.isfinite(loss):
             self.flat_grad[-1] = 1.0
             if self.groups.expert_parallel:  # the EP peers wait for this rank's backward all-to-alls

@@ -16,20 +16,30 @@ def aggregate(per_worker: list[dict]) -> dict:
     samples = total("samples_generated")
     tokens = max(total("trained_tokens"), 1)
     wall = max(m["wall_seconds"] for m in per_worker)
-    per_sample = {  # means over the samples finished this step; absent when none finished (T-PPO windows)
-        "reward": total("reward_sum") / samples,
-        "accuracy": total("correct_sum") / samples,
-        "response_length": total("response_tokens") / samples,
-        "correct_per_1k_tokens": 1000 * total("correct_sum") / max(total("response_tokens"), 1),  # balanced reasoning
-        "truncated_fraction": total("truncated") / samples,
-    } if samples else {}  # fmt: skip
-    per_token = {  # absent when no token was trained this step
-        "clipfrac_high": total("clipfrac_high_sum") / tokens,
-        "clipfrac_low": total("clipfrac_low_sum") / tokens,
-        "approx_kl": total("kl_sum") / tokens,
-        "entropy": total("entropy_sum") / tokens,
-        "kl_ref": total("kl_ref_sum") / tokens,
-    } if total("trained_tokens") else {}  # fmt: skip
+    per_sample = (
+        {  # means over the samples finished this step; absent when none finished (T-PPO windows)
+            "reward": total("reward_sum") / samples,
+            "accuracy": total("correct_sum") / samples,
+            "response_length": total("response_tokens") / samples,
+            "correct_per_1k_tokens": 1000
+            * total("correct_sum")
+            / max(total("response_tokens"), 1),  # balanced reasoning
+            "truncated_fraction": total("truncated") / samples,
+        }
+        if samples
+        else {}
+    )
+    per_token = (
+        {  # absent when no token was trained this step
+            "clipfrac_high": total("clipfrac_high_sum") / tokens,
+            "clipfrac_low": total("clipfrac_low_sum") / tokens,
+            "approx_kl": total("kl_sum") / tokens,
+            "entropy": total("entropy_sum") / tokens,
+            "kl_ref": total("kl_ref_sum") / tokens,
+        }
+        if total("trained_tokens")
+        else {}
+    )
     return {
         **per_sample,
         **per_token,
@@ -44,7 +54,9 @@ def aggregate(per_worker: list[dict]) -> dict:
         "loss": total("loss_sum"),
         "logprob_gap": max(m["logprob_gap"] for m in per_worker),
         "grad_norm": per_worker[0]["grad_norm"],  # the policy's LoRA tensors
-        **({"value_grad_norm": per_worker[0]["value_grad_norm"]} if "value_grad_norm" in per_worker[0] else {}),  # T-PPO's critic
+        **(
+            {"value_grad_norm": per_worker[0]["value_grad_norm"]} if "value_grad_norm" in per_worker[0] else {}
+        ),  # T-PPO's critic
         "optimizer_steps": per_worker[0]["optimizer_steps"],
         "empty_minibatches": per_worker[0]["empty_minibatches"],  # no token on any worker: no optimizer step
         "nan_steps": per_worker[0]["nan_steps"],  # non-finite loss or gradient norm: step skipped on every worker
@@ -142,9 +154,14 @@ def plot_run(records: list[dict], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
-    panels = [("reward", "train reward"), ("heldout_accuracy", "held-out accuracy"), ("entropy", "policy entropy (nats/token)"),
-              ("response_length", "response length (tokens)"), ("samples_per_second", "samples generated / s"),
-              ("utilization", "utilization (busy outside collectives / wall)")]  # fmt: skip
+    panels = [
+        ("reward", "train reward"),
+        ("heldout_accuracy", "held-out accuracy"),
+        ("entropy", "policy entropy (nats/token)"),
+        ("response_length", "response length (tokens)"),
+        ("samples_per_second", "samples generated / s"),
+        ("utilization", "utilization (busy outside collectives / wall)"),
+    ]
     for ax, (key, title) in zip(axes.flat, panels):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:

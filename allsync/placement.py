@@ -49,7 +49,9 @@ class WorkerTimeout(WorkerFailure):
 
     def __init__(self, ranks: list[int], method: str, seconds: float):
         self.ranks = ranks
-        error = TimeoutError(f"no answer from worker(s) {', '.join(map(str, ranks))} within run.step_timeout = {seconds:g} s")
+        error = TimeoutError(
+            f"no answer from worker(s) {', '.join(map(str, ranks))} within run.step_timeout = {seconds:g} s"
+        )
         super().__init__(ranks[0], method, error)
 
 
@@ -72,7 +74,9 @@ def gather_or_stop(refs: list, ranks: list[int], method: str, workers: list, tim
     pending = {ref: rank for ref, rank in zip(refs, ranks)}
     deadline = time.time() + timeout if timeout is not None else None
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=None if deadline is None else max(deadline - time.time(), 0.0))
+        ready, _ = ray.wait(
+            list(pending), num_returns=1, timeout=None if deadline is None else max(deadline - time.time(), 0.0)
+        )
         if not ready:
             for w in workers:
                 ray.kill(w)
@@ -91,8 +95,15 @@ class WorkerGroup:
     """N workers behind one call interface: `call(method, *args)` runs it on every worker, returns all results.
     Under Ray, the first worker that fails stops them all (WorkerFailure names its rank and error)."""
 
-    def __init__(self, config: RunConfig, problems: list[Problem], use_ray: bool = True, gpus_per_worker: float = 0,
-                 max_model_len: int | None = None, attempt: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        problems: list[Problem],
+        use_ray: bool = True,
+        gpus_per_worker: float = 0,
+        max_model_len: int | None = None,
+        attempt: int = 0,
+    ):
         """attempt: how many times the run has restarted its workers (allsync.health.faults: drills fire in attempt 0)."""
         self.size = config.parallel.workers
         self.step_timeout = config.run.step_timeout
@@ -106,8 +117,19 @@ class WorkerGroup:
             return
         self.placement, start = start_placement(self.size, gpus_per_worker)
         address = rendezvous_address(self.placement)
-        self.workers = [start(i, config, problems, rank=i, world_size=self.size, dist_address=address, max_model_len=max_model_len,
-                              attempt=attempt) for i in range(self.size)]  # fmt: skip
+        self.workers = [
+            start(
+                i,
+                config,
+                problems,
+                rank=i,
+                world_size=self.size,
+                dist_address=address,
+                max_model_len=max_model_len,
+                attempt=attempt,
+            )
+            for i in range(self.size)
+        ]
 
     is_controller = True  # the Ray driver is the only controller process
 
@@ -167,8 +189,16 @@ class SPMDGroup:
         self.rank, self.size = state.process_index, state.num_processes
         self.is_controller = self.rank == 0
         self.step_timeout = config.run.step_timeout
-        self.worker = RLWorker(config, problems, rank=self.rank, world_size=self.size, launcher=True, max_model_len=max_model_len,
-                               threads=WORKER_THREADS, attempt=attempt)  # fmt: skip
+        self.worker = RLWorker(
+            config,
+            problems,
+            rank=self.rank,
+            world_size=self.size,
+            launcher=True,
+            max_model_len=max_model_len,
+            threads=WORKER_THREADS,
+            attempt=attempt,
+        )
 
     def _rank0_args(self, args: tuple) -> tuple:
         import torch.distributed as dist
@@ -197,7 +227,11 @@ class SPMDGroup:
         process exits with EXIT_RESTART, since a collective that a lost peer never joins cannot be cancelled."""
         watchdog = None
         if self.step_timeout is not None:
-            watchdog = threading.Timer(self.step_timeout, exit_for_restart, (self.rank, f"step {step} passed run.step_timeout = {self.step_timeout:g} s"))
+            watchdog = threading.Timer(
+                self.step_timeout,
+                exit_for_restart,
+                (self.rank, f"step {step} passed run.step_timeout = {self.step_timeout:g} s"),
+            )
             watchdog.daemon = True
             watchdog.start()
         try:
@@ -229,16 +263,30 @@ def init_attempt_group(backend: str) -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not agent_hosts and rank == 0,
-                          timeout=TIMEOUT)  # fmt: skip
-    dist.init_process_group(backend, store=dist.PrefixStore(f"allsync/attempt_{attempt}", store), rank=rank, world_size=world,
-                            timeout=TIMEOUT)  # fmt: skip
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts and rank == 0,
+        timeout=TIMEOUT,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"allsync/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
 
 
 def exit_for_restart(rank: int, reason: str) -> None:
     """Leave at once with EXIT_RESTART (from any thread: a hung main thread cannot be interrupted)."""
-    print(f"error: rank {rank}: {reason}; exiting with code {EXIT_RESTART} so that an elastic launcher "
-          "(torchrun --max-restarts N) restarts the run from its newest good checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"error: rank {rank}: {reason}; exiting with code {EXIT_RESTART} so that an elastic launcher "
+        "(torchrun --max-restarts N) restarts the run from its newest good checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(EXIT_RESTART)
 
 
@@ -355,10 +403,35 @@ def stop_placement(workers, placement) -> None:
 
 
 # keys every per-worker metric dict carries (see allsync.metrics.aggregate); a worker reports 0 for a phase it does not run
-ROLLOUT_KEYS = ("samples_generated", "reward_sum", "correct_sum", "response_tokens", "truncated", "staleness_max",
-                "groups_generated", "sampling_rounds", "groups_kept", "groups_wanted", "sampling_cap_hits", "reward_errors")  # fmt: skip
-TRAIN_KEYS = ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "entropy_sum", "kl_ref_sum", "logprob_gap",
-              "trained_samples", "trained_tokens", "nan_steps", "optimizer_steps", "empty_minibatches", "grad_norm")  # fmt: skip
+ROLLOUT_KEYS = (
+    "samples_generated",
+    "reward_sum",
+    "correct_sum",
+    "response_tokens",
+    "truncated",
+    "staleness_max",
+    "groups_generated",
+    "sampling_rounds",
+    "groups_kept",
+    "groups_wanted",
+    "sampling_cap_hits",
+    "reward_errors",
+)
+TRAIN_KEYS = (
+    "loss_sum",
+    "clipfrac_high_sum",
+    "clipfrac_low_sum",
+    "kl_sum",
+    "entropy_sum",
+    "kl_ref_sum",
+    "logprob_gap",
+    "trained_samples",
+    "trained_tokens",
+    "nan_steps",
+    "optimizer_steps",
+    "empty_minibatches",
+    "grad_norm",
+)
 
 
 def split_groups(samples: list, group_index: torch.Tensor, parts: int) -> list[tuple[list, torch.Tensor]]:
@@ -369,7 +442,9 @@ def split_groups(samples: list, group_index: torch.Tensor, parts: int) -> list[t
     for k in range(parts):
         mine = {g: j for j, g in enumerate(groups[bounds[k] : bounds[k + 1]])}
         rows = [i for i, g in enumerate(group_index.tolist()) if g in mine]
-        out.append(([samples[i] for i in rows], torch.tensor([mine[int(group_index[i])] for i in rows], dtype=torch.long)))
+        out.append(
+            ([samples[i] for i in rows], torch.tensor([mine[int(group_index[i])] for i in rows], dtype=torch.long))
+        )
     return out
 
 
@@ -387,16 +462,24 @@ class DisaggregatedGroup:
         n_gen = self.size // 2
         self.placement, start = start_placement(self.size, gpus_per_worker)
         address = rendezvous_address(self.placement)
-        self.trainers = [start(i, config, problems, rank=i, world_size=self.size - n_gen, dist_address=address)
-                         for i in range(self.size - n_gen)]  # fmt: skip
-        self.generators = [start(self.size - n_gen + i, config, problems, rank=i, world_size=n_gen) for i in range(n_gen)]
+        self.trainers = [
+            start(i, config, problems, rank=i, world_size=self.size - n_gen, dist_address=address)
+            for i in range(self.size - n_gen)
+        ]
+        self.generators = [
+            start(self.size - n_gen + i, config, problems, rank=i, world_size=n_gen) for i in range(n_gen)
+        ]
         self.workers = self.trainers + self.generators
         self.version = 0
         self.sync_bytes = self._sync()  # generators start from the trainers' initial adapter
 
     def _sync(self) -> list[int]:
         tensors = self.trainers[0].adapter_tensors.remote()
-        return self._gather([g.receive_adapter.remote(tensors, self.version) for g in self.generators], "receive_adapter", self.generators)
+        return self._gather(
+            [g.receive_adapter.remote(tensors, self.version) for g in self.generators],
+            "receive_adapter",
+            self.generators,
+        )
 
     def _gather(self, refs: list, method: str, workers: list) -> list:
         """Results in order; the first worker that fails stops them all (WorkerFailure names its index in
@@ -407,7 +490,9 @@ class DisaggregatedGroup:
         """One synchronous step; per-worker metric sums, trainers first."""
         wall0 = time.time()
         per_generator = self.config.rollout.prompts_per_step // len(self.generators)
-        rollouts = self._gather([g.rollout_phase.remote(per_generator) for g in self.generators], "rollout_phase", self.generators)
+        rollouts = self._gather(
+            [g.rollout_phase.remote(per_generator) for g in self.generators], "rollout_phase", self.generators
+        )
         samples, index, offset = [], [], 0
         for s, g, _ in rollouts:
             samples += s
@@ -415,7 +500,9 @@ class DisaggregatedGroup:
             offset += int(g.max()) + 1 if len(g) else 0
         group_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
         parts = split_groups(samples, group_index, len(self.trainers))
-        trained = self._gather([t.train_phase.remote(s, g) for t, (s, g) in zip(self.trainers, parts)], "train_phase", self.trainers)
+        trained = self._gather(
+            [t.train_phase.remote(s, g) for t, (s, g) in zip(self.trainers, parts)], "train_phase", self.trainers
+        )
         self.version += 1
         received = self._sync()
         reports = self._gather([w.busy_report.remote(wall0) for w in self.workers], "busy_report", self.workers)

@@ -78,8 +78,12 @@ class ShardedTrainingState:
         state = self.learner.optimizer.state_dict()
         if self.layout is None:
             return state if self.rank == 0 else None
-        entries = [(i, name) for i in self.expert_state_ids() for name, v in sorted(state["state"].get(i, {}).items())
-                   if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
+        entries = [
+            (i, name)
+            for i in self.expert_state_ids()
+            for name, v in sorted(state["state"].get(i, {}).items())
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         full = self.gather_expert_blocks([state["state"][i][name] for i, name in entries])
         if full is None:
             return None
@@ -125,15 +129,20 @@ class ShardedTrainingState:
         directory = Path(directory)
         trainer_tensors, trainer = read_state(directory, "trainer")
         mine_tensors, mine = read_state(directory, f"rank{self.rank}")
-        load_lora_state_dict(self.model, load_file(directory / "adapter" / "adapter_model.safetensors"),
-                             other_experts=self.layout is not None)  # fmt: skip
+        load_lora_state_dict(
+            self.model,
+            load_file(directory / "adapter" / "adapter_model.safetensors"),
+            other_experts=self.layout is not None,
+        )
         saved = optimizer_state_from_files(trainer_tensors, trainer["optimizer"])
         self.learner.optimizer.load_state_dict(self.shard_optimizer_state(saved))
         changed = self.learner.apply_optim_settings()
         if changed and self.rank == 0:
             print(f"note: resumed with this config's optim settings: {'; '.join(changed)}", file=sys.stderr)
         if self.learner.value_head is not None:
-            head = {k[len(VALUE_HEAD_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(VALUE_HEAD_PREFIX)}
+            head = {
+                k[len(VALUE_HEAD_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(VALUE_HEAD_PREFIX)
+            }
             self.learner.value_head.load_state_dict(head)
         set_rng_state(mine_tensors, mine["rng"])
         return trainer["adapter_version"], mine

@@ -41,8 +41,18 @@ IGNORE_INDEX = -100
 # RL can add: measured held-out avg@4 of the base -> after 5 min of the default RL: 500 steps 5% (too weak:
 # few mixed groups), 750 steps 27% -> 41%, 1000 steps 53% -> 59% (most problems already always right or
 # always wrong, so few groups carry signal).
-DEFAULT_SPEC = TinySpec(layers=2, dense_layers=1, experts=4, experts_per_token=2, hidden_size=128,
-                        intermediate_size=256, moe_intermediate_size=128, heads=2, n_group=2, topk_group=1)  # fmt: skip
+DEFAULT_SPEC = TinySpec(
+    layers=2,
+    dense_layers=1,
+    experts=4,
+    experts_per_token=2,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    heads=2,
+    n_group=2,
+    topk_group=1,
+)
 DEFAULT_TASK = ArithmeticSpec(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
 DEFAULT_STEPS = 750
 
@@ -185,7 +195,9 @@ def save_checkpoint(out_tmp: Path, model, base_dir: Path, shards: int, report: d
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-def evaluate(model, tokenizer, problems: list[Problem], prompts: list[list[int]], settings: EvalSettings, seed: int = 0) -> dict:
+def evaluate(
+    model, tokenizer, problems: list[Problem], prompts: list[list[int]], settings: EvalSettings, seed: int = 0
+) -> dict:
     """evals.generation.evaluate_model on the task's held-out prompts; examples carry their problems' prompts."""
     report = evaluate_model(model, tokenizer, prompts, [p.answer for p in problems], settings, seed)
     for example, p in zip(report["greedy_examples"], problems):
@@ -202,9 +214,13 @@ def torch_threads(n: int):
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     if torch.get_num_threads() != n:
-        warnings.warn(f"torch threads stay {torch.get_num_threads()} (asked for {n}): torch.set_num_threads is disabled "
-                      "in this process (vLLM's CPU worker binds its threads), so the result may differ bitwise from a "
-                      f"run at {n} threads", RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"torch threads stay {torch.get_num_threads()} (asked for {n}): torch.set_num_threads is disabled "
+            "in this process (vLLM's CPU worker binds its threads), so the result may differ bitwise from a "
+            f"run at {n} threads",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     try:
         yield
     finally:
@@ -215,8 +231,11 @@ def settings_differences(stored, wanted, prefix: str = "") -> list[str]:
     """`key: stored -> wanted` for every (dotted) setting that differs; a missing side reads as None."""
     if not isinstance(stored, dict) or not isinstance(wanted, dict):
         return [] if stored == wanted else [f"{prefix or 'settings'}: {stored!r} -> {wanted!r}"]
-    return [line for key in sorted(set(stored) | set(wanted), key=str)
-            for line in settings_differences(stored.get(key), wanted.get(key), f"{prefix}.{key}" if prefix else str(key))]  # fmt: skip
+    return [
+        line
+        for key in sorted(set(stored) | set(wanted), key=str)
+        for line in settings_differences(stored.get(key), wanted.get(key), f"{prefix}.{key}" if prefix else str(key))
+    ]
 
 
 def cached_report(out: Path, settings: WarmStartSettings) -> dict | None:
@@ -228,8 +247,10 @@ def cached_report(out: Path, settings: WarmStartSettings) -> dict | None:
     stored = json.loads(path.read_text()) if path.exists() else {}
     differences = settings_differences(stored.get("settings"), settings.as_json())
     if differences:
-        raise FileExistsError(f"{out} exists but is not a warm start with these settings (stored -> wanted: "
-                              f"{'; '.join(differences[:4])}); use another directory or overwrite=True")  # fmt: skip
+        raise FileExistsError(
+            f"{out} exists but is not a warm start with these settings (stored -> wanted: "
+            f"{'; '.join(differences[:4])}); use another directory or overwrite=True"
+        )
     return stored
 
 
@@ -255,7 +276,9 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
     losses = train_steps(model, examples, settings, tokenizer.pad_token_id, progress)
     train_s = time.time() - start
     round_to_bf16_(model)
-    metrics = evaluate(model, tokenizer, splits.heldout, task.heldout_prompts(tokenizer, splits.heldout), settings.eval, settings.seed)
+    metrics = evaluate(
+        model, tokenizer, splits.heldout, task.heldout_prompts(tokenizer, splits.heldout), settings.eval, settings.seed
+    )
     report = {
         "settings": settings.as_json(),
         "train_seconds": round(train_s, 1),
@@ -280,8 +303,12 @@ def settings_for_run(config) -> WarmStartSettings:
     return WarmStartSettings(spec, config.task.warm_start_task(agent), seed=config.task.seed, eval=evaluation)
 
 
-def warm_start(out_dir: str | os.PathLike = "runs/tiny-base", settings: WarmStartSettings = WarmStartSettings(),
-               overwrite: bool = False, progress: bool = True) -> Path:  # fmt: skip
+def warm_start(
+    out_dir: str | os.PathLike = "runs/tiny-base",
+    settings: WarmStartSettings = WarmStartSettings(),
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Train (or reuse) the warm-started checkpoint at `out_dir`; returns its path."""
     if settings.model.fp8:
         raise ValueError("warm_start trains from and writes a bf16 checkpoint; use a TinySpec with fp8=False")

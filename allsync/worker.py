@@ -62,8 +62,10 @@ def keep_compute_copies_within(model, dtype: torch.dtype, device: torch.device) 
     made when they would take more than half of `device`'s free memory."""
     need, free = compute_copy_bytes(model, dtype), free_device_bytes(device)
     if need > free / 2:
-        raise ConfigError(f"model.compute_copy: a {dtype} copy of the frozen weights needs {need / 2**30:.1f} GiB, more than "
-                          f"half of the {free / 2**30:.1f} GiB free on {device}; set model.compute_copy: false")  # fmt: skip
+        raise ConfigError(
+            f"model.compute_copy: a {dtype} copy of the frozen weights needs {need / 2**30:.1f} GiB, more than "
+            f"half of the {free / 2**30:.1f} GiB free on {device}; set model.compute_copy: false"
+        )
     return keep_compute_copies(model, dtype)
 
 
@@ -83,9 +85,18 @@ def reward_shapings(config: RunConfig) -> list[tuple[str, object]]:
 
 
 class RLWorker:
-    def __init__(self, config: RunConfig, problems: list[Problem], rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, threads: int | None = None, max_model_len: int | None = None,
-                 launcher: bool = False, attempt: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        problems: list[Problem],
+        rank: int = 0,
+        world_size: int = 1,
+        dist_address: str | None = None,
+        threads: int | None = None,
+        max_model_len: int | None = None,
+        launcher: bool = False,
+        attempt: int = 0,
+    ):
         """rank / world_size: this worker's place among the workers that share the data (prompts are strided
         over them). dist_address: join the process groups of `world_size` workers (allsync.distributed) through
         a TCP store there; None for a worker that only generates (the disaggregated baseline's generators).
@@ -109,24 +120,45 @@ class RLWorker:
 
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         experts = self.layout.experts_of(rank) if self.layout is not None else None
-        self.model = load_frozen_model(base, config.model.quant.plan(), compute_dtype=_dtype(config.model.compute_dtype),
-                                       progress=rank == 0, experts=experts, device=self.device)  # fmt: skip
+        self.model = load_frozen_model(
+            base,
+            config.model.quant.plan(),
+            compute_dtype=_dtype(config.model.compute_dtype),
+            progress=rank == 0,
+            experts=experts,
+            device=self.device,
+        )
         lc = config.lora
-        attach_lora(self.model, LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora,
-                                                 expert_kernel=lc.expert_kernel))
+        attach_lora(
+            self.model,
+            LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora, expert_kernel=lc.expert_kernel),
+        )
         seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
         if config.model.compute_copy:
             keep_compute_copies_within(self.model, _dtype(config.model.compute_dtype), self.device)
-        self.dispatch_stats = shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
+        self.dispatch_stats = (
+            shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
+        )
         if self.layout is not None:
             held, m = self.layout.experts_of(rank), self.model
-            print(f"rank {rank}: routed experts {held.start}-{held.stop - 1} of {self.layout.num_experts}; read "
-                  f"{m.checkpoint_bytes_read:,} checkpoint bytes ({m.checkpoint_expert_bytes_read:,} of them experts')")  # fmt: skip
+            print(
+                f"rank {rank}: routed experts {held.start}-{held.stop - 1} of {self.layout.num_experts}; read "
+                f"{m.checkpoint_bytes_read:,} checkpoint bytes ({m.checkpoint_expert_bytes_read:,} of them experts')"
+            )
         self.monitor = WorkerMonitor(self.device)
         self.timeline = self.monitor.timeline
         self.faults = FaultInjector(parse_faults(config.health.faults, world_size), rank, enabled=attempt == 0)
-        self.learner = Learner(self.model, config, self.groups, self.layout, self.device, self.tokenizer.pad_token_id,
-                               self.timeline, rank, before_gradient_reduce=self.faults.before_gradient_reduce)  # fmt: skip
+        self.learner = Learner(
+            self.model,
+            config,
+            self.groups,
+            self.layout,
+            self.device,
+            self.tokenizer.pad_token_id,
+            self.timeline,
+            rank,
+            before_gradient_reduce=self.faults.before_gradient_reduce,
+        )
         self.state = ShardedTrainingState(self.model, self.learner, self.layout, rank, config)
         # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
         self._seed_everything(config.run.seed * 1000 + rank)
@@ -146,9 +178,16 @@ class RLWorker:
     def _make_producer(self):
         """The episode producer producer.kind names (allsync/producers/), given this worker's engine and data."""
         c = self.config
-        context = ProducerContext(c, self.engine, self.tokenizer, self.encode_prompt, self.take_problems, self.score_episodes,
-                                  c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
-                                  lockstep=self.groups if self.groups.expert_parallel else None)  # fmt: skip
+        context = ProducerContext(
+            c,
+            self.engine,
+            self.tokenizer,
+            self.encode_prompt,
+            self.take_problems,
+            self.score_episodes,
+            c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
+            lockstep=self.groups if self.groups.expert_parallel else None,
+        )
         return c.producer.build(context)
 
     # ------------------------------------------------------------------------------ helpers
@@ -158,21 +197,37 @@ class RLWorker:
         if self.config.rollout.engine == "torch":
             lockstep = self.groups if self.groups.expert_parallel else None
             r = self.config.rollout
-            return TorchEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, r.decode_batch,
-                               lockstep=lockstep, merge_lora=r.merge_lora)  # fmt: skip
+            return TorchEngine(
+                self.model,
+                self.tokenizer.eos_token_id,
+                self.tokenizer.pad_token_id,
+                r.decode_batch,
+                lockstep=lockstep,
+                merge_lora=r.merge_lora,
+            )
         from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
 
         lc = self.config.lora
         if (reason := unsupported_targets(lc.targets)) is not None:
             raise ConfigError(f"rollout.engine vllm with lora.targets {lc.targets}: {reason}")
-        model_len = self.max_model_len or self.config.producer.model_len(self.config, self.tokenizer, self.problems,
-                                                                         self.model.config.max_position_embeddings)  # fmt: skip
-        engine = VLLMEngine(self.config.model.base, lc.rank, lc.alpha, lc.use_rslora, dtype=self.config.model.compute_dtype,
-                            max_model_len=model_len, launcher=self.launcher,
-                            gpu_memory_utilization=self.config.rollout.gpu_memory_utilization)  # fmt: skip
+        model_len = self.max_model_len or self.config.producer.model_len(
+            self.config, self.tokenizer, self.problems, self.model.config.max_position_embeddings
+        )
+        engine = VLLMEngine(
+            self.config.model.base,
+            lc.rank,
+            lc.alpha,
+            lc.use_rslora,
+            dtype=self.config.model.compute_dtype,
+            max_model_len=model_len,
+            launcher=self.launcher,
+            gpu_memory_utilization=self.config.rollout.gpu_memory_utilization,
+        )
         moved = engine.load_adapter(self.adapter_tensors(), 0)
         if self.rank == 0:
-            print(f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}")
+            print(
+                f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}"
+            )
         return engine
 
     @staticmethod
@@ -192,14 +247,17 @@ class RLWorker:
         return picked
 
     # ------------------------------------------------------------------------------ rollout + reward
-    def score_responses(self, problems: list[Problem], responses: list[list[int]]) -> tuple[list[float], list[bool], int]:
+    def score_responses(
+        self, problems: list[Problem], responses: list[list[int]]
+    ) -> tuple[list[float], list[bool], int]:
         """(scores, correct, errors) from reward.name / reward.function in the reward processes
         (allsync.evaluation.score_texts: reward.on_error decides what a failed sample does)."""
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         return score_texts(self.reward_pool, self.config.reward, problems, texts, where=f" of worker {self.rank}")
 
-    def rewards(self, problems: list[Problem], responses: list[list[int]],
-                group_index: list[int] | None = None) -> tuple[list[float], list[bool], int]:  # fmt: skip
+    def rewards(
+        self, problems: list[Problem], responses: list[list[int]], group_index: list[int] | None = None
+    ) -> tuple[list[float], list[bool], int]:
         """The reward's score plus DAPO's overlong shaping and, with reward.length, coef x Kimi-1.5's length
         reward within each group (`group_index`), per response; whether each is correct; reward errors."""
         scores, correct, errors = self.score_responses(problems, responses)
@@ -223,8 +281,9 @@ class RLWorker:
         """`groups_wanted` groups of episodes from the producer, with DAPO's dynamic sampling when configured
         (allsync.producers.groups.collect_groups)."""
         c = self.config
-        return collect_groups(self.producer, self.take_problems, groups_wanted, c.algorithm, self.groups,
-                              c.rollout.group_size, self.rank)  # fmt: skip
+        return collect_groups(
+            self.producer, self.take_problems, groups_wanted, c.algorithm, self.groups, c.rollout.group_size, self.rank
+        )
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step_index: int) -> dict:
@@ -239,7 +298,9 @@ class RLWorker:
             metrics.update(self.train_phase(episodes, group_index))
         t = time.time()
         shares_model = isinstance(self.engine, TorchEngine)  # its LoRA tensors are the trainer's: nothing to copy
-        metrics["sync_bytes"] = self.engine.load_adapter(None if shares_model else self.adapter_tensors(), self.adapter_version)
+        metrics["sync_bytes"] = self.engine.load_adapter(
+            None if shares_model else self.adapter_tensors(), self.adapter_version
+        )
         self.timeline.record("sync", t)
         metrics.update(self.busy_report(wall0))
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
@@ -265,7 +326,9 @@ class RLWorker:
             "correct_sum": sum(e.correct for e in generated),
             "response_tokens": sum(len(e.final.response_ids) for e in generated),
             "truncated": sum(e.final.finish_reason == "length" for e in generated),
-            "staleness_max": max((self.adapter_version - v for e in episodes for v in (s.adapter_version for s in e.segments)), default=0),
+            "staleness_max": max(
+                (self.adapter_version - v for e in episodes for v in (s.adapter_version for s in e.segments)), default=0
+            ),
             "continuing": 0,
             "reward_errors": errors,
             **ds,
@@ -280,7 +343,9 @@ class RLWorker:
         t = time.time()
         stale = stale_versions(episodes, self.adapter_version)
         if stale:
-            raise RuntimeError(f"worker {self.rank}: samples from adapter version {stale[0]} while training {self.adapter_version}")
+            raise RuntimeError(
+                f"worker {self.rank}: samples from adapter version {stale[0]} while training {self.adapter_version}"
+            )
         metrics = self.train(episodes, group_index)
         self.adapter_version += 1
         self.timeline.record("train", t)
@@ -310,7 +375,9 @@ class RLWorker:
         self.faults.during_generate()
         round_ = self.producer.generate(self.adapter_version)
         if round_.adapter_version != self.adapter_version:
-            raise RuntimeError(f"worker {self.rank}: window generated by adapter version {round_.adapter_version} while training {self.adapter_version}")
+            raise RuntimeError(
+                f"worker {self.rank}: window generated by adapter version {round_.adapter_version} while training {self.adapter_version}"
+            )
         self.producer.score(round_, self.rewards)
         self.engine.release_memory()
         self.faults.after_generate(time.time() - t)
@@ -341,8 +408,18 @@ class RLWorker:
         ids = list(range(self.rank, len(problems), self.world_size))
         if not ids and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
             return []
-        records = heldout_records(self.engine, self.producer, self.tokenizer, self.reward_pool, self.config, problems,
-                                  ids, samples, memory, where=f" of worker {self.rank}")  # fmt: skip
+        records = heldout_records(
+            self.engine,
+            self.producer,
+            self.tokenizer,
+            self.reward_pool,
+            self.config,
+            problems,
+            ids,
+            samples,
+            memory,
+            where=f" of worker {self.rank}",
+        )
         return [asdict(r) for r in records]
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -368,8 +445,11 @@ class RLWorker:
         """This worker's part of a checkpoint (allsync/sharded_state.py): the whole adapter, AdamW state and value
         head from rank 0; RNG states, data position and T-PPO pools from every rank."""
         pools = self.producer.to_json() if isinstance(self.producer, WindowPool) else {"in_flight": [], "waiting": []}
-        self.state.save(directory, self.adapter_version,
-                        {"position": self.position, "consecutive_nan": self.learner.consecutive_nan, **pools})  # fmt: skip
+        self.state.save(
+            directory,
+            self.adapter_version,
+            {"position": self.position, "consecutive_nan": self.learner.consecutive_nan, **pools},
+        )
 
     def load_state(self, directory: str) -> None:
         self.adapter_version, mine = self.state.load(directory)
@@ -380,18 +460,34 @@ class RLWorker:
 
     def loaded_bytes(self) -> dict:
         """Checkpoint bytes this rank read at load (all, routed experts' share) and the experts it holds."""
-        held = self.layout.experts_of(self.rank) if self.layout is not None else range(self.model.config.n_routed_experts)
-        return {"bytes": self.model.checkpoint_bytes_read, "expert_bytes": self.model.checkpoint_expert_bytes_read,
-                "experts": [held.start, held.stop]}  # fmt: skip
+        held = (
+            self.layout.experts_of(self.rank) if self.layout is not None else range(self.model.config.n_routed_experts)
+        )
+        return {
+            "bytes": self.model.checkpoint_bytes_read,
+            "expert_bytes": self.model.checkpoint_expert_bytes_read,
+            "experts": [held.start, held.stop],
+        }
 
     def expert_memory(self) -> dict:
         """Resident bytes of this rank's routed experts: frozen weights, their LoRA tensors, and AdamW's state
         for those tensors (empty before the first optimizer step)."""
         from quant.modules import FrozenExperts
 
-        frozen = sum(w.nbytes for m in self.model.modules() if isinstance(m, FrozenExperts) for ws in m.weights.values() for w in ws)
+        frozen = sum(
+            w.nbytes
+            for m in self.model.modules()
+            if isinstance(m, FrozenExperts)
+            for ws in m.weights.values()
+            for w in ws
+        )
         adapters = [p for m in self.model.modules() if isinstance(m, LoRAExperts) for p in m.factors()]
-        state = [t for p in adapters for t in self.learner.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        state = [
+            t
+            for p in adapters
+            for t in self.learner.optimizer.state.get(p, {}).values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"frozen": frozen, "adapters": nbytes(adapters), "optimizer": nbytes(state)}
 

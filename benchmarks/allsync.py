@@ -42,10 +42,23 @@ from allsync.tasks import make_splits  # noqa: E402
 from quant.layout import expected_tensors  # noqa: E402
 
 # DeepSeek-V3 / R1 (671B) shapes from its config.json
-DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-                   num_hidden_layers=61, first_k_dense_replace=3, moe_layer_freq=1, n_routed_experts=256,
-                   n_shared_experts=1, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)  # fmt: skip
+DEEPSEEK_V3 = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    moe_layer_freq=1,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
 
 
 def lora_target(key: str, group: str) -> str | None:
@@ -83,7 +96,9 @@ def bench_config(base: str, workers: int, layout: str, prompts_per_worker: int =
 def run_layout(base: str, workers: int, layout: str, steps: int, prompts_per_worker: int) -> dict:
     config = parse_config(bench_config(base, workers, layout, prompts_per_worker))
     problems = make_splits(config.task.spec(), config.task.train_size, config.task.heldout_size).train
-    group = WorkerGroup(config, problems, use_ray=True) if layout == "colocated" else DisaggregatedGroup(config, problems)
+    group = (
+        WorkerGroup(config, problems, use_ray=True) if layout == "colocated" else DisaggregatedGroup(config, problems)
+    )
     try:
         group.step(0)  # warm-up: first-call costs out of the measurement
         per_step = []
@@ -147,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="Ray workers in both layouts (even)")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompts-per-worker", type=int, default=16, help="x 8 samples each, per step (the default run's size)")
+    parser.add_argument(
+        "--prompts-per-worker", type=int, default=16, help="x 8 samples each, per step (the default run's size)"
+    )
     parser.add_argument("--base", help="checkpoint (default: a fresh tiny DeepSeek-V3 from allsync.warm_start's spec)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -159,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             from moe_lora.tiny import make_tiny
 
             base = str(make_tiny(Path(tmp) / "tiny", DEFAULT_SPEC))
-        rows = [run_layout(base, args.workers, layout, args.steps, args.prompts_per_worker) for layout in ("colocated", "disaggregated")]
+        rows = [
+            run_layout(base, args.workers, layout, args.steps, args.prompts_per_worker)
+            for layout in ("colocated", "disaggregated")
+        ]
         tiny_config = json.loads((Path(base) / "config.json").read_text())
     targets = parse_config(bench_config(base, args.workers, "colocated")).lora.targets
     sizes = {
@@ -171,19 +191,29 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'layout':<14} {'workers':>7} {'samples':>8} {'seconds':>8} {'samples/s':>10}  utilization per worker")
     for r in rows:
-        print(f"{r['layout']:<14} {r['workers']:>7} {r['samples']:>8} {r['seconds']:>8.2f} {r['samples_per_second']:>10.1f}  "
-              + " ".join(f"{u:.2f}" for u in r["utilization"]))  # fmt: skip
+        print(
+            f"{r['layout']:<14} {r['workers']:>7} {r['samples']:>8} {r['seconds']:>8.2f} {r['samples_per_second']:>10.1f}  "
+            + " ".join(f"{u:.2f}" for u in r["utilization"])
+        )
     print()
     print(f"{'bytes per sync (bf16)':<44} {'adapter only':>14} {'merged weights':>16} {'ratio':>8}")
     for name, s in sizes.items():
-        print(f"{name:<44} {s['adapter_bytes']:>14,} {s['merged_bytes']:>16,} {s['merged_bytes'] / s['adapter_bytes']:>7.0f}x")
-    print(f"(measured: disaggregated moved {rows[1]['sync_bytes_per_step']:,.0f} adapter bytes (fp32) per step to its generators; "
-          "colocated workers share the model with their engine and move none)")  # fmt: skip
-    print(f"this machine's ceiling: one process alone {ceiling['speed_half']:.0f} it/s with {args.workers // 2} busy, "
-          f"{ceiling['speed_all']:.0f} it/s each with {args.workers} busy -> at most {ceiling['ceiling']:.2f}x; "
-          f"measured {ratio:.2f}x = {ratio / ceiling['ceiling']:.0%} of it")  # fmt: skip
+        print(
+            f"{name:<44} {s['adapter_bytes']:>14,} {s['merged_bytes']:>16,} {s['merged_bytes'] / s['adapter_bytes']:>7.0f}x"
+        )
+    print(
+        f"(measured: disaggregated moved {rows[1]['sync_bytes_per_step']:,.0f} adapter bytes (fp32) per step to its generators; "
+        "colocated workers share the model with their engine and move none)"
+    )
+    print(
+        f"this machine's ceiling: one process alone {ceiling['speed_half']:.0f} it/s with {args.workers // 2} busy, "
+        f"{ceiling['speed_all']:.0f} it/s each with {args.workers} busy -> at most {ceiling['ceiling']:.2f}x; "
+        f"measured {ratio:.2f}x = {ratio / ceiling['ceiling']:.0%} of it"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "sync_sizes": sizes, "ratio": ratio, "ceiling": ceiling}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "sync_sizes": sizes, "ratio": ratio, "ceiling": ceiling}, indent=2)
+        )
     print(f"all-sync/disaggregated throughput: {ratio:.2f}x")
     return 0
 

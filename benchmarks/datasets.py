@@ -41,9 +41,16 @@ def write_dapo_like(path: Path, unique: int, copies: int, prompt_chars: int, see
     with pq.ParquetWriter(path, schema) as writer:
         for start in range(0, len(order), 10_000):
             chunk = order[start : start + 10_000]
-            rows = [{"data_source": "math_dapo", "prompt": [{"content": DAPO_MATH_TEMPLATE.replace("{problem}", problems[i]), "role": "user"}],
-                     "ability": "MATH", "reward_model": {"ground_truth": str(i), "style": "rule-lighteval/MATH_v2"},
-                     "extra_info": {"index": f"{i}-{start + j}"}} for j, i in enumerate(chunk)]  # fmt: skip
+            rows = [
+                {
+                    "data_source": "math_dapo",
+                    "prompt": [{"content": DAPO_MATH_TEMPLATE.replace("{problem}", problems[i]), "role": "user"}],
+                    "ability": "MATH",
+                    "reward_model": {"ground_truth": str(i), "style": "rule-lighteval/MATH_v2"},
+                    "extra_info": {"index": f"{i}-{start + j}"},
+                }
+                for j, i in enumerate(chunk)
+            ]
             writer.write_table(pa.Table.from_pylist(rows, schema=schema))
     return path
 
@@ -57,8 +64,14 @@ def measure(path: str) -> dict:
     rows, report = load_rows(path)
     seconds = time.perf_counter() - start
     kept = sum(len(c.encode()) for r in rows for _, c in r.prompt)
-    return {"report": report, "unique": len(rows), "seconds": round(seconds, 1), "kept_prompt_bytes": kept,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mb": before / 1024}  # fmt: skip
+    return {
+        "report": report,
+        "unique": len(rows),
+        "seconds": round(seconds, 1),
+        "kept_prompt_bytes": kept,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_before_mb": before / 1024,
+    }
 
 
 def main() -> None:
@@ -79,13 +92,19 @@ def main() -> None:
         start = time.perf_counter()
         write_dapo_like(path, args.unique, args.copies, args.prompt_chars)
         print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
-    done = subprocess.run([sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     size_mb = path.stat().st_size / 2**20
     print(result["report"])
-    print(f"kept prompts: {result['kept_prompt_bytes'] / 2**20:.1f} MB; process RSS before loading {result['rss_before_mb']:.0f} MB")
-    print(f"load_rows: {args.unique * args.copies:,} rows -> {result['unique']:,} unique in {result['seconds']} s, "
-          f"peak RSS {result['peak_rss_mb']:.0f} MB (file {size_mb:.0f} MB)")  # fmt: skip
+    print(
+        f"kept prompts: {result['kept_prompt_bytes'] / 2**20:.1f} MB; process RSS before loading {result['rss_before_mb']:.0f} MB"
+    )
+    print(
+        f"load_rows: {args.unique * args.copies:,} rows -> {result['unique']:,} unique in {result['seconds']} s, "
+        f"peak RSS {result['peak_rss_mb']:.0f} MB (file {size_mb:.0f} MB)"
+    )
 
 
 if __name__ == "__main__":

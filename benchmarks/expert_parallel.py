@@ -33,15 +33,17 @@ from moe_lora.tiny import TinySpec, make_tiny  # noqa: E402
 
 
 def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 0) -> dict:
-    config = parse_config({
-        "model": {"base": str(base), "compute_dtype": "float32", "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 8, "alpha": 16},
-        "rollout": {"prompts_per_step": 4 * workers, "group_size": 4, "max_new_tokens": 16},
-        "algorithm": {"dynamic_sampling": False},
-        "optim": {"lr": 1e-3},
-        "parallel": {"workers_per_node": workers, "expert_parallel": expert_parallel},
-        "run": {"seed": seed},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": {"base": str(base), "compute_dtype": "float32", "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 8, "alpha": 16},
+            "rollout": {"prompts_per_step": 4 * workers, "group_size": 4, "max_new_tokens": 16},
+            "algorithm": {"dynamic_sampling": False},
+            "optim": {"lr": 1e-3},
+            "parallel": {"workers_per_node": workers, "expert_parallel": expert_parallel},
+            "run": {"seed": seed},
+        }
+    )
     problems = make_splits(ArithmeticSpec(2, 2), 2000, 20, 0).train
     group = WorkerGroup(config, problems, use_ray=True)
     try:
@@ -54,37 +56,55 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
         ray.shutdown()  # the next run may need more CPUs than this cluster was started with
     steady = metrics[1:]  # the first step warms caches up
     return {
-        "workers": workers, "expert_parallel": expert_parallel,
+        "workers": workers,
+        "expert_parallel": expert_parallel,
         "step_seconds": statistics.median(max(m["wall_seconds"] for m in step) for step in steady),
-        "memory": memory, "loaded": loaded,
-        "alltoall_bytes": [statistics.mean(step[r].get("alltoall_bytes", 0) for step in steady) for r in range(workers)],
-        "forward_rows": [statistics.mean(step[r].get("alltoall_forward_rows", 0) for step in steady) for r in range(workers)],
-        "backward_rows": [statistics.mean(step[r].get("alltoall_backward_rows", 0) for step in steady) for r in range(workers)],
-        "assignments": [statistics.mean(step[r].get("routed_assignments", 0) for step in steady) for r in range(workers)],
-    }  # fmt: skip
+        "memory": memory,
+        "loaded": loaded,
+        "alltoall_bytes": [
+            statistics.mean(step[r].get("alltoall_bytes", 0) for step in steady) for r in range(workers)
+        ],
+        "forward_rows": [
+            statistics.mean(step[r].get("alltoall_forward_rows", 0) for step in steady) for r in range(workers)
+        ],
+        "backward_rows": [
+            statistics.mean(step[r].get("alltoall_backward_rows", 0) for step in steady) for r in range(workers)
+        ],
+        "assignments": [
+            statistics.mean(step[r].get("routed_assignments", 0) for step in steady) for r in range(workers)
+        ],
+    }
 
 
 def report(results: list[dict], hidden: int) -> list[str]:
     one = results[0]
     per_rank_one = sum(one["memory"][0].values())
-    lines = ["| EP | processes | routed experts + LoRA + AdamW per rank (bytes) | vs 1/k of EP=1 | checkpoint bytes read per rank (experts / all) | step s |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| EP | processes | routed experts + LoRA + AdamW per rank (bytes) | vs 1/k of EP=1 | checkpoint bytes read per rank (experts / all) | step s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         held = [sum(m.values()) for m in r["memory"]]
         ideal = per_rank_one / r["expert_parallel"]
         worst = max(abs(h - ideal) / ideal for h in held)
         read = ", ".join(f"{x['expert_bytes']:,} / {x['bytes']:,}" for x in r["loaded"][: min(2, len(r["loaded"]))])
-        lines.append(f"| {r['expert_parallel']} | {r['workers']} | {max(held):,} | {100 * worst:+.1f}% worst rank | {read} | "
-                     f"{r['step_seconds']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['expert_parallel']} | {r['workers']} | {max(held):,} | {100 * worst:+.1f}% worst rank | {read} | "
+            f"{r['step_seconds']:.2f} |"
+        )
     lines.append("")
-    lines.append("| EP | routed assignments / step (rank 0, all forward passes) | forward rows sent to other ranks "
-                 "| / (2 x assignments) | uniform (k-1)/k | backward rows | bytes sent | bytes / row (hidden x 4) |")  # fmt: skip
+    lines.append(
+        "| EP | routed assignments / step (rank 0, all forward passes) | forward rows sent to other ranks "
+        "| / (2 x assignments) | uniform (k-1)/k | backward rows | bytes sent | bytes / row (hidden x 4) |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|")
     for r in results[1:]:
         k, a, fwd, bwd = r["expert_parallel"], r["assignments"][0], r["forward_rows"][0], r["backward_rows"][0]
         sent = r["alltoall_bytes"][0]
-        lines.append(f"| {k} | {a:,.0f} | {fwd:,.0f} | {fwd / max(2 * a, 1):.2f} | {(k - 1) / k:.2f} | {bwd:,.0f} | {sent:,.0f} | "
-                     f"{sent / max(fwd + bwd, 1):.0f} ({hidden * 4}) |")  # fmt: skip
+        lines.append(
+            f"| {k} | {a:,.0f} | {fwd:,.0f} | {fwd / max(2 * a, 1):.2f} | {(k - 1) / k:.2f} | {bwd:,.0f} | {sent:,.0f} | "
+            f"{sent / max(fwd + bwd, 1):.0f} ({hidden * 4}) |"
+        )
     return lines
 
 

@@ -66,18 +66,28 @@ def plan(episodes: int, episode_steps: int, seed: int) -> list[Episode]:
     out = []
     for i, kind in enumerate(labels):
         first = WARMUP_STEPS + 1 + i * episode_steps
-        fault = None if kind is None else {"kind": kind, "rank": rng.randrange(WORKERS), "step": first + 1, **KINDS[kind]}
+        fault = (
+            None if kind is None else {"kind": kind, "rank": rng.randrange(WORKERS), "step": first + 1, **KINDS[kind]}
+        )
         out.append(Episode(first, first + episode_steps - 1, fault))
     return out
 
 
-def run_config(base: dict, out: Path, episodes: list[Episode], eval_every: int = 10**6, checkpoint_every: int = 10**6) -> dict:
+def run_config(
+    base: dict, out: Path, episodes: list[Episode], eval_every: int = 10**6, checkpoint_every: int = 10**6
+) -> dict:
     """The drill run's config; evaluations and checkpoints only at the end unless given (they run between steps,
     and the detector must not mistake the step after one for a fault)."""
     config = json.loads(json.dumps(base))
     config["parallel"]["workers_per_node"] = WORKERS
-    config["run"].update(out_dir=str(out), steps=episodes[-1].last, eval_every=eval_every, eval_samples=1,
-                         checkpoint_every=checkpoint_every, max_consecutive_nan=10)  # fmt: skip
+    config["run"].update(
+        out_dir=str(out),
+        steps=episodes[-1].last,
+        eval_every=eval_every,
+        eval_samples=1,
+        checkpoint_every=checkpoint_every,
+        max_consecutive_nan=10,
+    )
     config["run"].pop("time_limit_minutes", None)
     config["health"] = {"faults": [e.fault for e in episodes if e.fault is not None]}
     return config
@@ -108,10 +118,18 @@ def score(alarms: list, episodes: list[Episode], times: dict[int, float]) -> dic
     recall = tp / injected if injected else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"tp": tp, "fp": fp, "injected": injected, "precision": precision, "recall": recall, "f1": f1,
-            "latency_steps": mean(latencies), "latency_seconds": mean(seconds),
-            "false_alarms_per_clean_hour": fp_clean / max(clean_seconds / 3600, 1e-9),
-            "recall_per_kind": {k: sum(v) / len(v) for k, v in sorted(per_kind.items())}}  # fmt: skip
+    return {
+        "tp": tp,
+        "fp": fp,
+        "injected": injected,
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "latency_steps": mean(latencies),
+        "latency_seconds": mean(seconds),
+        "false_alarms_per_clean_hour": fp_clean / max(clean_seconds / 3600, 1e-9),
+        "recall_per_kind": {k: sum(v) / len(v) for k, v in sorted(per_kind.items())},
+    }
 
 
 def fault_patterns(records: dict[int, list[dict]], episodes: list[Episode]) -> list[tuple[str, list[dict]]]:
@@ -154,8 +172,16 @@ def scale_trace(records: dict[int, list[dict]], episodes: list[Episode], workers
     n = len(episodes)
     labels = rng.permutation([True] * (n // 2) + [False] * (n - n // 2))
     trace, out_episodes = [], []
-    for step in [*range(1, WARMUP_STEPS + 1), *range(clean[0].first, clean[0].last + 1)]:  # warm-up: the detectors' noise history
-        trace.append([{k: records[step][j][k] for k in keys if k in records[step][j]} for j in rng.integers(len(records[step]), size=workers)])
+    for step in [
+        *range(1, WARMUP_STEPS + 1),
+        *range(clean[0].first, clean[0].last + 1),
+    ]:  # warm-up: the detectors' noise history
+        trace.append(
+            [
+                {k: records[step][j][k] for k in keys if k in records[step][j]}
+                for j in rng.integers(len(records[step]), size=workers)
+            ]
+        )
     for injected in labels:
         source = clean[rng.integers(len(clean))]
         first = len(trace) + 1
@@ -186,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/faults")
     parser.add_argument("--score-only", action="store_true", help="score the run already in --out")
     parser.add_argument("--scale", type=int, nargs="*", default=[], help="simulated worker counts for recorded traces")
-    parser.add_argument("--eval-every", type=int, default=10**6, help="run.eval_every of the drill run (default: at the end)")
-    parser.add_argument("--checkpoint-every", type=int, default=10**6, help="run.checkpoint_every (default: at the end)")
+    parser.add_argument(
+        "--eval-every", type=int, default=10**6, help="run.eval_every of the drill run (default: at the end)"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=10**6, help="run.checkpoint_every (default: at the end)"
+    )
     args = parser.parse_args(argv)
 
     from allsync.health.detector import SimilarityDetector, ThresholdDetector, read_worker_records, replay
@@ -195,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     episodes = plan(args.episodes, args.episode_steps, args.seed)
     if not args.score_only:
-        config = run_config(yaml.safe_load(Path(args.config).read_text()), out, episodes, args.eval_every, args.checkpoint_every)
+        config = run_config(
+            yaml.safe_load(Path(args.config).read_text()), out, episodes, args.eval_every, args.checkpoint_every
+        )
         out.mkdir(parents=True, exist_ok=True)
         (out / "faults.yaml").write_text(yaml.safe_dump(config))
         done = subprocess.run([sys.executable, str(RECIPE), "--config", str(out / "faults.yaml")], text=True)
@@ -210,14 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     probe = [w["probe_seconds"] for r in steps for w in r["workers"] if w]
     monitor = [r["monitor_seconds"] for r in steps]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    print(f"{len(steps)} steps, {mean(step_seconds):.2f} s/step; monitoring cost: probe {1e3 * mean(probe):.2f} ms per worker-step, "
-          f"controller {1e3 * mean(monitor):.2f} ms per step = {100 * (mean(probe) + mean(monitor)) / mean(step_seconds):.3f}% of a step")  # fmt: skip
+    print(
+        f"{len(steps)} steps, {mean(step_seconds):.2f} s/step; monitoring cost: probe {1e3 * mean(probe):.2f} ms per worker-step, "
+        f"controller {1e3 * mean(monitor):.2f} ms per step = {100 * (mean(probe) + mean(monitor)) / mean(step_seconds):.3f}% of a step"
+    )
     results = {}
     for detector in (SimilarityDetector(), ThresholdDetector()):
         results[detector.name] = s = score(replay(steps, detector), episodes, times)
-        print(f"{detector.name:>10}: precision {s['precision']:.3f} recall {s['recall']:.3f} F1 {s['f1']:.3f} latency "
-              f"{s['latency_steps']:.2f} steps / {s['latency_seconds']:.1f} s, false alarms {s['fp']} "
-              f"({s['false_alarms_per_clean_hour']:.1f} per clean hour), recall per kind {s['recall_per_kind']}")  # fmt: skip
+        print(
+            f"{detector.name:>10}: precision {s['precision']:.3f} recall {s['recall']:.3f} F1 {s['f1']:.3f} latency "
+            f"{s['latency_steps']:.2f} steps / {s['latency_seconds']:.1f} s, false alarms {s['fp']} "
+            f"({s['false_alarms_per_clean_hour']:.1f} per clean hour), recall per kind {s['recall_per_kind']}"
+        )
     by_step = {r["step"]: r["workers"] for r in steps}
     for workers in args.scale:
         trace, synthetic = scale_trace(by_step, episodes, workers, args.seed)
@@ -227,12 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             alarms = [a for i, r in enumerate(trace, 1) for a in detector.observe(i, r)]
             s = score(alarms, synthetic, fake_times)
             results[f"{detector.name}@{workers}"] = s
-            print(f"recorded traces, {workers} simulated workers, {detector.name:>10}: precision {s['precision']:.3f} recall "
-                  f"{s['recall']:.3f} F1 {s['f1']:.3f} latency {s['latency_steps']:.2f} steps, false alarms {s['fp']}")  # fmt: skip
+            print(
+                f"recorded traces, {workers} simulated workers, {detector.name:>10}: precision {s['precision']:.3f} recall "
+                f"{s['recall']:.3f} F1 {s['f1']:.3f} latency {s['latency_steps']:.2f} steps, false alarms {s['fp']}"
+            )
     (out / "faults_score.json").write_text(json.dumps(results, indent=1))
     sim, base = results["similarity"], results["threshold"]
-    print(f"live injections: precision {sim['precision']:.3f} recall {sim['recall']:.3f} F1 {sim['f1']:.3f} "
-          f"latency {sim['latency_steps']:.2f} steps (baseline F1 {base['f1']:.3f})")  # fmt: skip
+    print(
+        f"live injections: precision {sim['precision']:.3f} recall {sim['recall']:.3f} F1 {sim['f1']:.3f} "
+        f"latency {sim['latency_steps']:.2f} steps (baseline F1 {base['f1']:.3f})"
+    )
     return 0
 
 

@@ -35,8 +35,15 @@ def one_process_config(default: dict, device: str, steps: int, out_dir: Path) ->
     """The default job as one worker on `device` (the total batch unchanged: every prompt on that worker)."""
     config = json.loads(json.dumps(default))
     config["parallel"].update(workers_per_node=1, device=device)
-    config["run"].update(out_dir=str(out_dir), steps=steps, max_restarts=0, step_timeout=None, time_limit_minutes=None,
-                         eval_every=steps, checkpoint_every=steps)  # fmt: skip
+    config["run"].update(
+        out_dir=str(out_dir),
+        steps=steps,
+        max_restarts=0,
+        step_timeout=None,
+        time_limit_minutes=None,
+        eval_every=steps,
+        checkpoint_every=steps,
+    )
     return config
 
 
@@ -52,20 +59,26 @@ def run_job(config: dict, path: Path) -> dict:
     path.write_text(yaml.safe_dump(config))
     log_path = path.parent / f"{path.stem}.log"
     with log_path.open("w") as log:
-        done = subprocess.run([sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path), "--no-ray"],
-                              stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path), "--no-ray"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     output = log_path.read_text()
     if done.returncode != 0:
         raise RuntimeError(f"{path}: recipes/dapo.py exited {done.returncode}:\n{output[-3000:]}")
     times = step_seconds(Path(config["run"]["out_dir"]) / "metrics.jsonl")
     accuracy = ACCURACY.search(output)
     return {
-        "device": config["parallel"]["device"], "steps": config["run"]["steps"],
+        "device": config["parallel"]["device"],
+        "steps": config["run"]["steps"],
         "median_step_seconds": statistics.median(times) if times else None,
         "heldout_before": float(accuracy.group(1)) if accuracy else None,
         "heldout_after": float(accuracy.group(2)) if accuracy else None,
-    }  # fmt: skip
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -82,12 +95,21 @@ def main(argv=None) -> list[dict]:
     rows = []
     for i, device in enumerate(args.devices.split(",")):
         steps = args.steps if i == 0 else args.cpu_steps
-        rows.append(run_job(one_process_config(default, device, steps, out / f"run-{device}-{i}"), out / f"{device}-{i}.yaml"))
+        rows.append(
+            run_job(one_process_config(default, device, steps, out / f"run-{device}-{i}"), out / f"{device}-{i}.yaml")
+        )
         first, row = rows[0]["median_step_seconds"], rows[-1]
-        row["step_seconds_vs_first"] = row["median_step_seconds"] / first if first and row["median_step_seconds"] else None
-        print(f"{device}: {steps} steps, {row['median_step_seconds']:.3f} s/step (x{row['step_seconds_vs_first']:.2f} of "
-              f"{rows[0]['device']}), held-out avg@4 {row['heldout_before']}% -> {row['heldout_after']}%", flush=True)  # fmt: skip
-        (out / "summary.json").write_text(json.dumps(rows, indent=2))  # after every device: a cut-off run keeps the rest
+        row["step_seconds_vs_first"] = (
+            row["median_step_seconds"] / first if first and row["median_step_seconds"] else None
+        )
+        print(
+            f"{device}: {steps} steps, {row['median_step_seconds']:.3f} s/step (x{row['step_seconds_vs_first']:.2f} of "
+            f"{rows[0]['device']}), held-out avg@4 {row['heldout_before']}% -> {row['heldout_after']}%",
+            flush=True,
+        )
+        (out / "summary.json").write_text(
+            json.dumps(rows, indent=2)
+        )  # after every device: a cut-off run keeps the rest
     return rows
 
 

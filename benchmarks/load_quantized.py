@@ -23,9 +23,20 @@ from pathlib import Path
 
 MIB = 2**20
 # ~330 MB in bf16: hidden 1024, 4 layers (1 dense), 32 experts of 512 -> 3 x 50M expert params.
-BENCH_SPEC = dict(layers=4, dense_layers=1, experts=32, experts_per_token=8, hidden_size=1024,
-                  intermediate_size=2048, moe_intermediate_size=512, heads=8, q_lora_rank=256, n_group=4,
-                  topk_group=2, shards=4)  # fmt: skip
+BENCH_SPEC = dict(
+    layers=4,
+    dense_layers=1,
+    experts=32,
+    experts_per_token=8,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+    heads=8,
+    q_lora_rank=256,
+    n_group=4,
+    topk_group=2,
+    shards=4,
+)
 
 
 def ensure_checkpoint(path: Path, fp8: bool) -> Path:
@@ -58,12 +69,19 @@ def measure_in_this_process(checkpoint: str) -> dict:
     seconds = time.perf_counter() - t0
     final = _rss_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"base": base, "peak": peak, "final": final, "seconds": seconds,
-            "model_bytes": sum(r.bytes for r in byte_report(model))}  # fmt: skip
+    return {
+        "base": base,
+        "peak": peak,
+        "final": final,
+        "seconds": seconds,
+        "model_bytes": sum(r.bytes for r in byte_report(model)),
+    }
 
 
 def run_case(checkpoint: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", str(checkpoint)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(checkpoint)], capture_output=True, text=True, check=True
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     shards = sorted(checkpoint.glob("*.safetensors"))
     result["largest_shard"] = max(p.stat().st_size for p in shards)

@@ -40,7 +40,9 @@ from quant.modules import EXPERT_PROJECTIONS, FrozenExperts
 
 DEFAULT_EXPERTS = (8, 32, 64, 128, 256)
 QUICK = dict(hidden=128, intermediate=64, tokens=64, experts=(8, 16), formats=("bf16", "nf4"), repeats=1)
-REAL_V3 = dict(hidden=7168, intermediate=2048, tokens=16384, experts=(256,), device="cuda", kernels=("loop", "grouped_mm"))
+REAL_V3 = dict(
+    hidden=7168, intermediate=2048, tokens=16384, experts=(256,), device="cuda", kernels=("loop", "grouped_mm")
+)
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,14 @@ def hf_config(spec: BenchSpec, num_experts: int):
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
-        hidden_size=spec.hidden, moe_intermediate_size=spec.intermediate, n_routed_experts=num_experts,
-        num_experts_per_tok=spec.top_k, n_group=1, topk_group=1, norm_topk_prob=True,
-    )  # fmt: skip
+        hidden_size=spec.hidden,
+        moe_intermediate_size=spec.intermediate,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=spec.top_k,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+    )
     cfg._experts_implementation = "eager"  # the per-expert loop, like ours (not a fused grouped GEMM)
     return cfg
 
@@ -149,8 +156,12 @@ def peft_variant(spec, dense) -> Variant:
         holder.experts = DeepseekV3Experts(hf_config(spec, n))
     holder.experts.gate_up_proj = nn.Parameter(torch.cat([dense["gate"], dense["up"]], dim=1), requires_grad=False)
     holder.experts.down_proj = nn.Parameter(dense["down"], requires_grad=False)
-    config = LoraConfig(r=spec.rank, lora_alpha=2 * spec.rank, target_modules=[],
-                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])  # fmt: skip
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=2 * spec.rank,
+        target_modules=[],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
     inject_adapter_in_model(config, holder)
     for name, p in holder.named_parameters():
         if "lora_B" in name:
@@ -353,7 +364,11 @@ def main(argv=None) -> list[Row]:
     print(table, flush=True)
     if json_path:
         t, m = worst_ours(rows)
-        result = {"spec": asdict(spec), "rows": [asdict(r) for r in rows], "worst_ours_vs_base": {"time": t, "memory": m}}
+        result = {
+            "spec": asdict(spec),
+            "rows": [asdict(r) for r in rows],
+            "worst_ours_vs_base": {"time": t, "memory": m},
+        }
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
     return rows

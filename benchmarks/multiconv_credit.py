@@ -44,9 +44,17 @@ def run(config: dict, credit: str, steps: int | None) -> dict:
     accuracy = re.search(r"held-out accuracy: base ([\d.]+)% -> trained ([\d.]+)%", text)
     ablation = re.search(r"memory ablation: own ([\d.]+)%, blanked ([\d.]+)%, gold ([\d.]+)%", text)
     records = [json.loads(line) for line in (Path(config["run"]["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    return {"credit": credit, "wall_min": (time.time() - start) / 60, "base": float(accuracy[1]), "trained": float(accuracy[2]),
-            "own": float(ablation[1]), "blank": float(ablation[2]), "gold": float(ablation[3]), "records": records,
-            "out_dir": config["run"]["out_dir"]}  # fmt: skip
+    return {
+        "credit": credit,
+        "wall_min": (time.time() - start) / 60,
+        "base": float(accuracy[1]),
+        "trained": float(accuracy[2]),
+        "own": float(ablation[1]),
+        "blank": float(ablation[2]),
+        "gold": float(ablation[3]),
+        "records": records,
+        "out_dir": config["run"]["out_dir"],
+    }
 
 
 def plot(results: list[dict], path: Path) -> Path:
@@ -82,11 +90,15 @@ def main() -> int:
     config = yaml.safe_load(Path(args.config).read_text())
     results = [run(config, credit, args.steps) for credit in ("all", "final")]
     for r in results:
-        print(f"credit {r['credit']}: {r['wall_min']:.1f} min, held-out accuracy {r['base']:.1f}% -> {r['trained']:.1f}%, "
-              f"memory ablation: own {r['own']:.1f}%, blanked {r['blank']:.1f}%, gold {r['gold']:.1f}%")  # fmt: skip
+        print(
+            f"credit {r['credit']}: {r['wall_min']:.1f} min, held-out accuracy {r['base']:.1f}% -> {r['trained']:.1f}%, "
+            f"memory ablation: own {r['own']:.1f}%, blanked {r['blank']:.1f}%, gold {r['gold']:.1f}%"
+        )
     png = plot(results, Path(results[0]["out_dir"]).parent / "multiconv_credit.png")
     print(f"plot: {png}")
-    print(f"credit all {results[0]['trained']:.1f}% vs final {results[1]['trained']:.1f}% (base {results[0]['base']:.1f}%)")
+    print(
+        f"credit all {results[0]['trained']:.1f}% vs final {results[1]['trained']:.1f}% (base {results[0]['base']:.1f}%)"
+    )
     return 0
 
 

@@ -29,7 +29,9 @@ def run_config(default: dict, workers: int, fill: str, steps: int, out_dir: Path
     config = json.loads(json.dumps(default))
     config["parallel"]["workers_per_node"] = workers
     config["algorithm"]["sampling_fill"] = fill
-    config["run"].update(out_dir=str(out_dir), steps=steps, eval_every=steps, checkpoint_every=steps, time_limit_minutes=None)
+    config["run"].update(
+        out_dir=str(out_dir), steps=steps, eval_every=steps, checkpoint_every=steps, time_limit_minutes=None
+    )
     return config
 
 
@@ -37,10 +39,14 @@ def summarize(metrics_path: Path) -> dict:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "sampling_rounds" in r]
     accuracy = [r["heldout_accuracy"] for r in records if "heldout_accuracy" in r]
-    return {"steps": len(steps), "rounds_per_step": statistics.mean(r["sampling_rounds"] for r in steps),
-            "groups_generated_per_step": statistics.mean(r["groups_generated"] for r in steps),
-            "seconds_per_step": statistics.median(r["step_seconds"] for r in steps[1:]),
-            "heldout_base": accuracy[0], "heldout_end": accuracy[-1]}  # fmt: skip
+    return {
+        "steps": len(steps),
+        "rounds_per_step": statistics.mean(r["sampling_rounds"] for r in steps),
+        "groups_generated_per_step": statistics.mean(r["groups_generated"] for r in steps),
+        "seconds_per_step": statistics.median(r["step_seconds"] for r in steps[1:]),
+        "heldout_base": accuracy[0],
+        "heldout_end": accuracy[-1],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,21 +67,31 @@ def main(argv: list[str] | None = None) -> dict:
             config_path.write_text(yaml.safe_dump(run_config(default, workers, fill, args.steps, run_dir)))
             print(f"{name}: {args.steps} steps ...", flush=True)
             with open(out / f"w{workers}-{fill}.log", "w") as log:
-                done = subprocess.run([sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(config_path)],
-                                      stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+                done = subprocess.run(
+                    [sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(config_path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
             if done.returncode != 0:
-                raise SystemExit(f"{name}: recipes/dapo.py exited with {done.returncode}; see {out / f'w{workers}-{fill}.log'}")
+                raise SystemExit(
+                    f"{name}: recipes/dapo.py exited with {done.returncode}; see {out / f'w{workers}-{fill}.log'}"
+                )
             results[name] = summarize(run_dir / "metrics.jsonl")
             (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"\n{'run':<22} {'rounds/step':>11} {'groups/step':>11} {'s/step':>7} {'held-out base -> end':>22}")
     for name, r in results.items():
-        print(f"{name:<22} {r['rounds_per_step']:>11.2f} {r['groups_generated_per_step']:>11.1f} {r['seconds_per_step']:>7.2f} "
-              f"{100 * r['heldout_base']:>10.1f}% -> {100 * r['heldout_end']:.1f}%")
+        print(
+            f"{name:<22} {r['rounds_per_step']:>11.2f} {r['groups_generated_per_step']:>11.1f} {r['seconds_per_step']:>7.2f} "
+            f"{100 * r['heldout_base']:>10.1f}% -> {100 * r['heldout_end']:.1f}%"
+        )
     for workers in [int(w) for w in args.workers.split(",")]:
         per, glob = results[f"{workers} workers, worker"], results[f"{workers} workers, global"]
-        print(f"{workers} workers: per-worker filling runs {per['rounds_per_step'] / glob['rounds_per_step']:.2f}x the rounds, "
-              f"{per['groups_generated_per_step'] / glob['groups_generated_per_step']:.2f}x the groups and "
-              f"{per['seconds_per_step'] / glob['seconds_per_step']:.2f}x the s/step of global filling")
+        print(
+            f"{workers} workers: per-worker filling runs {per['rounds_per_step'] / glob['rounds_per_step']:.2f}x the rounds, "
+            f"{per['groups_generated_per_step'] / glob['groups_generated_per_step']:.2f}x the groups and "
+            f"{per['seconds_per_step'] / glob['seconds_per_step']:.2f}x the s/step of global filling"
+        )
     return results
 
 

@@ -66,11 +66,24 @@ def file_digests(folder: Path, root: Path = ROOT) -> dict[str, str]:
 
 def run_one(config: Path, in_process: bool, out_dir: Path, steps: int) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)  # a run of this oracle's own scratch folder, never a user's run
-    command = [sys.executable, "recipes/dapo.py", "--config", str(config), "--steps", str(steps), "--out-dir", str(out_dir)]
+    command = [
+        sys.executable,
+        "recipes/dapo.py",
+        "--config",
+        str(config),
+        "--steps",
+        str(steps),
+        "--out-dir",
+        str(out_dir),
+    ]
     done = subprocess.run(command + (["--no-ray"] if in_process else []), cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    rows = [without_timing(json.loads(line)) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        without_timing(json.loads(line))
+        for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return {"metrics": rows, "adapter": file_digests(out_dir / "adapter")}
 
 
@@ -81,7 +94,9 @@ def first_difference(want: dict, got: dict) -> str | None:
     for i, (a, b) in enumerate(zip(want["metrics"], got["metrics"])):
         if a != b:
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-            return f"metrics row {i} (step {a.get('step')}): " + ", ".join(f"{k} {a.get(k)} != {b.get(k)}" for k in keys[:5])
+            return f"metrics row {i} (step {a.get('step')}): " + ", ".join(
+                f"{k} {a.get(k)} != {b.get(k)}" for k in keys[:5]
+            )
     if len(want["metrics"]) != len(got["metrics"]):
         return f"{len(want['metrics'])} metrics rows != {len(got['metrics'])}"
     return None

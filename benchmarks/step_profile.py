@@ -134,31 +134,52 @@ def profile(steps: int, warmup: int, base: str) -> dict:
     with FlopCounterMode(display=False) as counter:
         counted, _, _ = run(counter)
     peak = matmul_flops_per_second(getattr(torch, config.model.compute_dtype), threads=1)
-    phases = {p: {"seconds_per_step": timed.seconds[p] / steps, "share": timed.seconds[p] / wall,
-                  "flop_per_step": counted.flops[p] / steps,
-                  "flops_per_second": counted.flops[p] / timed.seconds[p] if timed.seconds[p] else 0.0}
-              for p in PHASES}  # fmt: skip
+    phases = {
+        p: {
+            "seconds_per_step": timed.seconds[p] / steps,
+            "share": timed.seconds[p] / wall,
+            "flop_per_step": counted.flops[p] / steps,
+            "flops_per_second": counted.flops[p] / timed.seconds[p] if timed.seconds[p] else 0.0,
+        }
+        for p in PHASES
+    }
     total_flops = sum(counted.flops.values())
-    return {"tree": str(tree), "steps": steps, "warmup": warmup, "seconds_per_step": wall / steps,
-            "sampling_rounds_per_step": rounds / steps, "phases": phases, "matmul_peak_flops_per_second": peak,
-            "achieved_flops_per_second": total_flops / wall, "achieved_share_of_peak": total_flops / wall / peak,
-            "torch": torch.__version__, "threads": 1, "dtype": config.model.compute_dtype}  # fmt: skip
+    return {
+        "tree": str(tree),
+        "steps": steps,
+        "warmup": warmup,
+        "seconds_per_step": wall / steps,
+        "sampling_rounds_per_step": rounds / steps,
+        "phases": phases,
+        "matmul_peak_flops_per_second": peak,
+        "achieved_flops_per_second": total_flops / wall,
+        "achieved_share_of_peak": total_flops / wall / peak,
+        "torch": torch.__version__,
+        "threads": 1,
+        "dtype": config.model.compute_dtype,
+    }
 
 
 def print_profile(p: dict, label: str = "") -> None:
-    print(f"{label}{p['seconds_per_step']:.3f} s/step over {p['steps']} steps ({p['sampling_rounds_per_step']:.2f} sampling rounds "
-          f"per step); matmul peak {p['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s ({p['dtype']}, {p['threads']} thread)")  # fmt: skip
+    print(
+        f"{label}{p['seconds_per_step']:.3f} s/step over {p['steps']} steps ({p['sampling_rounds_per_step']:.2f} sampling rounds "
+        f"per step); matmul peak {p['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s ({p['dtype']}, {p['threads']} thread)"
+    )
     print(f"  {'phase':<10} {'s/step':>8} {'share':>7} {'GFLOP/step':>11} {'GFLOP/s':>8} {'of peak':>8}")
     for name, ph in p["phases"].items():
-        print(f"  {name:<10} {ph['seconds_per_step']:>8.4f} {ph['share']:>7.1%} {ph['flop_per_step'] / 1e9:>11.3f} "
-              f"{ph['flops_per_second'] / 1e9:>8.1f} {ph['flops_per_second'] / p['matmul_peak_flops_per_second']:>8.1%}")  # fmt: skip
+        print(
+            f"  {name:<10} {ph['seconds_per_step']:>8.4f} {ph['share']:>7.1%} {ph['flop_per_step'] / 1e9:>11.3f} "
+            f"{ph['flops_per_second'] / 1e9:>8.1f} {ph['flops_per_second'] / p['matmul_peak_flops_per_second']:>8.1%}"
+        )
 
 
 def last_line(p: dict) -> str:
     ph = p["phases"]
-    return (f"step profile: {p['seconds_per_step']:.3f} s/step, generate {ph['generate']['share']:.0%}, train "
-            f"{ph['train']['share'] + ph['optimizer']['share']:.0%} of the step; achieved {p['achieved_share_of_peak']:.1%} "
-            "of this machine's measured matmul FLOP/s")  # fmt: skip
+    return (
+        f"step profile: {p['seconds_per_step']:.3f} s/step, generate {ph['generate']['share']:.0%}, train "
+        f"{ph['train']['share'] + ph['optimizer']['share']:.0%} of the step; achieved {p['achieved_share_of_peak']:.1%} "
+        "of this machine's measured matmul FLOP/s"
+    )
 
 
 def profile_in_subprocess(tree: Path, steps: int, warmup: int, base: str) -> dict:
@@ -180,8 +201,14 @@ def launch_step_seconds(tree: Path, steps: int, base: str) -> float:
         (tree / "runs" / "tiny-base").symlink_to(base, target_is_directory=True)
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        subprocess.run([sys.executable, "recipes/dapo.py", "--steps", str(steps), "--out-dir", f"{out}/run"], cwd=tree,
-                       env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "recipes/dapo.py", "--steps", str(steps), "--out-dir", f"{out}/run"],
+            cwd=tree,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         rows = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["step_seconds"] for r in rows if "step_seconds" in r and r["step"] > 5)
 
@@ -191,8 +218,11 @@ def compare(baseline_rev: str, rounds: int, steps: int, warmup: int, base: str, 
     medians and the speed-ups."""
     with tempfile.TemporaryDirectory() as tmp:
         worktree = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), baseline_rev], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), baseline_rev],
+            check=True,
+            capture_output=True,
+        )
         try:
             runs = {"baseline": [], "this": []}
             for r in range(rounds):
@@ -206,22 +236,35 @@ def compare(baseline_rev: str, rounds: int, steps: int, warmup: int, base: str, 
                     launches[name].append(launch_step_seconds(tree, launch_steps, base))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
-    median = {name: min(rs, key=lambda p: abs(p["seconds_per_step"] - statistics.median(x["seconds_per_step"] for x in rs)))
-              for name, rs in runs.items()}  # fmt: skip
+    median = {
+        name: min(rs, key=lambda p: abs(p["seconds_per_step"] - statistics.median(x["seconds_per_step"] for x in rs)))
+        for name, rs in runs.items()
+    }
     speedup = median["baseline"]["seconds_per_step"] / median["this"]["seconds_per_step"]
     launch = {name: statistics.median(v) for name, v in launches.items() if v}
-    return {"baseline_rev": baseline_rev, "runs": runs, "median": median, "speedup": speedup, "launch_runs": launches,
-            "launch_seconds_per_step": launch, "launch_speedup": launch["baseline"] / launch["this"] if launch else None}
+    return {
+        "baseline_rev": baseline_rev,
+        "runs": runs,
+        "median": median,
+        "speedup": speedup,
+        "launch_runs": launches,
+        "launch_seconds_per_step": launch,
+        "launch_speedup": launch["baseline"] / launch["this"] if launch else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--base", default=str(ROOT / "runs" / "tiny-base"), help="the warm-started base (built if missing)")
+    parser.add_argument(
+        "--base", default=str(ROOT / "runs" / "tiny-base"), help="the warm-started base (built if missing)"
+    )
     parser.add_argument("--baseline", metavar="REV", help="also profile this git revision, in turn with this tree")
     parser.add_argument("--rounds", type=int, default=2, help="with --baseline: runs of each")
-    parser.add_argument("--launch-steps", type=int, default=60, help="with --baseline: steps of each default run (0: none)")
+    parser.add_argument(
+        "--launch-steps", type=int, default=60, help="with --baseline: steps of each default run (0: none)"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -233,12 +276,16 @@ def main(argv: list[str] | None = None) -> dict:
         for name in ("baseline", "this"):
             print_profile(result["median"][name], f"{name} ({args.baseline if name == 'baseline' else 'this tree'}): ")
         b, t = result["median"]["baseline"], result["median"]["this"]
-        print(f"speed-up: {result['speedup']:.2f}x per step ({b['seconds_per_step']:.3f} -> {t['seconds_per_step']:.3f} s); "
-              f"achieved share of the matmul peak {b['achieved_share_of_peak']:.1%} -> {t['achieved_share_of_peak']:.1%}")  # fmt: skip
+        print(
+            f"speed-up: {result['speedup']:.2f}x per step ({b['seconds_per_step']:.3f} -> {t['seconds_per_step']:.3f} s); "
+            f"achieved share of the matmul peak {b['achieved_share_of_peak']:.1%} -> {t['achieved_share_of_peak']:.1%}"
+        )
         if result["launch_speedup"] is not None:
             lb, lt = result["launch_seconds_per_step"]["baseline"], result["launch_seconds_per_step"]["this"]
-            print(f"the default run (python recipes/dapo.py, 2 Ray workers): {lb:.3f} -> {lt:.3f} s/step (median), "
-                  f"speed-up {result['launch_speedup']:.2f}x")  # fmt: skip
+            print(
+                f"the default run (python recipes/dapo.py, 2 Ray workers): {lb:.3f} -> {lt:.3f} s/step (median), "
+                f"speed-up {result['launch_speedup']:.2f}x"
+            )
         print(last_line(t))
     else:
         result = profile(args.steps, args.warmup, base)

@@ -90,16 +90,40 @@ def trl_grpo_config(config, out_dir: Path, threads: int):
     r, a, o = config.rollout, config.algorithm, config.optim
     samples = r.prompts_per_step * r.group_size
     return GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        num_generations=r.group_size, per_device_train_batch_size=samples // o.minibatches,
-        gradient_accumulation_steps=1, steps_per_generation=o.minibatches, num_iterations=1,
-        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=1.0,
-        learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1], weight_decay=o.weight_decay,
-        max_grad_norm=o.grad_clip, lr_scheduler_type="constant", warmup_steps=o.warmup_steps,
-        beta=0.0, epsilon=a.clip_low, epsilon_high=a.clip_high, loss_type="dapo", scale_rewards="group",
-        max_steps=10**6, logging_steps=1, save_strategy="no", report_to="none", seed=config.run.seed,
-        dataloader_num_workers=0, use_vllm=False, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(out_dir),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        num_generations=r.group_size,
+        per_device_train_batch_size=samples // o.minibatches,
+        gradient_accumulation_steps=1,
+        steps_per_generation=o.minibatches,
+        num_iterations=1,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=1.0,
+        learning_rate=o.lr,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.grad_clip,
+        lr_scheduler_type="constant",
+        warmup_steps=o.warmup_steps,
+        beta=0.0,
+        epsilon=a.clip_low,
+        epsilon_high=a.clip_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=10**6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=config.run.seed,
+        dataloader_num_workers=0,
+        use_vllm=False,
+        disable_tqdm=True,
+    )
 
 
 def peft_model(model, config):
@@ -115,12 +139,27 @@ def peft_model(model, config):
     from peft import LoraConfig, get_peft_model
     from peft.utils import transformers_weight_conversion
 
-    lora = LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=0.0, bias="none",
-                      target_modules=TRL_TARGET_MODULES, target_parameters=TRL_TARGET_PARAMETERS, task_type="CAUSAL_LM")  # fmt: skip
+    lora = LoraConfig(
+        r=config.lora.rank,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=TRL_TARGET_MODULES,
+        target_parameters=TRL_TARGET_PARAMETERS,
+        task_type="CAUSAL_LM",
+    )
     with mock.patch.dict(transformers_weight_conversion._MOE_TARGET_MODULE_MAPPING, clear=True):
         wrapped = get_peft_model(model, lora)
     adapted = {name.rsplit(".lora_", 1)[0] for name, _ in wrapped.named_parameters() if ".lora_A." in name}
-    wanted = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "mlp.gate_proj", "shared_experts.down_proj", "mlp.experts"}
+    wanted = {
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "o_proj",
+        "mlp.gate_proj",
+        "shared_experts.down_proj",
+        "mlp.experts",
+    }
     missing = [w for w in wanted if not any(w in name for name in adapted)]
     if missing:
         raise RuntimeError(f"PEFT adapted {sorted(adapted)}: none of {missing}")
@@ -155,9 +194,14 @@ def run_trl(config, base: Path, out_dir: Path, seconds: float, threads: int = 2)
                 control.should_training_stop = True
 
     clock = WallClock()
-    trainer = GRPOTrainer(model=peft_model(model, config), reward_funcs=reward, train_dataset=data,
-                          args=trl_grpo_config(config, out_dir / "trainer", threads), processing_class=tokenizer,
-                          callbacks=[clock])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=peft_model(model, config),
+        reward_funcs=reward,
+        train_dataset=data,
+        args=trl_grpo_config(config, out_dir / "trainer", threads),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.remove_callback(PrinterCallback)  # a dict printed per step; the numbers are kept in trainer.state
     trainer.model.save_pretrained(out_dir / "zero-adapter")  # B = 0: the base itself, through the same evaluator
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -165,9 +209,14 @@ def run_trl(config, base: Path, out_dir: Path, seconds: float, threads: int = 2)
     trainer.model.save_pretrained(out_dir / "adapter")
     steps = trainer.state.global_step
     history = [h for h in trainer.state.log_history if "reward" in h]
-    return {"steps": steps, "seconds": clock.seconds, "samples": steps * config.rollout.prompts_per_step * config.rollout.group_size,
-            "trainable_parameters": trainable, "reward_first_50": mean([h["reward"] for h in history[:50]]),
-            "reward_last_50": mean([h["reward"] for h in history[-50:]])}  # fmt: skip
+    return {
+        "steps": steps,
+        "seconds": clock.seconds,
+        "samples": steps * config.rollout.prompts_per_step * config.rollout.group_size,
+        "trainable_parameters": trainable,
+        "reward_first_50": mean([h["reward"] for h in history[:50]]),
+        "reward_last_50": mean([h["reward"] for h in history[-50:]]),
+    }
 
 
 def mean(values: list[float]) -> float:
@@ -180,7 +229,9 @@ def run_allsync(config, out_dir: Path, steps: int | None) -> dict:
 
     from safetensors import safe_open
 
-    command = [sys.executable, "recipes/dapo.py", "--out-dir", str(out_dir)] + (["--steps", str(steps)] if steps else [])
+    command = [sys.executable, "recipes/dapo.py", "--out-dir", str(out_dir)] + (
+        ["--steps", str(steps)] if steps else []
+    )
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
@@ -189,17 +240,49 @@ def run_allsync(config, out_dir: Path, steps: int | None) -> dict:
     generated = sum(r["groups_generated"] for r in steps_rows) * config.rollout.group_size
     with safe_open(out_dir / "adapter" / "adapter_model.safetensors", "pt") as f:
         trainable = sum(prod(f.get_slice(k).get_shape()) for k in f.keys())
-    return {"steps": len(steps_rows), "seconds": seconds, "samples": generated, "trainable_parameters": trainable,
-            "reward_first_50": mean([r["reward"] for r in steps_rows[:50]]),
-            "reward_last_50": mean([r["reward"] for r in steps_rows[-50:]])}  # fmt: skip
+    return {
+        "steps": len(steps_rows),
+        "seconds": seconds,
+        "samples": generated,
+        "trainable_parameters": trainable,
+        "reward_first_50": mean([r["reward"] for r in steps_rows[:50]]),
+        "reward_last_50": mean([r["reward"] for r in steps_rows[-50:]]),
+    }
 
 
 def heldout_accuracy(adapter: Path, base: Path, data: Path, routed_experts: str, out: Path) -> float:
     """avg@4 of `allsync eval` on the held-out problems (the default run's evaluation settings)."""
-    subprocess.run(["allsync", "eval", str(adapter), "--base", str(base), "--data", str(data), "--n", "4",
-                    "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", "16", "--reward", "arithmetic",
-                    "--seed", "0", "--routed-experts", routed_experts, "--out", str(out), "--overwrite"],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [
+            "allsync",
+            "eval",
+            str(adapter),
+            "--base",
+            str(base),
+            "--data",
+            str(data),
+            "--n",
+            "4",
+            "--temperature",
+            "1.0",
+            "--top-p",
+            "1.0",
+            "--max-new-tokens",
+            "16",
+            "--reward",
+            "arithmetic",
+            "--seed",
+            "0",
+            "--routed-experts",
+            routed_experts,
+            "--out",
+            str(out),
+            "--overwrite",
+        ],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads((out / "summary.json").read_text())["avg@4"]
 
 
@@ -213,7 +296,9 @@ def cpu_model() -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench-trl")
-    parser.add_argument("--minutes", type=float, help="TRL's budget (default: the allsync run's wall time; no allsync run)")
+    parser.add_argument(
+        "--minutes", type=float, help="TRL's budget (default: the allsync run's wall time; no allsync run)"
+    )
     parser.add_argument("--allsync-steps", type=int, help="override the default config's run.steps")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -242,8 +327,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "allsync" in result:
         adapters["allsync"] = out / "allsync" / "adapter"
     for fmt in FORMATS:
-        result[f"heldout_{fmt}"] = {name: heldout_accuracy(path, base, heldout, fmt, out / "eval" / f"{name}-{fmt}")
-                                    for name, path in adapters.items()}  # fmt: skip
+        result[f"heldout_{fmt}"] = {
+            name: heldout_accuracy(path, base, heldout, fmt, out / "eval" / f"{name}-{fmt}")
+            for name, path in adapters.items()
+        }
     atomic_write_text(out / "result.json", json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     if "allsync" in result:
@@ -256,9 +343,11 @@ def summary_line(result: dict) -> str:
     ours, theirs = acc["allsync"] - acc["base"], acc["trl"] - acc["base"]
     rate_ours = result["allsync"]["samples"] / result["allsync"]["seconds"]
     rate_theirs = result["trl"]["samples"] / result["trl"]["seconds"]
-    return (f"TRL side by side ({result['allsync']['seconds'] / 60:.1f} min): allsync {100 * ours:+.1f} points, TRL "
-            f"{100 * theirs:+.1f} points ({ours / theirs if theirs else float('inf'):.2f}x TRL's gain); samples/s "
-            f"{rate_ours:.0f} vs {rate_theirs:.0f} ({rate_ours / rate_theirs:.2f}x)")  # fmt: skip
+    return (
+        f"TRL side by side ({result['allsync']['seconds'] / 60:.1f} min): allsync {100 * ours:+.1f} points, TRL "
+        f"{100 * theirs:+.1f} points ({ours / theirs if theirs else float('inf'):.2f}x TRL's gain); samples/s "
+        f"{rate_ours:.0f} vs {rate_theirs:.0f} ({rate_ours / rate_theirs:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,12 @@ class SavedBytes:
 
 
 def settings(budget: int) -> dict[str, dict]:
-    return {"off": {}, f"budget {budget}": {"max_tokens_per_forward": budget}, "checkpointing": {"activation_checkpointing": True},
-            f"budget {budget} + checkpointing": {"max_tokens_per_forward": budget, "activation_checkpointing": True}}  # fmt: skip
+    return {
+        "off": {},
+        f"budget {budget}": {"max_tokens_per_forward": budget},
+        "checkpointing": {"activation_checkpointing": True},
+        f"budget {budget} + checkpointing": {"max_tokens_per_forward": budget, "activation_checkpointing": True},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -83,15 +87,26 @@ def main(argv: list[str] | None = None) -> dict:
                 cuda_peaks[name] = max(cuda_peaks.get(name, 0), torch.cuda.max_memory_allocated())
             if step > 1:
                 times[name].append(metrics["train_seconds"])
-            print(f"step {step} {name}: update {metrics['train_seconds']:.3f} s, trained tokens {metrics['trained_tokens']}", flush=True)
-    results = {name: {"update_seconds_median": statistics.median(times[name]), "peak_saved_bytes": meters[name].peak,
-                      **({"cuda_max_memory_allocated": cuda_peaks[name]} if cuda_peaks else {})} for name in workers}  # fmt: skip
+            print(
+                f"step {step} {name}: update {metrics['train_seconds']:.3f} s, trained tokens {metrics['trained_tokens']}",
+                flush=True,
+            )
+    results = {
+        name: {
+            "update_seconds_median": statistics.median(times[name]),
+            "peak_saved_bytes": meters[name].peak,
+            **({"cuda_max_memory_allocated": cuda_peaks[name]} if cuda_peaks else {}),
+        }
+        for name in workers
+    }
     off = results["off"]
     print(f"\n{'setting':<32} {'update s':>9} {'x off':>6} {'saved MiB':>10} {'x off':>6}")
     for name, r in results.items():
         r["time_ratio"] = r["update_seconds_median"] / off["update_seconds_median"]
         r["saved_ratio"] = r["peak_saved_bytes"] / off["peak_saved_bytes"]
-        print(f"{name:<32} {r['update_seconds_median']:>9.3f} {r['time_ratio']:>6.2f} {r['peak_saved_bytes'] / 2**20:>10.2f} {r['saved_ratio']:>6.3f}")
+        print(
+            f"{name:<32} {r['update_seconds_median']:>9.3f} {r['time_ratio']:>6.2f} {r['peak_saved_bytes'] / 2**20:>10.2f} {r['saved_ratio']:>6.3f}"
+        )
     for worker in workers.values():
         worker.shutdown()
     if args.out:

@@ -35,10 +35,23 @@ from quant.layout import expected_tensors, scale_key
 from quant.loader import QuantPlan, byte_report, load_frozen_model
 
 REAL_V3_TWO_LAYERS = dict(
-    layers=2, dense_layers=1, experts=256, experts_per_token=8, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-    qk_nope_head_dim=128, v_head_dim=128, n_group=8, topk_group=4, fp8=True,
-)  # fmt: skip
+    layers=2,
+    dense_layers=1,
+    experts=256,
+    experts_per_token=8,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    fp8=True,
+)
 VOCAB = 129280
 PLANS = {"nf4": QuantPlan("nf4", "fp8", "fp8", "fp8"), "fp8": QuantPlan.uniform("fp8")}
 TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts")
@@ -121,8 +134,12 @@ def frozen_bytes(ckpt: Path, plan: QuantPlan, device: str, memory: Memory, exper
     model = load_frozen_model(ckpt, plan, progress=False, experts=experts, device=device)
     seconds = time.perf_counter() - t0
     rows = {f"{r.group}:{r.format}": r.bytes for r in byte_report(model)}
-    return model, {"measured": delta(memory.allocated(), before), "tensors": sum(rows.values()), "by_group": rows,
-                   "load_seconds": round(seconds, 2)}  # fmt: skip
+    return model, {
+        "measured": delta(memory.allocated(), before),
+        "tensors": sum(rows.values()),
+        "by_group": rows,
+        "load_seconds": round(seconds, 2),
+    }
 
 
 def train_step_bytes(model, optimizer, seq: int, checkpointing: bool, device: str, memory: Memory) -> dict:
@@ -149,9 +166,14 @@ def train_step_bytes(model, optimizer, seq: int, checkpointing: bool, device: st
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {"seq": seq, "checkpointing": checkpointing, "seconds": round(seconds, 3),
-            "peak_above_resident": delta(memory.peak(), resident), "grads_measured": delta(memory.allocated(), resident),
-            "grads_tensors": sum(p.grad.nbytes for p in params if p.grad is not None)}  # fmt: skip
+    return {
+        "seq": seq,
+        "checkpointing": checkpointing,
+        "seconds": round(seconds, 3),
+        "peak_above_resident": delta(memory.peak(), resident),
+        "grads_measured": delta(memory.allocated(), resident),
+        "grads_tensors": sum(p.grad.nbytes for p in params if p.grad is not None),
+    }
 
 
 def measure_plan(ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: int, device: str) -> dict:
@@ -166,8 +188,11 @@ def measure_plan(ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: 
     attach_lora(model, LoRAConfig(rank, 2.0 * rank, TARGETS, expert_kernel=kernel))
     seeded_init_(model, 0)
     params = [p for p in model.parameters() if p.requires_grad]
-    lora = {"measured": delta(memory.allocated(), before), "tensors": sum(p.nbytes for p in params),
-            "params": sum(p.numel() for p in params)}  # fmt: skip
+    lora = {
+        "measured": delta(memory.allocated(), before),
+        "tensors": sum(p.nbytes for p in params),
+        "params": sum(p.numel() for p in params),
+    }
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     steps = [train_step_bytes(model, optimizer, s, c, device, memory) for s in seqs for c in (True, False)]
     done = [s for s in steps if "oom" not in s]
@@ -181,7 +206,14 @@ def measure_plan(ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: 
     adam = {"measured": delta(memory.allocated(), before), "tensors": sum(t.nbytes for t in state)}
     del model, optimizer, params, state
     free(memory)
-    return {"plan": name, "frozen": frozen, "frozen_ep16_shard": shard_frozen, "lora": lora, "steps": steps, "adamw": adam}
+    return {
+        "plan": name,
+        "frozen": frozen,
+        "frozen_ep16_shard": shard_frozen,
+        "lora": lora,
+        "steps": steps,
+        "adamw": adam,
+    }
 
 
 def gib(n: int | None) -> str:
@@ -198,8 +230,10 @@ def format_report(result: dict) -> str:
         if "oom" in s:
             lines.append(f"  {tag}: out of memory")
         else:
-            lines.append(f"  {tag}: peak above resident {gib(s['peak_above_resident'])} GiB, grads {gib(s['grads_measured'])}"
-                         f" ({gib(s['grads_tensors'])}), {s['seconds']:.2f} s")  # fmt: skip
+            lines.append(
+                f"  {tag}: peak above resident {gib(s['peak_above_resident'])} GiB, grads {gib(s['grads_measured'])}"
+                f" ({gib(s['grads_tensors'])}), {s['seconds']:.2f} s"
+            )
     return "\n".join(lines)
 
 
@@ -221,9 +255,16 @@ def main(argv=None) -> dict:
     config = v3_config(shape, max(seqs))
     t0 = time.perf_counter()
     ckpt = write_checkpoint(Path(args.ckpt), config, args.device)
-    out = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "torch": torch.__version__,
-           "shape": shape, "vocab": VOCAB, "rank": args.rank, "targets": TARGETS,
-           "write_seconds": round(time.perf_counter() - t0, 1), "plans": []}  # fmt: skip
+    out = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "shape": shape,
+        "vocab": VOCAB,
+        "rank": args.rank,
+        "targets": TARGETS,
+        "write_seconds": round(time.perf_counter() - t0, 1),
+        "plans": [],
+    }
     print(f"checkpoint {ckpt} written in {out['write_seconds']} s", flush=True)
     for name in args.plans.split(","):
         result = measure_plan(ckpt, name, PLANS[name], seqs, args.rank, args.device)

@@ -8,6 +8,14 @@ from evals.metrics import EvalSummary, avg_at_k, correct_per_1k_tokens, mean_pas
 from evals.verify import answer_reward, is_correct, is_equivalent
 
 __all__ = [
-    "EvalSummary", "answer_reward", "avg_at_k", "correct_per_1k_tokens", "extract_answer", "is_correct",
-    "is_equivalent", "mean_pass_at_k", "pass_at_k", "summarize",
-]  # fmt: skip
+    "EvalSummary",
+    "answer_reward",
+    "avg_at_k",
+    "correct_per_1k_tokens",
+    "extract_answer",
+    "is_correct",
+    "is_equivalent",
+    "mean_pass_at_k",
+    "pass_at_k",
+    "summarize",
+]

@@ -36,13 +36,15 @@ def verl_schema(extra_info_fields: list | None = None):
     (name, pyarrow type) fields (default: index as a string)."""
     import pyarrow as pa
 
-    return pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct(extra_info_fields or [("index", pa.string())])),
-    ])  # fmt: skip
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("extra_info", pa.struct(extra_info_fields or [("index", pa.string())])),
+        ]
+    )
 
 
 class DatasetError(ValueError):
@@ -60,13 +62,19 @@ class Row:
     def key(self) -> str:
         """What deduplication compares: the prompt's text (messages joined role: content), and the row's
         context when it has one (one question asked of several documents is several problems)."""
-        text = self.prompt if isinstance(self.prompt, str) else "\n".join(f"{role}: {content}" for role, content in self.prompt)
+        text = (
+            self.prompt
+            if isinstance(self.prompt, str)
+            else "\n".join(f"{role}: {content}" for role, content in self.prompt)
+        )
         return text if "context" not in self.extra else f"{text}\n{self.extra['context']}"
 
 
 def _messages(value, where: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, (list, tuple)) or not value:
-        raise DatasetError(f"{where}: prompt must be a non-empty list of {{role, content}} messages, got {type(value).__name__}")
+        raise DatasetError(
+            f"{where}: prompt must be a non-empty list of {{role, content}} messages, got {type(value).__name__}"
+        )
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -98,14 +106,20 @@ def parse_row(record: dict, where: str, template: str | None = None) -> Row:
     else:
         raise DatasetError(f"{where}: no 'reward_model' (verl layout) or 'answer' (plain layout) key")
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or str(answer) == "":
-        raise DatasetError(f"{where}: the answer ({'reward_model.ground_truth' if 'reward_model' in record else 'answer'}) "
-                           f"must be a non-empty string, got {answer!r}")  # fmt: skip
+        raise DatasetError(
+            f"{where}: the answer ({'reward_model.ground_truth' if 'reward_model' in record else 'answer'}) "
+            f"must be a non-empty string, got {answer!r}"
+        )
     extra = dict(record.get("extra_info") or {}) if isinstance(record.get("extra_info"), dict) else {}
     extra.update({k: record[k] for k in EPISODE_KEYS if record.get(k) is not None})  # plain rows carry them at the top
     if not isinstance(extra.get("env_kwargs", {}), dict):
-        raise DatasetError(f"{where}: env_kwargs must be a mapping (the agent environment's keyword arguments), got {extra['env_kwargs']!r}")
+        raise DatasetError(
+            f"{where}: env_kwargs must be a mapping (the agent environment's keyword arguments), got {extra['env_kwargs']!r}"
+        )
     if not isinstance(extra.get("context", ""), str):
-        raise DatasetError(f"{where}: context must be a string (the document read chunk by chunk), got {type(extra['context']).__name__}")
+        raise DatasetError(
+            f"{where}: context must be a string (the document read chunk by chunk), got {type(extra['context']).__name__}"
+        )
     return Row(prompt, str(answer), str(record.get("data_source") or ""), extra)
 
 
@@ -121,7 +135,9 @@ def _records(path: Path) -> Iterator[tuple[int, dict]]:
             raise DatasetError(f"{path}: not a readable parquet file ({exc})") from exc
         columns = set(handle.schema_arrow.names)
         if "prompt" not in columns or not ({"reward_model", "answer"} & columns):
-            raise DatasetError(f"{path}: columns {sorted(columns)}: need 'prompt' and 'reward_model' (verl) or 'answer'")
+            raise DatasetError(
+                f"{path}: columns {sorted(columns)}: need 'prompt' and 'reward_model' (verl) or 'answer'"
+            )
         number = 0
         for batch in handle.iter_batches(batch_size=BATCH_ROWS):
             for record in batch.to_pylist():

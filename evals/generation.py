@@ -53,8 +53,14 @@ def cut_at_eos(tokens: list[int], eos_id: int) -> tuple[list[int], str]:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float | None = None,
-             batch_size: int = 100) -> list[Generated]:  # fmt: skip
+def generate(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float | None = None,
+    batch_size: int = 100,
+) -> list[Generated]:
     """transformers generate in left-padded batches; greedy when temperature is None, else full-vocab sampling."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if temperature is None:
@@ -64,8 +70,14 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
     results = []
     for i in range(0, len(prompt_ids), batch_size):
         ids, mask = left_pad(prompt_ids[i : i + batch_size], pad)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                             pad_token_id=pad, **sampling)  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **sampling,
+        )
         for row in out[:, ids.shape[1] :].tolist():
             kept, _ = cut_at_eos(row, eos)
             results.append(Generated(tokenizer.decode(kept, skip_special_tokens=True), len(kept)))
@@ -78,8 +90,9 @@ def _summary(generated: list[Generated], answers: list[str]) -> tuple[list[bool]
     return correct, asdict(summarize(correct, formatted, [g.tokens for g in generated]))
 
 
-def evaluate_model(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], settings: EvalSettings,
-                   seed: int = 0) -> dict:  # fmt: skip
+def evaluate_model(
+    model, tokenizer, prompt_ids: list[list[int]], answers: list[str], settings: EvalSettings, seed: int = 0
+) -> dict:
     """Greedy summary, temperature-T summary over k samples per prompt, avg@k, pass@k, mixed_group_rate."""
     k = settings.samples_per_problem
     greedy = generate(model, tokenizer, prompt_ids, settings.max_new_tokens, None, settings.batch_size)

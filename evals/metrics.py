@@ -65,7 +65,9 @@ class EvalSummary:
 
 def summarize(correct: Sequence[bool], formatted: Sequence[bool], lengths: Sequence[int]) -> EvalSummary:
     if not correct or not len(correct) == len(formatted) == len(lengths):
-        raise ValueError(f"summarize needs equal, non-empty lists (got {len(correct)}, {len(formatted)}, {len(lengths)})")
+        raise ValueError(
+            f"summarize needs equal, non-empty lists (got {len(correct)}, {len(formatted)}, {len(lengths)})"
+        )
     n = len(correct)
     return EvalSummary(
         samples=n,

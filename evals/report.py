@@ -57,7 +57,9 @@ def by_problem(records: Sequence[SampleRecord], n: int) -> list[list[SampleRecor
         groups.setdefault(r.problem_id, []).append(r)
     wrong = {p: len(g) for p, g in groups.items() if len(g) != n}
     if not groups or wrong:
-        raise ValueError(f"every problem needs {n} samples; got {len(groups)} problems, sample counts {wrong or 'none'}")
+        raise ValueError(
+            f"every problem needs {n} samples; got {len(groups)} problems, sample counts {wrong or 'none'}"
+        )
     return [groups[p] for p in sorted(groups)]
 
 
@@ -87,7 +89,11 @@ def summarize_samples(records: Sequence[SampleRecord], n: int) -> dict:
         "mean_tokens": sum(r.tokens for r in flat) / len(flat),
         "correct_per_1k_tokens": correct_per_1k_tokens([r.correct for r in flat], [r.tokens for r in flat]),
         "truncated_rate": sum(r.finish_reason == "length" for r in flat) / len(flat),
-        **({"tool_call_rate": sum(bool(r.tool_calls) for r in flat) / len(flat)} if flat[0].tool_calls is not None else {}),
+        **(
+            {"tool_call_rate": sum(bool(r.tool_calls) for r in flat) / len(flat)}
+            if flat[0].tool_calls is not None
+            else {}
+        ),
     }
 
 
@@ -109,7 +115,9 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def write_evaluation(out_dir: str | os.PathLike, records: Sequence[SampleRecord], summary: dict, plot: bool = True) -> Path:
+def write_evaluation(
+    out_dir: str | os.PathLike, records: Sequence[SampleRecord], summary: dict, plot: bool = True
+) -> Path:
     """DIR/samples.jsonl (one record per line), DIR/summary.json and DIR/eval.png, each written whole."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,13 +154,21 @@ def plot_evaluation(records: Sequence[SampleRecord], summary: dict, path: str | 
     ks = [int(k) for k in summary["pass@k"]]
     left.plot(ks, [100 * summary["pass@k"][str(k)] for k in ks], marker="o")
     left.set_xscale("log", base=2)
-    left.set(xlabel="k (samples)", ylabel="pass@k (%)", title=f"pass@k over {summary['problems']} problems", ylim=(0, 100))
+    left.set(
+        xlabel="k (samples)", ylabel="pass@k (%)", title=f"pass@k over {summary['problems']} problems", ylim=(0, 100)
+    )
     points = length_bins(records)
     right.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o")
     for length, accuracy, count in points:
-        right.annotate(str(count), (length, 100 * accuracy), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    right.set(xlabel="response tokens (bin mean; labels: samples)", ylabel="accuracy (%)", ylim=(0, 100),
-              title=f"accuracy by length ({summary['samples']} samples)")  # fmt: skip
+        right.annotate(
+            str(count), (length, 100 * accuracy), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8
+        )
+    right.set(
+        xlabel="response tokens (bin mean; labels: samples)",
+        ylabel="accuracy (%)",
+        ylim=(0, 100),
+        title=f"accuracy by length ({summary['samples']} samples)",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

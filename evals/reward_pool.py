@@ -96,9 +96,20 @@ class _Worker:
         request_read, request_write = os.pipe()
         result_read, result_write = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "evals.reward_pool", json.dumps(asdict(spec)), str(request_read),
-                                          str(result_write)], stdin=subprocess.DEVNULL, stdout=sys.__stderr__.fileno(),
-                                         pass_fds=(request_read, result_write), env=env)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "evals.reward_pool",
+                    json.dumps(asdict(spec)),
+                    str(request_read),
+                    str(result_write),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=sys.__stderr__.fileno(),
+                pass_fds=(request_read, result_write),
+                env=env,
+            )
         finally:
             os.close(request_read)
             os.close(result_write)
@@ -142,7 +153,9 @@ class RewardPool:
     def score(self, samples: list[tuple[str, dict]]) -> list[RewardResult]:
         """A result per (response, row), in order."""
         results: list[RewardResult | None] = [None] * len(samples)
-        pending = {p: deque(batch) for p, batch in enumerate(_split(len(samples), self.processes))}  # per worker: its samples not yet scored
+        pending = {
+            p: deque(batch) for p, batch in enumerate(_split(len(samples), self.processes))
+        }  # per worker: its samples not yet scored
         while len(self.workers) < len(pending):
             self.workers.append(_Worker(self.spec))
         selector = selectors.DefaultSelector()

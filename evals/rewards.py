@@ -40,15 +40,60 @@ DAPO_TAIL_CHARS = 300  # DAPO scores only the end of a response
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 _SUBSTITUTIONS = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-)  # fmt: skip
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
 UNIT_AND_DECORATION_STRINGS = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
-    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
-    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
-)  # fmt: skip
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
 _UNWRAP = (  # (pattern, replacement) applied once each, in order
     (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),
     (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),
@@ -107,7 +152,9 @@ def last_boxed(text: str) -> str | None:
 def math_verify_reward(response: str, ground_truth: str) -> float:
     """1.0 when math-verify finds the response's answer equal to the ground truth: the last \\boxed{} first,
     else the `Answer:` line, else the whole response (math-verify's own extraction); 0.0 otherwise."""
-    gold = ground_truth if "$" in ground_truth or "\\boxed" in ground_truth else f"${ground_truth}$"  # LaTeX for math-verify
+    gold = (
+        ground_truth if "$" in ground_truth or "\\boxed" in ground_truth else f"${ground_truth}$"
+    )  # LaTeX for math-verify
     candidate = last_boxed(response)
     if candidate is None:
         candidate = extract_answer(response)

@@ -39,7 +39,9 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM loads LoRA on kv_b_proj but never applies it (its MLA absorbs kv_b_proj into the attention kernel).
 VLLM_IGNORED_TARGETS = ("kv_b_proj",)
 _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_FUSED_KEY = re.compile(r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\.experts(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$")
+_FUSED_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\.experts(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$"
+)
 
 
 class AdapterError(ValueError):
@@ -81,7 +83,9 @@ def resolve_adapter_dir(src: str | os.PathLike) -> Path:
     for candidate in (src, src / "adapter"):
         if (candidate / ADAPTER_CONFIG).exists():
             return candidate
-    raise AdapterError(f"{src}: no {ADAPTER_CONFIG} here or in {src / 'adapter'} (expected a PEFT adapter or a training checkpoint)")
+    raise AdapterError(
+        f"{src}: no {ADAPTER_CONFIG} here or in {src / 'adapter'} (expected a PEFT adapter or a training checkpoint)"
+    )
 
 
 def read_adapter(src: str | os.PathLike, base_config: dict) -> Adapter:
@@ -120,7 +124,9 @@ def fused_to_per_expert(tensors: dict[str, torch.Tensor], config: dict, r: int) 
             raise AdapterError(f"{where}: fused expert adapter needs both lora_A and lora_B")
         a, b = ab["A"], ab["B"]
         if a.shape[0] != experts * r or b.shape[1] != experts * r:
-            raise AdapterError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not hold {experts} experts x rank {r}")
+            raise AdapterError(
+                f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not hold {experts} experts x rank {r}"
+            )
         a_e, b_e = a.view(experts, r, a.shape[1]), b.view(b.shape[0], r, experts)
         is_gate_up = fused_projection(a.shape[1], b.shape[0], hidden, inter, where) == "gate_up"
         for e in range(experts):
@@ -144,8 +150,10 @@ def fused_projection(in_features: int, out_features: int, hidden: int, inter: in
     shapes = {"gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
     matches = [name for name, shape in shapes.items() if shape == (in_features, out_features)]
     if not matches:
-        raise AdapterError(f"{where}: maps {in_features} -> {out_features} features; the base's gate_up_proj maps "
-                           f"{hidden} -> {2 * inter} and its down_proj {inter} -> {hidden}")  # fmt: skip
+        raise AdapterError(
+            f"{where}: maps {in_features} -> {out_features} features; the base's gate_up_proj maps "
+            f"{hidden} -> {2 * inter} and its down_proj {inter} -> {hidden}"
+        )
     return matches[0]
 
 
@@ -155,7 +163,9 @@ def check_fits_base(adapter: Adapter, config: dict, source: str = "adapter") -> 
     for key, t in adapter.tensors.items():
         m = _LORA_KEY.match(key)
         if m is None:
-            raise AdapterError(f"{source}: {key!r} is not a LoRA tensor name (base_model.model.<module>.lora_A/B.weight)")
+            raise AdapterError(
+                f"{source}: {key!r} is not a LoRA tensor name (base_model.model.<module>.lora_A/B.weight)"
+            )
         base_key = m.group("module") + ".weight"
         spec = specs.get(base_key)
         if spec is None or not spec.quantizable:
@@ -163,7 +173,9 @@ def check_fits_base(adapter: Adapter, config: dict, source: str = "adapter") -> 
         out_f, in_f = spec.shape
         want = (adapter.r, in_f) if m.group("ab") == "A" else (out_f, adapter.r)
         if tuple(t.shape) != want:
-            raise AdapterError(f"{source}: {key!r} has shape {list(t.shape)}, base weight {base_key} {list(spec.shape)} needs {list(want)}")
+            raise AdapterError(
+                f"{source}: {key!r} has shape {list(t.shape)}, base weight {base_key} {list(spec.shape)} needs {list(want)}"
+            )
         partner = key[: -len("lora_A.weight")] + ("lora_B.weight" if m.group("ab") == "A" else "lora_A.weight")
         if partner not in adapter.tensors:
             raise AdapterError(f"{source}: {key!r} has no partner {partner!r}")
@@ -176,15 +188,25 @@ def attach_adapter(model: torch.nn.Module, adapter: Adapter) -> torch.nn.Module:
     from moe_lora.lora import PEFT_PREFIX, LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict, target_of
 
     adapted = set(adapter.modules())
-    targets = sorted({target_of(name, m) for name, m in model.named_modules()
-                      if target_of(name, m) is not None and any(a == name or a.startswith(name + ".") for a in adapted)})  # fmt: skip
+    targets = sorted(
+        {
+            target_of(name, m)
+            for name, m in model.named_modules()
+            if target_of(name, m) is not None and any(a == name or a.startswith(name + ".") for a in adapted)
+        }
+    )
     if not targets:
         raise AdapterError(f"the adapter's {len(adapted)} modules match no adaptable module of the model")
     attach_lora(model, LoRAConfig(adapter.r, adapter.lora_alpha, tuple(targets), use_rslora=adapter.use_rslora))
-    full = {k: (adapter.tensors[k] if k in adapter.tensors else torch.zeros_like(v)) for k, v in lora_state_dict(model).items()}
+    full = {
+        k: (adapter.tensors[k] if k in adapter.tensors else torch.zeros_like(v))
+        for k, v in lora_state_dict(model).items()
+    }
     extra = [k for k in adapter.tensors if k not in full]
     if extra:
-        raise AdapterError(f"adapter tensor {extra[0]!r} has no place in the model ({len(extra)} such; prefix {PEFT_PREFIX})")
+        raise AdapterError(
+            f"adapter tensor {extra[0]!r} has no place in the model ({len(extra)} such; prefix {PEFT_PREFIX})"
+        )
     load_lora_state_dict(model, full)
     return model
 
@@ -251,7 +273,11 @@ def peft_loader_caveat(adapter: Adapter) -> str | None:
     """PEFT (0.21) on transformers 5 maps every `*.gate_proj/up_proj/down_proj` target of a DeepSeek-V3 adapter
     to the fused routed-expert parameters, so LoRA on the dense MLP or the shared experts is dropped by
     `PeftModel.from_pretrained` (vLLM and the merged export apply it)."""
-    dense = [m for m in adapter.modules() if m.rsplit(".", 1)[1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in m]
+    dense = [
+        m
+        for m in adapter.modules()
+        if m.rsplit(".", 1)[1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in m
+    ]
     if not dense:
         return None
     return (
@@ -287,7 +313,12 @@ def trained_weight(t: torch.Tensor, scale_inv: torch.Tensor | None, fmt: str, do
 
 
 def merged_tensors(
-    key: str, t: torch.Tensor, scale_inv: torch.Tensor | None, quantizable: bool, adapted: torch.Tensor | None, dtype: str
+    key: str,
+    t: torch.Tensor,
+    scale_inv: torch.Tensor | None,
+    quantizable: bool,
+    adapted: torch.Tensor | None,
+    dtype: str,
 ) -> dict[str, torch.Tensor]:
     """The output tensors of one base weight `t` (`scale_inv`: its FP8 block scales, None for a floating weight).
 
@@ -361,7 +392,9 @@ def export_merged(
                     if trained_plan is None:
                         into = stored_weight(t, scale_inv)
                     else:
-                        into = trained_weight(t, scale_inv, trained_plan.format_of(spec.group), trained_plan.double_quant)
+                        into = trained_weight(
+                            t, scale_inv, trained_plan.format_of(spec.group), trained_plan.double_quant
+                        )
                     new_weight = into + adapter.delta(module)
                 quantizable = spec is not None and spec.quantizable
                 tensors.update(merged_tensors(key, t, scale_inv, quantizable, new_weight, dtype))
@@ -369,7 +402,9 @@ def export_merged(
             for key, t in tensors.items():
                 new_map[key] = shard
                 total += t.numel() * t.element_size()
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2) + "\n")
+        (tmp / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2) + "\n"
+        )
         merged_config = {k: v for k, v in config.items() if k != "quantization_config"}
         if dtype == "fp8":
             merged_config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)

@@ -84,15 +84,27 @@ class DispatchStats:
 
     def take(self) -> dict:
         """The totals since the last take, then zeroed."""
-        out = {"alltoall_bytes": self.bytes_remote, "alltoall_forward_rows": self.forward_rows_remote,
-               "alltoall_backward_rows": self.backward_rows_remote, "routed_assignments": self.assignments,
-               "alltoall_received_rows": self.forward_rows_received}  # fmt: skip
-        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = self.forward_rows_received = 0
+        out = {
+            "alltoall_bytes": self.bytes_remote,
+            "alltoall_forward_rows": self.forward_rows_remote,
+            "alltoall_backward_rows": self.backward_rows_remote,
+            "routed_assignments": self.assignments,
+            "alltoall_received_rows": self.forward_rows_received,
+        }
+        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = (
+            self.forward_rows_received
+        ) = 0
         return out
 
 
-def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, stats: DispatchStats | None = None,
-               backward: bool = False) -> torch.Tensor:  # fmt: skip
+def all_to_all(
+    x: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group,
+    stats: DispatchStats | None = None,
+    backward: bool = False,
+) -> torch.Tensor:
     """Rows x[sum(send_splits[:i]) : sum(send_splits[:i+1])] go to peer i; returns the rows received, peer by peer."""
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     group.alltoall_base(out, x.contiguous(), list(recv_splits), list(send_splits)).wait()
@@ -117,7 +129,13 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, backward=True), None, None, None, None
+        return (
+            all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, backward=True),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class ExpertDispatch:
@@ -159,7 +177,9 @@ def shard_experts(model: nn.Module, group, layout: ExpertLayout, rank: int) -> D
         if isinstance(module, FrozenExperts):
             held = range(module.first_expert, module.first_expert + module.num_experts)
             if held != mine:
-                raise ValueError(f"{name} holds experts {held.start}..{held.stop - 1}; rank {rank} of {layout} owns {mine.start}..{mine.stop - 1}")
+                raise ValueError(
+                    f"{name} holds experts {held.start}..{held.stop - 1}; rank {rank} of {layout} owns {mine.start}..{mine.stop - 1}"
+                )
             module.dispatch = ExpertDispatch(group, layout.ep_size, layout.experts_per_rank, stats)
     return stats
 

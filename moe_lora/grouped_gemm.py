@@ -113,7 +113,9 @@ def add_frozen_rows_(out: torch.Tensor, xs: torch.Tensor, weights: list[Quantize
     return out
 
 
-def add_frozen_rows_backward_(out: torch.Tensor, dys: torch.Tensor, weights: list[QuantizedWeight], chunk: Chunk) -> torch.Tensor:
+def add_frozen_rows_backward_(
+    out: torch.Tensor, dys: torch.Tensor, weights: list[QuantizedWeight], chunk: Chunk
+) -> torch.Tensor:
     """out[rows of e] += dys[rows of e] @ W_e (the input gradient of add_frozen_rows_)."""
     for expert, start, stop in chunk.groups:
         rows = slice(start - chunk.start, stop - chunk.start)
@@ -143,7 +145,9 @@ def _t(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-2, -1)
 
 
-def chunk_forward(x, weighted_out, tokens, flat_w, ad: _Adapters, call: ExpertsCall, chunk: Chunk) -> list[torch.Tensor]:
+def chunk_forward(
+    x, weighted_out, tokens, flat_w, ad: _Adapters, call: ExpertsCall, chunk: Chunk
+) -> list[torch.Tensor]:
     """Adds the chunk's w * y to weighted_out; returns [g, u, y, z_gate_up, z_down] of its rows."""
     s, w, offs, r = call.scale, call.weights, chunk.offsets, ad.b_gate.shape[2]
     xs = x.index_select(0, tokens)
@@ -193,7 +197,9 @@ def gmm_forward(x, top_k_weights, lora, call: ExpertsCall, keep_saved: bool):
     return out, parts, saved
 
 
-def chunk_backward(x, dout, tokens, flat_w, saved, ad: _Adapters, call: ExpertsCall, chunk: Chunk, need_x: bool, need_w: bool):
+def chunk_backward(
+    x, dout, tokens, flat_w, saved, ad: _Adapters, call: ExpertsCall, chunk: Chunk, need_x: bool, need_w: bool
+):
     """(dL/d routing weight of each row or None, [dA_gate_up, dB_gate, dB_up, dA_down, dB_down] of the chunk's
     experts, dL/d xs or None) from the chunk's saved [g, u, y, z_gate_up, z_down]."""
     g, u, y, z_gu, z_down = saved
@@ -247,8 +253,17 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
         for i, c in enumerate(parts):
             rows, part, r = slice(c.start, c.stop), slice(c.first, c.end), lora[0].shape[1]
             dw_c, (a_gu, b_g, b_u, a_d, b_d), dxs = chunk_backward(
-                x, dout, tokens[rows], flat_w[rows], saved[5 * i : 5 * i + 5], _Adapters(lora, c, x.dtype), call, c, need_x, need_w,
-            )  # fmt: skip
+                x,
+                dout,
+                tokens[rows],
+                flat_w[rows],
+                saved[5 * i : 5 * i + 5],
+                _Adapters(lora, c, x.dtype),
+                call,
+                c,
+                need_x,
+                need_w,
+            )
             ga_g[part].copy_(a_gu[:, :r])
             ga_u[part].copy_(a_gu[:, r:])
             gb_g[part].copy_(b_g)
@@ -256,7 +271,9 @@ class GroupedGemmLoRAExperts(torch.autograd.Function):
             ga_d[part].copy_(a_d)
             gb_d[part].copy_(b_d)
             for idle in (e for e in range(c.first, c.end) if call.routing.counts[e] == 0):
-                for g in grads:  # an expert no row reached inside a chunk: exact zeros, whatever a kernel does with an empty group
+                for g in (
+                    grads
+                ):  # an expert no row reached inside a chunk: exact zeros, whatever a kernel does with an empty group
                     g[idle].zero_()
             if need_w:
                 dw[rows] = dw_c.to(dw.dtype)

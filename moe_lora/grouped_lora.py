@@ -106,9 +106,15 @@ class ExpertLoRA:
         (a_g, b_g), (a_u, b_u), (a_d, b_d) = (factors[p] for p in EXPERT_PROJECTIONS)
         w = call.weights
         return cls(
-            w["gate"][expert], w["up"][expert], w["down"][expert], torch.cat([a_g[expert], a_u[expert]]).to(dtype),
-            b_g[expert].to(dtype), b_u[expert].to(dtype), a_d[expert].to(dtype), b_d[expert].to(dtype),
-        )  # fmt: skip
+            w["gate"][expert],
+            w["up"][expert],
+            w["down"][expert],
+            torch.cat([a_g[expert], a_u[expert]]).to(dtype),
+            b_g[expert].to(dtype),
+            b_u[expert].to(dtype),
+            a_d[expert].to(dtype),
+            b_d[expert].to(dtype),
+        )
 
 
 @dataclass
@@ -180,7 +186,9 @@ def grouped_forward(x, top_k_weights, factors: dict[str, tuple], call: ExpertsCa
     saved: list[torch.Tensor] = []
     for expert, rows in call.routing.groups():
         tokens = rows // call.routing.top_k
-        tensors = expert_forward(x.index_select(0, tokens), ExpertLoRA.of(call, factors, expert, x.dtype), call.scale, masks)
+        tensors = expert_forward(
+            x.index_select(0, tokens), ExpertLoRA.of(call, factors, expert, x.dtype), call.scale, masks
+        )
         out.index_add_(0, tokens, tensors[2] * flat_w[rows, None].to(x.dtype))
         if keep_saved:
             saved += tensors

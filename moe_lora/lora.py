@@ -31,8 +31,17 @@ TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 DEFAULT_TARGETS = tuple(t for t in TARGETS if t != "q_proj")
 PEFT_PREFIX = "base_model.model."
 
-__all__ = ["LoRAConfig", "LoRAExperts", "LoRALinear", "TARGETS", "adapters_disabled", "attach_lora", "load_lora_state_dict",
-           "lora_state_dict", "seeded_init_"]
+__all__ = [
+    "LoRAConfig",
+    "LoRAExperts",
+    "LoRALinear",
+    "TARGETS",
+    "adapters_disabled",
+    "attach_lora",
+    "load_lora_state_dict",
+    "lora_state_dict",
+    "seeded_init_",
+]
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,13 @@ class LoRAConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
         if self.expert_kernel not in LoRAExperts.kernels:
-            raise ValueError(f"unknown routed-expert kernel {self.expert_kernel!r}; valid: {', '.join(LoRAExperts.kernels)}")
+            raise ValueError(
+                f"unknown routed-expert kernel {self.expert_kernel!r}; valid: {', '.join(LoRAExperts.kernels)}"
+            )
         if self.expert_kernel == "grouped_mm" and self.dropout > 0:
-            raise ValueError(f"the grouped_mm routed-expert kernel has no dropout (dropout {self.dropout}); use kernel loop")
+            raise ValueError(
+                f"the grouped_mm routed-expert kernel has no dropout (dropout {self.dropout}); use kernel loop"
+            )
 
     @property
     def scale(self) -> float:
@@ -153,7 +166,9 @@ def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], oth
             raise KeyError(f"adapter tensor {missing[0]!r} missing from the state dict ({len(missing)} missing)")
         extra = [k for k in tensors if k not in slots and not (other_experts and _EXPERT_KEY.search(k))]
         if extra:
-            raise KeyError(f"state dict has {extra[0]!r}, which is not an adapter tensor of this model ({len(extra)} such)")
+            raise KeyError(
+                f"state dict has {extra[0]!r}, which is not an adapter tensor of this model ({len(extra)} such)"
+            )
         for key, slot in slots.items():
             if tuple(tensors[key].shape) != tuple(slot.shape):
                 raise ValueError(
@@ -186,8 +201,11 @@ def lora_merged(model: nn.Module):
     2.5e-5 nats of the unmerged forward, mean logprob_gap 6e-7). Routed experts keep their per-group LoRA: no
     full-size expert delta is ever formed.
     Forwards with gradients still compute the unmerged form. Cleared on exit, also after an exception."""
-    modules = [m for m in model.modules()
-               if isinstance(m, LoRALinear) and m.base.weight_q is not None and m.base.weight_q.compute_copy is not None]
+    modules = [
+        m
+        for m in model.modules()
+        if isinstance(m, LoRALinear) and m.base.weight_q is not None and m.base.weight_q.compute_copy is not None
+    ]
     try:
         with torch.no_grad():
             for m in modules:

@@ -50,7 +50,9 @@ class LoRALinear(nn.Module):
             return self.base(x)
         if self.merged is not None and not torch.is_grad_enabled():
             return F.linear(x, self.merged)
-        z = F.linear(self.dropout(x), self.lora_A.to(x.dtype)).mul_(self.scale)  # s on the [.., r] factor, not the output
+        z = F.linear(self.dropout(x), self.lora_A.to(x.dtype)).mul_(
+            self.scale
+        )  # s on the [.., r] factor, not the output
         return self.base(x).add_(F.linear(z, self.lora_B.to(x.dtype)))
 
     def extra_repr(self) -> str:
@@ -74,8 +76,15 @@ class LoRAExperts(nn.Module):
     group = "routed_experts"
     kernels = ("auto", "loop", "grouped_mm")
 
-    def __init__(self, base: FrozenExperts, rank: int, scale: float, dropout: float = 0.0, dtype=torch.float32,
-                 kernel: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        base: FrozenExperts,
+        rank: int,
+        scale: float,
+        dropout: float = 0.0,
+        dtype=torch.float32,
+        kernel: str = "auto",
+    ):
         super().__init__()
         if kernel not in self.kernels:
             raise ValueError(f"unknown routed-expert kernel {kernel!r}; valid: {', '.join(self.kernels)}")
@@ -110,17 +119,23 @@ class LoRAExperts(nn.Module):
         if self.kernel == "auto":
             return x.is_cuda and x.dtype == torch.bfloat16 and dropout == 0 and aligned
         if self.kernel == "grouped_mm" and not aligned:
-            raise ValueError(f"the grouped_mm expert kernel needs rank {self.rank}, hidden {hidden} and moe_intermediate "
-                             f"{inter} to be multiples of 16 bytes in {x.dtype}; use kernel loop")  # fmt: skip
+            raise ValueError(
+                f"the grouped_mm expert kernel needs rank {self.rank}, hidden {hidden} and moe_intermediate "
+                f"{inter} to be multiples of 16 bytes in {x.dtype}; use kernel loop"
+            )
         return self.kernel == "grouped_mm"
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         dispatch = self.base.dispatch  # expert parallelism: tokens go to their experts' ranks and come back
         if dispatch is not None:
             return dispatch(hidden_states, top_k_index, top_k_weights, self.local_forward)
         return self.local_forward(hidden_states, top_k_index, top_k_weights)
 
-    def local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def local_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """The experts held here on tokens routed to them (top_k_index: local expert ids)."""
         if not self.enabled:
             return self.base.local_forward(hidden_states, top_k_index, top_k_weights)
@@ -142,5 +157,7 @@ class LoRAExperts(nn.Module):
         return grouped_forward(hidden_states, top_k_weights, factor_map(factors), call, keep_saved=False)[0]
 
     def extra_repr(self) -> str:
-        return (f"{self.num_experts} experts, rank={self.rank}, scale={self.scale:g}, dropout={self.dropout:g}, "
-                f"kernel={self.kernel}")  # fmt: skip
+        return (
+            f"{self.num_experts} experts, rank={self.rank}, scale={self.scale:g}, dropout={self.dropout:g}, "
+            f"kernel={self.kernel}"
+        )

@@ -60,8 +60,10 @@ class ReservedLayer(DynamicLayer):
         start = self.get_seq_length()
         end = start + key_states.shape[-2]
         if not self._buffers_hold_cache(end):
-            self.buffers = (_with_room(self.keys, key_states, end + self.reserve),
-                            _with_room(self.values, value_states, end + self.reserve))  # fmt: skip
+            self.buffers = (
+                _with_room(self.keys, key_states, end + self.reserve),
+                _with_room(self.values, value_states, end + self.reserve),
+            )
         keys, values = self.buffers
         keys[:, :, start:end] = key_states
         values[:, :, start:end] = value_states
@@ -73,8 +75,12 @@ class ReservedLayer(DynamicLayer):
         if self.buffers is None:
             return False
         keys, values = self.buffers
-        return (keys.shape[-2] >= end and self.keys.shape[0] == keys.shape[0]
-                and self.keys.data_ptr() == keys.data_ptr() and self.values.data_ptr() == values.data_ptr())  # fmt: skip
+        return (
+            keys.shape[-2] >= end
+            and self.keys.shape[0] == keys.shape[0]
+            and self.keys.data_ptr() == keys.data_ptr()
+            and self.values.data_ptr() == values.data_ptr()
+        )
 
 
 def _with_room(cached: torch.Tensor, new_states: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -93,12 +99,15 @@ def expanded_cache_fits(config) -> bool:
     return config.num_attention_heads * per_head <= config.kv_lora_rank + config.qk_rope_head_dim
 
 
-def expanded_cache_forward(attn: DeepseekV3Attention, hidden_states, position_embeddings, attention_mask,
-                           past_key_values=None, **kwargs):  # fmt: skip
+def expanded_cache_forward(
+    attn: DeepseekV3Attention, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs
+):
     """DeepseekV3Attention.forward, expanding the new tokens before the cache update when the cache is an
     ExpandedKVCache; any other cache (or none: training) goes to transformers' own forward unchanged."""
     if not isinstance(past_key_values, ExpandedKVCache):
-        return DeepseekV3Attention.forward(attn, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        return DeepseekV3Attention.forward(
+            attn, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+        )
     batch_size, seq_length = hidden_states.shape[:-1]
     if attn.q_lora_rank is None:
         q_states = attn.q_proj(hidden_states)
@@ -107,7 +116,9 @@ def expanded_cache_forward(attn: DeepseekV3Attention, hidden_states, position_em
     q_states = q_states.view(batch_size, seq_length, -1, attn.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q_states, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
 
-    kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    kv_nope, k_rot = torch.split(
+        attn.kv_a_proj_with_mqa(hidden_states), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1
+    )
     kv_nope = attn.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, attn.kv_lora_rank)
     k_rot = k_rot.view(batch_size, 1, seq_length, attn.qk_rope_head_dim)
     cos, sin = position_embeddings
@@ -119,9 +130,16 @@ def expanded_cache_forward(attn: DeepseekV3Attention, hidden_states, position_em
     key_states, value_states = past_key_values.update(key_states, value_states, attn.layer_idx)
 
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    attn_output, attn_weights = attention(attn, query_states, key_states, value_states, attention_mask,
-                                          dropout=0.0 if not attn.training else attn.attention_dropout,
-                                          scaling=attn.scaling, **kwargs)  # fmt: skip
+    attn_output, attn_weights = attention(
+        attn,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not attn.training else attn.attention_dropout,
+        scaling=attn.scaling,
+        **kwargs,
+    )
     attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
     return attn.o_proj(attn_output), attn_weights
 

@@ -34,10 +34,25 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT, *TASK_SPECIAL_TOKENS]
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
 TOOL_SEP = "<\uff5ctool\u2581sep\uff5c>"
-TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = "<\uff5ctool\u2581outputs\u2581begin\uff5c>", "<\uff5ctool\u2581outputs\u2581end\uff5c>"
-TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<\uff5ctool\u2581output\u2581begin\uff5c>", "<\uff5ctool\u2581output\u2581end\uff5c>"
-TOOL_TOKENS = [TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END,
-               TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END, TOOL_SEP]  # fmt: skip
+TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = (
+    "<\uff5ctool\u2581outputs\u2581begin\uff5c>",
+    "<\uff5ctool\u2581outputs\u2581end\uff5c>",
+)
+TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = (
+    "<\uff5ctool\u2581output\u2581begin\uff5c>",
+    "<\uff5ctool\u2581output\u2581end\uff5c>",
+)
+TOOL_TOKENS = [
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_OUTPUTS_BEGIN,
+    TOOL_OUTPUTS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+    TOOL_SEP,
+]
 
 # DeepSeek-V3's conversation layout: <bos>system<｜User｜>...<｜Assistant｜>...<eos>. An assistant message with
 # tool_calls writes them as V3 does (calls begin, per call: type, sep, name, ```json arguments```, call end;
@@ -56,7 +71,9 @@ CHAT_TEMPLATE = (
     "{% if ns.in_outputs %}{{ '" + TOOL_OUTPUTS_END + "' }}{% set ns.in_outputs = false %}{% endif %}"
     "{{ '<｜User｜>' + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}"
-    "{% if ns.in_outputs %}{{ '" + TOOL_OUTPUTS_END + "' }}{% set ns.in_outputs = false %}{% else %}{{ '<｜Assistant｜>' }}{% endif %}"
+    "{% if ns.in_outputs %}{{ '"
+    + TOOL_OUTPUTS_END
+    + "' }}{% set ns.in_outputs = false %}{% else %}{{ '<｜Assistant｜>' }}{% endif %}"
     "{{ message['content'] or '' }}"
     "{% if message.get('tool_calls') %}{{ '" + TOOL_CALLS_BEGIN + "' }}{% for call in message['tool_calls'] %}"
     "{% if not loop.first %}{{ '\n' }}{% endif %}"
@@ -68,7 +85,9 @@ CHAT_TEMPLATE = (
     "{% if ns.in_outputs %}{{ '\n' }}{% else %}{{ '" + TOOL_OUTPUTS_BEGIN + "' }}{% endif %}"
     "{{ '" + TOOL_OUTPUT_BEGIN + "' + message['content'] + '" + TOOL_OUTPUT_END + "' }}{% set ns.in_outputs = true %}"
     "{% endif %}{% endfor %}"
-    "{% if ns.in_outputs %}{{ '" + TOOL_OUTPUTS_END + "' }}{% elif add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+    "{% if ns.in_outputs %}{{ '"
+    + TOOL_OUTPUTS_END
+    + "' }}{% elif add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 
 

@@ -182,7 +182,9 @@ def quantize_weight(w: torch.Tensor, fmt: str, double_quant: bool = False) -> Qu
     return QuantizedWeight("int8", shape, q, row_absmax)
 
 
-def from_fp8_checkpoint(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, double_quant: bool = False) -> QuantizedWeight:
+def from_fp8_checkpoint(
+    q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, double_quant: bool = False
+) -> QuantizedWeight:
     """An FP8 checkpoint tensor to `fmt`: kept as stored for fp8, otherwise dequantized (this one tensor only)."""
     if fmt == "fp8":
         shape = (int(q.shape[0]), int(q.shape[1]))
@@ -190,7 +192,9 @@ def from_fp8_checkpoint(q: torch.Tensor, scale_inv: torch.Tensor, fmt: str, doub
     return quantize_weight(fp8_block_dequantize(q, scale_inv), fmt, double_quant)
 
 
-def checkpoint_weight(tensor: torch.Tensor, scale_inv: torch.Tensor | None, fmt: str, double_quant: bool = False) -> QuantizedWeight:
+def checkpoint_weight(
+    tensor: torch.Tensor, scale_inv: torch.Tensor | None, fmt: str, double_quant: bool = False
+) -> QuantizedWeight:
     """One checkpoint weight in `fmt`, converted the way the loader converts it: an FP8 tensor (given its
     scale_inv) through `from_fp8_checkpoint`, a floating one through `quantize_weight`."""
     if scale_inv is None:

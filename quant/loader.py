@@ -40,10 +40,20 @@ from quant.modules import FrozenExperts, FrozenLinear
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
 FP8_DTYPE_NAME = "F8_E4M3"
 REQUIRED_CONFIG_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "n_routed_experts", "num_experts_per_tok", "first_k_dense_replace",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,9 @@ def _check_config(config: dict, path: Path) -> bool:
     if qc is None:
         return False
     if qc.get("quant_method") != "fp8":
-        raise CheckpointError(f"{path}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported (only 'fp8')")
+        raise CheckpointError(
+            f"{path}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported (only 'fp8')"
+        )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise CheckpointError(f"{path}: quantization_config.fmt {qc.get('fmt')!r} is not supported (only 'e4m3')")
     if list(qc.get("weight_block_size", [])) != [FP8_BLOCK, FP8_BLOCK]:
@@ -127,7 +139,9 @@ def validate_checkpoint(checkpoint: str | os.PathLike) -> CheckpointPlan:
     config = read_config(directory)
     fp8 = _check_config(config, directory / "config.json")
     specs = expected_tensors(config)
-    weight_map = {k: f for k, f in read_weight_map(directory).items() if not _is_mtp_key(k, config["num_hidden_layers"])}
+    weight_map = {
+        k: f for k, f in read_weight_map(directory).items() if not _is_mtp_key(k, config["num_hidden_layers"])
+    }
 
     wanted = dict(specs)
     if fp8:
@@ -151,7 +165,9 @@ def validate_checkpoint(checkpoint: str | os.PathLike) -> CheckpointPlan:
     for shard, keys in keys_by_shard.items():
         path = directory / shard
         if not path.exists():
-            raise CheckpointError(f"{path}: shard file missing (the index places {len(keys)} tensors there, e.g. {keys[0]!r})")
+            raise CheckpointError(
+                f"{path}: shard file missing (the index places {len(keys)} tensors there, e.g. {keys[0]!r})"
+            )
         largest = max(largest, path.stat().st_size)
         with safe_open(str(path), framework="pt") as f:
             present = set(f.keys())
@@ -161,13 +177,19 @@ def validate_checkpoint(checkpoint: str | os.PathLike) -> CheckpointPlan:
                 sl = f.get_slice(key)
                 shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
                 spec = specs.get(key)
-                want_shape = spec.shape if spec is not None else fp8_scale_shape(specs[key[: -len(SCALE_SUFFIX)] + ".weight"].shape)
+                want_shape = (
+                    spec.shape
+                    if spec is not None
+                    else fp8_scale_shape(specs[key[: -len(SCALE_SUFFIX)] + ".weight"].shape)
+                )
                 if shape != want_shape:
                     what = "config.json implies" if spec is not None else f"{FP8_BLOCK}x{FP8_BLOCK} blocks imply"
                     raise CheckpointError(f"{path}: tensor {key!r} has shape {list(shape)}, {what} {list(want_shape)}")
                 allowed = _expected_dtype(key, spec, fp8)
                 if dtype not in allowed:
-                    raise CheckpointError(f"{path}: tensor {key!r} has dtype {dtype}, expected {' or '.join(sorted(allowed))}")
+                    raise CheckpointError(
+                        f"{path}: tensor {key!r} has dtype {dtype}, expected {' or '.join(sorted(allowed))}"
+                    )
     shards = sorted(keys_by_shard)
     return CheckpointPlan(directory, config, shards, dict(keys_by_shard), specs, fp8, largest)
 
@@ -201,7 +223,9 @@ def build_skeleton(config: dict, specs: dict[str, TensorSpec], experts: range | 
     for layer in range(config["num_hidden_layers"]):
         if is_moe_layer(config, layer):
             held = experts if experts is not None else range(config["n_routed_experts"])
-            module = FrozenExperts(len(held), config["hidden_size"], config["moe_intermediate_size"], first_expert=held.start)
+            module = FrozenExperts(
+                len(held), config["hidden_size"], config["moe_intermediate_size"], first_expert=held.start
+            )
             model.set_submodule(f"model.layers.{layer}.mlp.experts", module)
     return model
 
@@ -360,8 +384,15 @@ def byte_report(model: nn.Module) -> list[ByteRow]:
         if "rotary_emb" in name or "lora_" in name:
             continue
         add(_kept_group(name), str(t.dtype).replace("torch.", ""), t.numel(), t.numel() * t.element_size())
-    order = {g: i for i, g in enumerate(("routed_experts", "shared_experts", "attention", "dense_mlp", "embed", "lm_head", "router", "norm"))}
-    return sorted((ByteRow(g, f, p, b) for (g, f), (p, b) in acc.items()), key=lambda r: (order.get(r.group, 99), r.format))
+    order = {
+        g: i
+        for i, g in enumerate(
+            ("routed_experts", "shared_experts", "attention", "dense_mlp", "embed", "lm_head", "router", "norm")
+        )
+    }
+    return sorted(
+        (ByteRow(g, f, p, b) for (g, f), (p, b) in acc.items()), key=lambda r: (order.get(r.group, 99), r.format)
+    )
 
 
 def format_byte_report(rows: list[ByteRow]) -> str:

@@ -69,12 +69,16 @@ class FrozenExperts(nn.Module):
         hidden = nn.functional.silu(frozen_linear(x, w["gate"][expert])) * frozen_linear(x, w["up"][expert])
         return frozen_linear(hidden, w["down"][expert])
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         if self.dispatch is not None:
             return self.dispatch(hidden_states, top_k_index, top_k_weights, self.local_forward)
         return self.local_forward(hidden_states, top_k_index, top_k_weights)
 
-    def local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def local_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         # One output buffer, accumulated in place (index_add_): autograd records each add and passes the
         # output gradient through unchanged, so backward to the input needs no copy of the buffer.
         out = torch.zeros_like(hidden_states)

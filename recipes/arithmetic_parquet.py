@@ -25,10 +25,15 @@ SCHEMA = verl_schema([("split", pa.string()), ("index", pa.int64())])
 
 def verl_rows(problems: list[Problem], split: str) -> list[dict]:
     return [
-        {"data_source": "allsync/arithmetic", "prompt": [{"content": p.prompt, "role": "user"}], "ability": "arithmetic",
-         "reward_model": {"ground_truth": p.answer, "style": "rule"}, "extra_info": {"split": split, "index": i}}
+        {
+            "data_source": "allsync/arithmetic",
+            "prompt": [{"content": p.prompt, "role": "user"}],
+            "ability": "arithmetic",
+            "reward_model": {"ground_truth": p.answer, "style": "rule"},
+            "extra_info": {"split": split, "index": i},
+        }
         for i, p in enumerate(problems)
-    ]  # fmt: skip
+    ]
 
 
 def write_parquet(rows: list[dict], path: Path) -> Path:
@@ -50,7 +55,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    splits = make_splits(ArithmeticSpec(2, 2, ("+",)), train_size=20000, heldout_size=200, seed=0)  # tiny_cpu.yaml's task
+    splits = make_splits(
+        ArithmeticSpec(2, 2, ("+",)), train_size=20000, heldout_size=200, seed=0
+    )  # tiny_cpu.yaml's task
     for split, problems in (("train", splits.train), ("eval", splits.heldout)):
         path = write_parquet(verl_rows(problems, split), out / f"arithmetic-{split}.parquet")
         print(f"wrote {path}: {len(problems):,} rows")

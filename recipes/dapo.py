@@ -28,7 +28,14 @@ from tqdm.auto import tqdm
 
 from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
-from allsync.checkpoint import CheckpointStateError, earlier_run_files, latest_good_checkpoint, prune_checkpoints, unseen_probes, write_manifest
+from allsync.checkpoint import (
+    CheckpointStateError,
+    earlier_run_files,
+    latest_good_checkpoint,
+    prune_checkpoints,
+    unseen_probes,
+    write_manifest,
+)
 from allsync.distributed import spmd_environment
 from allsync.health.detector import HealthMonitor, append_health, make_detector
 from allsync.placement import EXIT_RESTART, SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
@@ -43,16 +50,20 @@ def ensure_base(config: RunConfig) -> None:
     once, then reused while its stored settings equal this allsync's)."""
     if not config.model.warm_start:
         if not (Path(config.model.base) / "config.json").exists():
-            raise ConfigError(f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)")
+            raise ConfigError(
+                f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)"
+            )
         return
     from allsync.warm_start import settings_for_run, warm_start
 
     try:  # supervised on the run's own task and seed: the problems RL holds out are never its training data
         warm_start(config.model.base, settings_for_run(config))
     except FileExistsError as exc:
-        raise ConfigError(f"model.base = {config.model.base!r} with model.warm_start: {exc}. A base is built for one "
-                          "task and task.seed (an older allsync may have built it too): give model.base another directory "
-                          "for this run, or delete it to rebuild") from exc  # fmt: skip
+        raise ConfigError(
+            f"model.base = {config.model.base!r} with model.warm_start: {exc}. A base is built for one "
+            "task and task.seed (an older allsync may have built it too): give model.base another directory "
+            "for this run, or delete it to rebuild"
+        ) from exc
 
 
 def heldout_evaluation(group, problems, samples: int, memory: str = "own") -> tuple[dict, list]:
@@ -103,9 +114,11 @@ def unshared_out_dir(group, out_dir: Path) -> str | None:
     problem = None
     if group.is_controller:
         if unseen := unseen_probes(probe, hosts):
-            problem = (f"run.out_dir = {str(out_dir)!r} is not shared between the nodes: the controller "
-                       f"({hosts[0]}) does not see the files of {', '.join(unseen[:4])}, so their checkpoint parts "
-                       "would be lost; put run.out_dir on a filesystem every node mounts")  # fmt: skip
+            problem = (
+                f"run.out_dir = {str(out_dir)!r} is not shared between the nodes: the controller "
+                f"({hosts[0]}) does not see the files of {', '.join(unseen[:4])}, so their checkpoint parts "
+                "would be lost; put run.out_dir on a filesystem every node mounts"
+            )
         shutil.rmtree(probe, ignore_errors=True)
     return group.agree(problem)
 
@@ -137,38 +150,57 @@ def main(argv: list[str] | None = None) -> int:
             from allsync.engines.vllm_engine import unsupported_targets
 
             if (reason := unsupported_targets(config.lora.targets)) is not None:
-                raise ConfigError(f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}")
+                raise ConfigError(
+                    f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}"
+                )
         if launched and launched[1] != config.parallel.workers:
-            raise ConfigError(f"{args.config}: the launcher started {launched[1]} processes (WORLD_SIZE) but parallel.nodes x "
-                              f"workers_per_node = {config.parallel.workers}; make them equal")  # fmt: skip
+            raise ConfigError(
+                f"{args.config}: the launcher started {launched[1]} processes (WORLD_SIZE) but parallel.nodes x "
+                f"workers_per_node = {config.parallel.workers}; make them equal"
+            )
         if launched and args.no_ray:
-            raise ConfigError("--no-ray under torchrun / accelerate launch: every launched process is already one worker "
-                              "and Ray is never started; drop --no-ray")  # fmt: skip
+            raise ConfigError(
+                "--no-ray under torchrun / accelerate launch: every launched process is already one worker "
+                "and Ray is never started; drop --no-ray"
+            )
         restarts = config.run.max_restarts or config.run.step_timeout is not None
         if args.no_ray and restarts and rank == 0:  # the flag asks for one in-process worker: say what it turns off
-            print(f"note: --no-ray: run.max_restarts = {config.run.max_restarts} and run.step_timeout = {config.run.step_timeout} "
-                  "do not apply (a lost worker is this process; nothing could restart it)", file=sys.stderr)  # fmt: skip
+            print(
+                f"note: --no-ray: run.max_restarts = {config.run.max_restarts} and run.step_timeout = {config.run.step_timeout} "
+                "do not apply (a lost worker is this process; nothing could restart it)",
+                file=sys.stderr,
+            )
             config.run.max_restarts, config.run.step_timeout = 0, None
         elif not launched and config.parallel.workers == 1 and restarts:  # the config contradicts itself
-            raise ConfigError(f"{args.config}: run.max_restarts = {config.run.max_restarts} / run.step_timeout = "
-                              f"{config.run.step_timeout} with one worker, which runs in this process: a lost worker would "
-                              "be this process; use Ray with 2+ workers or torchrun --max-restarts, or set them to 0 / null")  # fmt: skip
+            raise ConfigError(
+                f"{args.config}: run.max_restarts = {config.run.max_restarts} / run.step_timeout = "
+                f"{config.run.step_timeout} with one worker, which runs in this process: a lost worker would "
+                "be this process; use Ray with 2+ workers or torchrun --max-restarts, or set them to 0 / null"
+            )
         if args.no_ray and config.parallel.expert_parallel > 1:
-            raise ConfigError(f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
-                              "one in-process worker holds every expert; drop --no-ray or use 1")  # fmt: skip
+            raise ConfigError(
+                f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
+                "one in-process worker holds every expert; drop --no-ray or use 1"
+            )
         if config.parallel.layout != "colocated":
-            raise ConfigError(f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
-                              "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py")  # fmt: skip
+            raise ConfigError(
+                f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
+                "(colocated); the disaggregated layout is the baseline in benchmarks/allsync.py"
+            )
         if launched:
             spmd_state(config)  # the process group, so that rank 0 alone builds the base while the others wait
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) if launched else 0  # an elastic launcher's restart
+        attempt = (
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) if launched else 0
+        )  # an elastic launcher's restart
         resume = args.resume or attempt > 0
 
         def prepare() -> None:  # on rank 0: it alone sees the controller's out_dir on a multi-node run
             if not resume and (files := earlier_run_files(Path(config.run.out_dir))):
-                raise ConfigError(f"run.out_dir = {config.run.out_dir!r} holds an earlier run ({', '.join(files[:3])}"
-                                  f"{', ...' if len(files) > 3 else ''}): --resume continues it (a finished run is evaluated "
-                                  "and exported again); or give another directory (--out-dir DIR or run.out_dir), or delete it")  # fmt: skip
+                raise ConfigError(
+                    f"run.out_dir = {config.run.out_dir!r} holds an earlier run ({', '.join(files[:3])}"
+                    f"{', ...' if len(files) > 3 else ''}): --resume continues it (a finished run is evaluated "
+                    "and exported again); or give another directory (--out-dir DIR or run.out_dir), or delete it"
+                )
             ensure_base(config)
 
         rank0_first(prepare, launched)
@@ -191,16 +223,30 @@ def main(argv: list[str] | None = None) -> int:
     if launched:  # an elastic launcher's restart (after a lost peer or a step timeout) resumes by itself
         if attempt > config.run.max_restarts:
             if rank == 0:
-                print(f"error: restart {attempt} by the elastic launcher, beyond run.max_restarts = {config.run.max_restarts}; "
-                      "stopped", file=sys.stderr)  # fmt: skip
+                print(
+                    f"error: restart {attempt} by the elastic launcher, beyond run.max_restarts = {config.run.max_restarts}; "
+                    "stopped",
+                    file=sys.stderr,
+                )
             return 4
-        return spmd_train(config, resume, SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
-                          splits, out_dir)  # fmt: skip
+        return spmd_train(
+            config,
+            resume,
+            SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
+            splits,
+            out_dir,
+        )
     gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker
 
     def make_group(attempt: int) -> WorkerGroup:
-        return WorkerGroup(config, splits.train, use_ray=not args.no_ray, gpus_per_worker=gpus, max_model_len=max_model_len,
-                           attempt=attempt)  # fmt: skip
+        return WorkerGroup(
+            config,
+            splits.train,
+            use_ray=not args.no_ray,
+            gpus_per_worker=gpus,
+            max_model_len=max_model_len,
+            attempt=attempt,
+        )
 
     return supervise(config, args.resume, make_group, splits, out_dir)
 
@@ -218,13 +264,18 @@ def supervise(config: RunConfig, resume: bool, make_group, splits, out_dir: Path
         except WorkerFailure as exc:
             cause = str(exc).splitlines()[0][:500]
             if restarts >= config.run.max_restarts:
-                print(f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr)  # the cause holds the worker's traceback
+                print(
+                    f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr
+                )  # the cause holds the worker's traceback
                 return 4
             restarts += 1
             resume = bool(own)
             append_health(out_dir, {"event": "restart", "time": time.time(), "restart": restarts, "cause": cause})
-            print(f"warning: {exc}; every worker was stopped. Restart {restarts} of run.max_restarts = {config.run.max_restarts}: "
-                  f"new workers {'resume from the newest good checkpoint' if resume else 'start the run over'}", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: {exc}; every worker was stopped. Restart {restarts} of run.max_restarts = {config.run.max_restarts}: "
+                f"new workers {'resume from the newest good checkpoint' if resume else 'start the run over'}",
+                file=sys.stderr,
+            )
         finally:
             group.shutdown()
 
@@ -237,8 +288,11 @@ def spmd_train(config: RunConfig, resume: bool, group: SPMDGroup, splits, out_di
     try:
         return train(config, resume, group, splits, out_dir)
     except dist.DistError as exc:
-        print(f"error: rank {group.rank}: a collective failed ({type(exc).__name__}: {str(exc)[:300]}): a peer was lost; "
-              f"exiting with code {EXIT_RESTART} so that an elastic launcher restarts the run", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: rank {group.rank}: a collective failed ({type(exc).__name__}: {str(exc)[:300]}): a peer was lost; "
+            f"exiting with code {EXIT_RESTART} so that an elastic launcher restarts the run",
+            file=sys.stderr,
+        )
         return EXIT_RESTART
     finally:
         group.shutdown()
@@ -309,13 +363,23 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
             own.add(checkpoint.name)
     log = MetricsLog(out_dir, resume_step=start_step if checkpoint is not None else None) if ctl else None
     record = log.write if ctl else (lambda step, metrics: None)
-    monitor = HealthMonitor(out_dir, make_detector(config.health), start_step if checkpoint is not None else None, log.tb) if ctl else None
+    monitor = (
+        HealthMonitor(out_dir, make_detector(config.health), start_step if checkpoint is not None else None, log.tb)
+        if ctl
+        else None
+    )
     if base_accuracy is None:
         base_summary = heldout_evaluation(group, splits.heldout, config.run.eval_samples)[0]
         base_accuracy, base_tools = base_summary[f"avg@{config.run.eval_samples}"], base_summary.get("tool_call_rate")
         base_greedy = heldout_accuracy(group, splits.heldout, 1)
-        record(0, {"heldout_accuracy": base_accuracy, "heldout_greedy_accuracy": base_greedy,
-                   **({"heldout_tool_call_rate": base_tools} if base_tools is not None else {})})  # fmt: skip
+        record(
+            0,
+            {
+                "heldout_accuracy": base_accuracy,
+                "heldout_greedy_accuracy": base_greedy,
+                **({"heldout_tool_call_rate": base_tools} if base_tools is not None else {}),
+            },
+        )
     else:
         base_greedy, base_tools = state.get("base_greedy"), state.get("base_tools")
     say(f"held-out accuracy of the warm-started base: {100 * base_accuracy:.1f}% ({metric_name(config)})")
@@ -338,27 +402,45 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
             if ctl and step == config.run.steps:  # the trained adapter's samples, summary and plot
                 write_evaluation(out_dir / "eval", samples, summary)
         record(step, metrics)
-        bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.2f}", heldout=f"{100 * accuracy:.1f}%",
-                        entropy=f"{metrics.get('entropy', float('nan')):.2f}")  # fmt: skip
+        bar.set_postfix(
+            reward=f"{metrics.get('reward', float('nan')):.2f}",
+            heldout=f"{100 * accuracy:.1f}%",
+            entropy=f"{metrics.get('entropy', float('nan')):.2f}",
+        )
         out_of_time = group.agree(limit is not None and time.time() - started > 60 * limit)
         if step % config.run.checkpoint_every == 0 or nan_run >= config.run.max_consecutive_nan:
-            saved = save_checkpoint(group, out_dir, step, {"base_accuracy": base_accuracy, "base_greedy": base_greedy,
-                                                           "nan_run": nan_run, "base_tools": base_tools})  # fmt: skip
+            saved = save_checkpoint(
+                group,
+                out_dir,
+                step,
+                {
+                    "base_accuracy": base_accuracy,
+                    "base_greedy": base_greedy,
+                    "nan_run": nan_run,
+                    "base_tools": base_tools,
+                },
+            )
             if own is not None:
                 own.add(saved.name)
             if ctl:
                 prune_checkpoints(out_dir / "checkpoints", config.run.keep_checkpoints)
         if nan_run >= config.run.max_consecutive_nan:
             if ctl:
-                print(f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint", file=sys.stderr)
+                print(
+                    f"error: {nan_run} consecutive steps with a non-finite loss; stopped after a checkpoint",
+                    file=sys.stderr,
+                )
             return 3
         if out_of_time and step < config.run.steps:
             accuracy = heldout_accuracy(group, splits.heldout, config.run.eval_samples)
             record(step, {"heldout_accuracy": accuracy})
             if ctl:
-                print(f"warning: run.time_limit_minutes ({limit} min) reached after step {step} of {config.run.steps}: "
-                      "this machine is slower than the one the step count was chosen on, and the result is not the "
-                      "reproducible one", file=sys.stderr)  # fmt: skip
+                print(
+                    f"warning: run.time_limit_minutes ({limit} min) reached after step {step} of {config.run.steps}: "
+                    "this machine is slower than the one the step count was chosen on, and the result is not the "
+                    "reproducible one",
+                    file=sys.stderr,
+                )
             break
     bar.close()
 
@@ -368,7 +450,9 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     if config.producer.kind == "multiconv":  # how much the answers owe to the memory the episodes wrote
         n = config.run.eval_samples
         ablation = {mode: heldout_accuracy(group, splits.heldout, n, mode) for mode in ("blank", "gold")}
-        record(step, {"heldout_accuracy_blank_memory": ablation["blank"], "heldout_accuracy_gold_memory": ablation["gold"]})
+        record(
+            step, {"heldout_accuracy_blank_memory": ablation["blank"], "heldout_accuracy_gold_memory": ablation["gold"]}
+        )
     tensors = group.call_for_rank0("full_adapter_tensors")  # every rank: expert blocks are gathered
     group.shutdown()  # before the summary, so that nothing the workers print comes after it
     if not ctl:
@@ -380,8 +464,14 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
         exported = export_peft(adapter, config.model.base, out_dir / "adapter", overwrite=True)
     else:
         # merged into the weights as trained (e.g. NF4-dequantized experts), not the stored ones
-        exported = export_merged(adapter, config.model.base, out_dir / "merged", dtype="bf16",
-                                 trained_plan=config.model.quant.plan(), overwrite=True)  # fmt: skip
+        exported = export_merged(
+            adapter,
+            config.model.base,
+            out_dir / "merged",
+            dtype="bf16",
+            trained_plan=config.model.quant.plan(),
+            overwrite=True,
+        )
     plot = plot_run(log.records(), out_dir / "run.png")
     log.close()
     print(f"adapter: {exported}  metrics: {log.path}  plot: {plot}")
@@ -392,7 +482,9 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     if base_tools is not None:
         print(f"held-out tool-call rate: base {100 * base_tools:.1f}% -> trained {100 * tools:.1f}%")
     if ablation is not None:
-        print(f"memory ablation: own {100 * accuracy:.1f}%, blanked {100 * ablation['blank']:.1f}%, gold {100 * ablation['gold']:.1f}%")
+        print(
+            f"memory ablation: own {100 * accuracy:.1f}%, blanked {100 * ablation['blank']:.1f}%, gold {100 * ablation['gold']:.1f}%"
+        )
     print(f"held-out accuracy: base {100 * base_accuracy:.1f}% -> trained {100 * accuracy:.1f}%")
     return 0
 

@@ -27,8 +27,12 @@ def warm_tiny(tmp_path_factory):
     from allsync.tasks import ArithmeticSpec
     from allsync.warm_start import EvalSettings, TrainSettings, WarmStartSettings, warm_start
 
-    settings = WarmStartSettings(task=ArithmeticSpec(1, 1), steps=60, train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
-                                 eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12))  # fmt: skip
+    settings = WarmStartSettings(
+        task=ArithmeticSpec(1, 1),
+        steps=60,
+        train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12),
+    )
     return warm_start(tmp_path_factory.mktemp("warm") / "tiny-warm", settings, progress=False)
 
 
@@ -40,9 +44,13 @@ def warm_dense(tmp_path_factory):
     from allsync.tasks import ArithmeticSpec
     from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, WarmStartSettings, warm_start
 
-    settings = WarmStartSettings(replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers), ArithmeticSpec(1, 1), steps=60,
-                                 train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
-                                 eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12))  # fmt: skip
+    settings = WarmStartSettings(
+        replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers),
+        ArithmeticSpec(1, 1),
+        steps=60,
+        train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
+        eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12),
+    )
     return warm_start(tmp_path_factory.mktemp("dense") / "warm", settings, progress=False)
 
 

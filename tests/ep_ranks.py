@@ -114,7 +114,9 @@ def lora_model(checkpoint, fmt: str, experts: range | None = None):
     from moe_lora.lora import LoRAConfig, _adapter_slots, attach_lora
     from quant.loader import QuantPlan, load_frozen_model
 
-    model = load_frozen_model(checkpoint, QuantPlan(routed_experts=fmt), compute_dtype=torch.float32, progress=False, experts=experts)
+    model = load_frozen_model(
+        checkpoint, QuantPlan(routed_experts=fmt), compute_dtype=torch.float32, progress=False, experts=experts
+    )
     attach_lora(model, LoRAConfig(rank=4, alpha=8))
     seeded_init_(model, 0)
     with torch.no_grad():
@@ -134,11 +136,18 @@ def model_lora_grads(model) -> dict[str, torch.Tensor]:
             out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.grad.clone()
             out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.grad.clone()
         elif isinstance(m, LoRAExperts):
-            out.update({k: v.clone() for k, v in expert_slots(PEFT_PREFIX + name, [p.grad for p in m.factors()], m.first_expert).items()})
+            out.update(
+                {
+                    k: v.clone()
+                    for k, v in expert_slots(PEFT_PREFIX + name, [p.grad for p in m.factors()], m.first_expert).items()
+                }
+            )
     return out
 
 
-def run_model_rank(rank: int, world_size: int, ep_size: int, address: str, checkpoint: str, fmt: str, batches: list[int], results) -> None:
+def run_model_rank(
+    rank: int, world_size: int, ep_size: int, address: str, checkpoint: str, fmt: str, batches: list[int], results
+) -> None:
     """Rank `rank` of the whole tiny model under EP: logits of its own sequences, then every LoRA gradient
     after the loop's reductions (replicated tensors over all ranks, expert blocks over the EDP group)."""
     from allsync.distributed import connect

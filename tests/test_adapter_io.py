@@ -24,11 +24,16 @@ from quant.loader import QuantPlan, load_frozen_model
 
 TOKENS = torch.randint(8, 264, (2, 16), generator=torch.Generator().manual_seed(1))
 TARGETS = [
-    "model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
-    "model.layers.1.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.shared_experts.up_proj",
-    "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.up_proj",
-    "model.layers.1.mlp.experts.0.down_proj", "model.layers.2.mlp.experts.5.down_proj",
-]  # fmt: skip
+    "model.layers.0.self_attn.q_a_proj",
+    "model.layers.0.self_attn.o_proj",
+    "model.layers.0.mlp.down_proj",
+    "model.layers.1.self_attn.kv_a_proj_with_mqa",
+    "model.layers.1.mlp.shared_experts.up_proj",
+    "model.layers.1.mlp.experts.0.gate_proj",
+    "model.layers.1.mlp.experts.0.up_proj",
+    "model.layers.1.mlp.experts.0.down_proj",
+    "model.layers.2.mlp.experts.5.down_proj",
+]
 
 
 def random_adapter(config, modules=TARGETS, r=8, alpha=16, seed=0) -> Adapter:
@@ -53,8 +58,11 @@ def merged_reference(checkpoint, adapter: Adapter, round_to_bf16: bool):
         if ".mlp.experts." in module:
             experts = model.model.layers[int(parts[2])].mlp.experts
             e, proj = int(parts[5]), parts[6]
-            target = {"gate": experts.gate_up_proj.data[e, :inter], "up": experts.gate_up_proj.data[e, inter:],
-                      "down_proj": None}.get(proj.removesuffix("_proj"), experts.down_proj.data[e])  # fmt: skip
+            target = {
+                "gate": experts.gate_up_proj.data[e, :inter],
+                "up": experts.gate_up_proj.data[e, inter:],
+                "down_proj": None,
+            }.get(proj.removesuffix("_proj"), experts.down_proj.data[e])
         else:
             target = params[module + ".weight"].data
         new = target + delta
@@ -112,7 +120,9 @@ def test_merged_fp8_export_from_fp8_base(tiny_fp8, tiny_bf16, tmp_path):
     assert torch.equal(read(out, untouched).view(torch.uint8), read(tiny_fp8, untouched).view(torch.uint8))
 
 
-@pytest.mark.parametrize("moe_intermediate", [64, 128])  # 128: hidden == moe_intermediate_size, as the default run's base
+@pytest.mark.parametrize(
+    "moe_intermediate", [64, 128]
+)  # 128: hidden == moe_intermediate_size, as the default run's base
 def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path, moe_intermediate):
     from peft import LoraConfig, get_peft_model
 
@@ -120,8 +130,12 @@ def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path, moe_inter
         tiny_bf16 = make_tiny(tmp_path / "base", TinySpec(seed=0, moe_intermediate_size=moe_intermediate))
     assert read_config(tiny_bf16)["hidden_size"] == 128
     model = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_a_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_a_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -152,7 +166,9 @@ def test_peft_loads_our_export_onto_the_bf16_base(tiny_bf16, tmp_path):
             assert f"{PREFIX}model.layers.2.mlp.experts.{e}.{proj}_proj.lora_A.weight" in exported.tensors
     assert not exported.delta("model.layers.2.mlp.experts.3.gate_proj").any()
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32), out)
-    assert torch.allclose(logits(peft_model), logits(merged_reference(tiny_bf16, adapter, round_to_bf16=False)), atol=1e-4)
+    assert torch.allclose(
+        logits(peft_model), logits(merged_reference(tiny_bf16, adapter, round_to_bf16=False)), atol=1e-4
+    )
 
 
 def test_export_warns_that_peft_drops_dense_mlp_lora(tiny_bf16, tmp_path):
@@ -175,7 +191,9 @@ def test_adapter_that_does_not_fit_the_base(tiny_bf16, tmp_path):
     adapter = random_adapter(config)
     key = f"{PREFIX}model.layers.0.self_attn.q_a_proj.lora_A.weight"
     adapter.tensors[key] = torch.zeros(8, 100)
-    with pytest.raises(AdapterError, match=rf"'{key}' has shape \[8, 100\], base weight .* \[64, 128\] needs \[8, 128\]"):
+    with pytest.raises(
+        AdapterError, match=rf"'{key}' has shape \[8, 100\], base weight .* \[64, 128\] needs \[8, 128\]"
+    ):
         export_merged(adapter, tiny_bf16, tmp_path / "m")
     bad = random_adapter(config, ["model.layers.1.mlp.experts.0.gate_proj"])
     bad.tensors = {k.replace("experts.0", "experts.9"): v for k, v in bad.tensors.items()}  # only 8 experts
@@ -197,7 +215,21 @@ def test_cli_export_round_trip(tiny_bf16, tmp_path, capsys):
     assert len(again.modules()) == 24  # the adapted MoE layer's 8 experts x 3 projections
     assert torch.equal(again.pair(TARGETS[5])[1], adapter.pair(TARGETS[5])[1])
     assert main(["export", str(run), "--base", str(tiny_bf16), "--out", str(tmp_path / "m"), "--format", "merged"]) == 0
-    assert main(["export", str(tmp_path / "nothing"), "--base", str(tiny_bf16), "--out", str(tmp_path / "x"), "--format", "peft"]) == 2
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "nothing"),
+                "--base",
+                str(tiny_bf16),
+                "--out",
+                str(tmp_path / "x"),
+                "--format",
+                "peft",
+            ]
+        )
+        == 2
+    )
     assert "no adapter_config.json" in capsys.readouterr().err
 
 
@@ -239,8 +271,13 @@ def test_cli_merge_into_trained_formats(tiny_bf16, tmp_path, capsys):
     api = export_merged(adapter, tiny_bf16, tmp_path / "api", trained_plan=QuantPlan(routed_experts="int8"))
     key = TARGETS[5] + ".weight"
     assert torch.equal(read_all(tmp_path / "cli")[key], read_all(api)[key])
-    assert main([*args, "--out", str(tmp_path / "x"), "--routed-experts", "nf4"]) == 2  # a format without --merge-into trained
-    assert "--routed-experts: training formats apply only with --format merged --merge-into trained" in capsys.readouterr().err
+    assert (
+        main([*args, "--out", str(tmp_path / "x"), "--routed-experts", "nf4"]) == 2
+    )  # a format without --merge-into trained
+    assert (
+        "--routed-experts: training formats apply only with --format merged --merge-into trained"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -252,10 +289,21 @@ def with_mtp_layer(checkpoint, out):
     config = read_config(out)
     n, h, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     p = f"model.layers.{n}"
-    shapes = {k: spec.shape for k, spec in expected_tensors({**config, "num_hidden_layers": n + 1}).items() if k.startswith(p + ".")}
-    shapes.update({f"{p}.enorm.weight": (h,), f"{p}.hnorm.weight": (h,), f"{p}.eh_proj.weight": (h, 2 * h),
-                   f"{p}.embed_tokens.weight": (vocab, h), f"{p}.shared_head.norm.weight": (h,),
-                   f"{p}.shared_head.head.weight": (vocab, h)})  # fmt: skip
+    shapes = {
+        k: spec.shape
+        for k, spec in expected_tensors({**config, "num_hidden_layers": n + 1}).items()
+        if k.startswith(p + ".")
+    }
+    shapes.update(
+        {
+            f"{p}.enorm.weight": (h,),
+            f"{p}.hnorm.weight": (h,),
+            f"{p}.eh_proj.weight": (h, 2 * h),
+            f"{p}.embed_tokens.weight": (vocab, h),
+            f"{p}.shared_head.norm.weight": (h,),
+            f"{p}.shared_head.head.weight": (vocab, h),
+        }
+    )
     kept_floating = ("embed_tokens", "shared_head.head", "mlp.gate.weight")  # as V3 stores them
     gen = torch.Generator().manual_seed(7)
     tensors = {}
@@ -291,8 +339,10 @@ def test_merged_bf16_export_dequantizes_the_mtp_layer(tiny_fp8, tmp_path):
     # an fp8 export keeps the MTP layer as stored: FP8 bytes and their scales
     merged_fp8 = read_all(export_merged(adapter, checkpoint, tmp_path / "fp8", dtype="fp8"))
     for key, t in mtp.items():
-        assert torch.equal(merged_fp8[key].view(torch.uint8) if key in fp8_mtp else merged_fp8[key],
-                           t.view(torch.uint8) if key in fp8_mtp else t), key  # fmt: skip
+        assert torch.equal(
+            merged_fp8[key].view(torch.uint8) if key in fp8_mtp else merged_fp8[key],
+            t.view(torch.uint8) if key in fp8_mtp else t,
+        ), key
 
 
 def test_merge_into_trained_formats_gives_the_trained_model(tiny_bf16, tmp_path):
@@ -305,16 +355,22 @@ def test_merge_into_trained_formats_gives_the_trained_model(tiny_bf16, tmp_path)
 
     plan = QuantPlan(routed_experts="nf4")
     torch.manual_seed(0)  # A's init
-    model = attach_lora(load_frozen_model(tiny_bf16, plan, compute_dtype=torch.float32, progress=False), LoRAConfig(rank=8, alpha=16))
+    model = attach_lora(
+        load_frozen_model(tiny_bf16, plan, compute_dtype=torch.float32, progress=False), LoRAConfig(rank=8, alpha=16)
+    )
     gen = torch.Generator().manual_seed(0)
-    trained = {k: torch.randn(v.shape, generator=gen) * 0.03 if "lora_B" in k else v for k, v in lora_state_dict(model).items()}
+    trained = {
+        k: torch.randn(v.shape, generator=gen) * 0.03 if "lora_B" in k else v for k, v in lora_state_dict(model).items()
+    }
     load_lora_state_dict(model, trained)
     adapter = Adapter(lora_state_dict(model), 8, 16)
     ours = logits(model)
 
     def rel_error(trained_plan, name):
         out = export_merged(adapter, tiny_bf16, tmp_path / name, trained_plan=trained_plan)
-        return ((logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)) - ours).norm() / ours.norm()).item()
+        return (
+            (logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)) - ours).norm() / ours.norm()
+        ).item()
 
     assert rel_error(plan, "as-trained") < 0.02
     assert rel_error(None, "as-stored") > 0.1

@@ -18,29 +18,51 @@ from allsync.tasks import CalculatorSpec, Problem, calculator_splits
 from allsync.worker import RLWorker
 from moe_lora.tiny import TinySpec, build_tokenizer, make_tiny
 
-MULTIPLY = {"type": "function", "function": {"name": "multiply", "description": "a times b",
-            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}  # fmt: skip
+MULTIPLY = {
+    "type": "function",
+    "function": {
+        "name": "multiply",
+        "description": "a times b",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
 
 
 def test_chat_template_writes_tool_calls_and_outputs_as_deepseek_v3():
     """The rendering of DeepSeek-V3-0324's template for the same conversation (its tool tokens, the call as
     type, sep, name and fenced JSON arguments, outputs closed before the final answer without a new turn)."""
     tokenizer = build_tokenizer(tool_tokens=True)
-    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 123 * 45?"},
-                {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": '{"a": 123, "b": 45}'}}]},
-                {"role": "tool", "content": "5535"}, {"role": "assistant", "content": "Answer: 5535"}]  # fmt: skip
-    expected = ('<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is 123 * 45?<｜Assistant｜><｜tool▁calls▁begin｜>'
-                '<｜tool▁call▁begin｜>function<｜tool▁sep｜>multiply\n```json\n{"a": 123, "b": 45}\n```<｜tool▁call▁end｜>'
-                '<｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>5535<｜tool▁output▁end｜>'
-                '<｜tool▁outputs▁end｜>Answer: 5535<｜end▁of▁sentence｜>')  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 123 * 45?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": '{"a": 123, "b": 45}'}}],
+        },
+        {"role": "tool", "content": "5535"},
+        {"role": "assistant", "content": "Answer: 5535"},
+    ]
+    expected = (
+        "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is 123 * 45?<｜Assistant｜><｜tool▁calls▁begin｜>"
+        '<｜tool▁call▁begin｜>function<｜tool▁sep｜>multiply\n```json\n{"a": 123, "b": 45}\n```<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>5535<｜tool▁output▁end｜>"
+        "<｜tool▁outputs▁end｜>Answer: 5535<｜end▁of▁sentence｜>"
+    )
     assert tokenizer.apply_chat_template(messages, tokenize=False) == expected
     prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     assert expected.startswith(prompt) and prompt.endswith("<｜tool▁outputs▁end｜>")  # the answer follows the outputs
     ids = tokenizer(expected, add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_tokens_to_ids("<｜tool▁sep｜>") in ids and len(tokenizer) == len(build_tokenizer()) + 9
-    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
-    assert tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True) == \
-        "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>yo<｜end▁of▁sentence｜><｜User｜>x<｜Assistant｜>"  # fmt: skip
+    plain = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "x"},
+    ]
+    assert (
+        tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>yo<｜end▁of▁sentence｜><｜User｜>x<｜Assistant｜>"
+    )
 
 
 def test_tool_calls_round_trip_and_errors():
@@ -54,10 +76,16 @@ def test_tool_calls_round_trip_and_errors():
 
 def test_calculator_answers_calls_and_scores_the_answer():
     env = Calculator([MULTIPLY])
-    assert env.reset({"prompt": "What is 347*29?", "answer": "10063"}) == [{"role": "user", "content": "What is 347*29?"}]
-    observation, reward, done = env.step(format_tool_calls([ToolCall("multiply", {"a": 347, "b": 29})]) + "<｜end▁of▁sentence｜>")
+    assert env.reset({"prompt": "What is 347*29?", "answer": "10063"}) == [
+        {"role": "user", "content": "What is 347*29?"}
+    ]
+    observation, reward, done = env.step(
+        format_tool_calls([ToolCall("multiply", {"a": 347, "b": 29})]) + "<｜end▁of▁sentence｜>"
+    )
     assert (observation, reward, done) == ([{"role": "tool", "content": "10063"}], 0.0, False)
-    assert env.step(format_tool_calls([ToolCall("add", {"a": 1, "b": 2})]))[0] == [{"role": "tool", "content": "error: unknown tool 'add'"}]
+    assert env.step(format_tool_calls([ToolCall("add", {"a": 1, "b": 2})]))[0] == [
+        {"role": "tool", "content": "error: unknown tool 'add'"}
+    ]
     assert env.step(format_tool_calls([ToolCall("multiply", {"a": "7", "b": 2})]))[0][0]["content"].startswith("error:")
     assert env.step("Answer: 10063") == (None, 1.0, True)
     assert env.step("Answer: 10000") == (None, 0.0, True)
@@ -80,8 +108,16 @@ class ScriptedEnv:
     """A test environment: the first reply gets a tool output (whatever it says), the second ends the episode
     with reward 1 if it is even-length; with new_context the second observation replaces the conversation."""
 
-    def __init__(self, tools, new_context: bool = False, sleep: float = 0.0, fail: bool = False, bad: bool = False,
-                 never_done: bool = False, long_observation: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tools,
+        new_context: bool = False,
+        sleep: float = 0.0,
+        fail: bool = False,
+        bad: bool = False,
+        never_done: bool = False,
+        long_observation: str | None = None,
+    ):
         self.new_context, self.sleep, self.fail, self.turn = new_context, sleep, fail, 0
         self.bad, self.never_done, self.long_observation = bad, never_done, long_observation
 
@@ -111,18 +147,28 @@ def tiny_tools(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tools") / "tiny-tools", TinySpec(seed=0, tool_tokens=True))
 
 
-def agent_config(base, env_kwargs_env="tests.test_agent:ScriptedEnv", on_error="fail", timeout=10.0, observation_tokens=64):
-    return parse_config({
-        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 4, "alpha": 8},
-        "run": {"export": "merged"},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 5},
-        "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
-        "producer": {"kind": "agent", "env": env_kwargs_env, "tools": [MULTIPLY], "max_turns": 3,
-                     "max_observation_tokens": observation_tokens, "step_timeout_s": timeout},
-        "reward": {"on_error": on_error},
-        "parallel": {"workers_per_node": 1},
-    })  # fmt: skip
+def agent_config(
+    base, env_kwargs_env="tests.test_agent:ScriptedEnv", on_error="fail", timeout=10.0, observation_tokens=64
+):
+    return parse_config(
+        {
+            "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 4, "alpha": 8},
+            "run": {"export": "merged"},
+            "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 5},
+            "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
+            "producer": {
+                "kind": "agent",
+                "env": env_kwargs_env,
+                "tools": [MULTIPLY],
+                "max_turns": 3,
+                "max_observation_tokens": observation_tokens,
+                "step_timeout_s": timeout,
+            },
+            "reward": {"on_error": on_error},
+            "parallel": {"workers_per_node": 1},
+        }
+    )
 
 
 PROBLEMS = [Problem("What is 2*3?", "6"), Problem("What is 4*5?", "20", {"env_kwargs": {"new_context": True}})]
@@ -134,8 +180,10 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
         torch.manual_seed(0)
         episodes, stats = worker.collect(2)
         tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
-        output = tokenizer("<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>42<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
-                           add_special_tokens=False)["input_ids"]  # fmt: skip
+        output = tokenizer(
+            "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>42<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
+            add_special_tokens=False,
+        )["input_ids"]
         for e in episodes[:2]:  # a tool output: one row, reply (trained), output (masked), reply (trained)
             (segment,) = e.segments
             mask = segment.loss_mask
@@ -148,7 +196,9 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
             assert e.info["observation_tokens"] == len(observed) and e.info["turns"] == 2
         for e in episodes[2:]:  # the environment started over: two segments, no masked token
             assert len(e.segments) == 2 and all(set(s.loss_mask) == {1} for s in e.segments)
-            assert tokenizer.decode(e.segments[1].prompt_ids).startswith("<｜begin▁of▁sentence｜># Tools\nmultiply: a times b\n<｜User｜>Start over: ")
+            assert tokenizer.decode(e.segments[1].prompt_ids).startswith(
+                "<｜begin▁of▁sentence｜># Tools\nmultiply: a times b\n<｜User｜>Start over: "
+            )
         assert all(e.reward in (0.0, 1.0) and e.correct == (e.reward > 0) for e in episodes)
         metrics = worker.train(episodes, stats["group_index"])
         assert metrics["logprob_gap"] < 1e-3  # each row is exactly the context the engine replied in
@@ -156,11 +206,14 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
         worker.shutdown()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sleep": 60.0}, r"step took longer than producer.step_timeout_s = 0.5 s"),
-    ({"fail": True}, r"step raised KeyError"),
-    ({"bad": True}, r"malformed observation \[\{'role': 'robot', 'content': 42\}\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sleep": 60.0}, r"step took longer than producer.step_timeout_s = 0.5 s"),
+        ({"fail": True}, r"step raised KeyError"),
+        ({"bad": True}, r"malformed observation \[\{'role': 'robot', 'content': 42\}\]"),
+    ],
+)
 def test_environment_errors_name_the_row_or_score_wrong(tiny_tools, kwargs, message):
     problems = [Problem("What is 2*3?", "6", {"env_kwargs": kwargs})]
     worker = RLWorker(agent_config(tiny_tools, timeout=0.5), problems)
@@ -186,7 +239,9 @@ def test_an_episode_past_max_turns_is_an_ordinary_wrong_outcome(tiny_tools):
     worker = RLWorker(agent_config(tiny_tools, on_error="fail"), problems)
     try:
         episodes, _ = worker.collect(2)
-        assert [(e.reward, e.info["max_turns_reached"], e.info["turns"], e.info["env_errors"]) for e in episodes] == [(0.0, 1, 3, 0)] * 4
+        assert [(e.reward, e.info["max_turns_reached"], e.info["turns"], e.info["env_errors"]) for e in episodes] == [
+            (0.0, 1, 3, 0)
+        ] * 4
     finally:
         worker.shutdown()
 
@@ -216,7 +271,9 @@ def test_a_process_exits_after_an_environment_call_hung_past_its_timeout():
     assert done.stdout.strip() == "step took longer than producer.step_timeout_s = 0.3 s"
 
 
-@pytest.mark.parametrize("role, closing", [("tool", "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"), ("user", "<｜Assistant｜>")])
+@pytest.mark.parametrize(
+    "role, closing", [("tool", "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"), ("user", "<｜Assistant｜>")]
+)
 def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_tools, role, closing):
     """An observation past producer.max_observation_tokens is cut in its content: the row keeps the template's closing
     tokens and the next assistant header, goes on as one row, and the trainer's logprobs equal the engine's."""
@@ -231,7 +288,11 @@ def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_t
             first = segment.loss_mask.index(0)
             observed = segment.response_ids[first : first + segment.loss_mask.count(0)]
             text = tokenizer.decode(observed)
-            assert len(observed) <= 24 and e.info["observation_tokens"] == len(observed) and e.info["observations_cut"] == 1
+            assert (
+                len(observed) <= 24
+                and e.info["observation_tokens"] == len(observed)
+                and e.info["observations_cut"] == 1
+            )
             assert text.endswith(closing) and "the output: 12 12" in text and text.count("12") < 100
             assert e.info["turns"] == 2
         assert worker.train(episodes, stats["group_index"])["logprob_gap"] < 1e-3
@@ -247,34 +308,64 @@ def test_the_engines_context_holds_an_agents_longest_row(tiny_tools):
     problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"long_observation": "tool"}})]
     tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
     model_len = config.producer.model_len(config, tokenizer, problems, 4096)
-    first = len(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2*3?"}], tools=[MULTIPLY],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
+    first = len(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2*3?"}],
+            tools=[MULTIPLY],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     assert model_len == first + 2 * (5 + 24) + 5  # 3 turns of 5 new tokens, 2 observations of at most 24
     worker = RLWorker(config, problems)
     try:
         episodes, _ = worker.collect(2)
         assert all(len(s.prompt_ids) + len(s.response_ids) <= model_len for e in episodes for s in e.segments)
-        assert max(len(s.prompt_ids) + len(s.response_ids) for e in episodes for s in e.segments) > first + 5  # past turn 1
+        assert (
+            max(len(s.prompt_ids) + len(s.response_ids) for e in episodes for s in e.segments) > first + 5
+        )  # past turn 1
     finally:
         worker.shutdown()
-    with pytest.raises(ValueError, match=r"rollout.max_new_tokens = 5 plus the longest last-turn prompt \(the problem with "
-                                         r"producer.tools, then producer.max_turns - 1 = 2 replies"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.max_new_tokens = 5 plus the longest last-turn prompt \(the problem with "
+        r"producer.tools, then producer.max_turns - 1 = 2 replies",
+    ):
         config.producer.model_len(config, tokenizer, problems, model_len - 1)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"producer": {"env": "allsync.envs.calculator:Nope"}}, r"producer.env: 'allsync.envs.calculator' has no class 'Nope'"),
-    ({"producer": {"tools": [{"name": "multiply"}]}}, r"producer.tools\[0\]: expected an OpenAI function schema"),
-    ({"producer": {"max_turns": 0}}, r"producer.max_turns \(0\)"),
-    ({"producer": {"memory_tokens": 4}}, r"producer.memory_tokens is set but producer.kind is agent"),
-    ({"algorithm": {"advantage": "gae", "dynamic_sampling": False}}, r"producer.kind agent with algorithm.advantage gae"),
-    ({"reward": {"name": "exact"}}, r"reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind agent"),
-    ({"reward": {"timeout_s": 3}}, r"reward.timeout_s / reward.length / algorithm.overlong with producer.kind agent"),
-    ({"producer": None}, r"task.name calculator needs producer.kind agent"),
-    ({"agent": {}}, r"'agent' has moved: write producer: \{kind: agent, env, tools"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"producer": {"env": "allsync.envs.calculator:Nope"}},
+            r"producer.env: 'allsync.envs.calculator' has no class 'Nope'",
+        ),
+        ({"producer": {"tools": [{"name": "multiply"}]}}, r"producer.tools\[0\]: expected an OpenAI function schema"),
+        ({"producer": {"max_turns": 0}}, r"producer.max_turns \(0\)"),
+        ({"producer": {"memory_tokens": 4}}, r"producer.memory_tokens is set but producer.kind is agent"),
+        (
+            {"algorithm": {"advantage": "gae", "dynamic_sampling": False}},
+            r"producer.kind agent with algorithm.advantage gae",
+        ),
+        (
+            {"reward": {"name": "exact"}},
+            r"reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind agent",
+        ),
+        (
+            {"reward": {"timeout_s": 3}},
+            r"reward.timeout_s / reward.length / algorithm.overlong with producer.kind agent",
+        ),
+        ({"producer": None}, r"task.name calculator needs producer.kind agent"),
+        ({"agent": {}}, r"'agent' has moved: write producer: \{kind: agent, env, tools"),
+    ],
+)
 def test_agent_refusals_name_the_keys(change, message):
-    data = {"task": {"name": "calculator"}, "producer": {"kind": "agent", "env": "allsync.envs.calculator:Calculator", "tools": [MULTIPLY]}}
+    data = {
+        "task": {"name": "calculator"},
+        "producer": {"kind": "agent", "env": "allsync.envs.calculator:Calculator", "tools": [MULTIPLY]},
+    }
     for section, values in change.items():
         data[section] = None if values is None else {**data.get(section, {}), **values}
     data = {k: v for k, v in data.items() if v is not None}
@@ -287,11 +378,18 @@ def test_agent_records_report_the_tool_call_rate():
     from evals.report import summarize_samples
 
     def conversation(calls: int, reward: float) -> Conversation:
-        c = Conversation(None, {"prompt": "What is 2*3?", "answer": "6"}, [{"role": "assistant", "content": f"Answer: {int(6 * reward)}"}], "")
+        c = Conversation(
+            None,
+            {"prompt": "What is 2*3?", "answer": "6"},
+            [{"role": "assistant", "content": f"Answer: {int(6 * reward)}"}],
+            "",
+        )
         c.reward, c.info["tool_calls"] = reward, calls
         return c
 
-    records = agent_records([conversation(1, 1.0), conversation(0, 0.0), conversation(2, 1.0), conversation(0, 0.0)], [0, 1], 2)
+    records = agent_records(
+        [conversation(1, 1.0), conversation(0, 0.0), conversation(2, 1.0), conversation(0, 0.0)], [0, 1], 2
+    )
     assert [r.problem_id for r in records] == [0, 0, 1, 1] and [r.answer for r in records] == ["6", "0", "6", "0"]
     summary = summarize_samples(records, 2)
     assert summary["tool_call_rate"] == 0.5 and summary["avg@2"] == 0.5

@@ -64,7 +64,9 @@ def test_property_drgrpo_invariant_to_per_group_constant(samples, shifts):
     groups = torch.tensor([g for g, _ in samples])
     rewards = torch.tensor([r for _, r in samples], dtype=torch.float64)
     shifted = rewards + torch.tensor(shifts, dtype=torch.float64)[groups]
-    torch.testing.assert_close(drgrpo_advantages(shifted, groups), drgrpo_advantages(rewards, groups), atol=1e-9, rtol=0)
+    torch.testing.assert_close(
+        drgrpo_advantages(shifted, groups), drgrpo_advantages(rewards, groups), atol=1e-9, rtol=0
+    )
 
 
 def test_egae_oracle_truncated_response():

@@ -115,7 +115,9 @@ def global_fill(kept_per_round: list[int], quota: int, max_rounds: int = 4):
 
     def run(rank):
         try:
-            results[rank] = fill_batch_with_dynamic_sampling(rounds_keeping(kept_per_round[rank]), quota, max_rounds, share_of(rank))
+            results[rank] = fill_batch_with_dynamic_sampling(
+                rounds_keeping(kept_per_round[rank]), quota, max_rounds, share_of(rank)
+            )
         except DynamicSamplingExhausted as exc:
             results[rank] = exc
 
@@ -136,7 +138,9 @@ def test_global_filling_stops_when_the_workers_together_are_full_and_keeps_exact
     assert [batch.num_groups for batch, _ in results] == [2, 7, 0]
     assert [stats.groups_kept for _, stats in results] == [2, 8, 0]
     batch, _ = results[1]
-    assert batch.payloads[:2] == [(0, 0), (0, 0)] and batch.group_index.tolist() == [g for g in range(7) for _ in (0, 1)]
+    assert batch.payloads[:2] == [(0, 0), (0, 0)] and batch.group_index.tolist() == [
+        g for g in range(7) for _ in (0, 1)
+    ]
     alone = fill_batch_with_dynamic_sampling(rounds_keeping(1), 3, 4)[1]
     assert alone.rounds == 3
     with pytest.raises(DynamicSamplingExhausted):

@@ -40,15 +40,32 @@ def test_every_public_name_is_exported():
 
 def test_estimators_say_what_they_need():
     needs = {name: (e.needs_groups, e.needs_critic, e.bootstraps_cut) for name, e in alg.ADVANTAGE_ESTIMATORS.items()}
-    assert needs == {"grpo": (True, False, False), "drgrpo": (True, False, False), "gae": (False, True, False),
-                     "egae": (False, True, True)}  # fmt: skip
+    assert needs == {
+        "grpo": (True, False, False),
+        "drgrpo": (True, False, False),
+        "gae": (False, True, False),
+        "egae": (False, True, True),
+    }
     rewards, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
     assert torch.equal(get("advantage", "drgrpo")(rewards, groups), torch.tensor([0.5, -0.5, 0.0, 0.0]))
 
 
 def test_shapers_add_the_formulas_of_their_settings():
-    lengths, correct, groups = torch.tensor([10, 14, 16, 20]), torch.tensor([True, True, False, True]), torch.tensor([0, 0, 1, 1])
-    overlong = get("reward_shaping", "overlong")(lengths, correct, groups, SimpleNamespace(max_len=16, cache_len=4, factor=1.0))
-    assert overlong.dtype == torch.float64 and overlong.tolist() == [0.0, -0.5, -1.0, -1.0]  # 12 tokens free, -1 past 16
+    lengths, correct, groups = (
+        torch.tensor([10, 14, 16, 20]),
+        torch.tensor([True, True, False, True]),
+        torch.tensor([0, 0, 1, 1]),
+    )
+    overlong = get("reward_shaping", "overlong")(
+        lengths, correct, groups, SimpleNamespace(max_len=16, cache_len=4, factor=1.0)
+    )
+    assert overlong.dtype == torch.float64 and overlong.tolist() == [
+        0.0,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]  # 12 tokens free, -1 past 16
     length = get("reward_shaping", "length")(lengths, correct, groups, SimpleNamespace(coef=0.2))
-    assert length.tolist() == pytest.approx([0.1, -0.1, 0.0, -0.1])  # 0.2 x (+0.5 shortest, -0.5 longest; wrong: min(0, .))
+    assert length.tolist() == pytest.approx(
+        [0.1, -0.1, 0.0, -0.1]
+    )  # 0.2 x (+0.5 shortest, -0.5 longest; wrong: min(0, .))

@@ -55,11 +55,16 @@ def test_kimi_group_length_reward_oracle():
     # group 0: lengths 10, 20, 30, correct, correct, wrong -> lambda 0.5, 0, -0.5; the wrong one keeps min(0, -0.5)
     # group 1: equal lengths -> 0; group 2: lengths 7 (wrong), 9 (right) -> lambda 0.5, -0.5 -> wrong gets min(0, 0.5) = 0
     # group 3: a single response -> 0
-    reward = group_length_reward(torch.tensor([10, 20, 30, 5, 5, 7, 9, 8]), torch.tensor([1, 1, 0, 1, 0, 0, 1, 1]),
-                                 torch.tensor([0, 0, 0, 1, 1, 2, 2, 3]))  # fmt: skip
+    reward = group_length_reward(
+        torch.tensor([10, 20, 30, 5, 5, 7, 9, 8]),
+        torch.tensor([1, 1, 0, 1, 0, 0, 1, 1]),
+        torch.tensor([0, 0, 0, 1, 1, 2, 2, 3]),
+    )
     assert reward.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, -0.5, 0.0]
     # lambda is linear in length between the group's shortest (+0.5) and longest (-0.5)
-    assert group_length_reward(torch.tensor([100, 125, 200]), torch.ones(3), torch.zeros(3, dtype=torch.long)).tolist() == [0.5, 0.25, -0.5]
+    assert group_length_reward(
+        torch.tensor([100, 125, 200]), torch.ones(3), torch.zeros(3, dtype=torch.long)
+    ).tolist() == [0.5, 0.25, -0.5]
 
 
 def test_length_reward_in_the_worker_is_coef_times_the_group_reward(tiny_bf16):
@@ -68,13 +73,25 @@ def test_length_reward_in_the_worker_is_coef_times_the_group_reward(tiny_bf16):
     from allsync.worker import RLWorker
 
     problems = [Problem("what is 1+1?", "2"), Problem("what is 2+2?", "4")]
-    config = parse_config({"model": {"base": str(tiny_bf16)}, "lora": {"rank": 8, "alpha": 16},
-                           "reward": {"length": {"coef": 0.2}}, "rollout": {"prompts_per_step": 2, "group_size": 3},
-                           "parallel": {"workers_per_node": 1}})  # fmt: skip
+    config = parse_config(
+        {
+            "model": {"base": str(tiny_bf16)},
+            "lora": {"rank": 8, "alpha": 16},
+            "reward": {"length": {"coef": 0.2}},
+            "rollout": {"prompts_per_step": 2, "group_size": 3},
+            "parallel": {"workers_per_node": 1},
+        }
+    )
     w = RLWorker(config, problems)
     try:
         encode = lambda text: w.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        responses = [encode("Answer: 2"), encode("I think... Answer: 2"), encode("Answer: 3"), encode("Answer: 4"), encode("Answer: 5")]
+        responses = [
+            encode("Answer: 2"),
+            encode("I think... Answer: 2"),
+            encode("Answer: 3"),
+            encode("Answer: 4"),
+            encode("Answer: 5"),
+        ]
         rewards, correct, _ = w.rewards([problems[0]] * 3 + [problems[1]] * 2, responses, [0, 0, 0, 1, 1])
     finally:
         w.shutdown()

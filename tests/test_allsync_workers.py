@@ -14,14 +14,16 @@ PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in
 
 
 def config(base, workers, lr=1e-2):
-    return parse_config({
-        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 4, "alpha": 8},
-        "run": {"export": "merged"},
-        "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
-        "optim": {"lr": lr, "minibatches": 2},
-        "parallel": {"workers_per_node": workers},
-    })  # fmt: skip
+    return parse_config(
+        {
+            "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 4, "alpha": 8},
+            "run": {"export": "merged"},
+            "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
+            "optim": {"lr": lr, "minibatches": 2},
+            "parallel": {"workers_per_node": workers},
+        }
+    )
 
 
 def synthetic_groups(first_group: int, groups: int) -> tuple[list[Episode], torch.Tensor]:
@@ -31,7 +33,11 @@ def synthetic_groups(first_group: int, groups: int) -> tuple[list[Episode], torc
         prompt = [0, 3] + torch.randint(8, 200, (4 + g,), generator=gen).tolist() + [4]
         for k in range(3):
             response = torch.randint(8, 200, (2 + (g + k) % 4,), generator=gen).tolist()
-            samples.append(Episode.single(prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0))
+            samples.append(
+                Episode.single(
+                    prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0
+                )
+            )
             index.append(g - first_group)
     return samples, torch.tensor(index)
 
@@ -74,8 +80,11 @@ def reward_config(base, **reward):
 def test_reward_error_names_the_sample(tiny_bf16):
     w = RLWorker(reward_config(tiny_bf16, function="reward_functions:broken"), PROBLEMS)
     try:
-        with pytest.raises(RewardError, match=r"reward reward_functions:broken failed on sample 0 of worker 0 \(prompt 'what is .*', "
-                                              r"response .*ZeroDivisionError: bad verifier \(reward.on_error: fail\)"):  # fmt: skip
+        with pytest.raises(
+            RewardError,
+            match=r"reward reward_functions:broken failed on sample 0 of worker 0 \(prompt 'what is .*', "
+            r"response .*ZeroDivisionError: bad verifier \(reward.on_error: fail\)",
+        ):
             w.step(1)
     finally:
         w.shutdown()
@@ -109,8 +118,14 @@ def test_trained_samples_must_come_from_the_current_adapter(tiny_bf16, monkeypat
     samples, index = synthetic_groups(0, 2)
     for episode in samples:
         episode.final.adapter_version = 7
-    monkeypatch.setattr(w, "collect", lambda groups: (samples, {"groups_generated": 2, "sampling_rounds": 1, "groups_kept": 2,
-                                                                 "generated": samples, "group_index": index}))  # fmt: skip
+    monkeypatch.setattr(
+        w,
+        "collect",
+        lambda groups: (
+            samples,
+            {"groups_generated": 2, "sampling_rounds": 1, "groups_kept": 2, "generated": samples, "group_index": index},
+        ),
+    )
     with pytest.raises(RuntimeError, match=r"samples from adapter version 7 while training 0"):
         w.step(1)
 

@@ -17,7 +17,12 @@ def write_training_checkpoint_tree(tmp: Path) -> list[str]:
     """A tree shaped like recipes/dapo.py's checkpoints/step-N: files at the top, the adapter in adapter/,
     per-worker state one level deeper. One file is created private (0600), as torch.save may leave it.
     Returns the relative paths of the files."""
-    files = ["controller.json", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "workers/rank-0/trainer.pt"]
+    files = [
+        "controller.json",
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+        "workers/rank-0/trainer.pt",
+    ]
     for rel in files:
         path = tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,9 +52,12 @@ def test_directories_0755_and_files_0644_at_every_depth(shared_root):
     modes = {str(p.relative_to(out)): stat.S_IMODE(os.stat(p).st_mode) for p in out.rglob("*")}
     modes["."] = stat.S_IMODE(os.stat(out).st_mode)
     assert modes == {
-        ".": 0o755, "adapter": 0o755, "workers": 0o755, "workers/rank-0": 0o755,
+        ".": 0o755,
+        "adapter": 0o755,
+        "workers": 0o755,
+        "workers/rank-0": 0o755,
         **{f: 0o644 for f in files},
-    }  # fmt: skip
+    }
 
 
 def read_every_file(directory: str) -> int:
@@ -66,7 +74,9 @@ def read_every_file(directory: str) -> int:
     return count
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to user nobody needs root (tests run as root on the CI machine)")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="switching to user nobody needs root (tests run as root on the CI machine)"
+)
 def test_a_non_root_user_can_read_the_whole_checkpoint(shared_root):
     """Fork, become `nobody` in the child (no supplementary groups), and read the tree there: a non-root
     python cannot start on this machine (/root, where python lives, is 0700), a forked one needs nothing."""

@@ -27,7 +27,9 @@ def fake_checkpoint(directory: Path, seed: int = 0) -> Path:
     """A step directory as save_checkpoint lays it out: a real safetensors file, JSON, a nested adapter/."""
     directory.mkdir(parents=True)
     generator = torch.Generator().manual_seed(seed)
-    save_file({"a": torch.randn(64, 32, generator=generator), "b": torch.arange(10)}, str(directory / "rank0.safetensors"))
+    save_file(
+        {"a": torch.randn(64, 32, generator=generator), "b": torch.arange(10)}, str(directory / "rank0.safetensors")
+    )
     (directory / "rank0.json").write_text(json.dumps({"position": 7 + seed, "python": [3, list(range(20))]}))
     (directory / "adapter").mkdir()
     (directory / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
@@ -58,7 +60,12 @@ def test_manifest_lists_every_file_with_its_size_and_sha256_but_not_itself(tmp_p
     step = fake_checkpoint(tmp_path / "step-000001")
     manifest = json.loads((step / MANIFEST).read_text())
     assert manifest["version"] == 1 and manifest["format"] == "allsync-checkpoint-manifest"
-    assert sorted(manifest["files"]) == ["adapter/adapter_config.json", "controller.json", "rank0.json", "rank0.safetensors"]
+    assert sorted(manifest["files"]) == [
+        "adapter/adapter_config.json",
+        "controller.json",
+        "rank0.json",
+        "rank0.safetensors",
+    ]
     for name, entry in manifest["files"].items():
         data = (step / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -95,7 +102,10 @@ def test_a_checkpoint_without_a_manifest_is_refused(tmp_path):
     step = fake_checkpoint(tmp_path / "step-000001")
     (step / MANIFEST).unlink()
     message = refusal(step)
-    assert message.startswith(str(step)) and "no manifest.json: the checkpoint was cut short or written by an older allsync" in message
+    assert (
+        message.startswith(str(step))
+        and "no manifest.json: the checkpoint was cut short or written by an older allsync" in message
+    )
 
 
 def test_an_unreadable_manifest_is_refused(tmp_path):
@@ -103,8 +113,15 @@ def test_an_unreadable_manifest_is_refused(tmp_path):
     text = (step / MANIFEST).read_text()
     (step / MANIFEST).write_text(text[: len(text) // 2])
     assert refusal(step).startswith(f"{step / MANIFEST}: unreadable manifest (")
-    (step / MANIFEST).write_text(json.dumps({"format": "allsync-checkpoint-manifest", "version": 1,
-                                             "files": {"../outside": {"bytes": 1, "sha256": "0"}}}))  # fmt: skip
+    (step / MANIFEST).write_text(
+        json.dumps(
+            {
+                "format": "allsync-checkpoint-manifest",
+                "version": 1,
+                "files": {"../outside": {"bytes": 1, "sha256": "0"}},
+            }
+        )
+    )
     assert refusal(step).startswith(f"{step / MANIFEST}: unreadable manifest (")
 
 

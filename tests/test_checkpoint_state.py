@@ -21,8 +21,12 @@ from allsync.checkpoint import (
 
 def stepped_adamw() -> torch.optim.AdamW:
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
-    opt = torch.optim.AdamW([{"params": params[:1], "base_lr": 1e-3}, {"params": params[1:], "base_lr": 5e-4}],
-                            lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)  # fmt: skip
+    opt = torch.optim.AdamW(
+        [{"params": params[:1], "base_lr": 1e-3}, {"params": params[1:], "base_lr": 5e-4}],
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+    )
     for _ in range(3):
         sum(p.square().sum() for p in params).backward()
         opt.step()
@@ -67,7 +71,9 @@ def test_no_file_of_a_checkpoint_is_a_pickle(tmp_path):
 
 def test_an_old_pickled_checkpoint_is_refused_by_name(tmp_path):
     torch.save({"optimizer": {}}, tmp_path / "trainer.pt")
-    with pytest.raises(CheckpointStateError, match=r"trainer\.pt: a pickled checkpoint from an older allsync; it is not loaded"):
+    with pytest.raises(
+        CheckpointStateError, match=r"trainer\.pt: a pickled checkpoint from an older allsync; it is not loaded"
+    ):
         read_state(tmp_path, "trainer")
 
 

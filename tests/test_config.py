@@ -7,7 +7,9 @@ from allsync.config import ConfigError, RunConfig, load_config, parse_config
 
 
 def test_defaults_are_valid_and_nested_values_parse():
-    c = parse_config({"rollout": {"group_size": 4, "temperature": 0.9}, "algorithm": {"overlong": {"max_len": 16, "cache_len": 4}}})
+    c = parse_config(
+        {"rollout": {"group_size": 4, "temperature": 0.9}, "algorithm": {"overlong": {"max_len": 16, "cache_len": 4}}}
+    )
     assert isinstance(c, RunConfig)
     assert (c.rollout.group_size, c.rollout.temperature, c.algorithm.overlong.cache_len) == (4, 0.9, 4)
     assert c.model.quant.routed_experts == "nf4"
@@ -16,27 +18,45 @@ def test_defaults_are_valid_and_nested_values_parse():
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"rollout": {"temprature": 1.0}}, r"unknown key 'rollout\.temprature' \(did you mean rollout\.temperature\?\)"),
+        (
+            {"rollout": {"temprature": 1.0}},
+            r"unknown key 'rollout\.temprature' \(did you mean rollout\.temperature\?\)",
+        ),
         ({"optimiser": {}}, r"unknown key 'optimiser' \(did you mean optim\?\)"),
         ({"rollout": {"group_size": "eight"}}, r"'rollout\.group_size' = 'eight' is not of type"),
         ({"model": {"quant": {"routed_experts": "nf5"}}}, r"model\.quant\.routed_experts = 'nf5': unknown format"),
         ({"lora": {"targets": ["q_a_proj", "lm_head"]}}, r"lora\.targets: unknown target 'lm_head'"),
-        ({"rollout": {"engine": "vllm"}, "lora": {"rank": 4}, "run": {"export": "merged"}}, r"lora\.rank = 4 with rollout\.engine vllm"),
+        (
+            {"rollout": {"engine": "vllm"}, "lora": {"rank": 4}, "run": {"export": "merged"}},
+            r"lora\.rank = 4 with rollout\.engine vllm",
+        ),
         ({"lora": {"rank": 4}}, r"lora\.rank = 4 with run\.export peft"),
         ({"run": {"export": "gguf"}}, r"run\.export = .gguf."),
-        ({"rollout": {"engine": "vllm"}, "lora": {"targets": ["kv_b_proj"]}, "run": {"export": "merged"}}, r"kv_b_proj with rollout\.engine vllm"),
+        (
+            {"rollout": {"engine": "vllm"}, "lora": {"targets": ["kv_b_proj"]}, "run": {"export": "merged"}},
+            r"kv_b_proj with rollout\.engine vllm",
+        ),
         ({"lora": {"targets": ["kv_b_proj"]}}, r"kv_b_proj with run\.export peft"),
         ({"algorithm": {"advantage": "ppo2"}}, r"algorithm\.advantage: .*'ppo2'"),
-        ({"algorithm": {"policy_loss": "gspo"}}, r"algorithm\.policy_loss: unknown policy_loss 'gspo'; valid names: clipped"),
+        (
+            {"algorithm": {"policy_loss": "gspo"}},
+            r"algorithm\.policy_loss: unknown policy_loss 'gspo'; valid names: clipped",
+        ),
         ({"rollout": {"group_size": 1}}, r"rollout\.group_size = 1 with algorithm\.advantage grpo"),
         ({"algorithm": {"advantage": "egae"}}, r"algorithm\.advantage egae learns a critic"),
         ({"algorithm": {"clip_c": 0.5}}, r"algorithm\.clip_c = 0\.5"),
         ({"parallel": {"layout": "disaggregated", "workers_per_node": 3}}, r"disaggregated needs an even number"),
         ({"optim": {"minibatches": 3}}, r"optim\.minibatches = 3 must divide"),
-        ({"algorithm": {"overlong": {"max_len": 64, "cache_len": 8}}}, r"overlong\.max_len = 64 exceeds rollout\.max_new_tokens = 16"),
+        (
+            {"algorithm": {"overlong": {"max_len": 64, "cache_len": 8}}},
+            r"overlong\.max_len = 64 exceeds rollout\.max_new_tokens = 16",
+        ),
         ({"rollout": {"temperature": 0.0}}, r"rollout\.temperature = 0\.0: must be > 0"),
         ({"rollout": {"temperature": -1.0}}, r"rollout\.temperature = -1\.0: must be > 0"),
-        ({"rollout": {"top_p": 0.7}}, r"rollout\.top_p = 0\.7: training samples from the full softmax.*run\.eval_top_p"),
+        (
+            {"rollout": {"top_p": 0.7}},
+            r"rollout\.top_p = 0\.7: training samples from the full softmax.*run\.eval_top_p",
+        ),
         ({"run": {"eval_top_p": 0.0}}, r"run\.eval_top_p = 0\.0: must be in \(0, 1\]"),
         ({"run": {"eval_top_p": 1.5}}, r"run\.eval_top_p = 1\.5"),
         ({"rollout": {"prompts_per_step": 0}}, r"rollout\.prompts_per_step = 0: must be >= 1"),
@@ -55,9 +75,15 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"rollout": {"merge_lora": True}}, r"rollout\.merge_lora without model\.compute_copy"),
         ({"rollout": {"decode_batch": 0}}, r"rollout\.decode_batch = 0: must be >= 1"),
         ({"rollout": {"decode_batch": 32, "engine": "vllm"}}, r"rollout\.decode_batch = 32 with rollout\.engine vllm"),
-        ({"rollout": {"merge_lora": True, "engine": "vllm"}, "model": {"compute_copy": True}}, r"rollout\.merge_lora with rollout\.engine vllm"),
+        (
+            {"rollout": {"merge_lora": True, "engine": "vllm"}, "model": {"compute_copy": True}},
+            r"rollout\.merge_lora with rollout\.engine vllm",
+        ),
         # 4 prompts x 3 samples = 12 split into 4 minibatches globally, but each of the 2 workers holds 6
-        ({"rollout": {"prompts_per_step": 4, "group_size": 3}, "optim": {"minibatches": 4}}, r"must divide each worker's samples per step .* = 6\)"),
+        (
+            {"rollout": {"prompts_per_step": 4, "group_size": 3}, "optim": {"minibatches": 4}},
+            r"must divide each worker's samples per step .* = 6\)",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(data, message):
@@ -82,15 +108,27 @@ def test_shipped_configs_validate():
     # vLLM's expert parallelism is not wired into the loop yet: the 671B plan (vLLM, EP 16) is refused by name
     with pytest.raises(ConfigError, match=r"expert_parallel = 16 with rollout.engine vllm"):
         load_config(big_path)
-    big = parse_config({**yaml.safe_load(big_path.read_text()), "rollout": {**yaml.safe_load(big_path.read_text())["rollout"], "engine": "torch"}})
+    big = parse_config(
+        {
+            **yaml.safe_load(big_path.read_text()),
+            "rollout": {**yaml.safe_load(big_path.read_text())["rollout"], "engine": "torch"},
+        }
+    )
     assert big.parallel.workers == 48 and big.model.quant.routed_experts == "nf4"
     assert "kv_b_proj" not in big.lora.targets and big.lora.rank == 16 and big.parallel.expert_parallel == 16
-    assert big.task.name == "dataset" and big.reward.name == "math_dapo" and big.run.eval_samples == 32 and big.run.eval_top_p == 0.7
+    assert (
+        big.task.name == "dataset"
+        and big.reward.name == "math_dapo"
+        and big.run.eval_samples == 32
+        and big.run.eval_top_p == 0.7
+    )
     memory_path = configs / "memory_agent_deepseek_v3_671b_48xh100.yaml"
     with pytest.raises(ConfigError, match=r"expert_parallel = 16 with rollout.engine vllm"):
         load_config(memory_path)
     memory = yaml.safe_load(memory_path.read_text())
-    torch_engine = parse_config({**memory, "rollout": {**memory["rollout"], "engine": "torch"}})  # EP 16 + multiconv passes
+    torch_engine = parse_config(
+        {**memory, "rollout": {**memory["rollout"], "engine": "torch"}}
+    )  # EP 16 + multiconv passes
     assert torch_engine.producer.credit == "all" and torch_engine.producer.chunk_tokens == 5000
     assert torch_engine.parallel.expert_parallel == 16 and torch_engine.lora.expert_kernel == "grouped_mm"
     for path in configs.glob("*.yaml"):
@@ -98,14 +136,23 @@ def test_shipped_configs_validate():
             load_config(path)
 
 
-@pytest.mark.parametrize("parallel, message", [
-    ({"workers_per_node": 4, "expert_parallel": 3}, r"parallel.expert_parallel = 3 must divide the 4 workers"),
-    ({"workers_per_node": 2, "tensor_parallel": 2}, r"parallel.tensor_parallel = 2: the loop has no tensor parallelism"),
-    ({"device": "tpu"}, r"parallel.device = 'tpu': use auto, cpu or cuda"),
-    ({"backend": "mpi"}, r"parallel.backend = 'mpi': use auto, gloo or nccl"),
-    ({"device": "cpu", "backend": "nccl"}, r"parallel.backend = nccl with parallel.device cpu"),
-    ({"workers_per_node": 2, "expert_parallel": 2, "layout": "disaggregated"}, r"expert_parallel = 2 with parallel.layout disaggregated"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parallel, message",
+    [
+        ({"workers_per_node": 4, "expert_parallel": 3}, r"parallel.expert_parallel = 3 must divide the 4 workers"),
+        (
+            {"workers_per_node": 2, "tensor_parallel": 2},
+            r"parallel.tensor_parallel = 2: the loop has no tensor parallelism",
+        ),
+        ({"device": "tpu"}, r"parallel.device = 'tpu': use auto, cpu or cuda"),
+        ({"backend": "mpi"}, r"parallel.backend = 'mpi': use auto, gloo or nccl"),
+        ({"device": "cpu", "backend": "nccl"}, r"parallel.backend = nccl with parallel.device cpu"),
+        (
+            {"workers_per_node": 2, "expert_parallel": 2, "layout": "disaggregated"},
+            r"expert_parallel = 2 with parallel.layout disaggregated",
+        ),
+    ],
+)
 def test_bad_parallel_sections_name_the_key(parallel, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"parallel": parallel})
@@ -136,8 +183,13 @@ def test_length_reward_is_checked():
     with pytest.raises(ConfigError, match=r"reward.length.coef = 0: must be > 0"):
         parse_config({"reward": {"length": {"coef": 0}}})
     with pytest.raises(ConfigError, match=r"reward.length with algorithm.advantage egae"):
-        parse_config({"reward": {"length": {}}, "algorithm": {"advantage": "egae", "dynamic_sampling": False},
-                      "producer": {"kind": "windows", "window": 4}})
+        parse_config(
+            {
+                "reward": {"length": {}},
+                "algorithm": {"advantage": "egae", "dynamic_sampling": False},
+                "producer": {"kind": "windows", "window": 4},
+            }
+        )
 
 
 def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, monkeypatch):
@@ -147,8 +199,14 @@ def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, m
     from allsync.config import ConfigError
     from allsync.tasks import Problem
 
-    config = parse_config({"model": {"base": str(tiny_bf16), "compute_copy": True}, "run": {"export": "merged"},
-                           "lora": {"rank": 4}, "parallel": {"workers_per_node": 1}})  # fmt: skip
+    config = parse_config(
+        {
+            "model": {"base": str(tiny_bf16), "compute_copy": True},
+            "run": {"export": "merged"},
+            "lora": {"rank": 4},
+            "parallel": {"workers_per_node": 1},
+        }
+    )
     monkeypatch.setattr(worker_module, "free_device_bytes", lambda device: 1_000_000)
     with pytest.raises(ConfigError, match="model.compute_copy: a torch.float32 copy of the frozen weights needs"):
         worker_module.RLWorker(config, [Problem("1+1", "2")])

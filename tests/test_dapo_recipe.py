@@ -45,13 +45,17 @@ def metrics(out_dir: Path) -> dict[int, dict]:
 
 def test_sigkill_then_resume_repeats_the_uninterrupted_metrics(warm_tiny, tmp_path):
     straight = tmp_path / "straight"
-    done = subprocess.run(recipe(write_config(tmp_path / "a.yaml", warm_tiny, straight)), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        recipe(write_config(tmp_path / "a.yaml", warm_tiny, straight)), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith("held-out accuracy: base ")
 
     killed = tmp_path / "killed"
     config = write_config(tmp_path / "b.yaml", warm_tiny, killed)
-    proc = subprocess.Popen(recipe(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        recipe(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     pointer = killed / "checkpoints" / "latest"
     deadline = time.time() + 600
     while not (pointer.exists() and pointer.read_text().strip() == "step-000003"):
@@ -79,6 +83,7 @@ def test_resume_under_ray_with_two_workers_repeats_the_uninterrupted_metrics(war
     the default suite checks the same through test_launchers: `--resume` of two Ray workers from a checkpoint
     (test_checkpoint_at_ep2_resumes_at_ep1) and a Ray restart from the step-2 checkpoint that logs the
     uninterrupted run's metrics (test_a_worker_killed_mid_step_...)."""
+
     def config(out_dir: Path, name: str) -> Path:
         path = write_config(tmp_path / name, warm_tiny, out_dir)
         data = yaml.safe_load(path.read_text())
@@ -89,8 +94,11 @@ def test_resume_under_ray_with_two_workers_repeats_the_uninterrupted_metrics(war
 
     with_ray = lambda path, *extra: [sys.executable, str(RECIPE), "--config", str(path), *extra]  # noqa: E731
     straight, split = tmp_path / "straight", tmp_path / "split"
-    for command in (with_ray(config(straight, "a.yaml")), with_ray(config(split, "b.yaml"), "--steps", "3"),
-                    with_ray(config(split, "b.yaml"), "--resume")):  # fmt: skip
+    for command in (
+        with_ray(config(straight, "a.yaml")),
+        with_ray(config(split, "b.yaml"), "--steps", "3"),
+        with_ray(config(split, "b.yaml"), "--resume"),
+    ):
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout and "(step 3)" in done.stdout
@@ -111,7 +119,9 @@ def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path):
     config = {"model": {"base": str(stale), "warm_start": True}, "run": {"out_dir": str(tmp_path / "run")}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2
     assert f"model.base = '{stale}' with model.warm_start" in done.stderr and "delete it to rebuild" in done.stderr
     assert not (tmp_path / "run").exists()
@@ -122,7 +132,9 @@ def test_expert_parallel_in_one_process_is_refused(tmp_path):
     config = {"parallel": {"workers_per_node": 2, "expert_parallel": 2}, "run": {"out_dir": str(tmp_path / "run")}}
     path = tmp_path / "ep.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2 and "parallel.expert_parallel = 2 with --no-ray" in done.stderr
     assert not (tmp_path / "run").exists()
 
@@ -130,10 +142,16 @@ def test_expert_parallel_in_one_process_is_refused(tmp_path):
 @pytest.mark.parametrize("run", [{"max_restarts": 1}, {"step_timeout": 60}])
 def test_restart_settings_with_one_worker_in_this_process_are_refused(run, tmp_path):
     """A config of one worker (it runs in the recipe's own process) with restarts contradicts itself."""
-    config = {"model": {"base": str(tmp_path / "none")}, "parallel": {"workers_per_node": 1}, "run": {"out_dir": str(tmp_path / "run"), **run}}
+    config = {
+        "model": {"base": str(tmp_path / "none")},
+        "parallel": {"workers_per_node": 1},
+        "run": {"out_dir": str(tmp_path / "run"), **run},
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2
     assert "with one worker, which runs in this process: a lost worker would be this process" in done.stderr
     assert not (tmp_path / "run").exists()
@@ -142,12 +160,20 @@ def test_restart_settings_with_one_worker_in_this_process_are_refused(run, tmp_p
 def test_no_ray_says_that_restarts_do_not_apply_and_goes_on(tmp_path):
     """--no-ray with a config that has restarts (the default one has 2 and a 300 s step timeout): one line says
     they do not apply, and the run goes on (here to the next check: the base that does not exist)."""
-    config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(tmp_path / "run"), "max_restarts": 2, "step_timeout": 300}}
+    config = {
+        "model": {"base": str(tmp_path / "none")},
+        "run": {"out_dir": str(tmp_path / "run"), "max_restarts": 2, "step_timeout": 300},
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
+    )
     lines = done.stderr.splitlines()
-    assert lines[0] == "note: --no-ray: run.max_restarts = 2 and run.step_timeout = 300 do not apply (a lost worker is this process; nothing could restart it)"
+    assert (
+        lines[0]
+        == "note: --no-ray: run.max_restarts = 2 and run.step_timeout = 300 do not apply (a lost worker is this process; nothing could restart it)"
+    )
     assert done.returncode == 2 and "no checkpoint there" in lines[1]
 
 
@@ -160,9 +186,19 @@ def test_a_fresh_run_in_an_earlier_runs_out_dir_is_refused(tmp_path):
     config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(out), "keep_checkpoints": 1}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2
-    assert f"run.out_dir = '{out}' holds an earlier run (metrics.jsonl, checkpoints/step-000600): --resume continues it" in done.stderr
+    assert (
+        f"run.out_dir = '{out}' holds an earlier run (metrics.jsonl, checkpoints/step-000600): --resume continues it"
+        in done.stderr
+    )
     assert (out / "metrics.jsonl").read_text() == '{"step": 600}\n' and (out / "checkpoints" / "step-000600").is_dir()
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray", "--resume"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray", "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "holds an earlier run" not in done.stderr and "no checkpoint there" in done.stderr

@@ -14,10 +14,16 @@ VERL_SCHEMA = verl_schema()
 
 def verl_rows(unique: int, copies: int) -> list[dict]:
     return [
-        {"data_source": "math_dapo", "prompt": [{"content": f"What is {i} + {i}?", "role": "user"}], "ability": "MATH",
-         "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"}, "extra_info": {"index": f"{i}-{c}"}}
-        for c in range(copies) for i in range(unique)
-    ]  # fmt: skip
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"content": f"What is {i} + {i}?", "role": "user"}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": f"{i}-{c}"},
+        }
+        for c in range(copies)
+        for i in range(unique)
+    ]
 
 
 def write_parquet(path, rows, schema=VERL_SCHEMA):
@@ -39,7 +45,10 @@ def test_plain_rows_with_dapo_template(tmp_path):
     path.write_text("\n".join(json.dumps({"prompt": f"Find {i}.", "answer": i}) for i in (7, 8, 7)) + "\n")
     rows, report = load_rows(path, template=DAPO_MATH_TEMPLATE)
     assert [r.answer for r in rows] == ["7", "8"] and "3 rows, 2 unique" in report
-    assert rows[0].prompt.startswith("Solve the following math problem step by step.") and "\n\nFind 7.\n\n" in rows[0].prompt
+    assert (
+        rows[0].prompt.startswith("Solve the following math problem step by step.")
+        and "\n\nFind 7.\n\n" in rows[0].prompt
+    )
     messages = tmp_path / "chat.json"
     messages.write_text(json.dumps([{"prompt": [{"role": "user", "content": "Hi"}], "answer": "x"}]))
     assert load_rows(messages)[0][0].prompt == (("user", "Hi"),)
@@ -51,14 +60,19 @@ def test_rows_carry_env_kwargs_and_contexts_to_the_problems(tmp_path):
     from allsync.tasks import dataset_splits
 
     path = tmp_path / "rows.jsonl"
-    rows = [{"prompt": "What is 3*4?", "answer": "12", "env_kwargs": {"max_calls": 2}},
-            {"prompt": "Who?", "answer": "Ann", "context": "Ann wrote it."},
-            {"prompt": "Who?", "answer": "Bo", "context": "Bo wrote it."},
-            {"prompt": "Who?", "answer": "Bo", "context": "Bo wrote it."}]  # fmt: skip
+    rows = [
+        {"prompt": "What is 3*4?", "answer": "12", "env_kwargs": {"max_calls": 2}},
+        {"prompt": "Who?", "answer": "Ann", "context": "Ann wrote it."},
+        {"prompt": "Who?", "answer": "Bo", "context": "Bo wrote it."},
+        {"prompt": "Who?", "answer": "Bo", "context": "Bo wrote it."},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     splits, _ = dataset_splits([str(path)], [str(path)], None, seed=0)
     assert sorted((p.answer, json.dumps(p.metadata)) for p in splits.heldout) == [
-        ("12", '{"env_kwargs": {"max_calls": 2}}'), ("Ann", '{"context": "Ann wrote it."}'), ("Bo", '{"context": "Bo wrote it."}')]
+        ("12", '{"env_kwargs": {"max_calls": 2}}'),
+        ("Ann", '{"context": "Ann wrote it."}'),
+        ("Bo", '{"context": "Bo wrote it."}'),
+    ]
     path.write_text(json.dumps({"prompt": "x", "answer": "y", "env_kwargs": [1]}) + "\n")
     with pytest.raises(DatasetError, match=r"rows\.jsonl:0: env_kwargs must be a mapping"):
         load_rows(path)
@@ -100,9 +114,16 @@ def test_the_recipe_trains_on_a_verl_parquet(warm_tiny, tmp_path):
     from allsync.tasks import ArithmeticSpec, make_splits
 
     splits = make_splits(ArithmeticSpec(1, 1), 40, 10, seed=3)
-    as_verl = lambda problems: [{"data_source": "arith", "prompt": [{"content": p.prompt, "role": "user"}], "ability": "MATH",  # noqa: E731
-                                 "reward_model": {"ground_truth": p.answer, "style": "rule"}, "extra_info": {"index": "0"}}
-                                for p in problems]  # fmt: skip
+    as_verl = lambda problems: [
+        {
+            "data_source": "arith",
+            "prompt": [{"content": p.prompt, "role": "user"}],
+            "ability": "MATH",  # noqa: E731
+            "reward_model": {"ground_truth": p.answer, "style": "rule"},
+            "extra_info": {"index": "0"},
+        }
+        for p in problems
+    ]
     train = write_parquet(tmp_path / "train.parquet", as_verl(splits.train) * 2)
     heldout = write_parquet(tmp_path / "eval.parquet", as_verl(splits.heldout))
     config = {
@@ -111,18 +132,28 @@ def test_the_recipe_trains_on_a_verl_parquet(warm_tiny, tmp_path):
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12},
         "parallel": {"workers_per_node": 1},
         "task": {"name": "dataset", "train_files": [str(train)], "eval_files": [str(heldout)]},
-        "run": {"out_dir": str(tmp_path / "out"), "steps": 2, "eval_every": 2, "checkpoint_every": 2, "export": "merged"},
+        "run": {
+            "out_dir": str(tmp_path / "out"),
+            "steps": 2,
+            "eval_every": 2,
+            "checkpoint_every": 2,
+            "export": "merged",
+        },
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     recipe = Path(__file__).parents[1] / "recipes" / "dapo.py"
-    done = subprocess.run([sys.executable, str(recipe), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(recipe), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     unique = len({p.prompt for p in splits.train})
     assert f"train.parquet: {2 * len(splits.train)} rows, {unique} unique prompts" in done.stdout
     assert f"held-out accuracy is greedy on {len(splits.heldout)} problems" in done.stdout
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in records) == 2 and sum(r.get("groups_generated", 0) for r in records) >= 8  # 4 prompts x 2 steps
+    assert (
+        max(r["step"] for r in records) == 2 and sum(r.get("groups_generated", 0) for r in records) >= 8
+    )  # 4 prompts x 2 steps
 
 
 def test_dataset_task_config_is_checked():

@@ -21,12 +21,18 @@ def test_default_run_learns(tmp_path):
     config["run"]["out_dir"] = str(tmp_path / "run")
     path = tmp_path / "tiny_cpu.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path)],
-                          capture_output=True, text=True, timeout=25 * 60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=25 * 60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     match = LAST_LINE.match(done.stdout.strip().splitlines()[-1])
     assert match, done.stdout[-500:]
     base, trained = map(float, match.groups())
     assert trained - base >= 20.0, f"held-out accuracy {base}% -> {trained}%"
     assert "time_limit_minutes" not in done.stderr and f"{config['run']['steps']} RL steps in" in done.stdout
-    assert (tmp_path / "run" / "run.png").exists() and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "run" / "run.png").exists() and (
+        tmp_path / "run" / "adapter" / "adapter_model.safetensors"
+    ).exists()

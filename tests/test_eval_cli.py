@@ -22,8 +22,14 @@ def rec(pid, answer, correct, tokens=10, reason="stop"):
 
 def test_summary_matches_hand_computed_values():
     # problem 0: 1 of 4 right (answers 7, 5, 5, None); problem 1: 4 of 4; problem 2: 0 of 4
-    records = [rec(0, "7", True, 10), rec(0, "5", False, 20), rec(0, "5", False, 30), rec(0, None, False, 40, "length"),
-               *[rec(1, "3", True, 5) for _ in range(4)], *[rec(2, "9", False, 5) for _ in range(4)]]  # fmt: skip
+    records = [
+        rec(0, "7", True, 10),
+        rec(0, "5", False, 20),
+        rec(0, "5", False, 30),
+        rec(0, None, False, 40, "length"),
+        *[rec(1, "3", True, 5) for _ in range(4)],
+        *[rec(2, "9", False, 5) for _ in range(4)],
+    ]
     s = summarize_samples(records, 4)
     assert s["avg@4"] == pytest.approx(5 / 12)
     # pass@k = 1 - C(n-c, k) / C(n, k): problem 0 (c=1): k=1 0.25, k=2 1 - 3/6 = 0.5, k=4 1; problem 1: 1; problem 2: 0
@@ -49,7 +55,10 @@ def random_adapter(base, targets, seed=0):
     model = load_frozen_model(base, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
     attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=targets))
     gen = torch.Generator().manual_seed(seed)
-    tensors = {k: (torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v) for k, v in lora_state_dict(model).items()}
+    tensors = {
+        k: (torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v)
+        for k, v in lora_state_dict(model).items()
+    }
     return Adapter(tensors, 8, 16.0)
 
 
@@ -61,10 +70,32 @@ def read_eval(out):
 def test_eval_writes_samples_summary_and_plot(warm_tiny, tmp_path, capsys):
     problems = make_splits(ArithmeticSpec(1, 1), 0, 6, seed=1).heldout
     data = write_problems(tmp_path / "data.jsonl", problems + problems[:2])  # duplicates are dropped
-    adapter_dir = write_peft_adapter(random_adapter(warm_tiny, ("q_a_proj", "o_proj", "routed_experts")), tmp_path / "adapter", str(warm_tiny))
+    adapter_dir = write_peft_adapter(
+        random_adapter(warm_tiny, ("q_a_proj", "o_proj", "routed_experts")), tmp_path / "adapter", str(warm_tiny)
+    )
     out = tmp_path / "eval"
-    code = main(["eval", str(adapter_dir), "--base", str(warm_tiny), "--data", str(data), "--out", str(out), "--n", "4",
-                 "--top-p", "1.0", "--max-new-tokens", "12", "--reward", "arithmetic", "--batch-problems", "4"])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            str(adapter_dir),
+            "--base",
+            str(warm_tiny),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--n",
+            "4",
+            "--top-p",
+            "1.0",
+            "--max-new-tokens",
+            "12",
+            "--reward",
+            "arithmetic",
+            "--batch-problems",
+            "4",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[0] == "data.jsonl: 8 rows, 6 unique prompts (2 duplicates dropped)"
@@ -76,8 +107,26 @@ def test_eval_writes_samples_summary_and_plot(warm_tiny, tmp_path, capsys):
         assert s["correct"] == (s["score"] > 0) and s["prompt"] == problems[s["problem_id"]].prompt
     assert (out / "eval.png").stat().st_size > 10_000
     # the same adapter through our loader: greedy n=1 equals the model's own greedy decoding
-    code = main(["eval", str(adapter_dir), "--base", str(warm_tiny), "--data", str(data), "--out", str(tmp_path / "g"),
-                 "--n", "1", "--temperature", "0", "--max-new-tokens", "12", "--reward", "arithmetic"])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            str(adapter_dir),
+            "--base",
+            str(warm_tiny),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "g"),
+            "--n",
+            "1",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--reward",
+            "arithmetic",
+        ]
+    )
     greedy, _ = read_eval(tmp_path / "g")
     model = load_frozen_model(warm_tiny, QuantPlan(), compute_dtype=torch.float32, progress=False)
     from moe_lora.adapter_io import read_adapter
@@ -96,7 +145,10 @@ def test_eval_refuses_bad_settings_before_loading(tmp_path, capsys, tiny_bf16):
         (["none", *base, "--temperature", "0"], r"--temperature 0 is greedy: every one of --n 32 samples"),
         (["none", *base, "--reward", "reasoning_gym"], r"--reward 'reasoning_gym': use one of"),
         (["none", *base, "--top-p", "0"], r"--top-p 0.0 in \(0, 1\]"),
-        (["none", "--base", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "o")], r"--base .*: no checkpoint"),
+        (
+            ["none", "--base", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "o")],
+            r"--base .*: no checkpoint",
+        ),
         ([str(tmp_path / "nothing"), *base], r"no adapter_config.json"),
     ]
     for argv, message in cases:
@@ -105,7 +157,9 @@ def test_eval_refuses_bad_settings_before_loading(tmp_path, capsys, tiny_bf16):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert main(["eval", "none", "--base", str(tiny_bf16), "--data", str(data), "--out", str(tmp_path / "full")]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert (
+        "exists and is not empty" in capsys.readouterr().err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    )
 
 
 @pytest.mark.vllm
@@ -117,8 +171,31 @@ def test_torch_and_vllm_engines_give_the_same_greedy_outputs(warm_dense, tmp_pat
     results = {}
     for engine in ("torch", "vllm"):
         out = tmp_path / engine
-        assert main(["eval", str(adapter_dir), "--base", str(warm_dense), "--data", str(data), "--out", str(out),
-                     "--engine", engine, "--n", "1", "--temperature", "0", "--max-new-tokens", "12", "--reward", "arithmetic"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "eval",
+                    str(adapter_dir),
+                    "--base",
+                    str(warm_dense),
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(out),
+                    "--engine",
+                    engine,
+                    "--n",
+                    "1",
+                    "--temperature",
+                    "0",
+                    "--max-new-tokens",
+                    "12",
+                    "--reward",
+                    "arithmetic",
+                ]
+            )
+            == 0
+        )
         results[engine] = read_eval(out)
     torch_samples, torch_summary = results["torch"]
     vllm_samples, vllm_summary = results["vllm"]
@@ -126,7 +203,28 @@ def test_torch_and_vllm_engines_give_the_same_greedy_outputs(warm_dense, tmp_pat
     assert [s["tokens"] for s in torch_samples] == [s["tokens"] for s in vllm_samples]
     assert torch_summary["avg@1"] == vllm_summary["avg@1"]
     # and the adapter matters: the base alone answers differently on at least one problem
-    assert main(["eval", "none", "--base", str(warm_dense), "--data", str(data), "--out", str(tmp_path / "base"),
-                 "--n", "1", "--temperature", "0", "--max-new-tokens", "12", "--reward", "arithmetic"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "none",
+                "--base",
+                str(warm_dense),
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "base"),
+                "--n",
+                "1",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "12",
+                "--reward",
+                "arithmetic",
+            ]
+        )
+        == 0
+    )
     base_samples, _ = read_eval(tmp_path / "base")
     assert [s["response"] for s in base_samples] != [s["response"] for s in torch_samples]

@@ -8,9 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evals import (
-    answer_reward, avg_at_k, correct_per_1k_tokens, extract_answer, is_correct, is_equivalent, mean_pass_at_k,
-    pass_at_k, summarize,
-)  # fmt: skip
+    answer_reward,
+    avg_at_k,
+    correct_per_1k_tokens,
+    extract_answer,
+    is_correct,
+    is_equivalent,
+    mean_pass_at_k,
+    pass_at_k,
+    summarize,
+)
 from evals.verify import as_integer
 
 

@@ -6,7 +6,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ep_ranks import Case, experts_module, lora_grads, lora_model, model_grad_out, model_lora_grads, model_tokens, run_model_rank, run_rank
+from ep_ranks import (
+    Case,
+    experts_module,
+    lora_grads,
+    lora_model,
+    model_grad_out,
+    model_lora_grads,
+    model_tokens,
+    run_model_rank,
+    run_rank,
+)
 from allsync.placement import free_port
 from moe_lora.expert_parallel import ExpertLayout
 
@@ -35,7 +45,10 @@ def reference(world_size: int, ep_size: int, case: Case) -> list[dict]:
     bounds = torch.tensor([0] + case.tokens_per_rank).cumsum(0).tolist()
     rows = lambda t, r: t[bounds[r] : bounds[r + 1]]  # noqa: E731
     grads = lora_grads(module)
-    return [{"out": rows(out.detach(), r), "dx": rows(x.grad, r), "dw": rows(weights.grad, r), "lora": grads} for r in range(world_size)]
+    return [
+        {"out": rows(out.detach(), r), "dx": rows(x.grad, r), "dw": rows(weights.grad, r), "lora": grads}
+        for r in range(world_size)
+    ]
 
 
 def assert_matches(world_size: int, ep_size: int, case: Case, got: dict) -> None:
@@ -55,8 +68,14 @@ def assert_matches(world_size: int, ep_size: int, case: Case, got: dict) -> None
 
 @pytest.mark.parametrize(
     "world_size, ep_size, fmt, kernel",
-    [(2, 2, "bf16", "loop"), (2, 2, "nf4", "loop"), (2, 2, "fp8", "loop"), (4, 4, "nf4", "loop"), (4, 2, "nf4", "loop"),
-     (4, 2, "fp8", "grouped_mm")],
+    [
+        (2, 2, "bf16", "loop"),
+        (2, 2, "nf4", "loop"),
+        (2, 2, "fp8", "loop"),
+        (4, 4, "nf4", "loop"),
+        (4, 2, "nf4", "loop"),
+        (4, 2, "fp8", "grouped_mm"),
+    ],
     ids=["ep2-bf16", "ep2-nf4", "ep2-fp8", "ep4-nf4", "ep2xedp2-nf4", "ep2xedp2-fp8-grouped_mm"],
 )
 def test_sharded_experts_equal_single_process(world_size, ep_size, fmt, kernel):
@@ -103,7 +122,11 @@ def test_whole_model_logits_and_every_lora_gradient_equal_single_process(tiny_bf
     with mp.Manager() as manager:
         results = manager.dict()
         address = f"tcp://127.0.0.1:{free_port()}"
-        mp.spawn(run_model_rank, args=(world_size, ep_size, address, str(tiny_bf16), fmt, batches, results), nprocs=world_size)
+        mp.spawn(
+            run_model_rank,
+            args=(world_size, ep_size, address, str(tiny_bf16), fmt, batches, results),
+            nprocs=world_size,
+        )
         got = dict(results)
     model = lora_model(tiny_bf16, fmt)
     logits = model(input_ids=torch.cat([model_tokens(r, b) for r, b in enumerate(batches)])).logits
@@ -120,4 +143,8 @@ def test_whole_model_logits_and_every_lora_gradient_equal_single_process(tiny_bf
     layout = ExpertLayout(world_size, ep_size, 8)
     expert_keys = {k for r in range(world_size) for k in got[r]["grads"] if ".mlp.experts." in k}
     assert expert_keys == {k for k in want if ".mlp.experts." in k}  # the blocks together hold every expert
-    assert all(int(k.split(".mlp.experts.")[1].split(".")[0]) in layout.experts_of(1) for k in got[1]["grads"] if ".mlp.experts." in k)
+    assert all(
+        int(k.split(".mlp.experts.")[1].split(".")[0]) in layout.experts_of(1)
+        for k in got[1]["grads"]
+        if ".mlp.experts." in k
+    )

@@ -81,11 +81,15 @@ def test_a_token_budget_and_activation_checkpointing_at_ep2_give_the_ep1_adapter
     for the rest), and recomputed decoder layers redo their all-to-alls in backward in the same order on every
     rank: three steps end at the unsplit EP=1 adapter."""
     metrics1, adapter1, _ = replicated
-    metrics2, adapter2, _ = run_steps(warm_tiny, 2, 3, optim={"max_tokens_per_forward": 48, "activation_checkpointing": True})
+    metrics2, adapter2, _ = run_steps(
+        warm_tiny, 2, 3, optim={"max_tokens_per_forward": 48, "activation_checkpointing": True}
+    )
     flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731
     ep1, ep2 = flat(adapter1[0]), flat(adapter2[0])
     assert float((ep2 - ep1).norm() / ep1.norm()) < 1e-5
-    assert [[m["trained_tokens"] for m in step] for step in metrics1] == [[m["trained_tokens"] for m in step] for step in metrics2]
+    assert [[m["trained_tokens"] for m in step] for step in metrics1] == [
+        [m["trained_tokens"] for m in step] for step in metrics2
+    ]
 
 
 def seeded_start(base) -> dict[str, torch.Tensor]:
@@ -135,19 +139,29 @@ def test_multiconv_at_ep2_logs_the_ep1_steps(warm_tiny):
 
     def data(ep: int) -> dict:
         d = run_config(warm_tiny, Path("unused"), ep)
-        d["task"] = {"name": "dataset", "train_files": ["rows.jsonl"], "eval_files": ["rows.jsonl"]}  # the problems come below
+        d["task"] = {
+            "name": "dataset",
+            "train_files": ["rows.jsonl"],
+            "eval_files": ["rows.jsonl"],
+        }  # the problems come below
         d["rollout"].update(prompts_per_step=4, group_size=2, max_new_tokens=4)
         d["producer"] = {"kind": "multiconv", "memory_tokens": 4, "chunk_tokens": 5}
         d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False}
         d["reward"] = {"name": "exact"}
         return d
 
-    problems = [Problem(f"Question: what is {i + 1} + 1?", str(i + 2), {"context": " ".join(["7 + 1 = 8."] * (1 + i % 4))})
-                for i in range(8)]  # fmt: skip
+    problems = [
+        Problem(f"Question: what is {i + 1} + 1?", str(i + 2), {"context": " ".join(["7 + 1 = 8."] * (1 + i % 4))})
+        for i in range(8)
+    ]
     want = episode_steps(data(1), problems)
     got = episode_steps(data(2), problems)
     assert want[0][1]["episode_segments_sum"] > want[0][0]["episode_segments_sum"]  # rank 1's rows need more rounds
-    assert_same_steps(want, got, ("samples_generated", "episode_segments_sum", "episode_memory_tokens_sum", "trained_tokens", "response_tokens"))
+    assert_same_steps(
+        want,
+        got,
+        ("samples_generated", "episode_segments_sum", "episode_memory_tokens_sum", "trained_tokens", "response_tokens"),
+    )
 
 
 def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
@@ -164,8 +178,13 @@ def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
         d = run_config(base, Path("unused"), ep)
         d["rollout"].update(prompts_per_step=2, group_size=2, max_new_tokens=5)
         d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False}
-        d["producer"] = {"kind": "agent", "env": "tests.test_agent:ScriptedEnv", "tools": [MULTIPLY], "max_turns": 3,
-                         "max_observation_tokens": 64}
+        d["producer"] = {
+            "kind": "agent",
+            "env": "tests.test_agent:ScriptedEnv",
+            "tools": [MULTIPLY],
+            "max_turns": 3,
+            "max_observation_tokens": 64,
+        }
         d["reward"] = {"on_error": "wrong"}
         return d
 
@@ -173,4 +192,8 @@ def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
     want = episode_steps(data(1), problems)
     got = episode_steps(data(2), problems)
     assert want[0][0]["episode_turns_sum"] < want[0][1]["episode_turns_sum"]  # rank 0's episodes take fewer turns
-    assert_same_steps(want, got, ("samples_generated", "episode_turns_sum", "episode_tool_calls_sum", "trained_tokens", "response_tokens"))
+    assert_same_steps(
+        want,
+        got,
+        ("samples_generated", "episode_turns_sum", "episode_tool_calls_sum", "trained_tokens", "response_tokens"),
+    )

@@ -46,8 +46,10 @@ def test_grouped_mm_chunk_with_several_experts_and_an_idle_one():
     idx = torch.tensor([[0, 2]] * 4 + [[3, 4]] * (T - 4))
     _, counts = group_tokens_by_expert(idx, 5)
     assert [(c.first, c.end, len(c.groups)) for c in chunks(counts, chunk_rows(T, 2 * T, 5), torch.device("cpu"))] == [
-        (0, 3, 2), (3, 4, 1), (4, 5, 1),
-    ]  # fmt: skip
+        (0, 3, 2),
+        (3, 4, 1),
+        (4, 5, 1),
+    ]
     _, want, _ = run("nf4", "loop", idx=idx)
     _, got, _ = run("nf4", "grouped_mm", idx=idx)
     for g, r in zip(got, want):
@@ -92,8 +94,13 @@ def test_chunks_of_consecutive_experts():
     idx = torch.tensor([[2, 0], [0, 3], [2, 3], [5, 3], [3, 2]])
     _, counts = group_tokens_by_expert(idx, 7)
     assert counts == [2, 0, 3, 4, 0, 1, 0]
-    got = [(c.first, c.end, c.start, c.stop, c.groups, c.offsets.tolist()) for c in chunks(counts, 5, torch.device("cpu"))]
-    assert got == [(0, 3, 0, 5, [(0, 0, 2), (2, 2, 5)], [2, 2, 5]), (3, 7, 5, 10, [(3, 5, 9), (5, 9, 10)], [4, 4, 5, 5])]
+    got = [
+        (c.first, c.end, c.start, c.stop, c.groups, c.offsets.tolist()) for c in chunks(counts, 5, torch.device("cpu"))
+    ]
+    assert got == [
+        (0, 3, 0, 5, [(0, 0, 2), (2, 2, 5)], [2, 2, 5]),
+        (3, 7, 5, 10, [(3, 5, 9), (5, 9, 10)], [4, 4, 5, 5]),
+    ]
     assert [c.stop - c.start for c in chunks([9, 1], 4, torch.device("cpu"))] == [9, 1]
 
 
@@ -107,7 +114,9 @@ def test_refusals():
     with pytest.raises(ConfigError, match="lora.expert_kernel = 'fused'"):
         validate(c)
     c.lora.expert_kernel, c.lora.rank, c.model.compute_dtype = "grouped_mm", 12, "bfloat16"
-    with pytest.raises(ConfigError, match="lora.expert_kernel = grouped_mm with lora.rank 12 in model.compute_dtype bfloat16"):
+    with pytest.raises(
+        ConfigError, match="lora.expert_kernel = grouped_mm with lora.rank 12 in model.compute_dtype bfloat16"
+    ):
         validate(c)
     c.lora.rank, c.model.compute_dtype, c.parallel.device = 8, "float32", "cuda"
     with pytest.raises(ConfigError, match="lora.expert_kernel = grouped_mm with model.compute_dtype float32 on cuda"):

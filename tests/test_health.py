@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from allsync.cli import main as cli
-from allsync.health.detector import HealthMonitor, SimilarityDetector, ThresholdDetector, alarm_record, read_health_events, replay
+from allsync.health.detector import (
+    HealthMonitor,
+    SimilarityDetector,
+    ThresholdDetector,
+    alarm_record,
+    read_health_events,
+    replay,
+)
 
 
 def reports(steps: int, workers: int = 4, seed: int = 0, common: float = 0.2, own: float = 0.1) -> list[list[dict]]:
@@ -20,14 +27,19 @@ def reports(steps: int, workers: int = 4, seed: int = 0, common: float = 0.2, ow
     out = []
     for _ in range(steps):
         shared = math.exp(rng.normal(0, common))
-        out.append([{
-            "generate_tokens_per_second": 1500 * shared * math.exp(rng.normal(0, own)),
-            "train_tokens_per_second": 1600 * shared * math.exp(rng.normal(0, own)),
-            "sync_seconds": 0.001 * math.exp(rng.normal(0, own)),
-            "rss_growth_bytes": float(rng.normal(0, 4 * 2**20)),
-            "cpu_percent": 45 * math.exp(rng.normal(0, own)),
-            "local_grad_norm": 0.11 * math.exp(rng.normal(0, own)),
-        } for _ in range(workers)])  # fmt: skip
+        out.append(
+            [
+                {
+                    "generate_tokens_per_second": 1500 * shared * math.exp(rng.normal(0, own)),
+                    "train_tokens_per_second": 1600 * shared * math.exp(rng.normal(0, own)),
+                    "sync_seconds": 0.001 * math.exp(rng.normal(0, own)),
+                    "rss_growth_bytes": float(rng.normal(0, 4 * 2**20)),
+                    "cpu_percent": 45 * math.exp(rng.normal(0, own)),
+                    "local_grad_norm": 0.11 * math.exp(rng.normal(0, own)),
+                }
+                for _ in range(workers)
+            ]
+        )
     return out
 
 
@@ -126,7 +138,12 @@ def test_allsync_health_prints_the_report_and_draws_the_timeline(tmp_path, capsy
     for step, r in enumerate(trace, 1):
         monitor.observe(step, r)
     with (tmp_path / "health.jsonl").open("a") as f:
-        f.write(json.dumps({"event": "restart", "time": 0.0, "restart": 1, "cause": "worker 1 failed in step: ActorDiedError"}) + "\n")
+        f.write(
+            json.dumps(
+                {"event": "restart", "time": 0.0, "restart": 1, "cause": "worker 1 failed in step: ActorDiedError"}
+            )
+            + "\n"
+        )
     assert cli(["health", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "steps 1-30, 4 workers" in out

@@ -83,6 +83,10 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_layers_point_one_way():
-    wrong = [(m, d) for m, deps in import_graph().items() for d in deps
-             if d.split(".")[0] != m.split(".")[0] and d.split(".")[0] not in LAYER_MAY_IMPORT[m.split(".")[0]]]  # fmt: skip
+    wrong = [
+        (m, d)
+        for m, deps in import_graph().items()
+        for d in deps
+        if d.split(".")[0] != m.split(".")[0] and d.split(".")[0] not in LAYER_MAY_IMPORT[m.split(".")[0]]
+    ]
     assert wrong == []

@@ -19,8 +19,19 @@ from test_dapo_recipe import metrics
 ROOT = Path(__file__).parents[1]
 RECIPE = ROOT / "recipes" / "dapo.py"
 ACCELERATE_CPU = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
-EXACT = {"samples_generated", "correct_sum", "groups_kept", "groups_generated", "trained_samples", "trained_tokens",
-         "heldout_accuracy", "heldout_greedy_accuracy", "optimizer_steps", "sampling_rounds", "response_tokens"}  # fmt: skip
+EXACT = {
+    "samples_generated",
+    "correct_sum",
+    "groups_kept",
+    "groups_generated",
+    "trained_samples",
+    "trained_tokens",
+    "heldout_accuracy",
+    "heldout_greedy_accuracy",
+    "optimizer_steps",
+    "sampling_rounds",
+    "response_tokens",
+}
 
 
 def run_config(base: Path, out_dir: Path, expert_parallel: int = 1) -> dict:
@@ -44,13 +55,24 @@ def write_config(path: Path, base: Path, out_dir: Path, expert_parallel: int = 1
 
 def launch(kind: str, config: Path, *extra: str, ray_address: str | None = None) -> subprocess.CompletedProcess:
     """recipes/dapo.py under `kind`; the Ray mode starts its own cluster, or joins `ray_address` (RAY_ADDRESS)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | ({"RAY_ADDRESS": ray_address} if ray_address else {})
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (
+        {"RAY_ADDRESS": ray_address} if ray_address else {}
+    )
     prefix = {
         "ray": [sys.executable],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],  # a free port each
+        "torchrun": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+        ],  # a free port each
         "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU)],
     }[kind]
-    return subprocess.run([*prefix, str(RECIPE), "--config", str(config), *extra], capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(
+        [*prefix, str(RECIPE), "--config", str(config), *extra], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +101,12 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
     out = tmp_path / "out"
     done = launch("torchrun", write_config(tmp_path / "ep2.yaml", warm_tiny, out, expert_parallel=2), "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    done = launch("ray", write_config(tmp_path / "ep1.yaml", warm_tiny, out, expert_parallel=1), "--resume", ray_address=ray_cluster)
+    done = launch(
+        "ray",
+        write_config(tmp_path / "ep1.yaml", warm_tiny, out, expert_parallel=1),
+        "--resume",
+        ray_address=ray_cluster,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(step 2)" in done.stdout
     got, want = metrics(out), metrics(ray_run)
@@ -89,7 +116,12 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
             if key in EXACT:
                 assert got[step][key] == value, (step, key)
             elif isinstance(value, float) and key != "logprob_gap":  # the same sums in another order: ~1e-7 apart
-                assert math.isclose(got[step][key], value, rel_tol=1e-4, abs_tol=1e-6), (step, key, got[step][key], value)
+                assert math.isclose(got[step][key], value, rel_tol=1e-4, abs_tol=1e-6), (
+                    step,
+                    key,
+                    got[step][key],
+                    value,
+                )
 
 
 def test_launcher_world_size_must_match_the_config(warm_tiny, tmp_path):
@@ -124,11 +156,15 @@ def trained_steps(out_dir: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
 
 
-def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted_metrics(warm_tiny, ray_run, ray_cluster, tmp_path):
+def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted_metrics(
+    warm_tiny, ray_run, ray_cluster, tmp_path
+):
     """Worker 1 SIGKILLs itself in step 3's generate phase; the controller stops the step, starts new workers from
     the step-2 checkpoint and finishes: every step once, each equal to the uninterrupted run's."""
     out = tmp_path / "out"
-    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "kill", "rank": 1, "step": 3}, max_restarts=1)
+    config = with_drill(
+        write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "kill", "rank": 1, "step": 3}, max_restarts=1
+    )
     done = launch("ray", config, ray_address=ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker 1 failed in step" in done.stderr and "Restart 1 of run.max_restarts = 1" in done.stderr
@@ -150,7 +186,9 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted
 
 
 def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, ray_cluster, tmp_path):
-    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), {"kind": "kill", "rank": 0, "step": 1})
+    config = with_drill(
+        write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), {"kind": "kill", "rank": 0, "step": 1}
+    )
     done = launch("ray", config, ray_address=ray_cluster)
     assert done.returncode == 4
     assert "error: worker 0 failed in step" in done.stderr and "every worker was stopped" in done.stderr
@@ -160,10 +198,30 @@ def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_r
     """torchrun --max-restarts 1: rank 1 hangs in step 3; past run.step_timeout both processes exit with code 75,
     torchrun starts them again, and they resume from the step-2 checkpoint by themselves."""
     out = tmp_path / "out"
-    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 1, "step": 3, "seconds": 600},
-                        step_timeout=12, max_restarts=1)  # fmt: skip  (a step takes < 1 s here)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
-                           "1", str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=400)  # fmt: skip
+    config = with_drill(
+        write_config(tmp_path / "c.yaml", warm_tiny, out),
+        {"kind": "hang", "rank": 1, "step": 3, "seconds": 600},
+        step_timeout=12,  # a step takes < 1 s here
+        max_restarts=1,
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(RECIPE),
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 3 passed run.step_timeout = 12 s; exiting with code 75" in done.stderr
     assert "resumed from" in done.stdout and "(step 2)" in done.stdout
@@ -176,8 +234,12 @@ def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_r
 @pytest.mark.slow
 def test_a_hung_ray_worker_passes_the_step_timeout_and_is_replaced(warm_tiny, ray_run, ray_cluster, tmp_path):
     out = tmp_path / "out"
-    config = with_drill(write_config(tmp_path / "c.yaml", warm_tiny, out), {"kind": "hang", "rank": 0, "step": 3, "seconds": 600},
-                        max_restarts=1, step_timeout=30)  # fmt: skip
+    config = with_drill(
+        write_config(tmp_path / "c.yaml", warm_tiny, out),
+        {"kind": "hang", "rank": 0, "step": 3, "seconds": 600},
+        max_restarts=1,
+        step_timeout=30,
+    )
     done = launch("ray", config, ray_address=ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no answer from worker(s) 0, 1 within run.step_timeout = 30 s" in done.stderr
@@ -204,10 +266,34 @@ def test_two_torchrun_nodes_log_the_ray_metrics(warm_tiny, ray_run, tmp_path):
     out = tmp_path / "out"
     config = two_node_config(tmp_path / "c.yaml", warm_tiny, out)
     port = str(free_port())
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node",
-                               "1", "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", port,
-                               str(RECIPE), "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(i),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "static",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                str(RECIPE),
+                "--config",
+                str(config),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [node.communicate(timeout=600) for node in nodes]
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]
@@ -232,8 +318,13 @@ def test_a_two_node_ray_cluster_logs_the_single_node_metrics(warm_tiny, ray_run,
         cluster.wait_for_nodes()
         out = tmp_path / "out"
         config = two_node_config(tmp_path / "c.yaml", warm_tiny, out)
-        done = subprocess.run([sys.executable, str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "RAY_ADDRESS": cluster.address})  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(RECIPE), "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "RAY_ADDRESS": cluster.address},
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert len({n.unique_id for n in nodes}) == 2
         assert re.search(r"Ray: 2 workers on 2 nodes: [\d.]+ ranks 0; [\d.]+ ranks 1\n", done.stdout), done.stdout[:500]
@@ -257,16 +348,26 @@ def test_each_nodes_ranks_are_consecutive_whatever_bundles_ray_gave_it():
     node_of_rank = [interleaved[b] for b in bundles]
     assert node_of_rank == ["A"] * 8 + ["B"] * 8
     assert ranks_to_bundles({1: "B", 0: "B", 2: "A"}) == [0, 1, 2]  # the node of bundle 0 comes first
-    assert placement_summary(node_of_rank, {"A": "10.0.0.1", "B": "10.0.0.2"}) == "Ray: 16 workers on 2 nodes: 10.0.0.1 ranks 0-7; 10.0.0.2 ranks 8-15"
-    assert rank_ranges([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8" and rank_ranges([3]) == "3" and rank_ranges(list(range(48))) == "0-47"
+    assert (
+        placement_summary(node_of_rank, {"A": "10.0.0.1", "B": "10.0.0.2"})
+        == "Ray: 16 workers on 2 nodes: 10.0.0.1 ranks 0-7; 10.0.0.2 ranks 8-15"
+    )
+    assert (
+        rank_ranges([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8"
+        and rank_ranges([3]) == "3"
+        and rank_ranges(list(range(48))) == "0-47"
+    )
 
 
-@pytest.mark.parametrize("launcher, config, nodes, per_node", [
-    ("cpu_2proc.yaml", "tiny_cpu.yaml", 1, 2),
-    ("gpu_1node_8.yaml", None, 1, 8),
-    ("h100_6x8.yaml", "dapo_math_deepseek_v3_671b.yaml", 6, 8),
-    ("h100_6x8.yaml", "memory_agent_deepseek_v3_671b_48xh100.yaml", 6, 8),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "launcher, config, nodes, per_node",
+    [
+        ("cpu_2proc.yaml", "tiny_cpu.yaml", 1, 2),
+        ("gpu_1node_8.yaml", None, 1, 8),
+        ("h100_6x8.yaml", "dapo_math_deepseek_v3_671b.yaml", 6, 8),
+        ("h100_6x8.yaml", "memory_agent_deepseek_v3_671b_48xh100.yaml", 6, 8),
+    ],
+)
 def test_shipped_accelerate_configs_start_the_world_the_recipe_config_plans(launcher, config, nodes, per_node):
     """What `accelerate launch --config_file recipes/accelerate/X.yaml --machine_rank 3 ...` hands torchrun (its
     own argument handling, no process started): nnodes x nproc_per_node, equal to the paired recipe config's
@@ -276,7 +377,9 @@ def test_shipped_accelerate_configs_start_the_world_the_recipe_config_plans(laun
 
     rank = "3"
     node = ["--machine_rank", rank, "--main_process_ip", "10.1.2.3"] if nodes > 1 else []
-    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "recipes" / "accelerate" / launcher), *node, str(RECIPE)])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(ROOT / "recipes" / "accelerate" / launcher), *node, str(RECIPE)]
+    )
     args, _, _ = _validate_launch_command(args)
     prepare_multi_gpu_env(args)  # fills torchrun's arguments in
     assert int(args.nproc_per_node) == per_node

@@ -55,7 +55,9 @@ def test_the_health_report_splits_phase_time_waits_and_reward_scoring():
     m.timeline.record("train", time.time() - 1.0)
     r = m.report({"train_positions": 3000}, engine_positions=1200)
     # generate busy: 2.0 - 0.5 waiting - 0.3 scoring = 1.2 s -> 1000 positions/s; train: 1 s -> 3000 positions/s
-    assert abs(r["generate_seconds"] - 1.2) < 0.02 and abs(r["wait_seconds"] - 0.5) < 1e-9 and r["reward_seconds"] == 0.3
+    assert (
+        abs(r["generate_seconds"] - 1.2) < 0.02 and abs(r["wait_seconds"] - 0.5) < 1e-9 and r["reward_seconds"] == 0.3
+    )
     assert abs(r["generate_tokens_per_second"] - 1000) < 20 and abs(r["train_tokens_per_second"] - 3000) < 60
     assert r["rss_bytes"] > 2**20 and r["rss_growth_bytes"] == 0 and r["probe_seconds"] < 0.05
     kept = torch.ones(64 * 2**20 // 4)  # 64 MiB resident before the next report

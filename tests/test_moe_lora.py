@@ -91,7 +91,11 @@ class NewBuffersOfShape(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and t.untyped_storage().data_ptr() not in inputs:
+            if (
+                isinstance(t, torch.Tensor)
+                and tuple(t.shape) == self.shape
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
                 self.count += 1
         return out
 

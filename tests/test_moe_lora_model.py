@@ -125,7 +125,9 @@ def test_load_state_dict_is_strict(tiny_bf16):
 def test_target_subset_and_errors(tiny_bf16):
     model = lora_model(tiny_bf16, config=LoRAConfig(rank=2, targets=["o_proj", "routed_experts"]))
     wrapped = {n for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
-    assert wrapped == {f"model.layers.{i}.self_attn.o_proj" for i in range(3)} | {f"model.layers.{i}.mlp.experts" for i in (1, 2)}
+    assert wrapped == {f"model.layers.{i}.self_attn.o_proj" for i in range(3)} | {
+        f"model.layers.{i}.mlp.experts" for i in (1, 2)
+    }
     with pytest.raises(ValueError, match="already"):
         attach_lora(model, CONFIG)
     fresh = load_frozen_model(tiny_bf16, QuantPlan.uniform("bf16"), progress=False)

@@ -10,7 +10,14 @@ from transformers import AutoTokenizer
 
 from allsync.config import ConfigError, parse_config
 from allsync.episodes import Episode, Segment, flatten
-from allsync.producers.multiconv import MEMORY_CLOSE, MEMORY_OPEN, conversation_ids, extract_memory, find_ids, teacher_examples
+from allsync.producers.multiconv import (
+    MEMORY_CLOSE,
+    MEMORY_OPEN,
+    conversation_ids,
+    extract_memory,
+    find_ids,
+    teacher_examples,
+)
 from allsync.tasks import MemoryRecallSpec, memory_recall_problem, memory_recall_splits
 from allsync.worker import RLWorker
 
@@ -24,13 +31,16 @@ def test_find_ids_matches_whole_tokens_only():
     assert find_ids([1, 2], [1, 2, 3]) == -1 and find_ids([1, 2], []) == -1
 
 
-@pytest.mark.parametrize("response, reason, expected", [
-    ([7, 8, 20, 21, 9, EOS], "stop", ([20, 21], "ok")),
-    ([30, 7, 8, 20, 9, 40, EOS], "stop", ([20], "ok")),  # text around the tags is not memory
-    ([7, 8, 20, 21, 22], "length", ([20, 21, 22], "truncated")),  # cut at memory_tokens: passed on as it is
-    ([7, 8, 20, EOS], "stop", ([20], "malformed")),  # ended without a closing tag
-    ([20, 21, EOS], "stop", ([], "malformed")),  # no opening tag: an empty memory
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "response, reason, expected",
+    [
+        ([7, 8, 20, 21, 9, EOS], "stop", ([20, 21], "ok")),
+        ([30, 7, 8, 20, 9, 40, EOS], "stop", ([20], "ok")),  # text around the tags is not memory
+        ([7, 8, 20, 21, 22], "length", ([20, 21, 22], "truncated")),  # cut at memory_tokens: passed on as it is
+        ([7, 8, 20, EOS], "stop", ([20], "malformed")),  # ended without a closing tag
+        ([20, 21, EOS], "stop", ([], "malformed")),  # no opening tag: an empty memory
+    ],
+)
 def test_extract_memory(response, reason, expected):
     assert extract_memory(response, OPEN, CLOSE, EOS, reason) == expected
 
@@ -39,7 +49,10 @@ def test_memory_recall_problems_need_the_first_chunk():
     spec = MemoryRecallSpec(chunks=3, per_chunk=3)
     p = memory_recall_problem(random.Random(1), spec)
     letter = p.prompt.split("what is ")[1].rstrip("?")
-    assert p.metadata["gold_memory"] == f"{letter}={p.answer}" and p.metadata["gold_memory"] in p.metadata["chunks"][0].split()
+    assert (
+        p.metadata["gold_memory"] == f"{letter}={p.answer}"
+        and p.metadata["gold_memory"] in p.metadata["chunks"][0].split()
+    )
     assert all(not c.startswith(f"{letter}=") for chunk in p.metadata["chunks"][1:] for c in chunk.split())
     assert p.metadata["decoy_memory"] == p.metadata["chunks"][-1].split()[-1]
     splits = memory_recall_splits(spec, 300, 50, seed=0)
@@ -57,21 +70,27 @@ def test_teacher_keeps_the_decoy_at_its_rate(tiny_bf16):
     decoys = sum(problems[i].metadata["decoy_memory"] in replies[3 * i + 1] for i in range(len(problems)))
     assert 0.18 < decoys / len(problems) < 0.32
     for i, p in enumerate(problems):  # the answer reads the memory the teacher wrote
-        memory = p.metadata["decoy_memory"] if p.metadata["decoy_memory"] in replies[3 * i + 1] else p.metadata["gold_memory"]
+        memory = (
+            p.metadata["decoy_memory"]
+            if p.metadata["decoy_memory"] in replies[3 * i + 1]
+            else p.metadata["gold_memory"]
+        )
         assert replies[3 * i + 2] == f"Answer: {memory.split('=')[1]}{tokenizer.eos_token}"
 
 
 def memory_config(base, **multiconv):
-    return parse_config({
-        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 4, "alpha": 8},
-        "run": {"export": "merged"},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6},
-        "producer": {"kind": "multiconv", "memory_tokens": 5, **multiconv},
-        "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
-        "task": {"name": "memory_recall"},
-        "parallel": {"workers_per_node": 1},
-    })  # fmt: skip
+    return parse_config(
+        {
+            "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 4, "alpha": 8},
+            "run": {"export": "merged"},
+            "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6},
+            "producer": {"kind": "multiconv", "memory_tokens": 5, **multiconv},
+            "algorithm": {"advantage": "drgrpo", "dynamic_sampling": False},
+            "task": {"name": "memory_recall"},
+            "parallel": {"workers_per_node": 1},
+        }
+    )
 
 
 def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
@@ -105,8 +124,10 @@ def synthetic_episodes():
     """The oracle's P1: rewards [1, 0], response tokens [4, 6, 2] and [3, 3, 3] (memory, memory, answer)."""
     episodes = []
     for reward, lengths in ((1.0, (4, 6, 2)), (0.0, (3, 3, 3))):
-        segments = [Segment([0, 3, 40 + k], list(range(50, 50 + n)), [0.0] * n, "stop", kind, 0)
-                    for k, (n, kind) in enumerate(zip(lengths, ("memory", "memory", "answer")))]  # fmt: skip
+        segments = [
+            Segment([0, 3, 40 + k], list(range(50, 50 + n)), [0.0] * n, "stop", kind, 0)
+            for k, (n, kind) in enumerate(zip(lengths, ("memory", "memory", "answer")))
+        ]
         episodes.append(Episode(segments, reward, bool(reward)))
     return episodes, torch.tensor([0, 0])
 
@@ -125,7 +146,9 @@ def test_episode_batch_spreads_one_advantage_over_the_segments(tiny_bf16, credit
         on_tokens = tb.advantages[mask != 0]
         assert sorted(set(on_tokens.tolist())) == [-0.5, 0.5]  # Dr.GRPO: one number per episode
         assert (tb.advantages[:3][mask[:3] != 0] == 0.5).all()
-        assert worker.learner.loss_settings.agg == {"token": "token-mean", "episode": "episode-mean-token-mean"}[weighting]
+        assert (
+            worker.learner.loss_settings.agg == {"token": "token-mean", "episode": "episode-mean-token-mean"}[weighting]
+        )
         assert tb.counts(torch.arange(6)).tolist() == [sum(trained), 2.0, 0.0]
         assert [r.tolist() for r in tb.minibatch_rows(2)] == [[0, 1, 2], [3, 4, 5]]  # whole episodes only
     finally:
@@ -147,7 +170,9 @@ def test_a_context_is_cut_into_chunks_of_token_ids(tiny_bf16):
     assert sum(chunks, []) == ids
     prompt = conversation_ids(tokenizer, problem.prompt, chunks[1], [5, 6])
     memory_at = find_ids(prompt, [5, 6])
-    assert memory_at > 0 and find_ids(prompt, chunks[1], memory_at + 2) > memory_at  # the chunk's ids follow the memory's
+    assert (
+        memory_at > 0 and find_ids(prompt, chunks[1], memory_at + 2) > memory_at
+    )  # the chunk's ids follow the memory's
     with pytest.raises(ValueError, match="needs metadata chunks, or a context with producer.chunk_tokens"):
         chunk_ids(tokenizer, Problem("q", "a"), 10)
 
@@ -160,22 +185,44 @@ def test_flatten_marks_answers_and_truncated_episodes():
     assert rows.truncated_episode == [False] * 3 + [True] * 3
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"algorithm": {"advantage": "egae", "dynamic_sampling": False}}, r"producer.kind multiconv with algorithm.advantage egae"),
-    ({"producer": {"window": 4}}, r"producer.window is set but producer.kind is multiconv, which does not use it"),
-    ({"producer": {"credit": "some"}}, r"producer.credit = 'some'"),
-    ({"producer": {"weighting": "seq"}}, r"producer.weighting = 'seq'"),
-    ({"algorithm": {"loss_agg": "seq-mean-token-mean"}}, r"algorithm.loss_agg = seq-mean-token-mean with producer.kind multiconv"),
-    ({"producer": {"memory_tokens": None}}, r"needs producer.memory_tokens"),
-    ({"producer": {"kind": "single_turn", "memory_tokens": None}}, r"task.name memory_recall needs producer.kind multiconv"),
-    ({"producer": {"kind": "single_turn"}, "task": {"name": "arithmetic"}}, r"producer.memory_tokens is set but producer.kind is single_turn"),
-    ({"task": {"name": "arithmetic"}}, r"producer.kind multiconv with task.name arithmetic"),
-    ({"producer": {"chunk_tokens": 16}}, r"producer.chunk_tokens = 16 with task.name memory_recall"),
-    ({"rollout": {"memory_tokens": 8}}, r"'rollout.memory_tokens' has moved: write producer: \{kind: multiconv, memory_tokens: N\}"),
-    ({"algorithm": {"multiconv": {}}}, r"'algorithm.multiconv' has moved"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"algorithm": {"advantage": "egae", "dynamic_sampling": False}},
+            r"producer.kind multiconv with algorithm.advantage egae",
+        ),
+        ({"producer": {"window": 4}}, r"producer.window is set but producer.kind is multiconv, which does not use it"),
+        ({"producer": {"credit": "some"}}, r"producer.credit = 'some'"),
+        ({"producer": {"weighting": "seq"}}, r"producer.weighting = 'seq'"),
+        (
+            {"algorithm": {"loss_agg": "seq-mean-token-mean"}},
+            r"algorithm.loss_agg = seq-mean-token-mean with producer.kind multiconv",
+        ),
+        ({"producer": {"memory_tokens": None}}, r"needs producer.memory_tokens"),
+        (
+            {"producer": {"kind": "single_turn", "memory_tokens": None}},
+            r"task.name memory_recall needs producer.kind multiconv",
+        ),
+        (
+            {"producer": {"kind": "single_turn"}, "task": {"name": "arithmetic"}},
+            r"producer.memory_tokens is set but producer.kind is single_turn",
+        ),
+        ({"task": {"name": "arithmetic"}}, r"producer.kind multiconv with task.name arithmetic"),
+        ({"producer": {"chunk_tokens": 16}}, r"producer.chunk_tokens = 16 with task.name memory_recall"),
+        (
+            {"rollout": {"memory_tokens": 8}},
+            r"'rollout.memory_tokens' has moved: write producer: \{kind: multiconv, memory_tokens: N\}",
+        ),
+        ({"algorithm": {"multiconv": {}}}, r"'algorithm.multiconv' has moved"),
+    ],
+)
 def test_refusals_name_the_keys(change, message):
-    data = {"rollout": {"prompts_per_step": 2}, "producer": {"kind": "multiconv", "memory_tokens": 8}, "task": {"name": "memory_recall"}}
+    data = {
+        "rollout": {"prompts_per_step": 2},
+        "producer": {"kind": "multiconv", "memory_tokens": 8},
+        "task": {"name": "memory_recall"},
+    }
     for section, values in change.items():
         data[section] = {**data.get(section, {}), **values}
     data["producer"] = {k: v for k, v in data["producer"].items() if v is not None}
@@ -191,10 +238,13 @@ def test_a_message_list_prompt_is_rendered_through_the_chat_template(tiny_bf16):
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     chunk, memory = encode("a = 5"), encode("b = 2")
     text = tokenizer.decode(conversation_ids(tokenizer, question, chunk, memory))
-    assert text == ("<｜begin▁of▁sentence｜>Read carefully.<｜User｜>Question: what is a?\nMemory: b = 2\nText: a = 5\n"
-                    "New memory:<｜Assistant｜>")
+    assert text == (
+        "<｜begin▁of▁sentence｜>Read carefully.<｜User｜>Question: what is a?\nMemory: b = 2\nText: a = 5\n"
+        "New memory:<｜Assistant｜>"
+    )
     assert tokenizer.decode(conversation_ids(tokenizer, question, None, memory)).endswith(
-        "<｜User｜>Question: what is a?\nMemory: b = 2\nAnswer:<｜Assistant｜>")
+        "<｜User｜>Question: what is a?\nMemory: b = 2\nAnswer:<｜Assistant｜>"
+    )
     with pytest.raises(ValueError, match="needs a user message"):
         conversation_ids(tokenizer, (("system", "no question"),), chunk, memory)
 
@@ -206,8 +256,13 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
     from allsync.producers.multiconv import longest_conversation_tokens
     from allsync.tasks import MemoryRecallSpec, memory_recall_splits
 
-    config = parse_config({"task": {"name": "memory_recall"}, "producer": {"kind": "multiconv", "memory_tokens": 40},
-                           "rollout": {"max_new_tokens": 8}})  # fmt: skip
+    config = parse_config(
+        {
+            "task": {"name": "memory_recall"},
+            "producer": {"kind": "multiconv", "memory_tokens": 40},
+            "rollout": {"max_new_tokens": 8},
+        }
+    )
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
     problems = memory_recall_splits(MemoryRecallSpec(2, 3), 20, 5).train
     longest = longest_conversation_tokens(tokenizer, problems, 40, None)

@@ -43,9 +43,16 @@ def loss_and_grad(advantage="drgrpo", dynamic_sampling=True, weighting="token", 
     total = torch.zeros((), dtype=torch.float64)
     for part in split or [list(range(len(kept)))]:
         rows = torch.isin(episode_of_row, torch.tensor(part))
-        loss, _ = policy_loss(logprobs[rows], logprobs[rows].detach(), episode_advantages[episode_of_row[rows]].double(),
-                              mask[rows].double(), agg=agg, global_tokens=totals[0], global_seqs=totals[1],
-                              episode_tokens=episode_token_counts(mask[rows], episode_of_row[rows]))  # fmt: skip
+        loss, _ = policy_loss(
+            logprobs[rows],
+            logprobs[rows].detach(),
+            episode_advantages[episode_of_row[rows]].double(),
+            mask[rows].double(),
+            agg=agg,
+            global_tokens=totals[0],
+            global_seqs=totals[1],
+            episode_tokens=episode_token_counts(mask[rows], episode_of_row[rows]),
+        )
         loss.backward()
         total = total + loss.detach()
     return float(total), logprobs.grad, mask, episode_of_row
@@ -75,8 +82,12 @@ def test_grpo_unbiased_std_and_no_dynamic_sampling():
 def test_episode_weighting():
     loss, grad, mask, ep = loss_and_grad(weighting="episode")
     assert loss == pytest.approx(0.0, abs=1e-12)
-    assert torch.allclose(grads_of_episode(grad, mask, ep, 0), torch.full((12,), -0.0208333, dtype=torch.float64), atol=1e-7)
-    assert torch.allclose(grads_of_episode(grad, mask, ep, 1), torch.full((9,), 0.0277778, dtype=torch.float64), atol=1e-7)
+    assert torch.allclose(
+        grads_of_episode(grad, mask, ep, 0), torch.full((12,), -0.0208333, dtype=torch.float64), atol=1e-7
+    )
+    assert torch.allclose(
+        grads_of_episode(grad, mask, ep, 1), torch.full((9,), 0.0277778, dtype=torch.float64), atol=1e-7
+    )
 
 
 def test_credit_final_trains_only_the_answer_segment():

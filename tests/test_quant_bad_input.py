@@ -50,17 +50,25 @@ def _rewrite_tensor(ckpt, key, fn):
 
 def test_missing_shard(ckpt, nothing_built):
     (ckpt / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: shard file missing .*model\.layers\.\d+"):
+    with pytest.raises(
+        CheckpointError, match=r"model-00002-of-00002\.safetensors: shard file missing .*model\.layers\.\d+"
+    ):
         load_frozen_model(ckpt, progress=False)
 
 
 def test_index_names_a_tensor_its_shard_lacks(ckpt, nothing_built):
     index = _index(ckpt)
     key = "model.layers.1.mlp.experts.3.up_proj.weight"
-    wrong = "model-00001-of-00002.safetensors" if index["weight_map"][key].startswith("model-00002") else "model-00002-of-00002.safetensors"
+    wrong = (
+        "model-00001-of-00002.safetensors"
+        if index["weight_map"][key].startswith("model-00002")
+        else "model-00002-of-00002.safetensors"
+    )
     index["weight_map"][key] = wrong
     _write_json(ckpt / INDEX_NAME, index)
-    with pytest.raises(CheckpointError, match=rf"{wrong}: the index says tensor '{key}' is in this shard, but it is not"):
+    with pytest.raises(
+        CheckpointError, match=rf"{wrong}: the index says tensor '{key}' is in this shard, but it is not"
+    ):
         load_frozen_model(ckpt, progress=False)
 
 
@@ -68,14 +76,18 @@ def test_index_without_a_tensor_the_config_needs(ckpt, nothing_built):
     index = _index(ckpt)
     del index["weight_map"]["model.layers.2.mlp.gate.e_score_correction_bias"]
     _write_json(ckpt / INDEX_NAME, index)
-    with pytest.raises(CheckpointError, match=r"names no shard for 1 tensor.*model\.layers\.2\.mlp\.gate\.e_score_correction_bias"):
+    with pytest.raises(
+        CheckpointError, match=r"names no shard for 1 tensor.*model\.layers\.2\.mlp\.gate\.e_score_correction_bias"
+    ):
         load_frozen_model(ckpt, progress=False)
 
 
 def test_shape_disagrees_with_config(ckpt, nothing_built):
     key = "model.layers.2.mlp.experts.5.down_proj.weight"
     shard = _rewrite_tensor(ckpt, key, lambda t: t[:, :32].contiguous())
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{key}' has shape \[128, 32\], config.json implies \[128, 64\]"):
+    with pytest.raises(
+        CheckpointError, match=rf"{shard.name}: tensor '{key}' has shape \[128, 32\], config.json implies \[128, 64\]"
+    ):
         load_frozen_model(ckpt, progress=False)
 
 
@@ -105,7 +117,9 @@ def test_block_size_other_than_128(fp8_ckpt, nothing_built):
     config = json.loads((fp8_ckpt / "config.json").read_text())
     config["quantization_config"]["weight_block_size"] = [64, 64]
     _write_json(fp8_ckpt / "config.json", config)
-    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config\.weight_block_size is \[64, 64\], only \[128, 128\]"):
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: quantization_config\.weight_block_size is \[64, 64\], only \[128, 128\]"
+    ):
         load_frozen_model(fp8_ckpt, progress=False)
 
 

@@ -59,7 +59,9 @@ def test_fp8_block_quantize_scales_and_error():
     assert scale_inv[2, 1] == pytest.approx(w[256:, 128:].abs().max().item() / 448, rel=1e-6)
     err = (fp8_block_dequantize(q, scale_inv) - w).abs()
     # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 for normal values
-    assert (err <= w.abs() * 2**-4 + scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200] * 2**-9).all()
+    assert (
+        err <= w.abs() * 2**-4 + scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200] * 2**-9
+    ).all()
 
 
 def test_fp8_quantize_keeps_the_weights_device():
@@ -135,4 +137,6 @@ def test_kept_compute_copies_give_the_same_forward_and_backward(tiny_bf16):
         outs.append((logits.detach(), embeds.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # bf16 weights asked in bf16: dequantize() already returns the stored tensor, nothing to keep
-    assert compute_copy_bytes(copied, torch.bfloat16) == sum(w.numel * 2 for w in frozen_weights(copied) if w.fmt != "bf16")
+    assert compute_copy_bytes(copied, torch.bfloat16) == sum(
+        w.numel * 2 for w in frozen_weights(copied) if w.fmt != "bf16"
+    )

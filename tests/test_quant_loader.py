@@ -78,7 +78,9 @@ LOGIT_TOLERANCES = {
 }
 
 
-@pytest.mark.parametrize("plan", list(LOGIT_TOLERANCES), ids=lambda p: f"{p.routed_experts}-{p.attention}-dq{int(p.double_quant)}")
+@pytest.mark.parametrize(
+    "plan", list(LOGIT_TOLERANCES), ids=lambda p: f"{p.routed_experts}-{p.attention}-dq{int(p.double_quant)}"
+)
 def test_logits_against_bf16_within_tolerance(tiny_bf16, plan):
     bf16 = _logits(load_frozen_model(tiny_bf16, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False))
     quantized = _logits(load_frozen_model(tiny_bf16, plan, compute_dtype=torch.float32, progress=False))
@@ -97,7 +99,12 @@ def test_fp8_checkpoint_to_nf4(tiny_fp8):
     plan = QuantPlan(routed_experts="nf4", attention="fp8", shared_experts="int8")
     model = load_frozen_model(tiny_fp8, plan, compute_dtype=torch.float32, progress=False)
     rows = {(r.group, r.format): r for r in byte_report(model)}
-    assert set(rows) >= {("routed_experts", "nf4"), ("attention", "fp8"), ("shared_experts", "int8"), ("dense_mlp", "bf16")}
+    assert set(rows) >= {
+        ("routed_experts", "nf4"),
+        ("attention", "fp8"),
+        ("shared_experts", "int8"),
+        ("dense_mlp", "bf16"),
+    }
     bf16 = load_frozen_model(tiny_fp8, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
     assert 0 < _rel(_logits(model), _logits(bf16)) <= 0.5
 
@@ -108,7 +115,10 @@ def test_byte_report_nf4_experts_under_057_bytes_per_param(tiny_bf16):
     experts = rows[("routed_experts", "nf4")]
     config = read_config(tiny_bf16)
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
-    assert experts.params == moe_layers * config["n_routed_experts"] * 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    assert (
+        experts.params
+        == moe_layers * config["n_routed_experts"] * 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    )
     assert experts.bytes_per_param <= 0.57
     assert rows[("embed", "bfloat16")].bytes_per_param == 2.0
     assert rows[("router", "float32")].params == moe_layers * config["n_routed_experts"]  # e_score_correction_bias

@@ -70,15 +70,21 @@ def test_a_batch_goes_on_after_a_timeout_or_a_dead_process_in_it():
         assert 2.0 <= elapsed < 4.0
 
 
-@pytest.mark.parametrize("reward, message", [
-    ({"name": "f1"}, r"reward.name = 'f1': unknown reward"),
-    ({"function": "no_such_module:fn"}, r"reward.function: cannot import 'no_such_module'"),
-    ({"function": "reward_functions:missing"}, r"reward.function: 'reward_functions' has no function 'missing'"),
-    ({"function": "reward_functions"}, r"reward.function: 'reward_functions' is not of the form package.module:function"),
-    ({"on_error": "ignore"}, r"reward.on_error = 'ignore'"),
-    ({"timeout_s": 0}, r"reward.timeout_s = 0: must be > 0"),
-    ({"processes": 0}, r"reward.processes = 0: must be >= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        ({"name": "f1"}, r"reward.name = 'f1': unknown reward"),
+        ({"function": "no_such_module:fn"}, r"reward.function: cannot import 'no_such_module'"),
+        ({"function": "reward_functions:missing"}, r"reward.function: 'reward_functions' has no function 'missing'"),
+        (
+            {"function": "reward_functions"},
+            r"reward.function: 'reward_functions' is not of the form package.module:function",
+        ),
+        ({"on_error": "ignore"}, r"reward.on_error = 'ignore'"),
+        ({"timeout_s": 0}, r"reward.timeout_s = 0: must be > 0"),
+        ({"processes": 0}, r"reward.processes = 0: must be >= 1"),
+    ],
+)
 def test_bad_reward_sections_name_the_key(reward, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"reward": reward})

@@ -61,17 +61,20 @@ def test_normalization_steps():
     assert dapo_answer("Answer: 3 apples\nmore text") == "3 apples"
 
 
-@pytest.mark.parametrize("response, truth, expected", [
-    ("so the result is \\boxed{1/2}", "0.5", 1.0),  # \boxed first, equal values
-    ("Answer: \\frac{2}{4}", "1/2", 1.0),  # the `Answer:` line when nothing is boxed
-    ("\\boxed{\\frac{1}{2}} and later Answer: 3", "0.5", 1.0),  # the box wins over the line
-    ("\\boxed{3}", "4", 0.0),
-    ("I do not know", "3", 0.0),
-    ("Answer: 2\\sqrt{2}", "\\sqrt{8}", 1.0),  # simplified
-    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),  # expanded
-    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),  # sets in any order
-    ("Answer: 50\\%", "0.5", 1.0),  # percent
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("so the result is \\boxed{1/2}", "0.5", 1.0),  # \boxed first, equal values
+        ("Answer: \\frac{2}{4}", "1/2", 1.0),  # the `Answer:` line when nothing is boxed
+        ("\\boxed{\\frac{1}{2}} and later Answer: 3", "0.5", 1.0),  # the box wins over the line
+        ("\\boxed{3}", "4", 0.0),
+        ("I do not know", "3", 0.0),
+        ("Answer: 2\\sqrt{2}", "\\sqrt{8}", 1.0),  # simplified
+        ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),  # expanded
+        ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),  # sets in any order
+        ("Answer: 50\\%", "0.5", 1.0),  # percent
+    ],
+)
 def test_math_verify(response, truth, expected):
     assert score("math_verify", response, truth) == expected
 

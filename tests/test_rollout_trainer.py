@@ -62,9 +62,19 @@ def test_greedy_generation_is_the_argmax_path(model):
 def old_generate_batch(model, prompts, s: Sampling, eos_id: int, pad_id: int):
     """The torch engine before issue 9 item 13: every step's logits kept (output_logits), then stacked."""
     ids, mask = left_pad(prompts, pad_id)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s.max_new_tokens, do_sample=True,
-                         temperature=s.temperature, top_p=s.top_p, top_k=None, eos_token_id=eos_id, pad_token_id=pad_id,
-                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=s.max_new_tokens,
+        do_sample=True,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     new_tokens = out.sequences[:, ids.shape[1] :]
     step_logprobs = torch.stack([torch.log_softmax(l.float() / s.temperature, -1) for l in out.logits], dim=1)
     chosen = step_logprobs.gather(-1, new_tokens[:, : step_logprobs.shape[1], None]).squeeze(-1)
@@ -103,7 +113,9 @@ def test_engine_logprobs_are_computed_per_step_and_equal_a_plain_forward(model, 
     for prompt, response, engine_lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + response])).logits[0].float()
-        reference = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(response)[:, None])
+        reference = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1].gather(
+            -1, torch.tensor(response)[:, None]
+        )
         # float32 noise of the cached, left-padded batch against one uncached row: measured up to 1.7e-5 at
         # |logprob| ~ 3, the same with the old code's kept logits
         torch.testing.assert_close(torch.tensor(engine_lp), reference.squeeze(-1), atol=1e-5, rtol=1e-5)
@@ -123,7 +135,9 @@ def test_generation_configs_that_change_the_sampled_distribution_are_refused():
     from transformers import GenerationConfig
 
     check_plain_logits(GenerationConfig())
-    check_plain_logits(GenerationConfig(bos_token_id=0, eos_token_id=1, do_sample=True, temperature=0.6, top_p=0.95))  # DeepSeek-V3's
+    check_plain_logits(
+        GenerationConfig(bos_token_id=0, eos_token_id=1, do_sample=True, temperature=0.6, top_p=0.95)
+    )  # DeepSeek-V3's
     for setting in ({"repetition_penalty": 1.2}, {"min_p": 0.05}, {"no_repeat_ngram_size": 3}):
         with pytest.raises(ValueError, match=next(iter(setting))):
             check_plain_logits(GenerationConfig(**setting))
@@ -167,7 +181,9 @@ def test_merged_lora_generates_the_unmerged_policy(tiny_bf16):
     rollouts = []
     for merge in (False, True):
         torch.manual_seed(3)
-        rollouts.append(TorchEngine(model, eos_id=1, pad_id=2, merge_lora=merge).generate(prompts, n=3, sampling=sampling))
+        rollouts.append(
+            TorchEngine(model, eos_id=1, pad_id=2, merge_lora=merge).generate(prompts, n=3, sampling=sampling)
+        )
     assert rollouts[0].response_ids == rollouts[1].response_ids
     for a, b in zip(rollouts[0].logprobs, rollouts[1].logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
@@ -186,7 +202,9 @@ def test_expanded_cache_fits_only_where_it_is_no_larger():
 
     v3 = DeepseekV3Config()  # DeepSeek-V3's shape: 128 heads x 320 values against 576 latent ones
     assert (v3.num_attention_heads, v3.kv_lora_rank) == (128, 512) and not expanded_cache_fits(v3)
-    tiny = DeepseekV3Config(num_attention_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, kv_lora_rank=512)
+    tiny = DeepseekV3Config(
+        num_attention_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, kv_lora_rank=512
+    )
     assert expanded_cache_fits(tiny)
 
 

@@ -6,9 +6,17 @@ import random
 import pytest
 
 from allsync.tasks import (
-    ArithmeticSpec, Problem, chat_messages, digit_count, format_response, load_jsonl, make_problem, make_splits,
-    sample_problem, save_jsonl,
-)  # fmt: skip
+    ArithmeticSpec,
+    Problem,
+    chat_messages,
+    digit_count,
+    format_response,
+    load_jsonl,
+    make_problem,
+    make_splits,
+    sample_problem,
+    save_jsonl,
+)
 from evals import answer_reward
 
 

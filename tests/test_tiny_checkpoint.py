@@ -46,8 +46,11 @@ def test_bf16_layout_sharded_with_per_expert_keys(tiny_bf16):
 def test_fp8_layout_block_scales(tiny_fp8, tiny_bf16):
     config = json.loads((tiny_fp8 / "config.json").read_text())
     assert config["quantization_config"] == {
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
-    }  # fmt: skip
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
     _, tensors = _all_tensors(tiny_fp8)
     _, bf16 = _all_tensors(tiny_bf16)
     for key, spec in expected_tensors(config).items():
@@ -71,7 +74,9 @@ def test_tokenizer_covers_task_text_and_special_tokens(tiny_bf16):
     assert tok.decode(ids, skip_special_tokens=True) == text
     for special in SPECIAL_TOKENS:
         assert len(tok(special, add_special_tokens=False).input_ids) == 1, special
-    chat = tok.apply_chat_template([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], tokenize=False
+    )
     assert chat == "<｜begin▁of▁sentence｜><｜User｜>2+2?<｜Assistant｜>4<｜end▁of▁sentence｜>"
     assert len(tok) == json.loads((tiny_bf16 / "config.json").read_text())["vocab_size"]
 
@@ -102,7 +107,12 @@ def test_invalid_spec_is_rejected_before_writing(tmp_path):
 
 
 def test_cli_options_shape_the_checkpoint(tmp_path):
-    assert cli_main(["make-tiny", str(tmp_path / "c"), "--layers", "2", "--experts", "4", "--dense-layers", "0", "--seed", "3"]) == 0
+    assert (
+        cli_main(
+            ["make-tiny", str(tmp_path / "c"), "--layers", "2", "--experts", "4", "--dense-layers", "0", "--seed", "3"]
+        )
+        == 0
+    )
     config = json.loads((tmp_path / "c" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["n_routed_experts"], config["first_k_dense_replace"]) == (2, 4, 0)
     _, a = _all_tensors(tmp_path / "c")

@@ -8,7 +8,13 @@ from allsync.algorithms import egae, whiten_advantages, whitening_sums
 from allsync.config import ConfigError, parse_config
 from allsync.metrics import aggregate
 from allsync.tasks import ArithmeticSpec, make_splits
-from allsync.forward import build_sequences, forward_logprobs, response_positions, to_response_layout, to_sequence_layout
+from allsync.forward import (
+    build_sequences,
+    forward_logprobs,
+    response_positions,
+    to_response_layout,
+    to_sequence_layout,
+)
 from allsync.producers.windows import PartialResponse
 from allsync.worker import RLWorker
 
@@ -16,15 +22,17 @@ WINDOW, MAX_NEW = 4, 12  # "Answer: N<eos>" takes 6-7 tokens: every response spa
 
 
 def tppo_config(base, lr=1e-3, **algorithm):
-    return parse_config({
-        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 8, "alpha": 16},
-        "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": MAX_NEW},
-        "producer": {"kind": "windows", "window": WINDOW},
-        "algorithm": {"advantage": "egae", "dynamic_sampling": False, **algorithm},
-        "optim": {"lr": lr, "value_lr": 1e-2},
-        "parallel": {"workers_per_node": 1},
-    })  # fmt: skip
+    return parse_config(
+        {
+            "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 8, "alpha": 16},
+            "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": MAX_NEW},
+            "producer": {"kind": "windows", "window": WINDOW},
+            "algorithm": {"advantage": "egae", "dynamic_sampling": False, **algorithm},
+            "optim": {"lr": lr, "value_lr": 1e-2},
+            "parallel": {"workers_per_node": 1},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +56,14 @@ def test_window_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
     finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
     cut = PartialResponse(problems[0], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0)
     pool = [finished, cut]
-    tb = worker.learner.window_batch([r.prompt_ids for r in pool], [r.response_ids for r in pool], [r.window_start for r in pool],
-                                     {0: "stop"}, {0: 1.0}, [r.engine_logprobs for r in pool])  # fmt: skip
+    tb = worker.learner.window_batch(
+        [r.prompt_ids for r in pool],
+        [r.response_ids for r in pool],
+        [r.window_start for r in pool],
+        {0: "stop"},
+        {0: 1.0},
+        [r.engine_logprobs for r in pool],
+    )
 
     full = build_sequences([prompt, prompt], [finished.response_ids, cut.response_ids], worker.tokenizer.pad_token_id)
     index, valid = response_positions(full.response_mask)
@@ -60,9 +74,13 @@ def test_window_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
         _, values = forward_logprobs(worker.model, full, 1.0, worker.value_head)
     v = to_response_layout(values, index, valid)
     adv = to_response_layout(tb.advantages, index, valid)
-    raw, _ = egae(torch.tensor([[0, 0, 0, 0, 0, 1.0], [0] * 6]), v, valid.float(), torch.tensor([False, True]), 1.0, 0.95)
+    raw, _ = egae(
+        torch.tensor([[0, 0, 0, 0, 0, 1.0], [0] * 6]), v, valid.float(), torch.tensor([False, True]), 1.0, 0.95
+    )
     # finished, gamma 1: the last token's advantage is reward - V(s_5); cut: r + V(s_3) - V(s_3) = 0 (bootstrap)
-    assert raw[0, 5].item() == pytest.approx(1.0 - v[0, 5].item(), abs=1e-5) and raw[1, 3].item() == pytest.approx(0.0, abs=1e-6)
+    assert raw[0, 5].item() == pytest.approx(1.0 - v[0, 5].item(), abs=1e-5) and raw[1, 3].item() == pytest.approx(
+        0.0, abs=1e-6
+    )
     expected = whiten_advantages(raw, policy, whitening_sums(raw, policy)).float()  # over this window's tokens
     assert torch.allclose(adv, expected, atol=1e-5) and (adv * policy).sum().abs() < 1e-4
 
@@ -123,10 +141,16 @@ def test_on_resume_the_configs_optim_settings_win_over_the_saved_ones(warm_tiny,
     b = RLWorker(changed, problems)
     b.load_state(str(tmp_path))
     groups = b.learner.optimizer.param_groups
-    assert [(g["base_lr"], g["betas"], g["weight_decay"]) for g in groups] == [(5e-3, (0.8, 0.95), 0.1), (2e-3, (0.8, 0.95), 0.1)]
+    assert [(g["base_lr"], g["betas"], g["weight_decay"]) for g in groups] == [
+        (5e-3, (0.8, 0.95), 0.1),
+        (2e-3, (0.8, 0.95), 0.1),
+    ]
     assert b.learner.optimizer.state_dict()["state"]  # the moments came back
     note = capsys.readouterr().err
-    assert "note: resumed with this config's optim settings: param group 0 base_lr: 0.01 -> 0.005; param group 0 betas: (0.9, 0.99) -> (0.8, 0.95)" in note
+    assert (
+        "note: resumed with this config's optim settings: param group 0 base_lr: 0.01 -> 0.005; param group 0 betas: (0.9, 0.99) -> (0.8, 0.95)"
+        in note
+    )
     assert "param group 1 base_lr: 0.01 -> 0.002" in note and "param group 1 weight_decay: 0.0 -> 0.1" in note
 
 
@@ -149,19 +173,45 @@ def test_the_critics_gradient_has_its_own_clip_and_norm(warm_tiny, problems):
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"producer": {"kind": "windows", "window": 4}, "algorithm": {"dynamic_sampling": False}},
-         r"producer\.kind windows with algorithm\.advantage grpo"),
-        ({"producer": {"kind": "windows", "window": 4}, "algorithm": {"advantage": "gae", "dynamic_sampling": False}},
-         r"producer\.window = 4 with algorithm\.advantage gae"),
-        ({"producer": {"kind": "windows"}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}},
-         r"algorithm\.advantage egae needs producer\.window"),
-        ({"producer": {"kind": "windows", "window": 40}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}},
-         r"producer\.window = 40: must be in 1\.\.rollout\.max_new_tokens"),
-        ({"algorithm": {"advantage": "gae", "dynamic_sampling": False}}, r"algorithm\.advantage gae learns a critic.*producer: \{kind: windows\}"),
-        ({"producer": {"kind": "windows", "window": 4}, "algorithm": {"advantage": "egae"}}, r"algorithm\.dynamic_sampling with algorithm\.advantage egae"),
+        (
+            {"producer": {"kind": "windows", "window": 4}, "algorithm": {"dynamic_sampling": False}},
+            r"producer\.kind windows with algorithm\.advantage grpo",
+        ),
+        (
+            {
+                "producer": {"kind": "windows", "window": 4},
+                "algorithm": {"advantage": "gae", "dynamic_sampling": False},
+            },
+            r"producer\.window = 4 with algorithm\.advantage gae",
+        ),
+        (
+            {"producer": {"kind": "windows"}, "algorithm": {"advantage": "egae", "dynamic_sampling": False}},
+            r"algorithm\.advantage egae needs producer\.window",
+        ),
+        (
+            {
+                "producer": {"kind": "windows", "window": 40},
+                "algorithm": {"advantage": "egae", "dynamic_sampling": False},
+            },
+            r"producer\.window = 40: must be in 1\.\.rollout\.max_new_tokens",
+        ),
+        (
+            {"algorithm": {"advantage": "gae", "dynamic_sampling": False}},
+            r"algorithm\.advantage gae learns a critic.*producer: \{kind: windows\}",
+        ),
+        (
+            {"producer": {"kind": "windows", "window": 4}, "algorithm": {"advantage": "egae"}},
+            r"algorithm\.dynamic_sampling with algorithm\.advantage egae",
+        ),
         ({"algorithm": {"advantage": "gae", "dynamic_sampling": False, "lam": 1.5}}, r"algorithm\.lam = 1\.5"),
-        ({"producer": {"kind": "windows"}, "algorithm": {"advantage": "gae", "dynamic_sampling": False}, "parallel": {"layout": "disaggregated"}},
-         r"parallel\.layout disaggregated with algorithm\.advantage gae"),
+        (
+            {
+                "producer": {"kind": "windows"},
+                "algorithm": {"advantage": "gae", "dynamic_sampling": False},
+                "parallel": {"layout": "disaggregated"},
+            },
+            r"parallel\.layout disaggregated with algorithm\.advantage gae",
+        ),
         ({"rollout": {"window": 4}}, r"'rollout\.window' has moved: write producer: \{kind: windows, window: N\}"),
     ],
 )

@@ -23,7 +23,9 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients(chunk_elemen
     weight = torch.randn(50, 16, generator=gen)
     targets = torch.randint(0, 50, (3, 11), generator=gen)
     upstream = torch.randn(3, 11, generator=gen)
-    got, entropy = token_logprobs(hidden, weight, targets, temperature=0.7, with_entropy=True, chunk_elements=chunk_elements)
+    got, entropy = token_logprobs(
+        hidden, weight, targets, temperature=0.7, with_entropy=True, chunk_elements=chunk_elements
+    )
     (grad,) = torch.autograd.grad((got * upstream).sum(), hidden)
     expected, expected_entropy = full_reference(hidden, weight, targets, 0.7)
     (expected_grad,) = torch.autograd.grad((expected * upstream).sum(), hidden)

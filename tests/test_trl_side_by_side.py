@@ -13,8 +13,11 @@ def test_peft_adapts_every_module_allsync_adapts_once(tiny_bf16):
     config = default_config()
     model = peft_model(AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32), config)
     base = read_config(tiny_bf16)
-    shapes = {name.removeprefix("base_model.model.").replace(".default", ""): tuple(p.shape)
-              for name, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+    shapes = {
+        name.removeprefix("base_model.model.").replace(".default", ""): tuple(p.shape)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     r, experts = config.lora.rank, base["n_routed_experts"]
     wanted = {}
     for layer in range(base["num_hidden_layers"]):
@@ -27,7 +30,10 @@ def test_peft_adapts_every_module_allsync_adapts_once(tiny_bf16):
             wanted[f"model.layers.{layer}.mlp.experts.base_layer.lora_A.weight"] = experts * r
             wanted[f"model.layers.{layer}.mlp.experts.lora_A.weight"] = experts * r
     assert {k: v[0] for k, v in shapes.items() if ".lora_A." in k} == wanted
-    assert shapes["model.layers.2.mlp.experts.base_layer.lora_B.weight"] == (2 * base["moe_intermediate_size"], experts * r)
+    assert shapes["model.layers.2.mlp.experts.base_layer.lora_B.weight"] == (
+        2 * base["moe_intermediate_size"],
+        experts * r,
+    )
 
 
 def test_trl_sees_allsync_prompt_ids(tiny_bf16):
@@ -39,8 +45,9 @@ def test_trl_sees_allsync_prompt_ids(tiny_bf16):
 
 def test_reward_is_the_default_runs_score_plus_overlong_shaping():
     config = default_config()  # overlong: max_len 16, cache_len 4 -> 0 up to 12 tokens, -(L - 12) / 4 beyond
-    rewards = shaped_reward(config, ["Answer: 102", "Answer: 7", "Answer: 102"], [[0] * 12, [0] * 15, [0] * 16],
-                            ["102", "102", "102"])  # fmt: skip
+    rewards = shaped_reward(
+        config, ["Answer: 102", "Answer: 7", "Answer: 102"], [[0] * 12, [0] * 15, [0] * 16], ["102", "102", "102"]
+    )
     assert rewards == [1.0, -0.75, 0.0]
 
 
@@ -49,6 +56,10 @@ def test_trl_config_is_the_default_runs():
     trl = trl_grpo_config(config, "unused", threads=2)
     r = config.rollout
     assert trl.generation_batch_size // trl.num_generations == r.prompts_per_step
-    assert (trl.num_generations, trl.max_completion_length, trl.learning_rate) == (r.group_size, r.max_new_tokens, config.optim.lr)
+    assert (trl.num_generations, trl.max_completion_length, trl.learning_rate) == (
+        r.group_size,
+        r.max_new_tokens,
+        config.optim.lr,
+    )
     assert (trl.epsilon, trl.epsilon_high, trl.beta, trl.loss_type) == (0.2, 0.28, 0.0, "dapo")
     assert (trl.adam_beta2, trl.max_grad_norm, trl.bf16) == (config.optim.betas[1], config.optim.grad_clip, False)

@@ -18,15 +18,17 @@ PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in
 
 
 def config(base, workers=1, lr=1e-3, minibatches=2, **algorithm):
-    return parse_config({
-        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
-        "lora": {"rank": 4, "alpha": 8},
-        "run": {"export": "merged"},
-        "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
-        "optim": {"lr": lr, "minibatches": minibatches, "weight_decay": 0.1},
-        "parallel": {"workers_per_node": workers},
-        "algorithm": algorithm,
-    })  # fmt: skip
+    return parse_config(
+        {
+            "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 4, "alpha": 8},
+            "run": {"export": "merged"},
+            "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
+            "optim": {"lr": lr, "minibatches": minibatches, "weight_decay": 0.1},
+            "parallel": {"workers_per_node": workers},
+            "algorithm": algorithm,
+        }
+    )
 
 
 def groups(seed: int, count: int, size: int = 3) -> tuple[list[Episode], torch.Tensor]:
@@ -37,7 +39,11 @@ def groups(seed: int, count: int, size: int = 3) -> tuple[list[Episode], torch.T
         prompt = [0, 3] + torch.randint(8, 200, (4 + g,), generator=gen).tolist() + [4]
         for k in range(size):
             response = torch.randint(8, 200, (2 + (g + k) % 4,), generator=gen).tolist()
-            samples.append(Episode.single(prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0))
+            samples.append(
+                Episode.single(
+                    prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0
+                )
+            )
             index.append(g)
     return samples, torch.tensor(index)
 
@@ -73,7 +79,12 @@ def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16
             # minibatch m of the pair is the union of each rank's m-th part: rank 0 holds groups 0-1, rank 1 groups 2-3
             order = [i for g in (0, 2, 1, 3) for i in range(3 * g, 3 * g + 3)]
             trained(single, [samples[i] for i in order], torch.tensor([index[i] for i in order]))
-            ray.get([pair.workers[0].train.remote(samples[:6], index[:6]), pair.workers[1].train.remote(samples[6:], index[6:] - 2)])
+            ray.get(
+                [
+                    pair.workers[0].train.remote(samples[:6], index[:6]),
+                    pair.workers[1].train.remote(samples[6:], index[6:] - 2),
+                ]
+            )
             expected_grad, got_grad = flat(single.gradient_tensors()), flat(pair.call_rank0("gradient_tensors"))
             assert float((got_grad - expected_grad).abs().max()) < 1e-3 * float(expected_grad.abs().max())
         got, theirs, expected = adapter(pair), pair.call_ranks([1], "adapter_tensors")[0], adapter(single)
@@ -101,7 +112,12 @@ def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf1
     try:
         import ray
 
-        outs = ray.get([pair.workers[0].train.remote(samples, index), pair.workers[1].train.remote([], torch.zeros(0, dtype=torch.long))])
+        outs = ray.get(
+            [
+                pair.workers[0].train.remote(samples, index),
+                pair.workers[1].train.remote([], torch.zeros(0, dtype=torch.long)),
+            ]
+        )
         got = adapter(pair)
     finally:
         pair.shutdown()
@@ -147,7 +163,10 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
     from quant.loader import QuantPlan, load_frozen_model
     from allsync.forward import forward_logprobs
 
-    plain, with_kl = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS), RLWorker(config(tiny_bf16, minibatches=1, kl_coef=0.5), PROBLEMS)
+    plain, with_kl = (
+        RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS),
+        RLWorker(config(tiny_bf16, minibatches=1, kl_coef=0.5), PROBLEMS),
+    )
     batches = [groups(seed, 2) for seed in range(2)]
     kl = []
     for samples, index in batches:
@@ -170,8 +189,14 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
 def fake_rollout():
     def generate(prompts, n, sampling):
         count = len(prompts) * n
-        return Rollout([list(p) for p in prompts for _ in range(n)], [[5, 6, 7]] * count, [[0.0] * 3] * count,
-                       ["stop"] * count, 0, [i // n for i in range(count)])  # fmt: skip
+        return Rollout(
+            [list(p) for p in prompts for _ in range(n)],
+            [[5, 6, 7]] * count,
+            [[0.0] * 3] * count,
+            ["stop"] * count,
+            0,
+            [i // n for i in range(count)],
+        )
 
     return generate
 
@@ -185,7 +210,9 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16
         monkeypatch.setattr(w.engine, "generate", fake_rollout())
         correct = [False, False, False, False, False, False, True, False, True]
         rewards = [0.0, 0.0, -0.25, -0.5, 0.0, 0.0, 1.0, 0.0, 1.0]
-        monkeypatch.setattr(w, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0))  # 0 reward errors
+        monkeypatch.setattr(
+            w, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0)
+        )  # 0 reward errors
         samples, stats = w.collect(3)
         kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
     assert kept["acc"] == (1, 1, 3)  # 1 of 3 wanted kept: trained on (partial), the cap hit logged
@@ -198,10 +225,22 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
     # per round of 2 groups: group 0 mixed, group 1 all correct -> 1 kept per round, 2 after the cap (3 wanted)
     # every round: group 0 mixed, the other groups all correct -> 1 group kept per round, 2 at the cap (3 wanted)
     pattern = lambda i: i % 3 != 1 if i < 3 else True  # noqa: E731
-    monkeypatch.setattr(w, "rewards", lambda problems, responses, group_index=None: ([float(pattern(i)) for i in range(len(responses))],
-                                                                   [pattern(i) for i in range(len(responses))], 0))  # fmt: skip
+    monkeypatch.setattr(
+        w,
+        "rewards",
+        lambda problems, responses, group_index=None: (
+            [float(pattern(i)) for i in range(len(responses))],
+            [pattern(i) for i in range(len(responses))],
+            0,
+        ),
+    )
     samples, stats = w.collect(3)
-    assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (2, 3, 1, 2)
+    assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (
+        2,
+        3,
+        1,
+        2,
+    )
     assert len(samples) == 6 and sorted(set(stats["group_index"].tolist())) == [0, 1]
     out = w.train(samples, stats["group_index"])
     assert out["trained_samples"] == 6 and out["optimizer_steps"] == 2
@@ -226,7 +265,9 @@ def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
 
         ray.get(group.workers[1].__ray_call__.remote(break_rewards))
         start = time.time()
-        with pytest.raises(WorkerFailure, match=r"worker 1 failed in step: ZeroDivisionError: bad verifier on rank 1") as info:
+        with pytest.raises(
+            WorkerFailure, match=r"worker 1 failed in step: ZeroDivisionError: bad verifier on rank 1"
+        ) as info:
             group.step(1)
         assert info.value.rank == 1 and time.time() - start < 120
         with pytest.raises(Exception):  # rank 0 was stopped too
@@ -256,8 +297,14 @@ def peak_saved_bytes(worker: RLWorker, samples, index) -> int:
     return peak[0]
 
 
-@pytest.mark.parametrize("optim", [{"max_tokens_per_forward": 30}, {"max_tokens_per_forward": 30, "activation_checkpointing": True},
-                                   {"activation_checkpointing": True}])  # fmt: skip
+@pytest.mark.parametrize(
+    "optim",
+    [
+        {"max_tokens_per_forward": 30},
+        {"max_tokens_per_forward": 30, "activation_checkpointing": True},
+        {"activation_checkpointing": True},
+    ],
+)
 def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tiny_bf16, optim):
     """Micro-batches of at most optim.max_tokens_per_forward padded tokens (the logprob passes and each minibatch's
     forward+backward), and decoder layers recomputed in backward: the same old and reference logprobs and the same
@@ -278,7 +325,10 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
     for name in ("old_logprobs", "ref_logprobs"):
         torch.testing.assert_close(getattr(got, name)[mask], getattr(want, name)[mask], atol=1e-5, rtol=0)
     saved = [peak_saved_bytes(w, samples, index) for w in (plain, split)]
-    g_want, g_got = torch.cat([g.flatten() for g in plain.gradient_tensors()]), torch.cat([g.flatten() for g in split.gradient_tensors()])
+    g_want, g_got = (
+        torch.cat([g.flatten() for g in plain.gradient_tensors()]),
+        torch.cat([g.flatten() for g in split.gradient_tensors()]),
+    )
     assert float((g_got - g_want).abs().max()) < 1e-4 * float(g_want.abs().max())
     assert saved[1] < saved[0]
 
@@ -303,7 +353,16 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
     outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
     assert not passes  # no logprob pass besides the update's forward
     torch.testing.assert_close(reused.old_logprobs, separate.old_logprobs, atol=0, rtol=0)
-    for key in ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "entropy_sum", "logprob_gap", "grad_norm", "trained_tokens"):
+    for key in (
+        "loss_sum",
+        "clipfrac_high_sum",
+        "clipfrac_low_sum",
+        "kl_sum",
+        "entropy_sum",
+        "logprob_gap",
+        "grad_norm",
+        "trained_tokens",
+    ):
         assert outs[0][key] == outs[1][key], key
     a, b = adapter(workers[0]), adapter(workers[1])
     assert all(torch.equal(a[k], b[k]) for k in a)

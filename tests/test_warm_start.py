@@ -14,16 +14,29 @@ from safetensors import safe_open
 from allsync import warm_start as ws
 from allsync.tasks import ArithmeticSpec, Problem, answer_examples
 from allsync.warm_start import (
-    DEFAULT_SPEC, EvalSettings, TrainSettings, WarmStartSettings, collate, lr_at, save_checkpoint, to_disk_tensors,
-    train_and_evaluate, warm_start,
-)  # fmt: skip
+    DEFAULT_SPEC,
+    EvalSettings,
+    TrainSettings,
+    WarmStartSettings,
+    collate,
+    lr_at,
+    save_checkpoint,
+    to_disk_tensors,
+    train_and_evaluate,
+    warm_start,
+)
 from moe_lora.tiny import build_tokenizer, make_tiny, tiny_config
 from quant.checkpoint_io import INDEX_NAME, atomic_output_dir
 from quant.layout import expected_tensors
 from quant.loader import QuantPlan, load_frozen_model
 
-FAST = WarmStartSettings(task=ArithmeticSpec(1, 2), steps=4, seed=0, train=TrainSettings(batch_size=8, warmup_steps=2),
-                         eval=EvalSettings(heldout_size=6, samples_per_problem=2, max_new_tokens=6))  # fmt: skip
+FAST = WarmStartSettings(
+    task=ArithmeticSpec(1, 2),
+    steps=4,
+    seed=0,
+    train=TrainSettings(batch_size=8, warmup_steps=2),
+    eval=EvalSettings(heldout_size=6, samples_per_problem=2, max_new_tokens=6),
+)
 
 
 def _disk_tensors(path):
@@ -38,18 +51,22 @@ def _disk_tensors(path):
 def test_training_example_labels_only_the_answer():
     tok = build_tokenizer()
     (ids, start), (ids2, start2) = answer_examples(tok, [Problem("What is 1+2?", "3"), Problem("What is 10+20?", "30")])
-    assert tok.decode(ids) == "<｜begin▁of▁sentence｜><｜User｜>What is 1+2?<｜Assistant｜>Answer: 3<｜end▁of▁sentence｜>"
+    assert (
+        tok.decode(ids) == "<｜begin▁of▁sentence｜><｜User｜>What is 1+2?<｜Assistant｜>Answer: 3<｜end▁of▁sentence｜>"
+    )
     assert tok.decode(ids[start:]) == "Answer: 3<｜end▁of▁sentence｜>" and len(ids) - start == 10
     batch = collate([(ids, start), (ids2, start2)], pad_id=tok.pad_token_id)
     assert batch["input_ids"].shape == (2, len(ids2)) and len(ids2) == len(ids) + 3
     assert batch["labels"][0, :start].eq(-100).all() and batch["labels"][0, len(ids) :].eq(-100).all()
-    assert batch["labels"][0, start:len(ids)].tolist() == ids[start:]
+    assert batch["labels"][0, start : len(ids)].tolist() == ids[start:]
     assert batch["attention_mask"].sum(1).tolist() == [len(ids), len(ids2)]
 
 
 def test_lr_schedule():
     assert lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)  # warm-up 1/10, cosine ~1
-    assert lr_at(9, 100, 1.0, 10) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(0.09 * torch.pi)).item()))
+    assert lr_at(9, 100, 1.0, 10) == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(0.09 * torch.pi)).item())
+    )
     assert lr_at(50, 100, 1.0, 10) == pytest.approx(0.55)  # halfway: 0.1 + 0.9 * 0.5
     assert lr_at(100, 100, 1.0, 10) == pytest.approx(0.1)  # ends at 10%
 
@@ -120,7 +137,9 @@ def test_bf16_checkpoint_reloads_with_the_same_logits(trained):
     """quant's frozen loader on the saved checkpoint == the trained model with bf16-rounded weights."""
     result, out, _ = trained
     frozen = load_frozen_model(out, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
-    ids = torch.tensor([[0, 3, 63, 80, 73, 92, 229, 25, 19, 26, 39, 4, 41, 86], [0, 3, 25, 19, 26, 17, 18, 19, 20, 21, 22, 23, 24, 4]])
+    ids = torch.tensor(
+        [[0, 3, 63, 80, 73, 92, 229, 25, 19, 26, 39, 4, 41, 86], [0, 3, 25, 19, 26, 17, 18, 19, 20, 21, 22, 23, 24, 4]]
+    )
     with torch.no_grad():
         want, got = result.model(input_ids=ids).logits, frozen(input_ids=ids).logits
     assert want.abs().max() > 1.0  # non-trivial logits
@@ -137,7 +156,9 @@ def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ws, "train_and_evaluate", fail)
     assert warm_start(tmp_path / "base", FAST, progress=False) == out
-    with pytest.raises(FileExistsError, match=r"not a warm start with these settings \(stored -> wanted: seed: 0 -> 3; steps: 4 -> 5\)"):
+    with pytest.raises(
+        FileExistsError, match=r"not a warm start with these settings \(stored -> wanted: seed: 0 -> 3; steps: 4 -> 5\)"
+    ):
         warm_start(tmp_path / "base", replace(FAST, steps=5, seed=3), progress=False)
     assert json.loads((out / "warm_start.json").read_text()) == report  # untouched
 
@@ -166,9 +187,18 @@ def _warm_starts_in_processes(runs: dict[str, tuple[int, int]], root: Path) -> d
     by side: each computes with its own fixed thread count, so running together changes their speed, not their bits."""
     procs = {}
     for name, (caller_threads, threads) in runs.items():
-        env = {**os.environ, "OMP_NUM_THREADS": str(caller_threads), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-        procs[name] = subprocess.Popen([sys.executable, "-c", WARM_START_PROCESS, str(root / name), str(threads)], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(caller_threads),
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+        }
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", WARM_START_PROCESS, str(root / name), str(threads)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     for name, proc in procs.items():
         _, err = proc.communicate()
         assert proc.returncode == 0, (name, err[-3000:])
@@ -191,6 +221,7 @@ def test_a_thread_count_that_cannot_be_set_is_reported(monkeypatch):
     with pytest.warns(RuntimeWarning, match=f"torch threads stay {torch.get_num_threads()} \\(asked for 7\\)"):
         with ws.torch_threads(7):
             pass
+
 
 SHIPPED = Path(__file__).parents[1] / "recipes" / "configs"
 

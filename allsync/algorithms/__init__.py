@@ -3,7 +3,16 @@
 No distributed calls, no I/O. Each function documents its formula.
 """
 
-from .advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator, drgrpo_advantages, egae, gae, grpo_advantages, whiten_advantages, whitening_sums
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    drgrpo_advantages,
+    egae,
+    gae,
+    grpo_advantages,
+    whiten_advantages,
+    whitening_sums,
+)
 from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizers
 from .episodes import CREDIT_RULES, credit_mask, episode_token_counts, episodes_with_tokens
 from .dynamic_sampling import (
@@ -17,7 +26,14 @@ from .dynamic_sampling import (
 from .policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossStats, policy_loss
 from .registry import REGISTRIES, get
 from .regularizers import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_penalty
-from .reward_shaping import REWARD_SHAPERS, group_length_reward, overlong_filter_mask, overlong_penalty, shape_length, shape_overlong
+from .reward_shaping import (
+    REWARD_SHAPERS,
+    group_length_reward,
+    overlong_filter_mask,
+    overlong_penalty,
+    shape_length,
+    shape_overlong,
+)
 from .selection import UnknownNameError
 from .tppo_windows import InFlight, WindowAdvance, advance_window
 from .value_loss import ValueLossStats, value_loss

@@ -65,9 +65,7 @@ def grpo_advantages(
         [N] advantages, dtype of ``rewards`` (float32 for integer rewards).
     """
     if rewards.shape != group_index.shape:
-        raise ValueError(
-            f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} differ in shape"
-        )
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} differ in shape")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=out_dtype, device=rewards.device)
@@ -174,7 +172,9 @@ def gae(
     return egae(rewards, values, mask, truncated, gamma, lam)
 
 
-def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+def whiten_advantages(
+    advantages: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor | None = None, eps: float = 1e-8
+) -> torch.Tensor:
     """PPO's batch normalization of advantages over the masked tokens::
 
         mu = sum(m A) / sum(m),  var = sum(m A^2) / sum(m) - mu^2,  A' = m (A - mu) / sqrt(var + eps)

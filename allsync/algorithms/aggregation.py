@@ -75,12 +75,16 @@ def seq_mean_token_sum(loss_mat, mask, global_tokens=None, global_seqs=None, nor
 def seq_mean_token_mean(loss_mat, mask, global_tokens=None, global_seqs=None, norm_length=None, episode_tokens=None):
     """``sum_b (sum_t m L / n_e(b)) / S``: n_e(b) = ``episode_tokens[b]`` (the row's own tokens if None),
     S = ``global_seqs`` (the episodes with a token; without it, the rows with a token)."""
-    per_row_tokens = mask.to(loss_mat.dtype).sum(dim=-1) if episode_tokens is None else episode_tokens.to(loss_mat.dtype)
+    per_row_tokens = (
+        mask.to(loss_mat.dtype).sum(dim=-1) if episode_tokens is None else episode_tokens.to(loss_mat.dtype)
+    )
     per_row = _masked(loss_mat, mask).sum(dim=-1) / _safe(per_row_tokens)
     return per_row.sum() / _num_seqs(mask, global_seqs)
 
 
-def seq_mean_token_sum_norm(loss_mat, mask, global_tokens=None, global_seqs=None, norm_length=None, episode_tokens=None):
+def seq_mean_token_sum_norm(
+    loss_mat, mask, global_tokens=None, global_seqs=None, norm_length=None, episode_tokens=None
+):
     """``sum_{b,t} m L / (S * T_max)``, T_max = ``norm_length`` or ``mask.shape[-1]`` (Dr.GRPO)."""
     t_max = mask.shape[-1] if norm_length is None else norm_length
     return _masked(loss_mat, mask).sum() / (_num_seqs(mask, global_seqs) * _safe(t_max))

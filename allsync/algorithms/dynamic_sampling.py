@@ -129,8 +129,14 @@ class DynamicSamplingExhausted(RuntimeError):
 
     ``kept`` holds the groups it did keep (ids renumbered from 0), so a caller may train on them."""
 
-    def __init__(self, groups_wanted: int, groups_kept: int, rounds_run: int, kept: GroupBatch | None = None,
-                 groups_generated: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        groups_wanted: int,
+        groups_kept: int,
+        rounds_run: int,
+        kept: GroupBatch | None = None,
+        groups_generated: int = 0,
+    ):
         self.groups_wanted = groups_wanted
         self.groups_kept = groups_kept
         self.rounds_run = rounds_run
@@ -176,7 +182,9 @@ def fill_batch_with_dynamic_sampling(
     rounds = 0
     while sum(kept_by_worker) < wanted:
         if rounds == max_rounds:
-            raise DynamicSamplingExhausted(num_groups, groups_kept, rounds, GroupBatch.concat(kept_parts), groups_generated)
+            raise DynamicSamplingExhausted(
+                num_groups, groups_kept, rounds, GroupBatch.concat(kept_parts), groups_generated
+            )
         batch = generate_fn(rounds)
         rounds += 1
         kept = batch.select(keep_groups(batch.metric, batch.group_index))

@@ -23,8 +23,9 @@ CREDIT_RULES = ("all", "final")
 def episode_token_counts(mask: torch.Tensor, episode_of_row: torch.Tensor) -> torch.Tensor:
     """[B] n_e(b) = sum over rows r of b's episode of sum_t mask[r, t] (mask [B, T], episode ids [B] >= 0)."""
     per_row = mask.to(torch.float64).sum(-1)
-    per_episode = torch.zeros(int(episode_of_row.max()) + 1 if len(episode_of_row) else 0, dtype=torch.float64,
-                              device=mask.device).index_add_(0, episode_of_row, per_row)  # fmt: skip
+    per_episode = torch.zeros(
+        int(episode_of_row.max()) + 1 if len(episode_of_row) else 0, dtype=torch.float64, device=mask.device
+    ).index_add_(0, episode_of_row, per_row)
     return per_episode[episode_of_row].to(mask.dtype)
 
 
@@ -32,7 +33,9 @@ def episodes_with_tokens(mask: torch.Tensor, episode_of_row: torch.Tensor) -> to
     """0-dim count of the episodes that have at least one unmasked token."""
     if not len(episode_of_row):
         return torch.zeros((), dtype=torch.long, device=mask.device)
-    return torch.unique(episode_of_row[(mask != 0).any(-1)]).numel() * torch.ones((), dtype=torch.long, device=mask.device)
+    return torch.unique(episode_of_row[(mask != 0).any(-1)]).numel() * torch.ones(
+        (), dtype=torch.long, device=mask.device
+    )
 
 
 def credit_mask(mask: torch.Tensor, is_answer: torch.Tensor, credit: str) -> torch.Tensor:

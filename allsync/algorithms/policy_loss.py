@@ -124,10 +124,22 @@ class PolicyLoss(Protocol):
     aggregation (allsync.algorithms.aggregation) with the global normalizers. Returns the loss, scaled as this
     micro-batch's share of the batch, and its detached statistics."""
 
-    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 clip_low: float, clip_high: float, clip_c: float | None, agg: str, global_tokens: Number | None,
-                 global_seqs: Number | None, *, norm_length: int | None, episode_tokens: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, PolicyLossStats]: ...  # fmt: skip
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        clip_low: float,
+        clip_high: float,
+        clip_c: float | None,
+        agg: str,
+        global_tokens: Number | None,
+        global_seqs: Number | None,
+        *,
+        norm_length: int | None,
+        episode_tokens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, PolicyLossStats]: ...
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {"clipped": policy_loss}

@@ -75,12 +75,16 @@ def group_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_inde
     return torch.where(correct.bool(), lam, lam.clamp(max=0.0)).to(torch.float32)
 
 
-def shape_overlong(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings) -> torch.Tensor:
+def shape_overlong(
+    lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings
+) -> torch.Tensor:
     """DAPO's soft overlong punishment (:func:`overlong_penalty`) with settings.max_len, .cache_len, .factor."""
     return overlong_penalty(lengths, settings.max_len, settings.cache_len, settings.factor).double()
 
 
-def shape_length(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings) -> torch.Tensor:
+def shape_length(
+    lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings
+) -> torch.Tensor:
     """settings.coef x Kimi-1.5's length reward within each group (:func:`group_length_reward`)."""
     if group_index is None:
         raise ValueError("the length reward compares the responses of a group: group_index is needed")

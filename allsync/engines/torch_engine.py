@@ -72,7 +72,9 @@ class Rollout:
 class TorchEngine:
     """Generation with the training model (shared frozen base and LoRA tensors)."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, batch_size: int | None = None, lockstep=None, merge_lora: bool = False):
+    def __init__(
+        self, model, eos_id: int, pad_id: int, batch_size: int | None = None, lockstep=None, merge_lora: bool = False
+    ):
         """batch_size (rollout.decode_batch): samples decoded together (None: 64). merge_lora (rollout.merge_lora):
         generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
         self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size or 64
@@ -107,7 +109,9 @@ class TorchEngine:
                 chunk = expanded[c * self.batch_size : (c + 1) * self.batch_size]
                 if not chunk:  # lockstep only: serve the other ranks' tokens, leave this rank's RNG as it was
                     device = self.model.device
-                    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+                    with torch.random.fork_rng(
+                        devices=[] if device.type == "cpu" else [device], device_type=device.type
+                    ):
                         self._generate_batch([[self.pad_id]], sampling)
                     continue
                 r, lp, fr = self._generate_batch(chunk, sampling)
@@ -115,12 +119,18 @@ class TorchEngine:
                 logprobs += lp
                 reasons += fr
         self.model.train(was_training)
-        return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
+        return Rollout(
+            expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))]
+        )
 
     def _generate_batch(self, prompts: list[list[int]], s: Sampling):
         distinct, repeats = runs_of_equal(prompts)
-        cache = ExpandedKVCache(reserve=s.max_new_tokens) if self.expanded_kv else DynamicCache(config=self.model.config)
-        tokens, chosen = sample_from_cache(self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep)
+        cache = (
+            ExpandedKVCache(reserve=s.max_new_tokens) if self.expanded_kv else DynamicCache(config=self.model.config)
+        )
+        tokens, chosen = sample_from_cache(
+            self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep
+        )
         self.positions += tokens.shape[0] * (max(map(len, prompts)) + tokens.shape[1])
         responses, logprobs, reasons = [], [], []
         for row, lp in zip(tokens.tolist(), chosen.tolist()):
@@ -144,8 +154,9 @@ def runs_of_equal(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
 
 
 @torch.no_grad()
-def sample_from_cache(model, prompts: list[list[int]], repeats: list[int], s: Sampling, eos_id: int, pad_id: int,
-                      cache, lockstep=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample_from_cache(
+    model, prompts: list[list[int]], repeats: list[int], s: Sampling, eos_id: int, pad_id: int, cache, lockstep=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `repeats[i]` responses to prompts[i]: ([rows, steps] token ids, [rows, steps] their logprobs).
 
     Each distinct prompt is prefilled once (left-padded, positions counted from its first real token), its cache
@@ -160,8 +171,14 @@ def sample_from_cache(model, prompts: list[list[int]], repeats: list[int], s: Sa
     ids, mask = (t.to(device) for t in left_pad(prompts, pad_id))
     padded = not bool(mask.all())  # as generate: no mask at all when nothing is padded (the causal SDPA path)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    out = model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)  # fmt: skip
+    out = model(
+        input_ids=ids,
+        attention_mask=mask if padded else None,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(repeats, device=device))
     cache.batch_select_indices(rows)
     logits, mask, position = out.logits[rows, -1], mask[rows], positions[rows, -1:]
@@ -174,8 +191,14 @@ def sample_from_cache(model, prompts: list[list[int]], repeats: list[int], s: Sa
         if step:
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             position = position + 1
-            logits = model(input_ids=tokens[-1][:, None], attention_mask=mask if padded else None,
-                           position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
+            logits = model(
+                input_ids=tokens[-1][:, None],
+                attention_mask=mask if padded else None,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
         if done:  # lockstep: this rank is done, its forward serves the other ranks' tokens
             if not lockstep.max_over_ranks(0):
                 break
@@ -208,19 +231,35 @@ def sample_from_cache(model, prompts: list[list[int]], repeats: list[int], s: Sa
 # from softmax(logits / T) (after top_p for sampled evaluation) whatever the checkpoint asks, so a checkpoint that
 # asks for one of these is refused rather than silently served differently. Value: the setting's neutral values.
 _EXTRA_PROCESSORS = {
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
-    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),
-    "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
-    "exponential_decay_length_penalty": (None,), "guidance_scale": (None, 1.0), "remove_invalid_values": (None, False),
-    "top_h": (None,), "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0), "watermarking_config": (None,),
-}  # fmt: skip
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "remove_invalid_values": (None, False),
+    "top_h": (None,),
+    "min_p": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "watermarking_config": (None,),
+}
 
 
 def check_plain_logits(generation_config) -> None:
     """Refuse a generation_config that would sample from anything but softmax(logits / T) (after top_p)."""
     for name, neutral in _EXTRA_PROCESSORS.items():
         if getattr(generation_config, name, None) not in neutral:
-            raise ValueError(f"the checkpoint's generation_config sets {name}={getattr(generation_config, name)!r}: "
-                             "the torch engine samples from softmax(logits / T) only; remove it")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's generation_config sets {name}={getattr(generation_config, name)!r}: "
+                "the torch engine samples from softmax(logits / T) only; remove it"
+            )

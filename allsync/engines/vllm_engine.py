@@ -75,9 +75,18 @@ def memory_share(checkpoint: str, dtype: str, max_model_len: int, configured: fl
 
 
 class VLLMEngine:
-    def __init__(self, checkpoint: str, lora_rank: int, lora_alpha: float, use_rslora: bool = False,
-                 dtype: str = "float32", *, max_model_len: int, launcher: bool = False,
-                 gpu_memory_utilization: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        checkpoint: str,
+        lora_rank: int,
+        lora_alpha: float,
+        use_rslora: bool = False,
+        dtype: str = "float32",
+        *,
+        max_model_len: int,
+        launcher: bool = False,
+        gpu_memory_utilization: float | None = None,
+    ):
         """launcher: this process is one rank of torchrun / accelerate launch. vLLM then runs as that rank
         (`external_launcher`: it takes the launcher's default process group as its world, its device from
         LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own.
@@ -96,10 +105,20 @@ class VLLMEngine:
             memory["gpu_memory_utilization"] = memory_share(checkpoint, dtype, max_model_len, gpu_memory_utilization)
         elif gpu_memory_utilization is not None:
             memory["gpu_memory_utilization"] = gpu_memory_utilization
-        self.llm = LLM(**vllm_engine_kwargs(checkpoint, dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                                            enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
-                                            enable_sleep_mode=self.sleep_mode, **memory,
-                                            **({"distributed_executor_backend": "external_launcher"} if launcher else {})))  # fmt: skip
+        self.llm = LLM(
+            **vllm_engine_kwargs(
+                checkpoint,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                logprobs_mode="processed_logprobs",
+                enable_lora=True,
+                max_lora_rank=lora_rank,
+                max_loras=1,
+                enable_sleep_mode=self.sleep_mode,
+                **memory,
+                **({"distributed_executor_backend": "external_launcher"} if launcher else {}),
+            )
+        )
         self.adapter_version = 0
         self.positions = 0  # prompt + generated tokens, the work a health report divides by
         self.lora_request = None
@@ -114,13 +133,18 @@ class VLLMEngine:
         base = int(torch.randint(0, 2**31 - 1, ()))
         params = [
             SamplingParams(
-                n=n, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0 if sampling.greedy else sampling.top_p,
-                max_tokens=sampling.max_new_tokens, logprobs=0, seed=base + i * n,  # child k: seed + k (module docstring)
-            )  # fmt: skip
+                n=n,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
+                top_p=1.0 if sampling.greedy else sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,
+                seed=base + i * n,  # child k: seed + k (module docstring)
+            )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=self.lora_request, use_tqdm=False
+        )
         expanded, responses, logprobs, reasons = [], [], [], []
         self.positions += sum(len(p) + len(c.token_ids) for p, out in zip(prompts, outputs) for c in out.outputs)
         for prompt, out in zip(prompts, outputs):
@@ -130,7 +154,9 @@ class VLLMEngine:
                 responses.append(tokens)
                 logprobs.append([d[t].logprob for d, t in zip(completion.logprobs or [], tokens)])
                 reasons.append(finish_reason(completion.finish_reason))
-        return Rollout(expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))])
+        return Rollout(
+            expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))]
+        )
 
     # ------------------------------------------------------------------------------ memory between phases
     def release_memory(self) -> None:
@@ -152,7 +178,9 @@ class VLLMEngine:
         self.adapter_version = version
         if tensors is None:
             return 0
-        adapter = Adapter({k: v.detach().float().cpu() for k, v in tensors.items()}, self.rank, self.alpha, self.use_rslora)
+        adapter = Adapter(
+            {k: v.detach().float().cpu() for k, v in tensors.items()}, self.rank, self.alpha, self.use_rslora
+        )
         return self._load_lora(adapter, version)
 
     def _load_lora(self, adapter: Adapter, version: int) -> int:

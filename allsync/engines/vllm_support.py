@@ -51,8 +51,9 @@ def mla_kv_bytes_per_token(model_config: dict, cache_dtype_bytes: int = 2) -> in
     return model_config["num_hidden_layers"] * latent * cache_dtype_bytes
 
 
-def engine_memory_share(total_bytes: int, free_bytes: int, weight_bytes: int, kv_bytes_needed: int,
-                        configured: float | None) -> float:  # fmt: skip
+def engine_memory_share(
+    total_bytes: int, free_bytes: int, weight_bytes: int, kv_bytes_needed: int, configured: float | None
+) -> float:
     """vLLM's gpu_memory_utilization when it starts beside the resident trainer: the share u of the GPU's total
     memory T that the engine may take. vLLM 0.32 refuses to start when the free memory F is below u x T, and its
     KV cache gets u x T - weights - its own buffers. Default (configured None): u = (F - margin) / T. ValueError
@@ -60,14 +61,18 @@ def engine_memory_share(total_bytes: int, free_bytes: int, weight_bytes: int, kv
         u x T - weights - margin < the KV cache the config needs (one longest sequence: vLLM's own minimum)."""
     share = (free_bytes - ENGINE_MARGIN_BYTES) / total_bytes if configured is None else configured
     if configured is not None and configured * total_bytes > free_bytes:
-        raise ValueError(f"rollout.gpu_memory_utilization = {configured}: {configured * total_bytes / GiB:.1f} GiB, but only "
-                         f"{free_bytes / GiB:.1f} GiB of the GPU's {total_bytes / GiB:.1f} GiB are free with the trainer "
-                         "resident (vLLM refuses to start); lower it or leave it out")  # fmt: skip
+        raise ValueError(
+            f"rollout.gpu_memory_utilization = {configured}: {configured * total_bytes / GiB:.1f} GiB, but only "
+            f"{free_bytes / GiB:.1f} GiB of the GPU's {total_bytes / GiB:.1f} GiB are free with the trainer "
+            "resident (vLLM refuses to start); lower it or leave it out"
+        )
     kv_room = share * total_bytes - weight_bytes - ENGINE_MARGIN_BYTES
     if kv_room < kv_bytes_needed:
-        raise ValueError(f"rollout.gpu_memory_utilization = {share:.3f}{' (derived from the free memory)' if configured is None else ''} "
-                         f"leaves {max(kv_room, 0) / GiB:.2f} GiB of KV cache after vLLM's {weight_bytes / GiB:.1f} GiB of weights "
-                         f"and a {ENGINE_MARGIN_BYTES / GiB:.0f} GiB margin, less than the {kv_bytes_needed / GiB:.2f} GiB one "
-                         "longest sequence needs: free GPU memory (fewer frozen weights per GPU, another layout) or shorten "
-                         "rollout.max_new_tokens")  # fmt: skip
+        raise ValueError(
+            f"rollout.gpu_memory_utilization = {share:.3f}{' (derived from the free memory)' if configured is None else ''} "
+            f"leaves {max(kv_room, 0) / GiB:.2f} GiB of KV cache after vLLM's {weight_bytes / GiB:.1f} GiB of weights "
+            f"and a {ENGINE_MARGIN_BYTES / GiB:.0f} GiB margin, less than the {kv_bytes_needed / GiB:.2f} GiB one "
+            "longest sequence needs: free GPU memory (fewer frozen weights per GPU, another layout) or shorten "
+            "rollout.max_new_tokens"
+        )
     return share

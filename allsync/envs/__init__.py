@@ -38,10 +38,19 @@ def check_observation(observation) -> list[dict] | None:
     """None, or a list of {role: tool | user | system, content: str[, new_context: bool]} messages; EnvError otherwise."""
     if observation is None:
         return None
-    if not isinstance(observation, list) or not observation or not all(
-        isinstance(m, dict) and m.get("role") in ("tool", "user", "system") and isinstance(m.get("content"), str)
-        and set(m) <= {"role", "content", "new_context"} for m in observation
-    ):  # fmt: skip
-        raise EnvError(f"malformed observation {observation!r}: expected None or a list of {{role: tool | user | system, "
-                       "content: str}} messages")  # fmt: skip
+    if (
+        not isinstance(observation, list)
+        or not observation
+        or not all(
+            isinstance(m, dict)
+            and m.get("role") in ("tool", "user", "system")
+            and isinstance(m.get("content"), str)
+            and set(m) <= {"role", "content", "new_context"}
+            for m in observation
+        )
+    ):
+        raise EnvError(
+            f"malformed observation {observation!r}: expected None or a list of {{role: tool | user | system, "
+            "content: str}} messages"
+        )
     return observation

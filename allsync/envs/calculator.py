@@ -61,14 +61,18 @@ def estimate(value: int) -> int:
     return round(value, 2 - len(str(abs(value))))
 
 
-def teacher_examples(tokenizer, problems: list[Problem], tools: list[dict], tool_rate: float, seed: int) -> list[tuple[list[int], int]]:
+def teacher_examples(
+    tokenizer, problems: list[Problem], tools: list[dict], tool_rate: float, seed: int
+) -> list[tuple[list[int], int]]:
     """The warm start's teacher on "What is a*b?": with probability tool_rate it calls multiply(a, b) and then
     answers with the tool's output (two examples: the call, and the answer after the output); otherwise it
     answers at once with an estimate. Each example is (ids, index of the first reply token); the tool output
     is part of the second example's prompt, never a target."""
     rng = random.Random(seed)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    render = lambda messages: tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)  # noqa: E731
+    render = lambda messages: tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+    )  # noqa: E731
     eos = tokenizer.eos_token_id
     examples = []
     for p in problems:
@@ -91,9 +95,17 @@ def answer_prompts(tokenizer, problems: list[Problem], tools: list[dict]) -> lis
     out = []
     for p in problems:
         a, b = map(int, re.findall(r"\d+", p.prompt)[:2])
-        messages = [{"role": "user", "content": p.prompt},
-                    {"role": "assistant", "content": format_tool_calls([ToolCall("multiply", {"a": a, "b": b})])},
-                    {"role": "tool", "content": str(a * b)}]  # fmt: skip
-        out.append(tokenizer(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                           tokenize=False), add_special_tokens=False)["input_ids"])  # fmt: skip
+        messages = [
+            {"role": "user", "content": p.prompt},
+            {"role": "assistant", "content": format_tool_calls([ToolCall("multiply", {"a": a, "b": b})])},
+            {"role": "tool", "content": str(a * b)},
+        ]
+        out.append(
+            tokenizer(
+                tokenizer.apply_chat_template(
+                    messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
     return out

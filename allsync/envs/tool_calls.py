@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from moe_lora.tiny import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP
 
-CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(?P<type>.*?)" + re.escape(TOOL_SEP) + r"(?P<name>.*?)\n```json\n"
-                  r"(?P<arguments>.*?)\n```" + re.escape(TOOL_CALL_END))  # fmt: skip
+CALL = re.compile(
+    re.escape(TOOL_CALL_BEGIN) + r"(?P<type>.*?)" + re.escape(TOOL_SEP) + r"(?P<name>.*?)\n```json\n"
+    r"(?P<arguments>.*?)\n```" + re.escape(TOOL_CALL_END)
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,10 @@ class ToolCall:
 
 def format_tool_calls(calls: list[ToolCall]) -> str:
     """The assistant text that makes these calls."""
-    body = "\n".join(f"{TOOL_CALL_BEGIN}function{TOOL_SEP}{c.name}\n```json\n{json.dumps(c.arguments)}\n```{TOOL_CALL_END}" for c in calls)
+    body = "\n".join(
+        f"{TOOL_CALL_BEGIN}function{TOOL_SEP}{c.name}\n```json\n{json.dumps(c.arguments)}\n```{TOOL_CALL_END}"
+        for c in calls
+    )
     return f"{TOOL_CALLS_BEGIN}{body}{TOOL_CALLS_END}"
 
 

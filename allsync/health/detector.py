@@ -73,7 +73,11 @@ class Alarm:
 
     def describe(self) -> str:
         unit = "x noise" if self.detector == "similarity" else "sd"
-        what = f"non-finite {self.metric}" if self.direction == "non-finite" else f"{self.direction} {self.metric}, {self.distance:.1f} {unit}"
+        what = (
+            f"non-finite {self.metric}"
+            if self.direction == "non-finite"
+            else f"{self.direction} {self.metric}, {self.distance:.1f} {unit}"
+        )
         return f"step {self.step}: worker {self.rank} is faulty ({what}, {self.detector})"
 
 
@@ -97,10 +101,12 @@ def non_finite_outliers(broken: np.ndarray) -> list[int]:
     return np.flatnonzero(broken).tolist() if 0 < broken.sum() < broken.size / 2 else []
 
 
-def similarity_flags(window: np.ndarray, bad: str, min_distance: float, min_z: float) -> tuple[list[int], np.ndarray, np.ndarray]:
+def similarity_flags(
+    window: np.ndarray, bad: str, min_distance: float, min_z: float
+) -> tuple[list[int], np.ndarray, np.ndarray]:
     """window: [steps, workers] normalized deviations. Returns (flagged workers, distances d, sides):
-        ubar_w = mean over steps, d_w = mean_{v != w} |ubar_w - ubar_v|, z_w = (d_w - mean d) / std d,
-        side_w = ubar_w - median ubar (> 0: above the others)."""
+    ubar_w = mean over steps, d_w = mean_{v != w} |ubar_w - ubar_v|, z_w = (d_w - mean d) / std d,
+    side_w = ubar_w - median ubar (> 0: above the others)."""
     ubar = window.mean(axis=0)
     n = ubar.size
     d = np.abs(ubar[:, None] - ubar[None, :]).sum(axis=1) / max(n - 1, 1)
@@ -164,7 +170,9 @@ class SimilarityDetector:
         u = np.where(finite, x - level, 0.0)
         history = self._deviations.setdefault(signal.key, deque(maxlen=self.history))
         floor = self.floor if signal.log else self.floor * max(abs(level), 1e-12)
-        past = float(np.quantile(np.concatenate(history), self.quantile)) if history else 0.0  # a fault cannot widen its own noise
+        past = (
+            float(np.quantile(np.concatenate(history), self.quantile)) if history else 0.0
+        )  # a fault cannot widen its own noise
         sigma = max(past, floor, 1e-12)
         history.append(np.abs(u[finite]))
         windows = self._windows.setdefault(signal.key, deque(maxlen=self.window))
@@ -222,8 +230,16 @@ class ThresholdDetector:
                     if r not in seen:
                         seen.add(r)
                         finite = math.isfinite(score[r])
-                        alarms.append(Alarm(step, r, signal.key, abs(float(score[r])) if finite else math.inf, self.name,
-                                            ("high" if score[r] > 0 else "low") if finite else "non-finite"))  # fmt: skip
+                        alarms.append(
+                            Alarm(
+                                step,
+                                r,
+                                signal.key,
+                                abs(float(score[r])) if finite else math.inf,
+                                self.name,
+                                ("high" if score[r] > 0 else "low") if finite else "non-finite",
+                            )
+                        )
             past.append(x)
         return alarms
 
@@ -237,8 +253,9 @@ def make_detector(health) -> SimilarityDetector | ThresholdDetector | None:
         return None
     if health.detector == "threshold":
         return ThresholdDetector()
-    return SimilarityDetector(window=health.window, continuity=health.continuity, min_distance=health.min_distance,
-                              min_z=health.min_z)  # fmt: skip
+    return SimilarityDetector(
+        window=health.window, continuity=health.continuity, min_distance=health.min_distance, min_z=health.min_z
+    )
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -306,10 +323,14 @@ class HealthMonitor:
 
 
 # ------------------------------------------------------------------------------------------ report
-PLOTTED = (("generate_tokens_per_second", "gen tok/s", "generate: token positions / busy s"),
-           ("train_tokens_per_second", "train tok/s", "train: token positions / busy s"),
-           ("wait_seconds", "wait s", "waiting in collectives (s)"), ("local_grad_norm", "grad norm", "local gradient norm"),
-           ("rss_bytes", "RSS MiB", "resident memory (MiB)"), ("cpu_percent", "CPU %", "process CPU (%)"))  # fmt: skip
+PLOTTED = (
+    ("generate_tokens_per_second", "gen tok/s", "generate: token positions / busy s"),
+    ("train_tokens_per_second", "train tok/s", "train: token positions / busy s"),
+    ("wait_seconds", "wait s", "waiting in collectives (s)"),
+    ("local_grad_norm", "grad norm", "local gradient norm"),
+    ("rss_bytes", "RSS MiB", "resident memory (MiB)"),
+    ("cpu_percent", "CPU %", "process CPU (%)"),
+)
 
 
 def read_health_events(run_dir: str | Path) -> list[dict]:
@@ -319,7 +340,9 @@ def read_health_events(run_dir: str | Path) -> list[dict]:
 
 def alarm_from_record(record: dict) -> Alarm:
     distance = record["distance"] if record["distance"] is not None else math.inf
-    return Alarm(record["step"], record["rank"], record["metric"], distance, record["detector"], record.get("direction", ""))
+    return Alarm(
+        record["step"], record["rank"], record["metric"], distance, record["detector"], record.get("direction", "")
+    )
 
 
 def health_report(run_dir: str | Path, detector=None) -> tuple[str, list[Alarm]]:
@@ -329,17 +352,27 @@ def health_report(run_dir: str | Path, detector=None) -> tuple[str, list[Alarm]]
     if not records:
         raise ValueError(f"{Path(run_dir) / WORKERS_FILE}: no step recorded yet")
     events = read_health_events(run_dir)
-    alarms = replay(records, detector) if detector is not None else [alarm_from_record(e) for e in events if e["event"] == "alarm"]
+    alarms = (
+        replay(records, detector)
+        if detector is not None
+        else [alarm_from_record(e) for e in events if e["event"] == "alarm"]
+    )
     n = max(len(r["workers"]) for r in records)
     seconds = np.diff([r["time"] for r in records])
-    lines = [f"{run_dir}: steps {records[0]['step']}-{records[-1]['step']}, {n} workers"
-             + (f", {np.median(seconds):.2f} s/step (median)" if seconds.size else "")]  # fmt: skip
+    lines = [
+        f"{run_dir}: steps {records[0]['step']}-{records[-1]['step']}, {n} workers"
+        + (f", {np.median(seconds):.2f} s/step (median)" if seconds.size else "")
+    ]
     keys = [k for k, _, _ in PLOTTED]
     lines.append("worker  " + "  ".join(f"{short:>11}" for _, short, _ in PLOTTED) + "  alarms")
     for rank in range(n):
         values = []
         for key in keys:
-            xs = [r["workers"][rank][key] for r in records if rank < len(r["workers"]) and r["workers"][rank] and key in r["workers"][rank]]
+            xs = [
+                r["workers"][rank][key]
+                for r in records
+                if rank < len(r["workers"]) and r["workers"][rank] and key in r["workers"][rank]
+            ]
             scale = 2**20 if key == "rss_bytes" else 1
             values.append(f"{np.nanmedian(xs) / scale:>11.4g}" if xs else f"{'-':>11}")
         lines.append(f"{rank:>6}  " + "  ".join(values) + f"  {sum(a.rank == rank for a in alarms):>6}")
@@ -375,19 +408,34 @@ def plot_health(run_dir: str | Path, alarms: list[Alarm], path: str | Path) -> P
     colors = plt.get_cmap("tab10")
     for ax, (key, _, title) in zip(axes.flat, PLOTTED):
         scale = 2**20 if key == "rss_bytes" else 1
-        values = np.array([[(r["workers"][w] or {}).get(key, np.nan) / scale if w < len(r["workers"]) else np.nan for w in range(n)]
-                           for r in records])  # fmt: skip
+        values = np.array(
+            [
+                [
+                    (r["workers"][w] or {}).get(key, np.nan) / scale if w < len(r["workers"]) else np.nan
+                    for w in range(n)
+                ]
+                for r in records
+            ]
+        )
         shown = range(n) if n <= 16 else alarmed
         if n > 16:
-            ax.fill_between(steps, np.nanmin(values, axis=1), np.nanmax(values, axis=1), color="0.8", label=f"{n} workers")
+            ax.fill_between(
+                steps, np.nanmin(values, axis=1), np.nanmax(values, axis=1), color="0.8", label=f"{n} workers"
+            )
         for w in shown:
             ax.plot(steps, values[:, w], lw=0.8, color=colors(w % 10), label=f"worker {w}")
         for a in alarms:
             ax.axvline(a.step, color="red", alpha=0.15, lw=1)
             row = np.searchsorted(steps, a.step)
             if panel_of(a.metric) == key and row < len(steps):
-                ax.plot(a.step, values[row, a.rank] if np.isfinite(values[row, a.rank]) else np.nanmedian(values[row]), "x",
-                        color="red", ms=9, mew=2)  # fmt: skip
+                ax.plot(
+                    a.step,
+                    values[row, a.rank] if np.isfinite(values[row, a.rank]) else np.nanmedian(values[row]),
+                    "x",
+                    color="red",
+                    ms=9,
+                    mew=2,
+                )
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

@@ -79,7 +79,9 @@ def gpu_sample(handle) -> dict:
     import pynvml
 
     readings = {
-        "gpu_utilization": lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),  # percent of the last period
+        "gpu_utilization": lambda: float(
+            pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        ),  # percent of the last period
         "gpu_power_watts": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
         "gpu_memory_bytes": lambda: float(pynvml.nvmlDeviceGetMemoryInfo(handle).used),
         "gpu_temperature_c": lambda: float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
@@ -112,7 +114,9 @@ class WorkerMonitor:
         out["reward_seconds"], self.reward_seconds = self.reward_seconds, 0.0
         out["generate_seconds"] = max(out["generate_seconds"] - out["reward_seconds"], 0.0)
         if "alltoall_received_rows" in metrics:
-            out["routed_rows_per_second"] = metrics["alltoall_received_rows"] / max(out["generate_seconds"] + out["train_seconds"], 1e-9)
+            out["routed_rows_per_second"] = metrics["alltoall_received_rows"] / max(
+                out["generate_seconds"] + out["train_seconds"], 1e-9
+            )
         else:
             out["generate_tokens_per_second"] = engine_positions / max(out["generate_seconds"], 1e-9)
             out["train_tokens_per_second"] = metrics.get("train_positions", 0) / max(out["train_seconds"], 1e-9)

@@ -32,14 +32,29 @@ from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, model_len_needed, reward_row
 
 
-def longest_last_turn_prompt(tokenizer, problems: list[Problem], tools: list[dict], max_turns: int, max_new_tokens: int,
-                             max_observation_tokens: int) -> int:  # fmt: skip
+def longest_last_turn_prompt(
+    tokenizer,
+    problems: list[Problem],
+    tools: list[dict],
+    max_turns: int,
+    max_new_tokens: int,
+    max_observation_tokens: int,
+) -> int:
     """Tokens of the longest prompt an agent's last turn can have: the longest problem rendered as a user message
     with the tool schemas, then max_turns - 1 replies of at most max_new_tokens and observations of at most
     max_observation_tokens. (An environment whose reset adds messages beyond the problem's makes it longer.)"""
     texts = {p.prompt: p for p in problems}.values()
-    first = max((len(tokenizer.apply_chat_template(chat_messages(p), tools=tools or None, add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)) for p in texts), default=0)  # fmt: skip
+    first = max(
+        (
+            len(
+                tokenizer.apply_chat_template(
+                    chat_messages(p), tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            for p in texts
+        ),
+        default=0,
+    )
     return first + (max_turns - 1) * (max_new_tokens + max_observation_tokens)
 
 
@@ -54,8 +69,17 @@ class Conversation:
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
-    info: dict = field(default_factory=lambda: {"turns": 0, "tool_calls": 0, "tool_errors": 0, "observation_tokens": 0,
-                                                "observations_cut": 0, "env_errors": 0, "max_turns_reached": 0})  # fmt: skip
+    info: dict = field(
+        default_factory=lambda: {
+            "turns": 0,
+            "tool_calls": 0,
+            "tool_errors": 0,
+            "observation_tokens": 0,
+            "observations_cut": 0,
+            "env_errors": 0,
+            "max_turns_reached": 0,
+        }
+    )
 
 
 class CallTimeout(Exception):
@@ -100,18 +124,36 @@ class DaemonCaller:
 
 
 class ToolAgent:
-    def __init__(self, engine, tokenizer, env_class, tools: list[dict], sampling: Sampling, group_size: int,
-                 max_turns: int, max_observation_tokens: int, step_timeout_s: float, on_error: str, lockstep=None):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        env_class,
+        tools: list[dict],
+        sampling: Sampling,
+        group_size: int,
+        max_turns: int,
+        max_observation_tokens: int,
+        step_timeout_s: float,
+        on_error: str,
+        lockstep=None,
+    ):
         """lockstep: the workers' Groups under expert parallelism: every rank takes a turn while any rank has an
         active conversation (see agreed_rounds)."""
         self.lockstep = lockstep
         self.engine, self.tokenizer, self.env_class, self.tools = engine, tokenizer, env_class, tools
         self.sampling, self.group_size, self.max_turns = sampling, group_size, max_turns
-        self.max_observation_tokens, self.step_timeout_s, self.on_error = max_observation_tokens, step_timeout_s, on_error
+        self.max_observation_tokens, self.step_timeout_s, self.on_error = (
+            max_observation_tokens,
+            step_timeout_s,
+            on_error,
+        )
         self.caller = DaemonCaller()
 
     def render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools or None, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools or None, add_generation_prompt=True, tokenize=False
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -128,8 +170,10 @@ class ToolAgent:
     def failed(self, conversation: Conversation, exc: EnvError) -> None:
         """reward.on_error: fail stops the step naming the row; wrong ends the episode with reward 0."""
         if self.on_error == "fail":
-            raise EnvError(f"environment {self.env_class.__name__} on row {conversation.row['prompt']!r}: {exc} "
-                           "(reward.on_error: fail)") from exc  # fmt: skip
+            raise EnvError(
+                f"environment {self.env_class.__name__} on row {conversation.row['prompt']!r}: {exc} "
+                "(reward.on_error: fail)"
+            ) from exc
         conversation.done, conversation.reward = True, 0.0
         conversation.info["env_errors"] += 1
 
@@ -192,7 +236,9 @@ class ToolAgent:
             c.segments.append(Segment(self.encode(text), [], [], "stop", "turn", 0, []))
             c.text = text
 
-    def cut_observation(self, messages: list[dict], new: int, row_text: str, observed: int) -> tuple[list[dict], str, list[int]]:
+    def cut_observation(
+        self, messages: list[dict], new: int, row_text: str, observed: int
+    ) -> tuple[list[dict], str, list[int]]:
         """(messages, rendering, the rendering's tokens past row_text) with the last `new` messages' contents cut,
         earlier ones first, until those tokens fit producer.max_observation_tokens. The template's framing (the tool
         output markers, the next assistant header) is never cut: contents get the budget it leaves, down to
@@ -217,7 +263,9 @@ class ToolAgent:
             active = [c for c in conversations if not c.done]
             if not agreed_rounds(self.lockstep, int(bool(active))):
                 break
-            rollout = self.engine.generate([c.segments[-1].prompt_ids + c.segments[-1].response_ids for c in active], 1, sampling)
+            rollout = self.engine.generate(
+                [c.segments[-1].prompt_ids + c.segments[-1].response_ids for c in active], 1, sampling
+            )
             for c, ids, logprobs, reason in zip(active, rollout.response_ids, rollout.logprobs, rollout.finish_reasons):
                 segment = c.segments[-1]
                 segment.response_ids = segment.response_ids + ids
@@ -255,8 +303,19 @@ def agent_records(conversations: list[Conversation], problem_ids: list[int], n: 
         last = replies[-1] if replies else ""
         tokens = sum(sum(s.loss_mask) for s in c.segments)
         reason = c.segments[-1].finish_reason if c.segments else "stop"
-        records.append(SampleRecord(problem_ids[i // n], c.row["prompt"], last, answer_of("arithmetic", last), c.reward,
-                                    c.reward > 0, tokens, reason, c.info["tool_calls"]))  # fmt: skip
+        records.append(
+            SampleRecord(
+                problem_ids[i // n],
+                c.row["prompt"],
+                last,
+                answer_of("arithmetic", last),
+                c.reward,
+                c.reward > 0,
+                tokens,
+                reason,
+                c.info["tool_calls"],
+            )
+        )
     return records
 
 
@@ -268,7 +327,9 @@ class AgentSettings:
     kind: str = field(default="agent", init=False)
     logs_episode_info: ClassVar[bool] = True
     env: str = ""  # "package.module:Class" with reset(row) and step(assistant_text) (allsync/envs/__init__.py)
-    tools: list[dict] = field(default_factory=list)  # OpenAI function schemas: {type: function, function: {name, description, parameters}}
+    tools: list[dict] = field(
+        default_factory=list
+    )  # OpenAI function schemas: {type: function, function: {name, description, parameters}}
     max_turns: int = 4  # replies per episode; an episode not done by then is an ordinary wrong outcome
     max_observation_tokens: int = 256  # an observation's tokens beyond this are cut (and counted)
     step_timeout_s: float = 10.0  # an env.reset / env.step slower than this is an error (reward.on_error)
@@ -282,38 +343,74 @@ class AgentSettings:
             fail(f"producer.env: {exc}")
         for i, tool in enumerate(self.tools):
             function = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                    or not isinstance(function.get("description", ""), str) or not isinstance(function.get("parameters", {}), dict):
-                fail(f"producer.tools[{i}]: expected an OpenAI function schema {{type: function, function: {{name, description, "
-                     f"parameters}}}}, got {tool!r}")  # fmt: skip
+            if (
+                tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("description", ""), str)
+                or not isinstance(function.get("parameters", {}), dict)
+            ):
+                fail(
+                    f"producer.tools[{i}]: expected an OpenAI function schema {{type: function, function: {{name, description, "
+                    f"parameters}}}}, got {tool!r}"
+                )
         if self.max_turns < 1 or self.max_observation_tokens < 1 or not self.step_timeout_s > 0:
-            fail(f"producer.max_turns ({self.max_turns}) and producer.max_observation_tokens ({self.max_observation_tokens}) "
-                 f"must be >= 1 and producer.step_timeout_s ({self.step_timeout_s}) > 0")  # fmt: skip
+            fail(
+                f"producer.max_turns ({self.max_turns}) and producer.max_observation_tokens ({self.max_observation_tokens}) "
+                f"must be >= 1 and producer.step_timeout_s ({self.step_timeout_s}) > 0"
+            )
 
     def check_with(self, config, fail) -> None:
         a, rw = config.algorithm, config.reward
         if not a.estimator.needs_groups:
-            fail(f"producer.kind agent with algorithm.advantage {a.advantage}: an episode's one reward trains its turns "
-                 "through a group-relative advantage; use grpo or drgrpo")  # fmt: skip
-        if rw.function is not None or rw.name != config.task.default_reward or rw.length is not None \
-                or a.overlong is not None or rw.timeout_s != type(rw)().timeout_s:
-            fail("reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind "
-                 "agent: the environment's step returns the episode's reward; leave them out (reward.on_error still "
-                 "applies, and producer.step_timeout_s bounds each environment call)")  # fmt: skip
+            fail(
+                f"producer.kind agent with algorithm.advantage {a.advantage}: an episode's one reward trains its turns "
+                "through a group-relative advantage; use grpo or drgrpo"
+            )
+        if (
+            rw.function is not None
+            or rw.name != config.task.default_reward
+            or rw.length is not None
+            or a.overlong is not None
+            or rw.timeout_s != type(rw)().timeout_s
+        ):
+            fail(
+                "reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind "
+                "agent: the environment's step returns the episode's reward; leave them out (reward.on_error still "
+                "applies, and producer.step_timeout_s bounds each environment call)"
+            )
 
     def build(self, context: ProducerContext) -> ToolAgent:
         from allsync.envs import load_env_class
 
         c = context.config
-        return ToolAgent(context.engine, context.tokenizer, load_env_class(self.env), self.tools, Sampling.for_training(c.rollout),
-                         c.rollout.group_size, self.max_turns, self.max_observation_tokens, self.step_timeout_s,
-                         c.reward.on_error, context.lockstep)  # fmt: skip
+        return ToolAgent(
+            context.engine,
+            context.tokenizer,
+            load_env_class(self.env),
+            self.tools,
+            Sampling.for_training(c.rollout),
+            c.rollout.group_size,
+            self.max_turns,
+            self.max_observation_tokens,
+            self.step_timeout_s,
+            c.reward.on_error,
+            context.lockstep,
+        )
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """Its last turn's prompt (the problem with producer.tools, then max_turns - 1 replies and observations) +
         rollout.max_new_tokens."""
         new_tokens = config.rollout.max_new_tokens
-        longest = longest_last_turn_prompt(tokenizer, problems, self.tools, self.max_turns, new_tokens, self.max_observation_tokens)
-        return model_len_needed(longest, new_tokens, max_position_embeddings, prompt_name=(
-            f"the longest last-turn prompt (the problem with producer.tools, then producer.max_turns - 1 = {self.max_turns - 1} "
-            f"replies of rollout.max_new_tokens and observations of producer.max_observation_tokens = {self.max_observation_tokens})"))  # fmt: skip
+        longest = longest_last_turn_prompt(
+            tokenizer, problems, self.tools, self.max_turns, new_tokens, self.max_observation_tokens
+        )
+        return model_len_needed(
+            longest,
+            new_tokens,
+            max_position_embeddings,
+            prompt_name=(
+                f"the longest last-turn prompt (the problem with producer.tools, then producer.max_turns - 1 = {self.max_turns - 1} "
+                f"replies of rollout.max_new_tokens and observations of producer.max_observation_tokens = {self.max_observation_tokens})"
+            ),
+        )

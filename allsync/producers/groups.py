@@ -36,8 +36,15 @@ def kept_counts(groups) -> Callable[[int], tuple[list[int], int]]:
     return share
 
 
-def collect_groups(producer, take_problems: Callable[[int], list[Problem]], groups_wanted: int, algorithm, groups,
-                   group_size: int, rank: int) -> tuple[list[Episode], dict]:  # fmt: skip
+def collect_groups(
+    producer,
+    take_problems: Callable[[int], list[Problem]],
+    groups_wanted: int,
+    algorithm,
+    groups,
+    group_size: int,
+    rank: int,
+) -> tuple[list[Episode], dict]:
     """Generate `groups_wanted` groups; with algorithm.dynamic_sampling keep groups whose filter metric
     varies and refill (DAPO). At algorithm.max_sampling_rounds the groups kept so far are trained on
     (on_sampling_cap partial), or the step fails (error). Returns the kept episodes and the round's
@@ -57,22 +64,35 @@ def collect_groups(producer, take_problems: Callable[[int], list[Problem]], grou
 
     if not a.dynamic_sampling:
         batch = group_batch(producer.generate(take_problems(groups_wanted)), group_size, a.filter_metric)
-        return batch.payloads, {**base, "groups_generated": groups_wanted, "sampling_rounds": 1, "groups_kept": groups_wanted,
-                                "generated": list(batch.payloads), "group_index": batch.group_index}  # fmt: skip
+        return batch.payloads, {
+            **base,
+            "groups_generated": groups_wanted,
+            "sampling_rounds": 1,
+            "groups_kept": groups_wanted,
+            "generated": list(batch.payloads),
+            "group_index": batch.group_index,
+        }
     try:
         share = kept_counts(groups) if a.sampling_fill == "global" else None
         batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, a.max_sampling_rounds, share)
         rounds, groups_generated = stats.rounds, stats.groups_generated
     except DynamicSamplingExhausted as exc:
         if a.on_sampling_cap == "error":
-            raise RuntimeError(f"worker {rank}: {exc} (algorithm.on_sampling_cap: error; partial trains on the "
-                               "groups kept)") from exc  # fmt: skip
+            raise RuntimeError(
+                f"worker {rank}: {exc} (algorithm.on_sampling_cap: error; partial trains on the groups kept)"
+            ) from exc
         batch, rounds, groups_generated = exc.kept, exc.rounds_run, exc.groups_generated
         base["sampling_cap_hits"] = 1
     finally:
         serve_rounds(producer, groups)
-    return batch.payloads, {**base, "groups_generated": groups_generated, "sampling_rounds": rounds,
-                            "groups_kept": batch.num_groups, "generated": generated, "group_index": batch.group_index}  # fmt: skip
+    return batch.payloads, {
+        **base,
+        "groups_generated": groups_generated,
+        "sampling_rounds": rounds,
+        "groups_kept": batch.num_groups,
+        "generated": generated,
+        "group_index": batch.group_index,
+    }
 
 
 def agreed_rounds(lockstep, rounds: int) -> int:

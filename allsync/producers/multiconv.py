@@ -59,11 +59,14 @@ def question_chars(question: str | tuple[tuple[str, str], ...]) -> int:
     return len(question) if isinstance(question, str) else sum(len(content) for _, content in question)
 
 
-def conversation_ids(tokenizer, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]) -> list[int]:
+def conversation_ids(
+    tokenizer, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]
+) -> list[int]:
     """The chat-template prompt of one conversation with the memory's and the chunk's token ids in place
     (never re-encoded); chunk None: the final answer's conversation."""
-    rendered = tokenizer.apply_chat_template(conversation_messages(question, chunk is not None), add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
+    rendered = tokenizer.apply_chat_template(
+        conversation_messages(question, chunk is not None), add_generation_prompt=True, tokenize=False
+    )
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     before, after = rendered.split(SLOT)
     if chunk is None:
@@ -80,19 +83,27 @@ def chunk_ids(tokenizer, problem: Problem, chunk_tokens: int | None) -> list[lis
     if "context" in metadata and chunk_tokens:
         ids = tokenizer(metadata["context"], add_special_tokens=False)["input_ids"]
         return [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)]
-    raise ValueError(f"problem {problem.prompt!r}: multi-conversation needs metadata chunks, or a context with "
-                     "producer.chunk_tokens")  # fmt: skip
+    raise ValueError(
+        f"problem {problem.prompt!r}: multi-conversation needs metadata chunks, or a context with producer.chunk_tokens"
+    )
 
 
-def longest_conversation_tokens(tokenizer, problems: list[Problem], memory_tokens: int, chunk_tokens: int | None) -> int:
+def longest_conversation_tokens(
+    tokenizer, problems: list[Problem], memory_tokens: int, chunk_tokens: int | None
+) -> int:
     """Tokens of the longest conversation prompt: the longest question with a full memory and the longest
     chunk (the answer's prompt has no chunk, so it is shorter). Chunk texts are measured by characters."""
     question = max((p.prompt for p in problems), key=question_chars, default="")
     if chunk_tokens:
         longest_chunk = chunk_tokens
     else:
-        longest_chunk = max((len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in
-                             {max(p.metadata["chunks"], key=len) for p in problems}), default=0)  # fmt: skip
+        longest_chunk = max(
+            (
+                len(tokenizer(c, add_special_tokens=False)["input_ids"])
+                for c in {max(p.metadata["chunks"], key=len) for p in problems}
+            ),
+            default=0,
+        )
     return len(conversation_ids(tokenizer, question, [], [])) + memory_tokens + longest_chunk
 
 
@@ -136,8 +147,9 @@ def find_ids(haystack: list[int], needle: list[int], start: int = 0) -> int:
     return -1 if at == -1 else start + at // 8
 
 
-def extract_memory(response_ids: list[int], open_ids: list[int], close_ids: list[int], eos_id: int,
-                   finish_reason: str) -> tuple[list[int], str]:  # fmt: skip
+def extract_memory(
+    response_ids: list[int], open_ids: list[int], close_ids: list[int], eos_id: int, finish_reason: str
+) -> tuple[list[int], str]:
     """(memory ids, status): status "ok" (both tags), "truncated" (no closing tag, cut at the token budget:
     everything after the opening tag), "malformed" (no opening tag: empty; or ended without a closing tag)."""
     begin = find_ids(response_ids, open_ids)
@@ -154,20 +166,36 @@ def extract_memory(response_ids: list[int], open_ids: list[int], close_ids: list
 
 
 class MultiConversation:
-    def __init__(self, engine, tokenizer, score, sampling: Sampling, group_size: int, memory_tokens: int,
-                 chunk_tokens: int | None = None, lockstep=None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        score,
+        sampling: Sampling,
+        group_size: int,
+        memory_tokens: int,
+        chunk_tokens: int | None = None,
+        lockstep=None,
+    ):
         """score(problems, answer responses, group_index) -> (rewards, correct, errors); sampling: the answer's
         (its max_new_tokens is rollout.max_new_tokens); memory writes use the same sampling with at most
         memory_tokens new tokens. lockstep: the workers' Groups under expert parallelism, where every rank
         runs as many memory rounds as the rank with the most chunks (see agreed_rounds)."""
         self.engine, self.tokenizer, self.score = engine, tokenizer, score
-        self.sampling, self.group_size, self.memory_tokens, self.chunk_tokens = sampling, group_size, memory_tokens, chunk_tokens
+        self.sampling, self.group_size, self.memory_tokens, self.chunk_tokens = (
+            sampling,
+            group_size,
+            memory_tokens,
+            chunk_tokens,
+        )
         self.open_ids = tokenizer(MEMORY_OPEN, add_special_tokens=False)["input_ids"]
         self.close_ids = tokenizer(MEMORY_CLOSE, add_special_tokens=False)["input_ids"]
         self.eos_id = tokenizer.eos_token_id
         self.lockstep = lockstep
 
-    def prompt_ids(self, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]) -> list[int]:
+    def prompt_ids(
+        self, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]
+    ) -> list[int]:
         return conversation_ids(self.tokenizer, question, chunk, memory)
 
     def gold_memory(self, problem: Problem) -> list[int]:
@@ -189,14 +217,18 @@ class MultiConversation:
                 active = [i for i, p in enumerate(owners) if k < len(chunks[id(p)])]
                 prompts = [self.prompt_ids(owners[i].prompt, chunks[id(owners[i])][k], memories[i]) for i in active]
                 rollout = self.engine.generate(prompts, 1, write)
-                for i, prompt, ids, lps, reason in zip(active, prompts, rollout.response_ids, rollout.logprobs, rollout.finish_reasons):
+                for i, prompt, ids, lps, reason in zip(
+                    active, prompts, rollout.response_ids, rollout.logprobs, rollout.finish_reasons
+                ):
                     segments[i].append(Segment(prompt, ids, lps, reason, "memory", rollout.adapter_version))
                     memories[i], _ = extract_memory(ids, self.open_ids, self.close_ids, self.eos_id, reason)
         elif memory == "gold":
             memories = [self.gold_memory(p) for p in owners]
         prompts = [self.prompt_ids(p.prompt, None, m) for p, m in zip(owners, memories)]
         rollout = self.engine.generate(prompts, 1, sampling)
-        for i, (prompt, ids, lps, reason) in enumerate(zip(prompts, rollout.response_ids, rollout.logprobs, rollout.finish_reasons)):
+        for i, (prompt, ids, lps, reason) in enumerate(
+            zip(prompts, rollout.response_ids, rollout.logprobs, rollout.finish_reasons)
+        ):
             segments[i].append(Segment(prompt, ids, lps, reason, "answer", rollout.adapter_version))
         return segments
 
@@ -218,8 +250,12 @@ class MultiConversation:
         for s in segments[:-1]:
             memory, status = extract_memory(s.response_ids, self.open_ids, self.close_ids, self.eos_id, s.finish_reason)
             statuses.append(status)
-        info = {"segments": len(segments), "memory_tokens": sum(len(s.response_ids) for s in segments[:-1]),
-                "memory_truncated": statuses.count("truncated"), "memory_malformed": statuses.count("malformed")}  # fmt: skip
+        info = {
+            "segments": len(segments),
+            "memory_tokens": sum(len(s.response_ids) for s in segments[:-1]),
+            "memory_truncated": statuses.count("truncated"),
+            "memory_malformed": statuses.count("malformed"),
+        }
         if (problem.metadata or {}).get("gold_memory") is not None:
             info["memory_exact"] = int(memory == self.gold_memory(problem))
         return info
@@ -234,9 +270,13 @@ class MultiConvSettings:
     kind: str = field(default="multiconv", init=False)
     logs_episode_info: ClassVar[bool] = True
     memory_tokens: int | None = None  # the most tokens of one memory write (required)
-    chunk_tokens: int | None = None  # dataset rows with a context: tokens per chunk read (memory_recall gives its chunks)
+    chunk_tokens: int | None = (
+        None  # dataset rows with a context: tokens per chunk read (memory_recall gives its chunks)
+    )
     credit: str = "all"  # all: every segment's tokens train | final: only the answer segment's (the ablation)
-    weighting: str = "token"  # token: token mean over the batch | episode: token mean per episode, then mean over episodes
+    weighting: str = (
+        "token"  # token: token mean over the batch | episode: token mean per episode, then mean over episodes
+    )
 
     def check(self, fail) -> None:
         from allsync.algorithms import CREDIT_RULES
@@ -246,34 +286,59 @@ class MultiConvSettings:
         if self.weighting not in ("token", "episode"):
             fail(f"producer.weighting = {self.weighting!r}: use token or episode")
         if self.memory_tokens is None or self.memory_tokens < 1:
-            fail(f"producer.kind multiconv needs producer.memory_tokens >= 1 (the most tokens of one memory write), got {self.memory_tokens}")
+            fail(
+                f"producer.kind multiconv needs producer.memory_tokens >= 1 (the most tokens of one memory write), got {self.memory_tokens}"
+            )
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             fail(f"producer.chunk_tokens = {self.chunk_tokens}: must be >= 1")
 
     def check_with(self, config, fail) -> None:
         a, task = config.algorithm, config.task.name
         if not a.estimator.needs_groups:
-            fail(f"producer.kind multiconv with algorithm.advantage {a.advantage}: the final reward trains every segment "
-                 "through one group-relative advantage per episode; use grpo or drgrpo")  # fmt: skip
+            fail(
+                f"producer.kind multiconv with algorithm.advantage {a.advantage}: the final reward trains every segment "
+                "through one group-relative advantage per episode; use grpo or drgrpo"
+            )
         if a.loss_agg != type(a)().loss_agg:
-            fail(f"algorithm.loss_agg = {a.loss_agg} with producer.kind multiconv: the aggregation is producer.weighting "
-                 "(token or episode)")  # fmt: skip
+            fail(
+                f"algorithm.loss_agg = {a.loss_agg} with producer.kind multiconv: the aggregation is producer.weighting "
+                "(token or episode)"
+            )
         if task not in ("memory_recall", "dataset"):
-            fail(f"producer.kind multiconv with task.name {task}: the problems must come in chunks: use task memory_recall, "
-                 "or dataset rows with a context and producer.chunk_tokens")  # fmt: skip
+            fail(
+                f"producer.kind multiconv with task.name {task}: the problems must come in chunks: use task memory_recall, "
+                "or dataset rows with a context and producer.chunk_tokens"
+            )
         if (task == "dataset") != (self.chunk_tokens is not None):
-            fail(f"producer.chunk_tokens = {self.chunk_tokens} with task.name {task}: dataset rows' contexts are cut every "
-                 "producer.chunk_tokens tokens (set it for dataset, leave it out for memory_recall, whose chunks are given)")  # fmt: skip
+            fail(
+                f"producer.chunk_tokens = {self.chunk_tokens} with task.name {task}: dataset rows' contexts are cut every "
+                "producer.chunk_tokens tokens (set it for dataset, leave it out for memory_recall, whose chunks are given)"
+            )
 
     def build(self, context: ProducerContext) -> MultiConversation:
         r = context.config.rollout
-        return MultiConversation(context.engine, context.tokenizer, context.score, Sampling.for_training(r), r.group_size,
-                                 self.memory_tokens, self.chunk_tokens, context.lockstep)  # fmt: skip
+        return MultiConversation(
+            context.engine,
+            context.tokenizer,
+            context.score,
+            Sampling.for_training(r),
+            r.group_size,
+            self.memory_tokens,
+            self.chunk_tokens,
+            context.lockstep,
+        )
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """The longest memory write's prompt (question, a full memory, the longest chunk) + max(rollout.max_new_tokens,
         producer.memory_tokens): a write may use memory_tokens."""
         longest = longest_conversation_tokens(tokenizer, problems, self.memory_tokens, self.chunk_tokens)
-        new_tokens, name = max((config.rollout.max_new_tokens, "rollout.max_new_tokens"), (self.memory_tokens, "producer.memory_tokens"))
-        return model_len_needed(longest, new_tokens, max_position_embeddings, name,
-                                "the longest memory write's prompt (question, producer.memory_tokens of memory, the longest chunk)")  # fmt: skip
+        new_tokens, name = max(
+            (config.rollout.max_new_tokens, "rollout.max_new_tokens"), (self.memory_tokens, "producer.memory_tokens")
+        )
+        return model_len_needed(
+            longest,
+            new_tokens,
+            max_position_embeddings,
+            name,
+            "the longest memory write's prompt (question, producer.memory_tokens of memory, the longest chunk)",
+        )

@@ -54,7 +54,9 @@ class ProducerSettings(Protocol):
 def register_producer(cls: type) -> type:
     """Class decorator: `cls.kind` becomes a value of producer.kind."""
     if cls.kind in PRODUCERS:
-        raise ValueError(f"producer {cls.kind!r} is registered twice ({PRODUCERS[cls.kind].__module__} and {cls.__module__})")
+        raise ValueError(
+            f"producer {cls.kind!r} is registered twice ({PRODUCERS[cls.kind].__module__} and {cls.__module__})"
+        )
     PRODUCERS[cls.kind] = cls
     return cls
 

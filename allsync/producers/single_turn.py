@@ -20,8 +20,9 @@ class SingleTurn:
     def generate(self, problems: list[Problem]) -> list[Episode]:
         n = self.group_size
         rollout = self.engine.generate([self.encode(p) for p in problems], n, self.sampling)
-        rewards, correct, _ = self.score([problems[i // n] for i in range(len(rollout))], rollout.response_ids,
-                                         rollout.group_index)  # fmt: skip
+        rewards, correct, _ = self.score(
+            [problems[i // n] for i in range(len(rollout))], rollout.response_ids, rollout.group_index
+        )
         return [
             Episode.single(prompt, response, logprobs, reason, reward, ok, rollout.adapter_version)
             for prompt, response, logprobs, reason, reward, ok in zip(
@@ -47,8 +48,10 @@ class SingleTurnSettings:
     def check_with(self, config, fail) -> None:
         a = config.algorithm
         if a.estimator.needs_critic:
-            fail(f"algorithm.advantage {a.advantage} learns a critic, which trains on windows of in-flight responses: "
-                 "use producer: {kind: windows} (producer.window: N for T-PPO, none for whole responses)")  # fmt: skip
+            fail(
+                f"algorithm.advantage {a.advantage} learns a critic, which trains on windows of in-flight responses: "
+                "use producer: {kind: windows} (producer.window: N for T-PPO, none for whole responses)"
+            )
 
     def build(self, context: ProducerContext) -> SingleTurn:
         r = context.config.rollout
@@ -56,4 +59,6 @@ class SingleTurnSettings:
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """Longest prompt + rollout.max_new_tokens."""
-        return model_len_needed(longest_prompt_tokens(tokenizer, problems), config.rollout.max_new_tokens, max_position_embeddings)
+        return model_len_needed(
+            longest_prompt_tokens(tokenizer, problems), config.rollout.max_new_tokens, max_position_embeddings
+        )

@@ -57,10 +57,25 @@ class WindowRound:
 
 
 class WindowPool:
-    def __init__(self, engine, encode: Callable[[Problem], list[int]], take_problems: Callable[[int], list[Problem]],
-                 pool_size: int, group_size: int, window: int, max_new_tokens: int, temperature: float, top_p: float):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        encode: Callable[[Problem], list[int]],
+        take_problems: Callable[[int], list[Problem]],
+        pool_size: int,
+        group_size: int,
+        window: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+    ):
         self.engine, self.encode, self.take_problems = engine, encode, take_problems
-        self.pool_size, self.group_size, self.window, self.max_new_tokens = pool_size, group_size, window, max_new_tokens
+        self.pool_size, self.group_size, self.window, self.max_new_tokens = (
+            pool_size,
+            group_size,
+            window,
+            max_new_tokens,
+        )
         self.sampling = Sampling(temperature=temperature, top_p=top_p, max_new_tokens=window)
         self.in_flight: list[PartialResponse] = []  # the responses being generated
         self.waiting: list[PartialResponse] = []  # samples of problems already taken that have not started
@@ -91,15 +106,24 @@ class WindowPool:
             counts.append(min(len(tokens), room))
             eos.append(reason == "stop" and len(tokens) <= room)
         new_ids = list(range(len(pool), len(pool) + self.pool_size))  # enough new samples to refill any pool
-        advance = advance_window([InFlight(i, r.window_start) for i, r in enumerate(pool)], counts, eos, new_ids,
-                                 self.pool_size, self.window, self.max_new_tokens)  # fmt: skip
+        advance = advance_window(
+            [InFlight(i, r.window_start) for i, r in enumerate(pool)],
+            counts,
+            eos,
+            new_ids,
+            self.pool_size,
+            self.window,
+            self.max_new_tokens,
+        )
         return WindowRound(pool, advance, rollout.adapter_version)
 
     @staticmethod
     def score(round_: WindowRound, rewards: Rewards) -> None:
         """The round's finished responses scored by `rewards` (the worker's reward + shaping), kept on the round."""
         done = [round_.pool[i] for i in round_.finished]
-        round_.rewards, round_.correct, round_.reward_errors = rewards([r.problem for r in done], [r.response_ids for r in done])
+        round_.rewards, round_.correct, round_.reward_errors = rewards(
+            [r.problem for r in done], [r.response_ids for r in done]
+        )
 
     def train(self, round_: WindowRound, learner, version: int) -> dict:
         """The update on exactly this window's tokens (the learner's window batch: EGAE / GAE over the pool);
@@ -107,18 +131,32 @@ class WindowPool:
         context staleness is reported as staleness_max."""
         finished, responses = round_.finished, round_.pool
         done = [responses[i] for i in finished]
-        batch = learner.window_batch([r.prompt_ids for r in responses], [r.response_ids for r in responses],
-                                     [r.window_start for r in responses], finished, dict(zip(finished, round_.rewards)),
-                                     [r.engine_logprobs for r in responses])  # fmt: skip
+        batch = learner.window_batch(
+            [r.prompt_ids for r in responses],
+            [r.response_ids for r in responses],
+            [r.window_start for r in responses],
+            finished,
+            dict(zip(finished, round_.rewards)),
+            [r.engine_logprobs for r in responses],
+        )
         metrics = learner.update(batch, version)
-        metrics.update({
-            "samples_generated": len(done), "reward_sum": sum(round_.rewards), "correct_sum": sum(round_.correct),
-            "response_tokens": sum(len(r.response_ids) for r in done),
-            "truncated": sum(reason == "length" for reason in finished.values()),
-            "staleness_max": max(version - r.started_version for r in responses),
-            "continuing": len(round_.advance.continuing_ids), "groups_generated": 0, "groups_kept": 0, "groups_wanted": 0,
-            "sampling_cap_hits": 0, "sampling_rounds": 1, "reward_errors": round_.reward_errors,
-        })  # fmt: skip
+        metrics.update(
+            {
+                "samples_generated": len(done),
+                "reward_sum": sum(round_.rewards),
+                "correct_sum": sum(round_.correct),
+                "response_tokens": sum(len(r.response_ids) for r in done),
+                "truncated": sum(reason == "length" for reason in finished.values()),
+                "staleness_max": max(version - r.started_version for r in responses),
+                "continuing": len(round_.advance.continuing_ids),
+                "groups_generated": 0,
+                "groups_kept": 0,
+                "groups_wanted": 0,
+                "sampling_cap_hits": 0,
+                "sampling_rounds": 1,
+                "reward_errors": round_.reward_errors,
+            }
+        )
         return metrics
 
     def refill(self, round_: WindowRound, version: int) -> None:
@@ -151,21 +189,36 @@ class WindowsSettings:
     def check_with(self, config, fail) -> None:
         a, r = config.algorithm, config.rollout
         if not a.estimator.needs_critic:
-            fail(f"producer.kind windows with algorithm.advantage {a.advantage}: in-flight responses are trained with a "
-                 "critic's values; use gae (whole responses) or egae (T-PPO windows)")  # fmt: skip
+            fail(
+                f"producer.kind windows with algorithm.advantage {a.advantage}: in-flight responses are trained with a "
+                "critic's values; use gae (whole responses) or egae (T-PPO windows)"
+            )
         if self.window is not None and self.window > r.max_new_tokens:
             fail(f"producer.window = {self.window}: must be in 1..rollout.max_new_tokens ({r.max_new_tokens})")
         if a.estimator.bootstraps_cut and self.window is None:
             fail(f"algorithm.advantage {a.advantage} needs producer.window (T-PPO's truncated generation windows)")
         if self.window is not None and not a.estimator.bootstraps_cut:
-            fail(f"producer.window = {self.window} with algorithm.advantage {a.advantage}: responses cut at a window have "
-                 "no reward yet; T-PPO bootstraps them from the critic, so use algorithm.advantage egae")  # fmt: skip
+            fail(
+                f"producer.window = {self.window} with algorithm.advantage {a.advantage}: responses cut at a window have "
+                "no reward yet; T-PPO bootstraps them from the critic, so use algorithm.advantage egae"
+            )
 
     def build(self, context: ProducerContext) -> WindowPool:
         r = context.config.rollout
-        return WindowPool(context.engine, context.encode_prompt, context.take_problems, context.samples_per_step,
-                          r.group_size, self.window or r.max_new_tokens, r.max_new_tokens, r.temperature, r.top_p)  # fmt: skip
+        return WindowPool(
+            context.engine,
+            context.encode_prompt,
+            context.take_problems,
+            context.samples_per_step,
+            r.group_size,
+            self.window or r.max_new_tokens,
+            r.max_new_tokens,
+            r.temperature,
+            r.top_p,
+        )
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """A window's prompt is the prompt plus the response so far: longest prompt + rollout.max_new_tokens."""
-        return model_len_needed(longest_prompt_tokens(tokenizer, problems), config.rollout.max_new_tokens, max_position_embeddings)
+        return model_len_needed(
+            longest_prompt_tokens(tokenizer, problems), config.rollout.max_new_tokens, max_position_embeddings
+        )

@@ -10,24 +10,75 @@ import importlib
 import pkgutil
 
 from allsync.tasks.problems import (
-    ANSWER_PREFIX, Problem, Splits, answer_examples, answer_start, chat_messages, encode_problems, encode_prompt,
-    format_response, generated_splits, load_jsonl, longest_prompt_tokens, model_len_needed, reward_row, save_jsonl,
-)  # fmt: skip
+    ANSWER_PREFIX,
+    Problem,
+    Splits,
+    answer_examples,
+    answer_start,
+    chat_messages,
+    encode_problems,
+    encode_prompt,
+    format_response,
+    generated_splits,
+    load_jsonl,
+    longest_prompt_tokens,
+    model_len_needed,
+    reward_row,
+    save_jsonl,
+)
 from allsync.tasks.registry import TASKS, TaskSettings, WarmStartTask, register_task
-from allsync.tasks.arithmetic import ArithmeticSpec, ArithmeticTask, digit_count, make_problem, make_splits, sample_problem
+from allsync.tasks.arithmetic import (
+    ArithmeticSpec,
+    ArithmeticTask,
+    digit_count,
+    make_problem,
+    make_splits,
+    sample_problem,
+)
 from allsync.tasks.dataset import DatasetTask, dataset_splits
 from allsync.tasks.reasoning_gym import ReasoningGymSpec, ReasoningGymTask, reasoning_gym_splits
 from allsync.tasks.memory_recall import MemoryRecallSpec, MemoryRecallTask, memory_recall_problem, memory_recall_splits
 from allsync.tasks.calculator import CalculatorSpec, CalculatorTask, calculator_splits
 
 __all__ = [
-    "ANSWER_PREFIX", "Problem", "Splits", "answer_examples", "answer_start", "chat_messages", "encode_problems",
-    "encode_prompt", "format_response", "generated_splits", "load_jsonl", "longest_prompt_tokens", "model_len_needed",
-    "reward_row", "save_jsonl", "TASKS", "TaskSettings", "WarmStartTask", "register_task", "ArithmeticSpec",
-    "ArithmeticTask", "digit_count", "make_problem", "make_splits", "sample_problem", "DatasetTask", "dataset_splits",
-    "ReasoningGymSpec", "ReasoningGymTask", "reasoning_gym_splits", "MemoryRecallSpec", "MemoryRecallTask",
-    "memory_recall_problem", "memory_recall_splits", "CalculatorSpec", "CalculatorTask", "calculator_splits",
-]  # fmt: skip
+    "ANSWER_PREFIX",
+    "Problem",
+    "Splits",
+    "answer_examples",
+    "answer_start",
+    "chat_messages",
+    "encode_problems",
+    "encode_prompt",
+    "format_response",
+    "generated_splits",
+    "load_jsonl",
+    "longest_prompt_tokens",
+    "model_len_needed",
+    "reward_row",
+    "save_jsonl",
+    "TASKS",
+    "TaskSettings",
+    "WarmStartTask",
+    "register_task",
+    "ArithmeticSpec",
+    "ArithmeticTask",
+    "digit_count",
+    "make_problem",
+    "make_splits",
+    "sample_problem",
+    "DatasetTask",
+    "dataset_splits",
+    "ReasoningGymSpec",
+    "ReasoningGymTask",
+    "reasoning_gym_splits",
+    "MemoryRecallSpec",
+    "MemoryRecallTask",
+    "memory_recall_problem",
+    "memory_recall_splits",
+    "CalculatorSpec",
+    "CalculatorTask",
+    "calculator_splits",
+]
 
 for _module in pkgutil.iter_modules(__path__):  # a task module added to this folder registers itself
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -93,8 +93,13 @@ def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: 
     spec.validate()
     if heldout_size > spec.space_size() // 2:
         raise ValueError(f"heldout_size {heldout_size} is more than half of the {spec.space_size()} distinct problems")
-    return generated_splits(lambda rng: sample_problem(rng, spec), lambda p: p.prompt, train_size, heldout_size,
-                            random.Random(f"arithmetic-{seed}"))  # fmt: skip
+    return generated_splits(
+        lambda rng: sample_problem(rng, spec),
+        lambda p: p.prompt,
+        train_size,
+        heldout_size,
+        random.Random(f"arithmetic-{seed}"),
+    )
 
 
 @register_task
@@ -103,7 +108,9 @@ class ArithmeticTask:
     """task.name arithmetic: generated problems (ArithmeticSpec), `Answer: N` replies."""
 
     name: str = field(default="arithmetic", init=False)
-    default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the sum, 0/1
+    default_reward: ClassVar[str] = (
+        "arithmetic"  # reward.name when the config names none: "Answer: N" equals the sum, 0/1
+    )
     needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
     needs_producer_because: ClassVar[str] = ""
     min_digits: int = 1

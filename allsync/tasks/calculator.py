@@ -42,7 +42,9 @@ class CalculatorSpec:
         """Tool calls (sometimes) and answers (allsync/envs/calculator.py)."""
         from allsync.envs import calculator
 
-        return calculator.teacher_examples(tokenizer, problems, json.loads(self.tools_json), self.teacher_tool_rate, seed)
+        return calculator.teacher_examples(
+            tokenizer, problems, json.loads(self.tools_json), self.teacher_tool_rate, seed
+        )
 
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
         """The answer step alone, after a correct call and its output (whole episodes: the recipe)."""
@@ -52,7 +54,9 @@ class CalculatorSpec:
 
 
 def calculator_splits(spec: CalculatorSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
-    return generated_splits(spec.draw, lambda p: p.prompt, train_size, heldout_size, random.Random(f"calculator-{seed}"))
+    return generated_splits(
+        spec.draw, lambda p: p.prompt, train_size, heldout_size, random.Random(f"calculator-{seed}")
+    )
 
 
 @register_task
@@ -61,9 +65,13 @@ class CalculatorTask:
     """task.name calculator (with an agent section whose env is allsync.envs.calculator:Calculator)."""
 
     name: str = field(default="calculator", init=False)
-    default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the product, 0/1
+    default_reward: ClassVar[str] = (
+        "arithmetic"  # reward.name when the config names none: "Answer: N" equals the product, 0/1
+    )
     needs_producer: ClassVar[str | None] = "agent"  # producer.kind it must run with (None: any that fits)
-    needs_producer_because: ClassVar[str] = "a tool agent: producer.env allsync.envs.calculator:Calculator and its tools"
+    needs_producer_because: ClassVar[str] = (
+        "a tool agent: producer.env allsync.envs.calculator:Calculator and its tools"
+    )
     a_digits: int = 3  # "What is a*b?" with an a_digits-digit a and a b_digits-digit b
     b_digits: int = 2
     teacher_tool_rate: float = 0.3  # how often the warm start's teacher calls the tool

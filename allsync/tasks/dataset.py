@@ -11,7 +11,9 @@ from allsync.tasks.problems import Problem, Splits, check_template
 from allsync.tasks.registry import register_task
 
 
-def dataset_splits(train_files: list[str], eval_files: list[str], template: str | None, seed: int) -> tuple[Splits, list[str]]:
+def dataset_splits(
+    train_files: list[str], eval_files: list[str], template: str | None, seed: int
+) -> tuple[Splits, list[str]]:
     """Training rows (unique over all train_files, shuffled with the seed) and evaluation rows (unique), as
     Problems, with one report line per file (rows read, unique prompts kept)."""
     from evals.datasets import DAPO_MATH_TEMPLATE, EPISODE_KEYS, load_rows
@@ -39,7 +41,9 @@ class DatasetTask:
     """task.name dataset: task.train_files and task.eval_files; no warm start (a dataset has no teacher)."""
 
     name: str = field(default="dataset", init=False)
-    default_reward: ClassVar[str] = "math_dapo"  # reward.name when the config names none: DAPO's +1/-1 on the last "Answer:" line
+    default_reward: ClassVar[str] = (
+        "math_dapo"  # reward.name when the config names none: DAPO's +1/-1 on the last "Answer:" line
+    )
     needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
     needs_producer_because: ClassVar[str] = ""
     train_files: list[str] = field(default_factory=list)  # parquet / JSONL / JSON (evals/datasets.py)

@@ -30,8 +30,10 @@ class MemoryRecallSpec:
 
     def validate(self) -> None:
         if self.chunks < 2 or self.per_chunk < 2 or self.chunks * self.per_chunk > 26:
-            raise ValueError(f"memory_recall: need chunks >= 2, per_chunk >= 2 and chunks x per_chunk <= 26 letters "
-                             f"(got {self.chunks} x {self.per_chunk})")  # fmt: skip
+            raise ValueError(
+                f"memory_recall: need chunks >= 2, per_chunk >= 2 and chunks x per_chunk <= 26 letters "
+                f"(got {self.chunks} x {self.per_chunk})"
+            )
         if not 0 <= self.min_value < self.max_value:
             raise ValueError(f"memory_recall: need 0 <= min_value ({self.min_value}) < max_value ({self.max_value})")
         if not 0 <= self.teacher_decoy_rate <= 1:
@@ -62,14 +64,22 @@ def memory_recall_problem(rng: random.Random, spec: MemoryRecallSpec) -> Problem
     pairs = [f"{x}={v}" for x, v in zip(letters, values)]
     chunks = [" ".join(pairs[k * spec.per_chunk : (k + 1) * spec.per_chunk]) for k in range(spec.chunks)]
     asked = 0 if spec.asked_first else rng.randrange(spec.per_chunk)
-    return Problem(f"Question: what is {letters[asked]}?", str(values[asked]),
-                   {"chunks": chunks, "gold_memory": pairs[asked], "decoy_memory": pairs[-1]})  # fmt: skip
+    return Problem(
+        f"Question: what is {letters[asked]}?",
+        str(values[asked]),
+        {"chunks": chunks, "gold_memory": pairs[asked], "decoy_memory": pairs[-1]},
+    )
 
 
 def memory_recall_splits(spec: MemoryRecallSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
     """Held-out problems first (distinct question and chunks), then training draws that are never held out."""
-    return generated_splits(lambda rng: memory_recall_problem(rng, spec), lambda p: (p.prompt, *p.metadata["chunks"]),
-                            train_size, heldout_size, random.Random(seed))  # fmt: skip
+    return generated_splits(
+        lambda rng: memory_recall_problem(rng, spec),
+        lambda p: (p.prompt, *p.metadata["chunks"]),
+        train_size,
+        heldout_size,
+        random.Random(seed),
+    )
 
 
 @register_task
@@ -78,7 +88,9 @@ class MemoryRecallTask:
     """task.name memory_recall (with producer.kind multiconv)."""
 
     name: str = field(default="memory_recall", init=False)
-    default_reward: ClassVar[str] = "arithmetic"  # reward.name when the config names none: "Answer: N" equals the asked value, 0/1
+    default_reward: ClassVar[str] = (
+        "arithmetic"  # reward.name when the config names none: "Answer: N" equals the asked value, 0/1
+    )
     needs_producer: ClassVar[str | None] = "multiconv"  # producer.kind it must run with (None: any that fits)
     needs_producer_because: ClassVar[str] = "its problems are read chunk by chunk with a memory"
     chunks: int = 2  # chunks read one per conversation
@@ -90,7 +102,9 @@ class MemoryRecallTask:
     seed: int = 0  # the generated splits
 
     def spec(self) -> MemoryRecallSpec:
-        return MemoryRecallSpec(self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first)
+        return MemoryRecallSpec(
+            self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first
+        )
 
     def check(self, fail) -> None:
         try:

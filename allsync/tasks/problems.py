@@ -70,7 +70,9 @@ def chat_messages(problem: Problem, with_answer: bool = False) -> list[dict[str,
 
 def encode_prompt(tokenizer, problem: Problem) -> list[int]:
     """The problem as the model sees it: the chat template's token ids, ending with the assistant's turn."""
-    return tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        chat_messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def longest_prompt_tokens(tokenizer, problems: Iterable[Problem]) -> int:
@@ -78,8 +80,13 @@ def longest_prompt_tokens(tokenizer, problems: Iterable[Problem]) -> int:
     return max((len(encode_prompt(tokenizer, Problem(text, ""))) for text in {p.prompt for p in problems}), default=0)
 
 
-def model_len_needed(longest_prompt: int, max_new_tokens: int, max_position_embeddings: int,
-                     new_tokens_name: str = "rollout.max_new_tokens", prompt_name: str = "the longest prompt") -> int:  # fmt: skip
+def model_len_needed(
+    longest_prompt: int,
+    max_new_tokens: int,
+    max_position_embeddings: int,
+    new_tokens_name: str = "rollout.max_new_tokens",
+    prompt_name: str = "the longest prompt",
+) -> int:
     """Context a rollout engine needs: longest prompt + the most new tokens of one call (a T-PPO window's
     prompt is the prompt plus the response so far, so the same bound holds). An engine with less would end
     responses early as "length" (vLLM does so silently) and overlong shaping would see wrong lengths; a
@@ -97,7 +104,9 @@ def model_len_needed(longest_prompt: int, max_new_tokens: int, max_position_embe
 def encode_problems(tokenizer, problems: list[Problem], with_answer: bool) -> list[list[int]]:
     """Chat-formatted token ids; with_answer appends `Answer: N<eos>` (the template's assistant turn)."""
     texts = [
-        tokenizer.apply_chat_template(chat_messages(p, with_answer), add_generation_prompt=not with_answer, tokenize=False)
+        tokenizer.apply_chat_template(
+            chat_messages(p, with_answer), add_generation_prompt=not with_answer, tokenize=False
+        )
         for p in problems
     ]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -135,7 +144,9 @@ def load_jsonl(path: str | os.PathLike) -> list[Problem]:
                 continue
             row = json.loads(line)
             if not isinstance(row, dict) or set(row) != {"prompt", "answer"}:
-                raise ValueError(f"{path}:{n}: expected an object with keys prompt and answer, got {line.strip()[:80]!r}")
+                raise ValueError(
+                    f"{path}:{n}: expected an object with keys prompt and answer, got {line.strip()[:80]!r}"
+                )
             problems.append(Problem(str(row["prompt"]), str(row["answer"])))
     return problems
 

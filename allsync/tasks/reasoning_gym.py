@@ -30,8 +30,9 @@ class ReasoningGymSpec:
         return encode_problems(tokenizer, problems, with_answer=False)
 
 
-def reasoning_gym_splits(dataset: str, args: dict, train_size: int, heldout_size: int, template: str | None,
-                         seed: int) -> tuple[Splits, list[str]]:  # fmt: skip
+def reasoning_gym_splits(
+    dataset: str, args: dict, train_size: int, heldout_size: int, template: str | None, seed: int
+) -> tuple[Splits, list[str]]:
     """Problems from the reasoning-gym generator `dataset` (its kwargs in `args`): `heldout_size` unique held-out
     questions first, then `train_size` training rows whose questions are not held out (a small generator repeats
     questions, as the arithmetic task does). Each Problem keeps the entry's metadata for its `score_answer`."""
@@ -50,8 +51,10 @@ def reasoning_gym_splits(dataset: str, args: dict, train_size: int, heldout_size
         if len(train) == train_size:
             break
     if len(heldout) < heldout_size or len(train) < train_size:
-        raise ValueError(f"reasoning-gym {dataset} {args} produced {len(heldout)} held-out and {len(train)} training problems "
-                         f"in {len(generated)} draws (wanted {heldout_size} and {train_size}): its question space is too small")  # fmt: skip
+        raise ValueError(
+            f"reasoning-gym {dataset} {args} produced {len(heldout)} held-out and {len(train)} training problems "
+            f"in {len(generated)} draws (wanted {heldout_size} and {train_size}): its question space is too small"
+        )
     unique = len({p.prompt for p in train})
     return Splits(train, list(heldout.values())), [
         f"reasoning-gym {dataset}: {len(train)} training rows ({unique} unique questions), {len(heldout)} held-out questions"
@@ -64,7 +67,9 @@ class ReasoningGymTask:
     """task.name reasoning_gym: task.dataset names the generator, task.dataset_args its settings."""
 
     name: str = field(default="reasoning_gym", init=False)
-    default_reward: ClassVar[str] = "reasoning_gym"  # reward.name when the config names none: the generator's own score_answer
+    default_reward: ClassVar[str] = (
+        "reasoning_gym"  # reward.name when the config names none: the generator's own score_answer
+    )
     needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
     needs_producer_because: ClassVar[str] = ""
     dataset: str | None = None  # the generator's name (reasoning_gym.create_dataset), e.g. chain_sum
@@ -85,11 +90,14 @@ class ReasoningGymTask:
         except ValueError as exc:
             fail(f"task.dataset = {self.dataset!r}: {exc}")
         except (TypeError, AssertionError) as exc:
-            fail(f"task.dataset_args {self.dataset_args} for reasoning-gym {self.dataset}: {exc or 'rejected by its config'}")
+            fail(
+                f"task.dataset_args {self.dataset_args} for reasoning-gym {self.dataset}: {exc or 'rejected by its config'}"
+            )
 
     def splits(self) -> tuple[Splits, list[str]]:
-        return reasoning_gym_splits(self.dataset, self.dataset_args, self.train_size, self.heldout_size,
-                                    template_text(self.template), self.seed)  # fmt: skip
+        return reasoning_gym_splits(
+            self.dataset, self.dataset_args, self.train_size, self.heldout_size, template_text(self.template), self.seed
+        )
 
     def warm_start_task(self, agent=None) -> ReasoningGymSpec:
         return ReasoningGymSpec(self.dataset, dict(self.dataset_args), template_text(self.template))
