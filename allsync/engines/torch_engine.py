@@ -10,7 +10,7 @@ Logprobs are those of the sampling distribution at temperature T: log softmax(lo
 chosen token (top_p = 1), the quantity the trainer recomputes to check engine/trainer agreement.
 
 The torch engine decodes with its own loop (`sample_from_cache`), which samples exactly as transformers'
-`generate` does (same ops, same random draws, so a seed gives generate's tokens; tests/test_rollout_trainer.py)
+`generate` does (same ops, same random draws, so a seed gives generate's tokens; tests/allsync/engines/test_rollout_trainer.py)
 but prefills each distinct prompt once for its n samples, skips generate's per-step bookkeeping and, on models
 where it is no larger, caches MLA keys/values expanded (moe_lora/mla_decode.py). It keeps one step's [B, V]
 scores at a time and gathers the chosen tokens' logprobs as it goes, where keeping every step's logits would

@@ -20,7 +20,7 @@ from allsync.checkpoint import (
     write_manifest,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_checkpoint(directory: Path, seed: int = 0) -> Path:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_launchers import run_config
+from tests.recipes.test_launchers import run_config
 
 from allsync.config import parse_config
 from allsync.placement import WorkerGroup
@@ -168,7 +168,7 @@ def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
     """Tool-agent episodes of 2 turns (rank 0) and 3 (rank 1, an environment that never ends): under EP rank 0
     takes rank 1's third turn with nothing of its own."""
     from moe_lora.tiny import TinySpec, make_tiny
-    from test_agent import MULTIPLY
+    from tests.allsync.producers.test_agent import MULTIPLY
 
     from allsync.tasks import Problem
 
@@ -180,7 +180,7 @@ def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
         d["algorithm"] = {"advantage": "drgrpo", "dynamic_sampling": False}
         d["producer"] = {
             "kind": "agent",
-            "env": "tests.test_agent:ScriptedEnv",
+            "env": "tests.allsync.producers.test_agent:ScriptedEnv",
             "tools": [MULTIPLY],
             "max_turns": 3,
             "max_observation_tokens": 64,

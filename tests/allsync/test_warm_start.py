@@ -171,7 +171,7 @@ import sys
 from dataclasses import replace
 
 import torch
-from test_warm_start import FAST
+from tests.allsync.test_warm_start import FAST
 
 from allsync.warm_start import warm_start
 
@@ -223,7 +223,7 @@ def test_a_thread_count_that_cannot_be_set_is_reported(monkeypatch):
             pass
 
 
-SHIPPED = Path(__file__).parents[1] / "recipes" / "configs"
+SHIPPED = Path(__file__).parents[2] / "recipes" / "configs"
 
 
 @pytest.mark.parametrize("config_name", ["tiny_cpu.yaml", "tiny_cpu_memory.yaml", "tiny_cpu_agent_calculator.yaml"])

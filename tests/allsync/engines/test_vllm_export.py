@@ -12,8 +12,8 @@ from quant.loader import QuantPlan, load_frozen_model
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from test_vllm_engine import run_vllm  # noqa: E402
-from vllm_greedy_check import MAX_TOKENS, PROMPTS  # noqa: E402
+from tests.allsync.engines.test_vllm_engine import run_vllm  # noqa: E402
+from tests.allsync.engines.vllm_greedy_check import MAX_TOKENS, PROMPTS  # noqa: E402
 
 
 def ours_with_random_adapter(checkpoint, config: LoRAConfig, seed=0):

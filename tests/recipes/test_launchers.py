@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_dapo_recipe import metrics
+from tests.recipes.test_dapo_recipe import metrics
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "dapo.py"
 ACCELERATE_CPU = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
 EXACT = {

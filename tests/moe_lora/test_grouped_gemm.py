@@ -9,7 +9,7 @@ from moe_lora.grouped_lora import ExpertsCall, Routing
 from moe_lora.lora import LoRAConfig
 from quant.formats import FORMATS, quantize_weight
 from quant.modules import group_tokens_by_expert
-from test_moe_lora import ROUTED, T, H, make_experts, rel, routing
+from tests.moe_lora.test_moe_lora import ROUTED, T, H, make_experts, rel, routing
 
 
 def run(fmt, kernel, dtype=torch.float32, rank_seed=0, idx=None):

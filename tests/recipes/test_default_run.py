@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 LAST_LINE = re.compile(r"^held-out accuracy: base (\d+\.\d)% -> trained (\d+\.\d)%$")
 
 

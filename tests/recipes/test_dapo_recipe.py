@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
+RECIPE = Path(__file__).parents[2] / "recipes" / "dapo.py"
 # wall-clock quantities differ between any two runs; everything else must be bit-identical
 TIMING = {"step_seconds", "samples_per_second", "utilization"}
 

@@ -13,7 +13,7 @@ import yaml
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-RECIPE = Path(__file__).parents[1] / "recipes" / "dapo.py"
+RECIPE = Path(__file__).parents[3] / "recipes" / "dapo.py"
 
 
 def dense_vllm_config(base, out: Path, workers: int, steps: int, **run) -> dict:
@@ -84,7 +84,7 @@ def test_routed_expert_lora_with_vllm_on_cpu_is_refused_up_front(tiny_bf16, tmp_
 def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, ray_cluster, tmp_path):
     """torchrun --nproc_per_node 2 with rollout.engine vllm: each process runs its own vLLM engine as its rank
     of the launcher's world (external_launcher), gets every update, and the run logs what the Ray mode logs."""
-    from test_launchers import EXACT, launch
+    from tests.recipes.test_launchers import EXACT, launch
 
     logs = {}
     for kind in ("torchrun", "ray"):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 RUNNERS = ("python ", "allsync ", "accelerate launch ", "torchrun ")
 
 FAST = [

@@ -18,7 +18,7 @@ CHECK_SCRIPT = Path(__file__).with_name("vllm_greedy_check.py")
 def run_vllm(checkpoint, tmp_path, *extra_args) -> list[dict]:
     """vLLM's greedy tokens and prompt logprobs for PROMPTS, from a fresh subprocess."""
     out = tmp_path / "vllm.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
     proc = subprocess.run(
         [sys.executable, str(CHECK_SCRIPT), str(checkpoint), str(out), *map(str, extra_args)],
         env=env,
@@ -37,7 +37,7 @@ def test_vllm_and_transformers_agree_on_tiny_checkpoint(tiny_bf16, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
     model = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
-    from vllm_greedy_check import MAX_TOKENS, PROMPTS
+    from tests.allsync.engines.vllm_greedy_check import MAX_TOKENS, PROMPTS
 
     for prompt, r in zip(PROMPTS, results):
         ids = tokenizer(prompt, return_tensors="pt").input_ids

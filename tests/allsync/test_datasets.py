@@ -142,7 +142,7 @@ def test_the_recipe_trains_on_a_verl_parquet(warm_tiny, tmp_path):
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    recipe = Path(__file__).parents[1] / "recipes" / "dapo.py"
+    recipe = Path(__file__).parents[2] / "recipes" / "dapo.py"
     done = subprocess.run(
         [sys.executable, str(recipe), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=600
     )
@@ -177,7 +177,7 @@ def test_arithmetic_parquet_example_writes_the_default_tasks_splits(tmp_path):
 
     from allsync.tasks import ArithmeticSpec, make_splits
 
-    script = Path(__file__).parents[1] / "recipes" / "arithmetic_parquet.py"
+    script = Path(__file__).parents[2] / "recipes" / "arithmetic_parquet.py"
     subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], check=True, capture_output=True)
     heldout, report = load_rows(tmp_path / "arithmetic-eval.parquet")
     splits = make_splits(ArithmeticSpec(2, 2, ("+",)), 20000, 200, seed=0)
