@@ -186,7 +186,6 @@ class RLWorker:
             self.take_problems,
             self.score_episodes,
             c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
-            lockstep=self.groups if self.groups.expert_parallel else None,
         )
         return c.producer.build(context)
 

@@ -21,6 +21,8 @@ exchange tokens, so every rank must run every decode step: the ranks agree on th
 (the largest count any rank needs; a rank without prompts of its own generates from a one-token dummy
 prompt, under a forked RNG so that its sampling stream is the one it would have had), and a rank whose rows
 are done keeps forwarding (without sampling) until every rank is done, as generate's `synced_gpus` does.
+A producer whose number of generate calls differs between problems (memory rounds, agent turns) asks
+`agreed_rounds` for the count every rank makes, and never handles the lockstep itself.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ class TorchEngine:
         """The engine is the trainer's model: its LoRA tensors are already current; returns bytes moved (0)."""
         self.adapter_version = version
         return 0
+
+    def agreed_rounds(self, rounds: int) -> int:
+        """The most engine rounds (generate calls) any rank needs: under expert parallelism every rank makes as
+        many, a rank with nothing left serving the others' MoE layers (generate with no prompts); else `rounds`.
+        A producer whose number of rounds differs between problems asks this instead of counting its own."""
+        return self.lockstep.max_over_ranks(rounds) if self.lockstep is not None else rounds
 
     def release_memory(self) -> None:
         """Nothing to hand to the trainer between phases: the engine is the trainer's model (no KV cache kept)."""

@@ -158,6 +158,10 @@ class VLLMEngine:
             expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))]
         )
 
+    def agreed_rounds(self, rounds: int) -> int:
+        """`rounds`: this engine never runs under expert parallelism (the config refuses it), so no rank waits."""
+        return rounds
+
     # ------------------------------------------------------------------------------ memory between phases
     def release_memory(self) -> None:
         """Training phase: pause the engine and free its KV cache's GPU memory (weights stay resident)."""

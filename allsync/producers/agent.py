@@ -26,7 +26,6 @@ from typing import ClassVar
 from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
-from allsync.producers.groups import agreed_rounds
 from allsync.producers.registry import ProducerContext, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, model_len_needed, reward_row
@@ -136,11 +135,9 @@ class ToolAgent:
         max_observation_tokens: int,
         step_timeout_s: float,
         on_error: str,
-        lockstep=None,
     ):
-        """lockstep: the workers' Groups under expert parallelism: every rank takes a turn while any rank has an
-        active conversation (see agreed_rounds)."""
-        self.lockstep = lockstep
+        """Under expert parallelism every rank takes a turn while any rank has an active conversation (the
+        engine's agreed_rounds)."""
         self.engine, self.tokenizer, self.env_class, self.tools = engine, tokenizer, env_class, tools
         self.sampling, self.group_size, self.max_turns = sampling, group_size, max_turns
         self.max_observation_tokens, self.step_timeout_s, self.on_error = (
@@ -261,7 +258,7 @@ class ToolAgent:
         conversations = [self.start(p) for p in problems for _ in range(n)]
         for _ in range(self.max_turns):
             active = [c for c in conversations if not c.done]
-            if not agreed_rounds(self.lockstep, int(bool(active))):
+            if not self.engine.agreed_rounds(int(bool(active))):
                 break
             rollout = self.engine.generate(
                 [c.segments[-1].prompt_ids + c.segments[-1].response_ids for c in active], 1, sampling
@@ -395,7 +392,6 @@ class AgentSettings:
             self.max_observation_tokens,
             self.step_timeout_s,
             c.reward.on_error,
-            context.lockstep,
         )
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:

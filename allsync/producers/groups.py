@@ -95,12 +95,6 @@ def collect_groups(
     }
 
 
-def agreed_rounds(lockstep, rounds: int) -> int:
-    """Expert parallelism (lockstep: the workers' Groups): the most engine rounds any rank needs, so that every
-    rank makes as many engine calls (a rank with nothing left serves the others' MoE layers); else `rounds`."""
-    return lockstep.max_over_ranks(rounds) if lockstep is not None else rounds
-
-
 def serve_rounds(producer, groups) -> None:
     """Expert parallelism: a rank whose batch is full keeps joining the generation rounds of ranks that are
     still refilling, with nothing of its own, until every rank is done. Each round every rank calls

@@ -25,7 +25,6 @@ from typing import ClassVar
 import numpy as np
 
 from allsync.episodes import Episode, Segment
-from allsync.producers.groups import agreed_rounds
 from allsync.producers.registry import ProducerContext, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, format_response, model_len_needed
@@ -175,12 +174,11 @@ class MultiConversation:
         group_size: int,
         memory_tokens: int,
         chunk_tokens: int | None = None,
-        lockstep=None,
     ):
         """score(problems, answer responses, group_index) -> (rewards, correct, errors); sampling: the answer's
         (its max_new_tokens is rollout.max_new_tokens); memory writes use the same sampling with at most
-        memory_tokens new tokens. lockstep: the workers' Groups under expert parallelism, where every rank
-        runs as many memory rounds as the rank with the most chunks (see agreed_rounds)."""
+        memory_tokens new tokens. Under expert parallelism every rank runs as many memory rounds as the rank
+        with the most chunks (the engine's agreed_rounds)."""
         self.engine, self.tokenizer, self.score = engine, tokenizer, score
         self.sampling, self.group_size, self.memory_tokens, self.chunk_tokens = (
             sampling,
@@ -191,7 +189,6 @@ class MultiConversation:
         self.open_ids = tokenizer(MEMORY_OPEN, add_special_tokens=False)["input_ids"]
         self.close_ids = tokenizer(MEMORY_CLOSE, add_special_tokens=False)["input_ids"]
         self.eos_id = tokenizer.eos_token_id
-        self.lockstep = lockstep
 
     def prompt_ids(
         self, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]
@@ -213,7 +210,7 @@ class MultiConversation:
         write = Sampling(sampling.temperature, sampling.top_p, self.memory_tokens, sampling.greedy)
         if memory == "own":
             chunks = {id(p): chunk_ids(self.tokenizer, p, self.chunk_tokens) for p in problems}
-            for k in range(agreed_rounds(self.lockstep, max((len(chunks[id(p)]) for p in owners), default=0))):
+            for k in range(self.engine.agreed_rounds(max((len(chunks[id(p)]) for p in owners), default=0))):
                 active = [i for i, p in enumerate(owners) if k < len(chunks[id(p)])]
                 prompts = [self.prompt_ids(owners[i].prompt, chunks[id(owners[i])][k], memories[i]) for i in active]
                 rollout = self.engine.generate(prompts, 1, write)
@@ -325,7 +322,6 @@ class MultiConvSettings:
             r.group_size,
             self.memory_tokens,
             self.chunk_tokens,
-            context.lockstep,
         )
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:

@@ -29,13 +29,12 @@ class ProducerContext:
     """What a worker hands a producer: its engine, its tokenizer and its view of the data and the reward."""
 
     config: Any  # the run's RunConfig
-    engine: Any  # allsync.engines: generate / load_adapter
+    engine: Any  # allsync.engines: generate, agreed_rounds (expert parallelism), load_adapter
     tokenizer: Any
     encode_prompt: Callable  # problem -> prompt ids
     take_problems: Callable  # count -> the next problems of this worker's share
     score: Callable  # (problems, responses, group_index) -> (rewards, correct, reward errors)
     samples_per_step: int  # this worker's samples per step (prompts_per_step / workers x group_size)
-    lockstep: Any = None  # the workers' Groups under expert parallelism (every rank makes the same engine calls)
 
 
 class ProducerSettings(Protocol):

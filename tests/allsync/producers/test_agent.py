@@ -148,7 +148,11 @@ def tiny_tools(tmp_path_factory):
 
 
 def agent_config(
-    base, env_kwargs_env="tests.allsync.producers.test_agent:ScriptedEnv", on_error="fail", timeout=10.0, observation_tokens=64
+    base,
+    env_kwargs_env="tests.allsync.producers.test_agent:ScriptedEnv",
+    on_error="fail",
+    timeout=10.0,
+    observation_tokens=64,
 ):
     return parse_config(
         {
