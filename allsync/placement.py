@@ -311,8 +311,14 @@ def start_placement(size: int, gpus_per_worker: float = 0):
         importing.start()
         if os.environ.get("RAY_ADDRESS"):  # a cluster started with `ray start` (see README, "Scaling out")
             ray.init(log_to_driver=True, configure_logging=False)
-        else:
-            ray.init(num_cpus=max(size, 1), include_dashboard=False, log_to_driver=True, configure_logging=False)
+        else:  # a Ray instance of this run's own, even when another runs on the machine (it is joined only by name)
+            ray.init(
+                address="local",
+                num_cpus=max(size, 1),
+                include_dashboard=False,
+                log_to_driver=True,
+                configure_logging=False,
+            )
         importing.join()
     from allsync.worker import RLWorker  # raises here, in the caller's thread, if the import failed
 

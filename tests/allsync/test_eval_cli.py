@@ -10,7 +10,7 @@ from allsync.cli import main
 from allsync.tasks import ArithmeticSpec, make_splits
 from evals.report import SampleRecord, majority_correct, pass_ks, summarize_samples, summary_line
 from moe_lora.adapter_io import Adapter, attach_adapter, write_peft_adapter
-from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict
+from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict, seeded_init_
 from quant.loader import QuantPlan, load_frozen_model
 
 DENSE_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp")
@@ -54,6 +54,7 @@ def write_problems(path, problems):
 def random_adapter(base, targets, seed=0):
     model = load_frozen_model(base, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
     attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=targets))
+    seeded_init_(model, seed)  # A from the seed, not from the process's RNG (which the tests run before would move)
     gen = torch.Generator().manual_seed(seed)
     tensors = {
         k: (torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v)

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoTokenizer
 
 from moe_lora.adapter_io import Adapter, export_merged, export_peft
-from moe_lora.lora import LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict
+from moe_lora.lora import LoRAConfig, attach_lora, load_lora_state_dict, lora_state_dict, seeded_init_
 from moe_lora.tiny import TinySpec, make_tiny
 from quant.loader import QuantPlan, load_frozen_model
 
@@ -20,6 +20,7 @@ def ours_with_random_adapter(checkpoint, config: LoRAConfig, seed=0):
     """Our frozen bf16 model (fp32 compute) with LoRA attached and B set to small random values."""
     model = load_frozen_model(checkpoint, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
     attach_lora(model, config)
+    seeded_init_(model, seed)  # A from the seed, not from the process's RNG (which the tests run before would move)
     gen = torch.Generator().manual_seed(seed)
     tensors = {
         k: (torch.randn(v.shape, generator=gen) * 0.03 if "lora_B" in k else v)
