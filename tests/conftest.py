@@ -58,7 +58,8 @@ def warm_dense(tmp_path_factory):
 def ray_cluster():
     """One local Ray cluster of 2 CPUs that the Ray-mode launches join through RAY_ADDRESS (the README's
     "Scaling out" path), instead of each starting and stopping its own (~8 s each on 2 cores). The reference
-    run of test_launchers (`ray_run`) still starts its own, so both paths run and log the same metrics."""
+    run of test_launchers (`ray_run`) still starts its own, so both paths run and log the same metrics. The tests
+    that join it are in tests/recipes/, collected last: a run that dies in it can leave actors behind."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})

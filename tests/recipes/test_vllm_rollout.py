@@ -13,7 +13,7 @@ import yaml
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-RECIPE = Path(__file__).parents[3] / "recipes" / "dapo.py"
+RECIPE = Path(__file__).parents[2] / "recipes" / "dapo.py"
 
 
 def dense_vllm_config(base, out: Path, workers: int, steps: int, **run) -> dict:
