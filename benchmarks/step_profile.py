@@ -3,7 +3,7 @@
     python -m benchmarks.step_profile [--steps 50] [--warmup 5] [--baseline REV] [--rounds 2] [--out FILE.json]
 
 One in-process worker doing what each of the default run's two workers does (recipes/configs/tiny_cpu.yaml:
-its share of the batch, 16 prompts x 8 samples, dynamic sampling on, one compute thread), on the warm-started
+its share of the batch, 32 prompts x 4 samples, dynamic sampling on, one compute thread), on the warm-started
 base at runs/tiny-base (built if missing). After `--warmup` steps it times `--steps` steps per phase:
 
     generate   the engine's prefill and decode (dynamic-sampling rounds included), reward scoring excluded
