@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from allsync.tasks.problems import ANSWER_PREFIX, Problem, Splits, answer_examples, encode_problems, generated_splits
-from allsync.tasks.registry import register_task
+from allsync.tasks.registry import GeneratedTask, register_task
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -104,14 +104,12 @@ def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: 
 
 @register_task
 @dataclass
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     """task.name arithmetic: generated problems (ArithmeticSpec), `Answer: N` replies."""
 
     name: str = field(default="arithmetic", init=False)
-    default_reward: ClassVar[str] = (
-        "arithmetic"  # reward.name when the config names none: "Answer: N" equals the sum, 0/1
-    )
-    needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
+    default_reward: ClassVar[str] = "arithmetic"  # "Answer: N" equals the sum, 0/1
+    needs_producer: ClassVar[str | None] = None
     needs_producer_because: ClassVar[str] = ""
     min_digits: int = 1
     max_digits: int = 3
@@ -122,15 +120,3 @@ class ArithmeticTask:
 
     def spec(self) -> ArithmeticSpec:
         return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
-
-    def check(self, fail) -> None:
-        try:
-            self.spec().validate()
-        except ValueError as exc:
-            fail(f"task: {exc}")
-
-    def splits(self) -> tuple[Splits, list[str]]:
-        return make_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
-
-    def warm_start_task(self, agent=None) -> ArithmeticSpec:
-        return self.spec()

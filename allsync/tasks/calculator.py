@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from allsync.tasks.problems import Problem, Splits, generated_splits
-from allsync.tasks.registry import register_task
+from allsync.tasks.registry import GeneratedTask, register_task
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,12 @@ def calculator_splits(spec: CalculatorSpec, train_size: int, heldout_size: int, 
 
 @register_task
 @dataclass
-class CalculatorTask:
+class CalculatorTask(GeneratedTask):
     """task.name calculator (with an agent section whose env is allsync.envs.calculator:Calculator)."""
 
     name: str = field(default="calculator", init=False)
-    default_reward: ClassVar[str] = (
-        "arithmetic"  # reward.name when the config names none: "Answer: N" equals the product, 0/1
-    )
-    needs_producer: ClassVar[str | None] = "agent"  # producer.kind it must run with (None: any that fits)
+    default_reward: ClassVar[str] = "arithmetic"  # "Answer: N" equals the product, 0/1
+    needs_producer: ClassVar[str | None] = "agent"
     needs_producer_because: ClassVar[str] = (
         "a tool agent: producer.env allsync.envs.calculator:Calculator and its tools"
     )
@@ -81,15 +79,6 @@ class CalculatorTask:
 
     def spec(self) -> CalculatorSpec:
         return CalculatorSpec(self.a_digits, self.b_digits, self.teacher_tool_rate)
-
-    def check(self, fail) -> None:
-        try:
-            self.spec().validate()
-        except ValueError as exc:
-            fail(f"task: {exc}")
-
-    def splits(self) -> tuple[Splits, list[str]]:
-        return calculator_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
 
     def warm_start_task(self, agent=None) -> CalculatorSpec:
         """The spec with the agent's tool schemas, which the prompts list: the warm start must see the same."""

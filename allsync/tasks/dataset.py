@@ -41,10 +41,8 @@ class DatasetTask:
     """task.name dataset: task.train_files and task.eval_files; no warm start (a dataset has no teacher)."""
 
     name: str = field(default="dataset", init=False)
-    default_reward: ClassVar[str] = (
-        "math_dapo"  # reward.name when the config names none: DAPO's +1/-1 on the last "Answer:" line
-    )
-    needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
+    default_reward: ClassVar[str] = "math_dapo"  # DAPO's +1/-1 on the last "Answer:" line
+    needs_producer: ClassVar[str | None] = None
     needs_producer_because: ClassVar[str] = ""
     train_files: list[str] = field(default_factory=list)  # parquet / JSONL / JSON (evals/datasets.py)
     eval_files: list[str] = field(default_factory=list)  # the held-out evaluation rows

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from allsync.tasks.problems import Problem, Splits, generated_splits
-from allsync.tasks.registry import register_task
+from allsync.tasks.registry import GeneratedTask, register_task
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,12 @@ def memory_recall_splits(spec: MemoryRecallSpec, train_size: int, heldout_size: 
 
 @register_task
 @dataclass
-class MemoryRecallTask:
+class MemoryRecallTask(GeneratedTask):
     """task.name memory_recall (with producer.kind multiconv)."""
 
     name: str = field(default="memory_recall", init=False)
-    default_reward: ClassVar[str] = (
-        "arithmetic"  # reward.name when the config names none: "Answer: N" equals the asked value, 0/1
-    )
-    needs_producer: ClassVar[str | None] = "multiconv"  # producer.kind it must run with (None: any that fits)
+    default_reward: ClassVar[str] = "arithmetic"  # "Answer: N" equals the asked value, 0/1
+    needs_producer: ClassVar[str | None] = "multiconv"
     needs_producer_because: ClassVar[str] = "its problems are read chunk by chunk with a memory"
     chunks: int = 2  # chunks read one per conversation
     per_chunk: int = 3  # assignments per chunk
@@ -105,15 +103,3 @@ class MemoryRecallTask:
         return MemoryRecallSpec(
             self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first
         )
-
-    def check(self, fail) -> None:
-        try:
-            self.spec().validate()
-        except ValueError as exc:
-            fail(f"task: {exc}")
-
-    def splits(self) -> tuple[Splits, list[str]]:
-        return memory_recall_splits(self.spec(), self.train_size, self.heldout_size, self.seed), []
-
-    def warm_start_task(self, agent=None) -> MemoryRecallSpec:
-        return self.spec()

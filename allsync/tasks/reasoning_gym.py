@@ -67,10 +67,8 @@ class ReasoningGymTask:
     """task.name reasoning_gym: task.dataset names the generator, task.dataset_args its settings."""
 
     name: str = field(default="reasoning_gym", init=False)
-    default_reward: ClassVar[str] = (
-        "reasoning_gym"  # reward.name when the config names none: the generator's own score_answer
-    )
-    needs_producer: ClassVar[str | None] = None  # producer.kind it must run with (None: any that fits)
+    default_reward: ClassVar[str] = "reasoning_gym"  # the generator's own score_answer
+    needs_producer: ClassVar[str | None] = None
     needs_producer_because: ClassVar[str] = ""
     dataset: str | None = None  # the generator's name (reasoning_gym.create_dataset), e.g. chain_sum
     dataset_args: dict[str, int | float | str | bool | list] = field(default_factory=dict)  # its settings

@@ -48,6 +48,24 @@ class TaskSettings(Protocol):
     def warm_start_task(self, agent=None) -> WarmStartTask | None: ...
 
 
+class GeneratedTask:
+    """The side of a generated task's settings that follows from its `spec()` (a WarmStartTask): the spec's
+    validation as the check, its seeded splits of task.train_size / heldout_size / seed, and the spec as what the
+    warm start supervises."""
+
+    def check(self, fail) -> None:
+        try:
+            self.spec().validate()
+        except ValueError as exc:
+            fail(f"task: {exc}")
+
+    def splits(self) -> tuple[Splits, list[str]]:
+        return self.spec().splits(self.train_size, self.heldout_size, self.seed), []
+
+    def warm_start_task(self, agent=None) -> WarmStartTask:
+        return self.spec()
+
+
 def register_task(cls: type) -> type:
     """Class decorator: `cls.name` becomes a value of task.name."""
     if cls.name in TASKS:
