@@ -20,14 +20,16 @@ activations, the rollout engine's own weights and KV cache, and the step time.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
-from quant.layout import FP8_BLOCK, expected_tensors, is_moe_layer, parse_expert_key
+import torch
+
+from quant.formats import NF4_BLOCKSIZE
+from quant.layout import FP8_BLOCK, TensorSpec, expected_tensors, parse_expert_key
 from quant.loader import QuantPlan
 
-NF4_BLOCK = 64
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-LORA_VALUE_BYTES = 4  # LoRAConfig.dtype: A and B in float32
+LORA_VALUE_BYTES = torch.float32.itemsize  # LoRAConfig.dtype: A and B in float32
 KEPT_GROUPS = {"embed": "embeddings", "lm_head": "embeddings", "norm": "norms_and_router", "router": "norms_and_router"}
 
 
@@ -40,12 +42,23 @@ def weight_bytes(shape: tuple[int, int], fmt: str, double_quant: bool = False) -
     if fmt == "fp8":
         return n + 4 * -(-out_dim // FP8_BLOCK) * -(-in_dim // FP8_BLOCK)
     if fmt == "nf4":
-        blocks = -(-n // NF4_BLOCK)
+        blocks = -(-n // NF4_BLOCKSIZE)
         absmax = blocks + 4 * -(-blocks // 256) + 4 if double_quant else 4 * blocks
         return -(-n // 2) + absmax
     if fmt == "int8":
         return n + 4 * out_dim
     raise ValueError(f"unknown format {fmt!r}")
+
+
+def held(key: str, experts: range | None) -> bool:
+    """Whether a worker holding routed experts `experts` (None: all) holds the tensor `key`."""
+    parsed = parse_expert_key(key)
+    return parsed is None or experts is None or parsed[1] in experts
+
+
+def lora_target(key: str, spec: TensorSpec) -> str:
+    """The lora.targets name of a checkpoint weight: attention weights by their projection, the rest by group."""
+    return key.rsplit(".", 2)[-2] if spec.group == "attention" else spec.group
 
 
 def frozen_bytes(config: dict, plan: QuantPlan, compute_dtype: str = "bfloat16", experts: range | None = None) -> dict:
@@ -54,48 +67,33 @@ def frozen_bytes(config: dict, plan: QuantPlan, compute_dtype: str = "bfloat16",
     experts: the routed experts this worker holds (None: all)."""
     out: dict[str, int] = defaultdict(int)
     for key, spec in expected_tensors(config).items():
-        parsed = parse_expert_key(key)
-        if parsed is not None and experts is not None and parsed[1] not in experts:
+        if not held(key, experts):
             continue
         if spec.quantizable:
             out[spec.group] += weight_bytes(spec.shape, plan.format_of(spec.group), plan.double_quant)
             continue
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        value_bytes = 4 if key.endswith("e_score_correction_bias") else DTYPE_BYTES[compute_dtype]
-        out[KEPT_GROUPS.get(spec.group, "norms_and_router")] += numel * value_bytes
+        dtype = torch.float32 if key.endswith("e_score_correction_bias") else getattr(torch, compute_dtype)
+        value_bytes = dtype.itemsize
+        out[KEPT_GROUPS.get(spec.group, "norms_and_router")] += math.prod(spec.shape) * value_bytes
     return dict(out)
 
 
-def lora_values(config: dict, rank: int, targets: tuple[str, ...], experts_held: int | None = None) -> int:
-    """LoRA values (A and B) a worker holds: r (in + out) per adapted weight; routed experts for the experts held."""
-    total = 0
-    for key, spec in expected_tensors(config).items():
-        if not spec.quantizable:
-            continue
-        target = key.rsplit(".", 2)[-2] if spec.group == "attention" else spec.group
-        if target not in targets:
-            continue
-        parsed = parse_expert_key(key)
-        if parsed is not None and experts_held is not None and parsed[1] >= experts_held:
-            continue  # every worker holds experts_held experts of each layer: count the first experts_held
-        total += rank * (spec.shape[0] + spec.shape[1])
-    return total
+def lora_values(config: dict, rank: int, targets: tuple[str, ...], experts: range | None = None) -> int:
+    """LoRA values (A and B) a worker holds: r (in + out) per adapted weight; routed experts only those in `experts`."""
+    return sum(
+        rank * (spec.shape[0] + spec.shape[1])
+        for key, spec in expected_tensors(config).items()
+        if spec.quantizable and lora_target(key, spec) in targets and held(key, experts)
+    )
 
 
 def worker_bytes(run, model_config: dict) -> dict[str, int]:
     """Per worker of `run` (a RunConfig) on the checkpoint `model_config`: the frozen groups, `lora`, `lora_grads`
     and `optimizer` (AdamW), in bytes. With parallel.expert_parallel = k each worker holds n_routed_experts / k."""
     ep = run.parallel.expert_parallel
-    held = (
-        model_config["n_routed_experts"] // ep
-        if any(is_moe_layer(model_config, layer) for layer in range(model_config["num_hidden_layers"]))
-        else None
-    )
-    experts = range(held) if held is not None and ep > 1 else None
+    experts = range(model_config["n_routed_experts"] // ep) if ep > 1 else None
     out = frozen_bytes(model_config, run.model.quant.plan(), run.model.compute_dtype, experts)
-    values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), held if ep > 1 else None)
+    values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts)
     out.update(
         lora=values * LORA_VALUE_BYTES, lora_grads=values * LORA_VALUE_BYTES, optimizer=2 * values * LORA_VALUE_BYTES
     )

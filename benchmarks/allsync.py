@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from allsync.config import parse_config  # noqa: E402
 from allsync.placement import DisaggregatedGroup, WorkerGroup  # noqa: E402
+from allsync.plan import lora_values  # noqa: E402
 from allsync.tasks import make_splits  # noqa: E402
 from quant.layout import expected_tensors  # noqa: E402
 
@@ -61,24 +63,12 @@ DEEPSEEK_V3 = dict(
 )
 
 
-def lora_target(key: str, group: str) -> str | None:
-    """The LoRA target a checkpoint weight belongs to (None: never adapted)."""
-    if group == "attention":
-        return key.rsplit(".", 2)[-2]
-    return group if group in ("dense_mlp", "shared_experts", "routed_experts") else None
-
-
 def sync_sizes(config: dict, targets: list[str], rank: int, bytes_per_value: int = 2) -> dict[str, int]:
-    """Bytes of one sync: adapter only, r (in + out) per adapted weight, against every weight of the model."""
-    adapter = full = 0
-    for key, spec in expected_tensors(config).items():
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        full += numel * bytes_per_value
-        if len(spec.shape) == 2 and lora_target(key, spec.group) in targets:
-            adapter += rank * sum(spec.shape) * bytes_per_value
-    return {"adapter_bytes": adapter, "merged_bytes": full}
+    """Bytes of one sync: adapter only (allsync.plan.lora_values: r (in + out) per adapted weight), against every
+    weight of the model."""
+    full = sum(math.prod(spec.shape) for spec in expected_tensors(config).values())
+    adapter = lora_values(config, rank, tuple(targets))
+    return {"adapter_bytes": adapter * bytes_per_value, "merged_bytes": full * bytes_per_value}
 
 
 def bench_config(base: str, workers: int, layout: str, prompts_per_worker: int = 16) -> dict:
