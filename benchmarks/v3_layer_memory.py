@@ -127,7 +127,9 @@ def free(memory: Memory) -> None:
         torch.cuda.empty_cache()
 
 
-def frozen_bytes(ckpt: Path, plan: QuantPlan, device: str, memory: Memory, experts: range | None):
+def load_measured(ckpt: Path, plan: QuantPlan, device: str, memory: Memory, experts: range | None):
+    """The frozen model loaded in `plan` (routed experts `experts` only, None: all) and what loading it allocated
+    (`measured`) against what its tensors hold (`tensors`, `by_group`: byte_report)."""
     free(memory)
     before = memory.allocated()
     t0 = time.perf_counter()
@@ -180,9 +182,9 @@ def measure_plan(ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: 
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
 
     memory = Memory(device)
-    shard, shard_frozen = frozen_bytes(ckpt, plan, device, memory, EP16_EXPERTS)
+    shard, shard_frozen = load_measured(ckpt, plan, device, memory, EP16_EXPERTS)
     del shard
-    model, frozen = frozen_bytes(ckpt, plan, device, memory, None)
+    model, frozen = load_measured(ckpt, plan, device, memory, None)
     before = memory.allocated()
     kernel = "grouped_mm" if device.startswith("cuda") else "loop"
     attach_lora(model, LoRAConfig(rank, 2.0 * rank, TARGETS, expert_kernel=kernel))

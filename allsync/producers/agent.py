@@ -369,7 +369,7 @@ class AgentSettings:
             or rw.name != config.task.default_reward
             or rw.length is not None
             or a.overlong is not None
-            or rw.timeout_s != type(rw)().timeout_s
+            or rw.timeout_s != type(rw).timeout_s
         ):
             fail(
                 "reward.name / reward.function / reward.timeout_s / reward.length / algorithm.overlong with producer.kind "

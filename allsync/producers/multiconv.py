@@ -296,7 +296,7 @@ class MultiConvSettings:
                 f"producer.kind multiconv with algorithm.advantage {a.advantage}: the final reward trains every segment "
                 "through one group-relative advantage per episode; use grpo or drgrpo"
             )
-        if a.loss_agg != type(a)().loss_agg:
+        if a.loss_agg != type(a).loss_agg:
             fail(
                 f"algorithm.loss_agg = {a.loss_agg} with producer.kind multiconv: the aggregation is producer.weighting "
                 "(token or episode)"
