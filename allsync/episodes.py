@@ -20,9 +20,9 @@ class Segment:
     prompt_ids: list[int]
     response_ids: list[int]
     engine_logprobs: list[float]
-    finish_reason: str  # "stop" (eos) or "length"
+    finish_reason: str  # "stop" (eos), "length", or "window" (T-PPO: cut at a window, generation goes on)
     kind: str = "answer"  # answer | memory | turn
-    adapter_version: int = 0
+    adapter_version: int = 0  # the adapter that generated its trained tokens
     loss_mask: list[int] | None = None  # per response token, 0 = not trained; None = every token trained
 
 

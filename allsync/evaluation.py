@@ -20,9 +20,8 @@ import torch
 
 from allsync.config import RewardSection, RunConfig
 from allsync.distributed import worker_device
-from allsync.producers.agent import ToolAgent, agent_records
-from allsync.producers.multiconv import MultiConversation
 from allsync.engines.torch_engine import Sampling
+from allsync.producers.single_turn import engine_answers
 from allsync.tasks import Problem, encode_prompt, reward_row
 from evals.report import SampleRecord
 from evals.reward_pool import RewardPool
@@ -43,6 +42,8 @@ def score_texts(
 ) -> tuple[list[float], list[bool], int]:
     """(scores, correct, errors) of responses `texts` to `problems` in the reward processes. A sample whose
     reward raised or timed out stops the run naming it (reward.on_error fail) or scores as wrong (wrong)."""
+    if not texts:  # a rank with nothing of its own (expert parallelism) still runs the engine's rounds
+        return [], [], 0
     results = pool.score([(t, reward_row(p)) for t, p in zip(texts, problems)])
     name = reward_name(reward)
     scores, errors = [], 0
@@ -70,17 +71,8 @@ def sample_records(
     where: str = "",
 ) -> list[SampleRecord]:
     """n responses per problem from `engine`, scored: one SampleRecord per response."""
-    rollout = engine.generate([encode_prompt(tokenizer, p) for p in problems], n, sampling)
-    return answer_records(
-        tokenizer,
-        pool,
-        reward,
-        problems,
-        problem_ids,
-        n,
-        list(zip(rollout.response_ids, rollout.finish_reasons)),
-        where,
-    )
+    answers = engine_answers(engine, lambda p: encode_prompt(tokenizer, p), problems, n, sampling)
+    return answer_records(tokenizer, pool, reward, problems, problem_ids, n, answers, where)
 
 
 def answer_records(
@@ -114,7 +106,6 @@ def answer_records(
 
 
 def heldout_records(
-    engine,
     producer,
     tokenizer,
     pool: RewardPool,
@@ -125,10 +116,11 @@ def heldout_records(
     memory: str = "own",
     where: str = "",
 ) -> list[SampleRecord]:
-    """Held-out evaluation of `problems[i] for i in problem_ids` as the run's producer answers them: greedy
-    (samples=1) or `samples` responses at the rollout temperature with run.eval_top_p, scored. Agents run their
-    turns, multi-conversation episodes run whole and their last answer is scored (`memory` blank / gold: from an
-    empty or the task's gold memory instead of the episode's own, the memory ablation)."""
+    """Held-out evaluation of `problems[i] for i in problem_ids` as the run's producer answers them (its `evaluate`,
+    allsync.producers.registry.Producer): greedy (samples=1) or `samples` responses at the rollout temperature with
+    run.eval_top_p, scored. Agents run their turns, multi-conversation episodes run whole and their last answer is
+    scored (`memory` blank / gold: from an empty or the task's gold memory instead of the episode's own, the memory
+    ablation)."""
     greedy = samples == 1
     sampling = Sampling(
         temperature=1.0 if greedy else config.rollout.temperature,
@@ -137,14 +129,11 @@ def heldout_records(
         greedy=greedy,
     )
     mine = [problems[i] for i in problem_ids]
-    if isinstance(producer, ToolAgent):
-        return agent_records(producer.run(mine, samples, sampling), problem_ids, samples)
-    if isinstance(producer, MultiConversation):
-        answers = [
-            (seg[-1].response_ids, seg[-1].finish_reason) for seg in producer.run(mine, samples, sampling, memory)
-        ]
-        return answer_records(tokenizer, pool, config.reward, mine, problem_ids, samples, answers, where)
-    return sample_records(engine, tokenizer, mine, problem_ids, samples, sampling, pool, config.reward, where)
+
+    def score_answers(problems: list[Problem], ids: list[int], n: int, answers: list[tuple[list[int], str]]):
+        return answer_records(tokenizer, pool, config.reward, problems, ids, n, answers, where)
+
+    return producer.evaluate(mine, problem_ids, samples, sampling, memory, score_answers)
 
 
 # ------------------------------------------------------------------------------------------ allsync eval

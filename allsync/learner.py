@@ -1,9 +1,9 @@
 """The update: what every producer's episodes are trained with.
 
 `Learner` owns the trainable tensors (LoRA, and PPO's value head), AdamW, the flat gradient buffers and
-the minibatch loop. It turns episodes into a `TrainBatch` (one row per segment, `episode_batch`) or
-T-PPO's in-flight windows into one (`window_batch`, advantages from the critic), and `update` trains on
-it. It never knows how the episodes were generated.
+the minibatch loop. `train` turns episodes into a `TrainBatch` (one row per segment): `episode_batch` for group
+baselines, `critic_batch` for PPO / T-PPO (advantages from the critic), and `update` trains on it. It never knows
+how the episodes were generated.
 
 Exactness across micro-batches and workers: every worker all-reduces each minibatch's counts (trained
 tokens, episodes with a trained token, critic tokens) before its first backward, so each worker's loss is
@@ -265,39 +265,33 @@ class Learner:
             segment_kinds=[s.kind for s in rows.segments],
         )
 
-    def window_batch(
-        self,
-        prompts: list[list[int]],
-        responses: list[list[int]],
-        window_starts: list[int],
-        finished: dict[int, str],
-        reward_of: dict[int, float],
-        engine_logprobs: list[list[float]],
-    ) -> TrainBatch:
-        """T-PPO: advantages by EGAE over each response so far (reward on the last token of finished ones; a
-        cut response bootstraps V(s_l) = V(s_{l-1})), computed with the current critic and whitened over this
-        window's tokens of every worker; the policy trains on this window's tokens (from window_starts), the
-        critic on every token of finished responses. engine_logprobs: each response's, whole."""
+    def critic_batch(self, episodes: list[Episode]) -> TrainBatch:
+        """PPO / T-PPO (producer.kind windows): one-segment episodes, each a response so far whose loss mask marks the
+        tokens to train (T-PPO: the latest window's). Advantages by EGAE over each whole response (the reward on the
+        last token of finished ones; a response cut at a window, finish reason "window", bootstraps
+        V(s_l) = V(s_{l-1})) with the current critic, whitened over the trained tokens of every worker; the critic
+        learns from every token of finished responses."""
         a = self.config.algorithm
-        seqs = build_sequences(prompts, responses, self.pad_id).to(self.device)
-        engine = scatter_response_values(engine_logprobs, seqs)
+        rows = flatten(episodes)
+        seqs = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
+        engine = scatter_response_values(rows.engine_logprobs, seqs)
         old_logprobs, old_values = self.current_logprobs(seqs)
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
+        reasons = [s.finish_reason for s in rows.segments]
         token_rewards = torch.zeros(valid.shape, device=self.device)
-        for i, reward in reward_of.items():
-            token_rewards[i, len(responses[i]) - 1] = reward
-        is_finished = torch.tensor([i in finished for i in range(len(prompts))], device=self.device)
+        for i, (episode, reason) in enumerate(zip(episodes, reasons)):
+            if reason != "window":
+                token_rewards[i, len(episode.final.response_ids) - 1] = episode.reward
+        is_finished = torch.tensor([reason != "window" for reason in reasons], device=self.device)
         advantages, returns = egae(
             token_rewards, to_response_layout(old_values, index, valid), valid.float(), ~is_finished, a.gamma, a.lam
         )
-        starts = torch.tensor(window_starts, device=self.device)
-        in_window = valid & (torch.arange(valid.shape[1], device=self.device)[None, :] >= starts[:, None])
-        policy_mask = to_sequence_layout(in_window.float(), index, valid, width)
+        policy_mask = seqs.response_mask
+        if (masks := rows.loss_masks) is not None:
+            policy_mask = policy_mask * scatter_response_values(masks, seqs)
         if a.overlong is not None and a.overlong.filter_truncated:
-            policy_mask = overlong_filter_mask(
-                [finished.get(i, "continuing") for i in range(len(prompts))], policy_mask
-            )
+            policy_mask = overlong_filter_mask(reasons, policy_mask)
         advantages = to_sequence_layout(advantages, index, valid, width)
         sums = self.all_reduce(whitening_sums(advantages, policy_mask))  # the whole batch's statistics
         return TrainBatch(
@@ -369,13 +363,15 @@ class Learner:
 
     # ------------------------------------------------------------------------------ the update
     def train(self, episodes: list[Episode], group_index: torch.Tensor, adapter_version: int) -> dict:
-        """Group baselines: `episode_batch` then `update` (an idle rank under EP runs the same forward passes)."""
+        """The one entry of every producer's episodes: `critic_batch` (an estimator that learns a critic) or
+        `episode_batch` (group baselines), then `update`; an idle rank under EP runs the same forward passes."""
         if not episodes and self.groups.expert_parallel:  # the forward passes episode_batch would run, on an idle row
             idle = self.idle_batch().sequences
             if not self.reuses_update_forward:
                 self.current_logprobs(idle)
             self.reference_logprobs(idle)
-        tb = self.episode_batch(episodes, group_index) if episodes else None
+        make_batch = self.critic_batch if self.value_head is not None else lambda e: self.episode_batch(e, group_index)
+        tb = make_batch(episodes) if episodes else None
         out = self.update(tb, adapter_version)
         if tb is not None and multiconv_settings(self.config) is not None:
             out.update(segment_gaps(tb))

@@ -33,9 +33,7 @@ from allsync.episodes import Episode, episode_info_sums, stale_versions
 from allsync.evaluation import RewardError, heldout_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
 from allsync.health.faults import FaultInjector, parse_faults
 from allsync.health.monitor import WorkerMonitor
-from allsync.producers.groups import collect_groups
 from allsync.producers.registry import ProducerContext
-from allsync.producers.windows import WindowPool
 from allsync.engines.torch_engine import TorchEngine
 from allsync.sharded_state import ShardedTrainingState
 from allsync.tasks import Problem, encode_prompt
@@ -186,6 +184,7 @@ class RLWorker:
             self.take_problems,
             self.score_episodes,
             c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
+            self.groups,
         )
         return c.producer.build(context)
 
@@ -276,25 +275,15 @@ class RLWorker:
         self.reward_errors += errors
         return rewards, correct, errors
 
-    def collect(self, groups_wanted: int) -> tuple[list[Episode], dict]:
-        """`groups_wanted` groups of episodes from the producer, with DAPO's dynamic sampling when configured
-        (allsync.producers.groups.collect_groups)."""
-        c = self.config
-        return collect_groups(
-            self.producer, self.take_problems, groups_wanted, c.algorithm, self.groups, c.rollout.group_size, self.rank
-        )
-
     # ------------------------------------------------------------------------------ the step
     def step(self, step_index: int) -> dict:
         """One all-sync (colocated) step: generate this worker's share, train on it with every worker, sync.
         Returns sums/counts that the controller aggregates over workers."""
         wall0 = time.time()
         self.faults.begin_step(step_index)
-        if isinstance(self.producer, WindowPool):
-            metrics = self.window_step()
-        else:
-            episodes, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
-            metrics.update(self.train_phase(episodes, group_index))
+        episodes, group_index, metrics = self.rollout_phase(self.config.rollout.prompts_per_step // self.world_size)
+        metrics.update(self.train_phase(episodes, group_index))
+        self.producer.trained(self.adapter_version)
         t = time.time()
         shares_model = isinstance(self.engine, TorchEngine)  # its LoRA tensors are the trainer's: nothing to copy
         metrics["sync_bytes"] = self.engine.load_adapter(
@@ -309,16 +298,15 @@ class RLWorker:
         return metrics
 
     def rollout_phase(self, groups_wanted: int) -> tuple[list[Episode], torch.Tensor, dict]:
-        """Generate with the current adapter, score, and (DAPO) keep mixed groups; timed as "generate"."""
+        """The producer's episodes from the current adapter, scored (DAPO: mixed groups kept); timed as "generate"."""
         t = time.time()
         self.faults.during_generate()
-        episodes, ds = self.collect(groups_wanted)
+        episodes, group_index, ds = self.producer.collect(groups_wanted, self.adapter_version)
         self.engine.release_memory()  # vLLM on GPUs: its KV cache's memory goes to the trainer
         self.faults.after_generate(time.time() - t)
         self.timeline.record("generate", t)
         generated = ds.pop("generated")
         errors, self.reward_errors = self.reward_errors, 0
-        group_index = ds.pop("group_index")
         metrics = {
             "samples_generated": len(generated),
             "reward_sum": sum(e.reward for e in generated),
@@ -330,7 +318,7 @@ class RLWorker:
             ),
             "continuing": 0,
             "reward_errors": errors,
-            **ds,
+            **ds,  # the producer's counts (dynamic sampling's; T-PPO's staleness and continuing responses)
         }
         if self.config.producer.logs_episode_info:  # segments, memory tokens, turns, ...
             metrics.update(episode_info_sums(generated))
@@ -351,7 +339,6 @@ class RLWorker:
         return metrics
 
     def train(self, episodes: list[Episode], group_index: torch.Tensor) -> dict:
-        """Group baselines (GRPO / Dr.GRPO): one advantage per episode from its group's rewards."""
         return self.learner.train(episodes, group_index, self.adapter_version)
 
     def receive_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> int:
@@ -366,27 +353,6 @@ class RLWorker:
     def busy_report(self, since: float) -> dict:
         """Wall time since `since` (the step's start) and busy time since the last report (once per step)."""
         return {"wall_seconds": time.time() - since, "busy_seconds": self.timeline.busy_since_last_report()}
-
-    def window_step(self) -> dict:
-        """PPO (gae) or T-PPO (egae): one window for every in-flight response, then an update on exactly this
-        window's tokens (allsync/producers/windows.py); timed as "generate" and "train" like the group step."""
-        t = time.time()
-        self.faults.during_generate()
-        round_ = self.producer.generate(self.adapter_version)
-        if round_.adapter_version != self.adapter_version:
-            raise RuntimeError(
-                f"worker {self.rank}: window generated by adapter version {round_.adapter_version} while training {self.adapter_version}"
-            )
-        self.producer.score(round_, self.rewards)
-        self.engine.release_memory()
-        self.faults.after_generate(time.time() - t)
-        self.timeline.record("generate", t)
-        t = time.time()
-        metrics = self.producer.train(round_, self.learner, self.adapter_version)
-        self.adapter_version += 1
-        self.timeline.record("train", t)
-        self.producer.refill(round_, self.adapter_version)
-        return metrics
 
     # ------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -408,7 +374,6 @@ class RLWorker:
         if not ids and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
             return []
         records = heldout_records(
-            self.engine,
             self.producer,
             self.tokenizer,
             self.reward_pool,
@@ -443,19 +408,17 @@ class RLWorker:
     def save_state(self, directory: str) -> None:
         """This worker's part of a checkpoint (allsync/sharded_state.py): the whole adapter, AdamW state and value
         head from rank 0; RNG states, data position and T-PPO pools from every rank."""
-        pools = self.producer.to_json() if isinstance(self.producer, WindowPool) else {"in_flight": [], "waiting": []}
         self.state.save(
             directory,
             self.adapter_version,
-            {"position": self.position, "consecutive_nan": self.learner.consecutive_nan, **pools},
+            {"position": self.position, "consecutive_nan": self.learner.consecutive_nan, **self.producer.state_dict()},
         )
 
     def load_state(self, directory: str) -> None:
         self.adapter_version, mine = self.state.load(directory)
         self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
         self.position, self.learner.consecutive_nan = mine["position"], mine["consecutive_nan"]
-        if isinstance(self.producer, WindowPool):
-            self.producer.load_json(mine)
+        self.producer.load_state_dict(mine)
 
     def loaded_bytes(self) -> dict:
         """Checkpoint bytes this rank read at load (all, routed experts' share) and the experts it holds."""
@@ -497,7 +460,6 @@ class RLWorker:
         self.groups = self.learner.groups = Groups(self.rank, 1, self.layout)
         self.faults.close()
         self.reward_pool.close()
-        if hasattr(self.producer, "close"):
-            self.producer.close()
+        self.producer.close()
         if hasattr(self.engine, "close"):
             self.engine.close()

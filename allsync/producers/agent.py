@@ -26,6 +26,7 @@ from typing import ClassVar
 from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
+from allsync.producers.groups import GroupRounds
 from allsync.producers.registry import ProducerContext, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, model_len_needed, reward_row
@@ -280,9 +281,13 @@ class ToolAgent:
             episodes.append(Episode(segments, c.reward, c.reward > 0, {**c.info, "segments": len(segments)}))
         return episodes
 
-    def serve(self) -> None:
-        """The engine calls of another rank's `generate`, with no episode of this rank's (expert parallelism)."""
-        self.run([], self.group_size, self.sampling)
+    def evaluate(self, problems, problem_ids, samples, sampling, memory, score_answers) -> list:
+        """The conversations run to the end; the environment's reward scores each (not score_answers)."""
+        if memory != "own":
+            raise ValueError(
+                f"memory {memory!r}: only multi-conversation episodes (producer.kind multiconv) carry a memory"
+            )
+        return agent_records(self.run(problems, samples, sampling), problem_ids, samples)
 
     def close(self) -> None:
         self.caller.close()
@@ -377,11 +382,11 @@ class AgentSettings:
                 "applies, and producer.step_timeout_s bounds each environment call)"
             )
 
-    def build(self, context: ProducerContext) -> ToolAgent:
+    def build(self, context: ProducerContext) -> GroupRounds:
         from allsync.envs import load_env_class
 
         c = context.config
-        return ToolAgent(
+        agent = ToolAgent(
             context.engine,
             context.tokenizer,
             load_env_class(self.env),
@@ -393,6 +398,7 @@ class AgentSettings:
             self.step_timeout_s,
             c.reward.on_error,
         )
+        return GroupRounds(agent, context)
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """Its last turn's prompt (the problem with producer.tools, then max_turns - 1 replies and observations) +

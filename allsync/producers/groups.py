@@ -1,14 +1,16 @@
-"""DAPO's dynamic sampling around any producer of episode groups.
+"""DAPO's dynamic sampling around any producer of episode groups (`GroupRounds`).
 
-A producer's `generate(problems)` returns group_size episodes per problem, episode i of problem i //
-group_size; `serve()` runs the engine calls one `generate` makes, with nothing of its own (expert
-parallelism: a rank whose batch is full still joins the other ranks' generation rounds, because their
-MoE layers need its experts).
+A group producer's `generate(problems)` returns group_size episodes per problem, episode i of problem i //
+group_size; called with no problems it runs the engine calls with nothing of its own (under expert parallelism
+a rank whose batch is full still joins the other ranks' generation rounds, because their MoE layers need its
+experts: the engine's lockstep and agreed_rounds make such a call match the others'). Its
+`evaluate(problems, problem_ids, samples, sampling, memory, score_answers)` gives the held-out records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -102,4 +104,42 @@ def serve_rounds(producer, groups) -> None:
     if not groups.expert_parallel:
         return
     while groups.max_over_ranks(0):
-        producer.serve()
+        producer.generate([])
+
+
+class GroupRounds:
+    """The worker's producer (allsync.producers.registry.Producer) for a producer of episode groups: each step
+    collects the groups wanted with the run's dynamic sampling (`collect_groups`); keeps no state between steps."""
+
+    def __init__(self, producer: Any, context: Any):
+        """producer: generate(problems) -> episodes, evaluate(...), close(); context: the ProducerContext."""
+        self.producer, self.context = producer, context
+
+    def collect(self, groups_wanted: int, version: int) -> tuple[list[Episode], torch.Tensor, dict]:
+        c = self.context
+        episodes, stats = collect_groups(
+            self.producer,
+            c.take_problems,
+            groups_wanted,
+            c.config.algorithm,
+            c.groups,
+            c.config.rollout.group_size,
+            c.groups.rank,
+        )
+        return episodes, stats.pop("group_index"), stats
+
+    def trained(self, version: int) -> None:
+        pass
+
+    def evaluate(self, problems, problem_ids, samples, sampling, memory, score_answers) -> list:
+        return self.producer.evaluate(problems, problem_ids, samples, sampling, memory, score_answers)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        if hasattr(self.producer, "close"):
+            self.producer.close()

@@ -25,6 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from allsync.episodes import Episode, Segment
+from allsync.producers.groups import GroupRounds
 from allsync.producers.registry import ProducerContext, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, format_response, model_len_needed
@@ -236,9 +237,12 @@ class MultiConversation:
         rewards, correct, _ = self.score(owners, [s[-1].response_ids for s in runs], [i // n for i in range(len(runs))])
         return [Episode(s, r, ok, self.episode_info(p, s)) for p, s, r, ok in zip(owners, runs, rewards, correct)]
 
-    def serve(self) -> None:
-        """The engine calls of another rank's `generate`, with no episode of this rank's (expert parallelism)."""
-        self.run([], self.group_size, self.sampling)
+    def evaluate(self, problems, problem_ids, samples, sampling, memory, score_answers) -> list:
+        """The episodes run whole (memory: own, blank or gold, see `run`); their last answers scored."""
+        answers = [
+            (seg[-1].response_ids, seg[-1].finish_reason) for seg in self.run(problems, samples, sampling, memory)
+        ]
+        return score_answers(problems, problem_ids, samples, answers)
 
     def episode_info(self, problem: Problem, segments: list[Segment]) -> dict:
         """Counts the metrics sum: memory writes, their tokens, truncated / malformed writes, and whether the
@@ -312,9 +316,9 @@ class MultiConvSettings:
                 "producer.chunk_tokens tokens (set it for dataset, leave it out for memory_recall, whose chunks are given)"
             )
 
-    def build(self, context: ProducerContext) -> MultiConversation:
+    def build(self, context: ProducerContext) -> GroupRounds:
         r = context.config.rollout
-        return MultiConversation(
+        producer = MultiConversation(
             context.engine,
             context.tokenizer,
             context.score,
@@ -323,6 +327,7 @@ class MultiConvSettings:
             self.memory_tokens,
             self.chunk_tokens,
         )
+        return GroupRounds(producer, context)
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """The longest memory write's prompt (question, a full memory, the longest chunk) + max(rollout.max_new_tokens,

@@ -6,7 +6,7 @@ whose default is the producer's name), registered with `@register_producer`. It 
 
     check(fail)                          refuse a bad value of its own keys, naming the key
     check_with(config, fail)             the rules that tie it to the rest of the config (estimator, task, ...)
-    build(context) -> producer           the producer a worker runs (context: ProducerContext)
+    build(context) -> producer           the producer a worker runs (context: ProducerContext; see `Producer`)
     model_len(config, tokenizer, problems, max_position_embeddings) -> int
                                          the longest sequence it builds, which the rollout engine must hold
     logs_episode_info: bool              (class attribute) its episodes' info (segments, turns, ...) is logged
@@ -33,8 +33,39 @@ class ProducerContext:
     tokenizer: Any
     encode_prompt: Callable  # problem -> prompt ids
     take_problems: Callable  # count -> the next problems of this worker's share
-    score: Callable  # (problems, responses, group_index) -> (rewards, correct, reward errors)
+    score: Callable  # (problems, responses, group_index or None) -> (rewards, correct, reward errors)
     samples_per_step: int  # this worker's samples per step (prompts_per_step / workers x group_size)
+    groups: Any = None  # allsync.distributed.Groups: rank, world size, the all-reduce dynamic sampling fills with
+
+
+class Producer(Protocol):
+    """What a worker's step and evaluation call on the producer `build` returns. A producer of episode groups
+    (generate(problems) -> group_size episodes per problem) gets all of it from allsync.producers.groups.GroupRounds.
+
+        collect(groups_wanted, version) -> (episodes, group_index, stats)
+            the episodes to train with adapter `version` (each segment's adapter_version is the one that made its
+            trained tokens), each one's group, and the round's counts: `generated` (the episodes finished this
+            round, whose rewards are reported), groups_* / sampling_* (dynamic sampling); any other key overrides
+            the worker's own count of that name (T-PPO reports staleness_max and continuing)
+        trained(version)                      the update made adapter `version`
+        evaluate(problems, problem_ids, samples, sampling, memory, score_answers) -> [evals.report.SampleRecord]
+            the held-out records; score_answers(problems, problem_ids, n, [(response ids, finish reason)]) scores
+            answers with the run's reward
+        state_dict() -> dict / load_state_dict(state)   what a checkpoint keeps besides the adapter (JSON)
+        close()
+    """
+
+    def collect(self, groups_wanted: int, version: int) -> tuple[list, Any, dict]: ...
+
+    def trained(self, version: int) -> None: ...
+
+    def evaluate(self, problems: list, problem_ids: list[int], samples: int, sampling, memory: str, score_answers): ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ProducerSettings(Protocol):

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from allsync.episodes import Episode
 from allsync.engines.torch_engine import Sampling
+from allsync.producers.groups import GroupRounds
 from allsync.producers.registry import ProducerContext, register_producer
 from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
@@ -30,8 +31,22 @@ class SingleTurn:
             )
         ]
 
-    def serve(self) -> None:
-        self.engine.generate([], self.group_size, self.sampling)
+    def evaluate(self, problems, problem_ids, samples, sampling, memory, score_answers) -> list:
+        answers = engine_answers(self.engine, self.encode, problems, samples, sampling, memory)
+        return score_answers(problems, problem_ids, samples, answers)
+
+
+def engine_answers(
+    engine, encode, problems: list[Problem], n: int, sampling: Sampling, memory: str = "own"
+) -> list[tuple[list[int], str]]:
+    """n answers per problem to its prompt, each (response ids, finish reason). `memory` other than own (the memory
+    ablation) is refused: a single-turn answer carries no memory."""
+    if memory != "own":
+        raise ValueError(
+            f"memory {memory!r}: only multi-conversation episodes (producer.kind multiconv) carry a memory"
+        )
+    rollout = engine.generate([encode(p) for p in problems], n, sampling)
+    return list(zip(rollout.response_ids, rollout.finish_reasons))
 
 
 @register_producer
@@ -53,9 +68,12 @@ class SingleTurnSettings:
                 "use producer: {kind: windows} (producer.window: N for T-PPO, none for whole responses)"
             )
 
-    def build(self, context: ProducerContext) -> SingleTurn:
+    def build(self, context: ProducerContext) -> GroupRounds:
         r = context.config.rollout
-        return SingleTurn(context.engine, context.encode_prompt, context.score, Sampling.for_training(r), r.group_size)
+        producer = SingleTurn(
+            context.engine, context.encode_prompt, context.score, Sampling.for_training(r), r.group_size
+        )
+        return GroupRounds(producer, context)
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """Longest prompt + rollout.max_new_tokens."""

@@ -3,8 +3,9 @@
 Each step the pool's responses (prompt + response so far) get `producer.window` more tokens from the
 current adapter (without a window: the whole response, PPO). Responses that end (eos or
 rollout.max_new_tokens) are finished and leave the pool; new samples (group_size per problem) refill it
-to prompts_per_step / workers x group_size. The update trains exactly this window's tokens, so each
-token is trained once, by the adapter that generated it.
+to prompts_per_step / workers x group_size. Each step's episodes are the pool's responses so far, their loss masks on
+this window's tokens (finish reason "window" while they go on), so the update (allsync/learner.py's critic batch)
+trains each token once, by the adapter that generated it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+import torch
+
 from allsync.algorithms import InFlight, WindowAdvance, advance_window
 from allsync.engines.torch_engine import Sampling
+from allsync.episodes import Episode, Segment
 from allsync.producers.registry import ProducerContext, register_producer
+from allsync.producers.single_turn import engine_answers
 from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
-
-# (problems, responses) -> (rewards, correct, reward errors)
-Rewards = Callable[[list[Problem], list[list[int]]], tuple[list[float], list[bool], int]]
 
 
 @dataclass
@@ -40,28 +42,25 @@ class PartialResponse:
     def from_json(data: dict) -> "PartialResponse":
         return PartialResponse(**{**data, "problem": Problem(**data["problem"])})
 
-
-@dataclass
-class WindowRound:
-    pool: list[PartialResponse]
-    advance: WindowAdvance
-    adapter_version: int
-    rewards: list[float] = field(default_factory=list)  # of the finished responses, in `finished`'s order
-    correct: list[bool] = field(default_factory=list)
-    reward_errors: int = 0
-
-    @property
-    def finished(self) -> dict[int, str]:
-        """Pool index -> finish reason of the responses that ended in this window."""
-        return dict(zip(self.advance.finished_ids, self.advance.finish_reasons))
+    def episode(self, finish_reason: str, reward: float, correct: bool, version: int) -> Episode:
+        """The response so far as a one-segment episode whose loss mask trains only the latest window's tokens
+        (made by adapter `version`); finish_reason "window" while it goes on (no reward yet: the critic bootstraps)."""
+        mask = [0] * self.window_start + [1] * (len(self.response_ids) - self.window_start)
+        segment = Segment(
+            self.prompt_ids, self.response_ids, self.engine_logprobs, finish_reason, "answer", version, mask
+        )
+        return Episode([segment], reward, correct)
 
 
 class WindowPool:
+    """The worker's producer (allsync.producers.registry.Producer) for producer.kind windows."""
+
     def __init__(
         self,
         engine,
         encode: Callable[[Problem], list[int]],
         take_problems: Callable[[int], list[Problem]],
+        score: Callable,
         pool_size: int,
         group_size: int,
         window: int,
@@ -69,7 +68,8 @@ class WindowPool:
         temperature: float,
         top_p: float,
     ):
-        self.engine, self.encode, self.take_problems = engine, encode, take_problems
+        """score(problems, responses, None) -> (rewards, correct, errors): the worker's reward and shaping."""
+        self.engine, self.encode, self.take_problems, self.score = engine, encode, take_problems, score
         self.pool_size, self.group_size, self.window, self.max_new_tokens = (
             pool_size,
             group_size,
@@ -79,6 +79,7 @@ class WindowPool:
         self.sampling = Sampling(temperature=temperature, top_p=top_p, max_new_tokens=window)
         self.in_flight: list[PartialResponse] = []  # the responses being generated
         self.waiting: list[PartialResponse] = []  # samples of problems already taken that have not started
+        self.advance: WindowAdvance | None = None  # the last window's outcome, until the update that trains it
 
     def start_responses(self, count: int, version: int) -> list[PartialResponse]:
         """`count` new samples (group_size per problem), taken from `waiting`, topped up from the data."""
@@ -91,7 +92,7 @@ class WindowPool:
             r.started_version = version
         return started
 
-    def generate(self, version: int) -> WindowRound:
+    def generate(self, version: int) -> WindowAdvance:
         """One window for every in-flight response (the pool is filled first)."""
         if not self.in_flight:
             self.in_flight = self.start_responses(self.pool_size, version)
@@ -106,7 +107,7 @@ class WindowPool:
             counts.append(min(len(tokens), room))
             eos.append(reason == "stop" and len(tokens) <= room)
         new_ids = list(range(len(pool), len(pool) + self.pool_size))  # enough new samples to refill any pool
-        advance = advance_window(
+        return advance_window(
             [InFlight(i, r.window_start) for i, r in enumerate(pool)],
             counts,
             eos,
@@ -115,61 +116,49 @@ class WindowPool:
             self.window,
             self.max_new_tokens,
         )
-        return WindowRound(pool, advance, rollout.adapter_version)
 
-    @staticmethod
-    def score(round_: WindowRound, rewards: Rewards) -> None:
-        """The round's finished responses scored by `rewards` (the worker's reward + shaping), kept on the round."""
-        done = [round_.pool[i] for i in round_.finished]
-        round_.rewards, round_.correct, round_.reward_errors = rewards(
-            [r.problem for r in done], [r.response_ids for r in done]
-        )
+    def collect(self, groups_wanted: int, version: int) -> tuple[list[Episode], torch.Tensor, dict]:
+        """Every in-flight response as an episode after one more window (`PartialResponse.episode`), the finished
+        ones scored. A continuing response's earlier windows came from older adapters: that context staleness is
+        reported as staleness_max."""
+        self.advance = self.generate(version)
+        pool, finished = self.in_flight, dict(zip(self.advance.finished_ids, self.advance.finish_reasons))
+        done = [pool[i] for i in finished]
+        rewards, correct, _ = self.score([r.problem for r in done], [r.response_ids for r in done], None)
+        outcome = {i: (reason, reward, ok) for (i, reason), reward, ok in zip(finished.items(), rewards, correct)}
+        episodes = [r.episode(*outcome.get(i, ("window", 0.0, False)), version) for i, r in enumerate(pool)]
+        stats = {
+            "generated": [episodes[i] for i in finished],
+            "staleness_max": max(version - r.started_version for r in pool),
+            "continuing": len(self.advance.continuing_ids),
+            "groups_generated": 0,
+            "groups_kept": 0,
+            "groups_wanted": 0,
+            "sampling_cap_hits": 0,
+            "sampling_rounds": 1,
+        }
+        return episodes, torch.arange(len(episodes)), stats
 
-    def train(self, round_: WindowRound, learner, version: int) -> dict:
-        """The update on exactly this window's tokens (the learner's window batch: EGAE / GAE over the pool);
-        returns the step's metric sums. A continuing response's earlier windows came from older adapters: that
-        context staleness is reported as staleness_max."""
-        finished, responses = round_.finished, round_.pool
-        done = [responses[i] for i in finished]
-        batch = learner.window_batch(
-            [r.prompt_ids for r in responses],
-            [r.response_ids for r in responses],
-            [r.window_start for r in responses],
-            finished,
-            dict(zip(finished, round_.rewards)),
-            [r.engine_logprobs for r in responses],
-        )
-        metrics = learner.update(batch, version)
-        metrics.update(
-            {
-                "samples_generated": len(done),
-                "reward_sum": sum(round_.rewards),
-                "correct_sum": sum(round_.correct),
-                "response_tokens": sum(len(r.response_ids) for r in done),
-                "truncated": sum(reason == "length" for reason in finished.values()),
-                "staleness_max": max(version - r.started_version for r in responses),
-                "continuing": len(round_.advance.continuing_ids),
-                "groups_generated": 0,
-                "groups_kept": 0,
-                "groups_wanted": 0,
-                "sampling_cap_hits": 0,
-                "sampling_rounds": 1,
-                "reward_errors": round_.reward_errors,
-            }
-        )
-        return metrics
+    def trained(self, version: int) -> None:
+        """Keep the continuing responses and start new ones, by adapter `version`, in place of the finished."""
+        continuing = [self.in_flight[i] for i in self.advance.continuing_ids]
+        self.in_flight = continuing + self.start_responses(len(self.advance.refilled_ids), version)
+        self.advance = None
 
-    def refill(self, round_: WindowRound, version: int) -> None:
-        """Keep the continuing responses and start new ones in place of the finished."""
-        continuing = [round_.pool[i] for i in round_.advance.continuing_ids]
-        self.in_flight = continuing + self.start_responses(len(round_.advance.refilled_ids), version)
+    def evaluate(self, problems, problem_ids, samples, sampling, memory, score_answers) -> list:
+        """Whole responses to the held-out prompts (not windows), scored."""
+        answers = engine_answers(self.engine, self.encode, problems, samples, sampling, memory)
+        return score_answers(problems, problem_ids, samples, answers)
 
-    def to_json(self) -> dict:
+    def state_dict(self) -> dict:
         return {"in_flight": [r.to_json() for r in self.in_flight], "waiting": [r.to_json() for r in self.waiting]}
 
-    def load_json(self, data: dict) -> None:
-        self.in_flight = [PartialResponse.from_json(r) for r in data["in_flight"]]
-        self.waiting = [PartialResponse.from_json(r) for r in data["waiting"]]
+    def load_state_dict(self, state: dict) -> None:
+        self.in_flight = [PartialResponse.from_json(r) for r in state["in_flight"]]
+        self.waiting = [PartialResponse.from_json(r) for r in state["waiting"]]
+
+    def close(self) -> None:
+        pass
 
 
 @register_producer
@@ -209,6 +198,7 @@ class WindowsSettings:
             context.engine,
             context.encode_prompt,
             context.take_problems,
+            context.score,
             context.samples_per_step,
             r.group_size,
             self.window or r.max_new_tokens,

@@ -119,11 +119,12 @@ def test_trained_samples_must_come_from_the_current_adapter(tiny_bf16, monkeypat
     for episode in samples:
         episode.final.adapter_version = 7
     monkeypatch.setattr(
-        w,
+        w.producer,
         "collect",
-        lambda groups: (
+        lambda groups, version: (
             samples,
-            {"groups_generated": 2, "sampling_rounds": 1, "groups_kept": 2, "generated": samples, "group_index": index},
+            index,
+            {"groups_generated": 2, "sampling_rounds": 1, "groups_kept": 2, "generated": samples},
         ),
     )
     with pytest.raises(RuntimeError, match=r"samples from adapter version 7 while training 0"):

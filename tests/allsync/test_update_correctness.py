@@ -213,7 +213,7 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16
         monkeypatch.setattr(
             w, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0)
         )  # 0 reward errors
-        samples, stats = w.collect(3)
+        samples, group_index, stats = w.producer.collect(3, w.adapter_version)
         kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
     assert kept["acc"] == (1, 1, 3)  # 1 of 3 wanted kept: trained on (partial), the cap hit logged
     assert kept["reward"] == (3, 0, 9)
@@ -234,20 +234,20 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
             0,
         ),
     )
-    samples, stats = w.collect(3)
+    samples, group_index, stats = w.producer.collect(3, w.adapter_version)
     assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (
         2,
         3,
         1,
         2,
     )
-    assert len(samples) == 6 and sorted(set(stats["group_index"].tolist())) == [0, 1]
-    out = w.train(samples, stats["group_index"])
+    assert len(samples) == 6 and sorted(set(group_index.tolist())) == [0, 1]
+    out = w.train(samples, group_index)
     assert out["trained_samples"] == 6 and out["optimizer_steps"] == 2
 
     w.config.algorithm.on_sampling_cap = "error"
     with pytest.raises(RuntimeError, match=r"kept only 2 after 2 rounds.*algorithm\.on_sampling_cap: error"):
-        w.collect(3)
+        w.producer.collect(3, w.adapter_version)
 
 
 def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):

@@ -100,10 +100,10 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
     worker = RLWorker(memory_config(tiny_bf16), problems)
     try:
         torch.manual_seed(0)
-        episodes, stats = worker.collect(2)
+        episodes, group_index, stats = worker.producer.collect(2, worker.adapter_version)
         assert len(episodes) == 4 and all(len(e.segments) == 3 for e in episodes)
         assert [s.kind for s in episodes[0].segments] == ["memory", "memory", "answer"]
-        open_ids, close_ids = worker.producer.open_ids, worker.producer.close_ids
+        open_ids, close_ids = worker.producer.producer.open_ids, worker.producer.producer.close_ids
         eos = worker.tokenizer.eos_token_id
         for e in episodes:
             problem = problems[0] if e in episodes[:2] else problems[1]
@@ -113,7 +113,7 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
                 memory, _ = extract_memory(before.response_ids, open_ids, close_ids, eos, before.finish_reason)
                 assert find_ids(after.prompt_ids, memory) != -1 if memory else True
                 assert len(before.response_ids) <= 5  # rollout.memory_tokens
-        metrics = worker.train(episodes, stats["group_index"])
+        metrics = worker.train(episodes, group_index)
         assert metrics["logprob_gap"] < 1e-3
         assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0
     finally:

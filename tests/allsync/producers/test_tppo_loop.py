@@ -49,21 +49,15 @@ def test_layouts_move_response_tokens_to_column_zero_and_back():
     assert torch.equal(to_sequence_layout(aligned, index, valid, 6), x * mask)
 
 
-def test_window_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_tiny, problems):
+def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_tiny, problems):
     worker = RLWorker(tppo_config(warm_tiny), problems)
     torch.nn.init.normal_(worker.value_head.linear.weight, std=0.3)  # a critic with nonzero values
     prompt = worker.encode_prompt(problems[0])
     finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
     cut = PartialResponse(problems[0], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0)
-    pool = [finished, cut]
-    tb = worker.learner.window_batch(
-        [r.prompt_ids for r in pool],
-        [r.response_ids for r in pool],
-        [r.window_start for r in pool],
-        {0: "stop"},
-        {0: 1.0},
-        [r.engine_logprobs for r in pool],
-    )
+    episodes = [finished.episode("stop", 1.0, True, 0), cut.episode("window", 0.0, False, 0)]
+    assert episodes[0].final.loss_mask == [0, 0, 0, 0, 1, 1]  # the latest window's tokens
+    tb = worker.learner.critic_batch(episodes)
 
     full = build_sequences([prompt, prompt], [finished.response_ids, cut.response_ids], worker.tokenizer.pad_token_id)
     index, valid = response_positions(full.response_mask)
