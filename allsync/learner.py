@@ -172,7 +172,7 @@ class Learner:
         rank: int,
         before_gradient_reduce=None,
     ):
-        """groups: allsync.distributed.Groups (world / ep / edp); layout: the ExpertLayout or None.
+        """groups: allsync.launch.process_groups.Groups (world / ep / edp); layout: the ExpertLayout or None.
         before_gradient_reduce(flat_grad): called before every gradient all-reduce (fault drills, allsync/health/faults.py)."""
         self.before_gradient_reduce = before_gradient_reduce
         self.model, self.config, self.groups, self.layout = model, config, groups, layout

@@ -12,7 +12,7 @@ forward and backward in lockstep: a rank with nothing of its own still takes par
 (`idle_batch`), in generation rounds (`_serve_generation_rounds`) and through the torch engine.
 
 The class is plain Python; the recipe wraps it in a Ray actor (one per device), runs it in-process, or runs one per
-process under torchrun / accelerate launch (allsync.placement.SPMDGroup).
+process under torchrun / accelerate launch (allsync/launch/).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 from allsync.algorithms import get
 from allsync.checkpoint import write_probe
 from allsync.config import ConfigError, RunConfig
-from allsync.distributed import Groups, connect, keep_freed_host_memory, worker_device
+from allsync.launch.devices import keep_freed_host_memory, worker_device
+from allsync.launch.process_groups import Groups, connect
 from allsync.episodes import Episode, episode_info_sums, stale_versions
 from allsync.evaluation import RewardError, heldout_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
 from allsync.health.faults import FaultInjector, parse_faults
@@ -96,7 +97,7 @@ class RLWorker:
         attempt: int = 0,
     ):
         """rank / world_size: this worker's place among the workers that share the data (prompts are strided
-        over them). dist_address: join the process groups of `world_size` workers (allsync.distributed) through
+        over them). dist_address: join the process groups of `world_size` workers (allsync.launch.process_groups) through
         a TCP store there; None for a worker that only generates (the disaggregated baseline's generators).
         launcher: SPMD, started by torchrun / accelerate launch: the groups come from the environment.
         max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see

@@ -38,7 +38,9 @@ if __package__ in (None, ""):  # run as a file, this folder would shadow the all
 from tqdm.auto import tqdm  # noqa: E402
 
 from allsync.config import parse_config  # noqa: E402
-from allsync.placement import DisaggregatedGroup, WorkerGroup  # noqa: E402
+from allsync.launch.disaggregated import DisaggregatedGroup
+from allsync.launch.local import LocalGroup
+from allsync.launch.ray_actors import RayGroup  # noqa: E402
 from allsync.plan import lora_values  # noqa: E402
 from allsync.tasks import make_splits  # noqa: E402
 from quant.layout import expected_tensors  # noqa: E402
@@ -86,9 +88,8 @@ def bench_config(base: str, workers: int, layout: str, prompts_per_worker: int =
 def run_layout(base: str, workers: int, layout: str, steps: int, prompts_per_worker: int) -> dict:
     config = parse_config(bench_config(base, workers, layout, prompts_per_worker))
     problems = make_splits(config.task.spec(), config.task.train_size, config.task.heldout_size).train
-    group = (
-        WorkerGroup(config, problems, use_ray=True) if layout == "colocated" else DisaggregatedGroup(config, problems)
-    )
+    colocated = RayGroup if workers > 1 else LocalGroup
+    group = colocated(config, problems) if layout == "colocated" else DisaggregatedGroup(config, problems)
     try:
         group.step(0)  # warm-up: first-call costs out of the measurement
         per_step = []

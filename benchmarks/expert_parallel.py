@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a file, this folder would shadow the all
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from allsync.config import parse_config  # noqa: E402
-from allsync.placement import WorkerGroup  # noqa: E402
+from allsync.launch.ray_actors import RayGroup  # noqa: E402
 from allsync.tasks import ArithmeticSpec, make_splits  # noqa: E402
 from moe_lora.tiny import TinySpec, make_tiny  # noqa: E402
 
@@ -45,7 +45,7 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
         }
     )
     problems = make_splits(ArithmeticSpec(2, 2), 2000, 20, 0).train
-    group = WorkerGroup(config, problems, use_ray=True)
+    group = RayGroup(config, problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]
         memory, loaded = group.call("expert_memory"), group.call("loaded_bytes")

@@ -6,20 +6,23 @@
 
 Ray mode: this process is the controller and places parallel.nodes x workers_per_node worker actors (it
 joins the cluster at RAY_ADDRESS when set). SPMD mode (the launcher set RANK and WORLD_SIZE): every process
-is one worker, rank 0 also does the controller's work, and Ray is never started.
+is one worker, rank 0 also does the controller's work, and Ray is never started. --no-ray: one worker in this
+process. The modes live in allsync/launch/.
 
-Per step, on every worker (allsync/worker.py): generate groups with the current adapter -> rewards
-(+ overlong shaping) -> dynamic sampling keeps groups with mixed rewards and refills -> GRPO advantages
--> minibatch updates of the LoRA tensors (gradients all-reduced) -> adapter sync to the engine.
-This script is the controller: it validates the config, builds (or reuses) the warm-started base,
-starts the workers, evaluates held-out accuracy, logs, checkpoints, and exports the adapter.
+This one loop runs every algorithm and producer. Per step, on every worker (allsync/worker.py): the producer
+(allsync/producers/, producer.kind: single-turn groups, T-PPO windows, multi-conversation episodes, tool agents)
+makes episodes with the current adapter and scores them (rewards + shaping, dynamic sampling keeping groups with
+mixed rewards) -> the learner (allsync/learner.py) turns them into advantages (algorithm.advantage: group
+baselines, or a critic's GAE / EGAE) and makes minibatch updates of the LoRA tensors with the policy loss
+(algorithm.policy_loss; gradients all-reduced) -> adapter sync to the engine. This script is the controller: it
+validates the config, builds (or reuses) the warm-started base, starts the workers, evaluates held-out accuracy,
+logs, checkpoints, and exports the adapter.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,9 +39,9 @@ from allsync.checkpoint import (
     unseen_probes,
     write_manifest,
 )
-from allsync.distributed import spmd_environment
-from allsync.health.detector import HealthMonitor, append_health, make_detector
-from allsync.placement import EXIT_RESTART, SPMDGroup, WorkerFailure, WorkerGroup, spmd_state
+from allsync.health.detector import HealthMonitor, make_detector
+from allsync.launch.group import launch_mode
+from allsync.launch.spmd import elastic_attempt, spmd_environment, spmd_state
 from evals.report import write_evaluation
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, read_config
 
@@ -189,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if launched:
             spmd_state(config)  # the process group, so that rank 0 alone builds the base while the others wait
-        attempt = (
-            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) if launched else 0
-        )  # an elastic launcher's restart
-        resume = args.resume or attempt > 0
+        resume = args.resume or (launched is not None and elastic_attempt() > 0)  # an elastic launcher's restart
 
         def prepare() -> None:  # on rank 0: it alone sees the controller's out_dir on a multi-node run
             if not resume and (files := earlier_run_files(Path(config.run.out_dir))):
@@ -220,82 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     out_dir = Path(config.run.out_dir)
-    if launched:  # an elastic launcher's restart (after a lost peer or a step timeout) resumes by itself
-        if attempt > config.run.max_restarts:
-            if rank == 0:
-                print(
-                    f"error: restart {attempt} by the elastic launcher, beyond run.max_restarts = {config.run.max_restarts}; "
-                    "stopped",
-                    file=sys.stderr,
-                )
-            return 4
-        return spmd_train(
-            config,
-            resume,
-            SPMDGroup(config, splits.train, max_model_len=max_model_len, attempt=attempt),
-            splits,
-            out_dir,
-        )
-    gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker
 
-    def make_group(attempt: int) -> WorkerGroup:
-        return WorkerGroup(
-            config,
-            splits.train,
-            use_ray=not args.no_ray,
-            gpus_per_worker=gpus,
-            max_model_len=max_model_len,
-            attempt=attempt,
-        )
+    def run_training(group, resume: bool, own: set[str] | None) -> int:
+        return train(config, resume, group, splits, out_dir, own)
 
-    return supervise(config, args.resume, make_group, splits, out_dir)
-
-
-def supervise(config: RunConfig, resume: bool, make_group, splits, out_dir: Path) -> int:
-    """`train` with workers from `make_group(attempt)`. A lost worker (it raised, its process died, or the step
-    passed run.step_timeout) stops every worker; up to run.max_restarts times new workers resume from the newest
-    good checkpoint (or start over when the run has none yet), each restart logged with its cause in
-    health.jsonl. Exit code 4 when a worker is lost once more than that."""
-    restarts, own = 0, set()  # the checkpoints this run loaded or wrote: a restart resumes from one of them
-    while True:
-        group = make_group(restarts)
-        try:
-            return train(config, resume, group, splits, out_dir, own)
-        except WorkerFailure as exc:
-            cause = str(exc).splitlines()[0][:500]
-            if restarts >= config.run.max_restarts:
-                print(
-                    f"{exc.__cause__}\nerror: {exc}; every worker was stopped", file=sys.stderr
-                )  # the cause holds the worker's traceback
-                return 4
-            restarts += 1
-            resume = bool(own)
-            append_health(out_dir, {"event": "restart", "time": time.time(), "restart": restarts, "cause": cause})
-            print(
-                f"warning: {exc}; every worker was stopped. Restart {restarts} of run.max_restarts = {config.run.max_restarts}: "
-                f"new workers {'resume from the newest good checkpoint' if resume else 'start the run over'}",
-                file=sys.stderr,
-            )
-        finally:
-            group.shutdown()
-
-
-def spmd_train(config: RunConfig, resume: bool, group: SPMDGroup, splits, out_dir: Path) -> int:
-    """`train` in one launched process. A collective that fails because a peer was lost ends the process with
-    EXIT_RESTART (as a step past run.step_timeout does), so that `torchrun --max-restarts N` restarts the run."""
-    import torch.distributed as dist
-
-    try:
-        return train(config, resume, group, splits, out_dir)
-    except dist.DistError as exc:
-        print(
-            f"error: rank {group.rank}: a collective failed ({type(exc).__name__}: {str(exc)[:300]}): a peer was lost; "
-            f"exiting with code {EXIT_RESTART} so that an elastic launcher restarts the run",
-            file=sys.stderr,
-        )
-        return EXIT_RESTART
-    finally:
-        group.shutdown()
+    mode = launch_mode(launched is not None, args.no_ray, config)  # allsync/launch/: SPMD, local or Ray
+    return mode.run(config, splits.train, max_model_len, run_training, resume, out_dir)
 
 
 def rank0_first(build, launched) -> None:

@@ -75,7 +75,7 @@ def lora_grads(module: LoRAExperts) -> dict[str, torch.Tensor]:
 
 
 def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case, reduce_edp: bool, results) -> None:
-    from allsync.distributed import connect
+    from allsync.launch.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
 
     torch.set_num_threads(1)
@@ -150,7 +150,7 @@ def run_model_rank(
 ) -> None:
     """Rank `rank` of the whole tiny model under EP: logits of its own sequences, then every LoRA gradient
     after the loop's reductions (replicated tensors over all ranks, expert blocks over the EDP group)."""
-    from allsync.distributed import connect
+    from allsync.launch.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, expert_parameters, shard_experts
     from quant.checkpoint_io import read_config
 

@@ -16,7 +16,7 @@ where it is no larger, caches MLA keys/values expanded (moe_lora/mla_decode.py).
 scores at a time and gathers the chosen tokens' logprobs as it goes, where keeping every step's logits would
 hold [B, L, V] (about 10 GB per sequence at V = 129,280 and 20k tokens).
 
-Under expert parallelism (`lockstep`: the workers' allsync.distributed.Groups) every rank's MoE layers
+Under expert parallelism (`lockstep`: the workers' allsync.launch.process_groups.Groups) every rank's MoE layers
 exchange tokens, so every rank must run every decode step: the ranks agree on the number of generate calls
 (the largest count any rank needs; a rank without prompts of its own generates from a one-token dummy
 prompt, under a forked RNG so that its sampling stream is the one it would have had), and a rank whose rows

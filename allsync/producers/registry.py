@@ -35,7 +35,9 @@ class ProducerContext:
     take_problems: Callable  # count -> the next problems of this worker's share
     score: Callable  # (problems, responses, group_index or None) -> (rewards, correct, reward errors)
     samples_per_step: int  # this worker's samples per step (prompts_per_step / workers x group_size)
-    groups: Any = None  # allsync.distributed.Groups: rank, world size, the all-reduce dynamic sampling fills with
+    groups: Any = (
+        None  # allsync.launch.process_groups.Groups: rank, world size, the all-reduce dynamic sampling fills with
+    )
 
 
 class Producer(Protocol):

@@ -5,7 +5,8 @@ import torch
 
 import allsync.learner as update_module
 from allsync.config import parse_config
-from allsync.placement import WorkerGroup
+from allsync.launch.local import LocalGroup
+from allsync.launch.ray_actors import RayGroup
 from allsync.tasks import Problem
 from allsync.episodes import Episode
 from allsync.worker import RewardError, RLWorker
@@ -49,11 +50,11 @@ def test_two_workers_gradient_equals_one_worker_full_batch(tiny_bf16):
     samples, index = synthetic_groups(0, 4)  # groups 0, 1 go to rank 0 and 2, 3 to rank 1
     # optim.minibatches = 2: minibatch m is the union of every rank's m-th chunk, here groups {0, 2} then {1, 3}
     order = [i for g in (0, 2, 1, 3) for i in range(3 * g, 3 * g + 3)]
-    single = WorkerGroup(config(tiny_bf16, 1, lr=0.0), PROBLEMS, use_ray=False)
+    single = LocalGroup(config(tiny_bf16, 1, lr=0.0), PROBLEMS)
     single.call("train", [samples[i] for i in order], index[order])
-    expected = single.call_rank0("gradient_tensors")
+    expected = single.call("gradient_tensors")[0]
 
-    pair = WorkerGroup(config(tiny_bf16, 2, lr=0.0), PROBLEMS, use_ray=True)
+    pair = RayGroup(config(tiny_bf16, 2, lr=0.0), PROBLEMS)
     try:
         import ray
 
@@ -137,7 +138,7 @@ def test_warmup_lr_ramps_linearly_then_holds():
 
 
 def test_split_groups_deals_whole_groups_and_renumbers():
-    from allsync.placement import split_groups
+    from allsync.launch.disaggregated import split_groups
 
     samples = list("aabbbccdd")
     index = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3])
@@ -148,7 +149,7 @@ def test_split_groups_deals_whole_groups_and_renumbers():
 
 def test_disaggregated_generators_receive_the_trained_adapter(warm_tiny):
     """The baseline layout: one generator, one trainer; after a step the generator serves the trainer's adapter."""
-    from allsync.placement import DisaggregatedGroup
+    from allsync.launch.disaggregated import DisaggregatedGroup
     from allsync.tasks import ArithmeticSpec, make_splits
 
     cfg = config(warm_tiny, 2)

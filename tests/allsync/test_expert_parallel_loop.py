@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tests.recipes.test_launchers import run_config
 
 from allsync.config import parse_config
-from allsync.placement import WorkerGroup
+from allsync.launch.ray_actors import RayGroup
 from allsync.tasks import ArithmeticSpec, make_splits
 
 
@@ -35,7 +35,7 @@ def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = 
 
 def run_steps(base, expert_parallel: int, steps: int, checkpoint=None, tppo: bool = False, optim: dict | None = None):
     problems = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train
-    group = WorkerGroup(config(base, expert_parallel, tppo, optim), problems, use_ray=True)
+    group = RayGroup(config(base, expert_parallel, tppo, optim), problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]
         adapter = group.call("full_adapter_tensors")
@@ -116,7 +116,7 @@ def test_tppo_windows_at_ep2_log_the_ep1_steps(warm_tiny):
 
 
 def episode_steps(config_data: dict, problems, steps: int = 2) -> list[list[dict]]:
-    group = WorkerGroup(parse_config(config_data), problems, use_ray=True)
+    group = RayGroup(parse_config(config_data), problems)
     try:
         return [group.step(s) for s in range(1, steps + 1)]
     finally:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from allsync.config import parse_config
-from allsync.placement import WorkerFailure, WorkerGroup
+from allsync.launch.group import WorkerFailure
+from allsync.launch.ray_actors import RayGroup
 from allsync.engines.torch_engine import Rollout
 from allsync.tasks import Problem
 from allsync.episodes import Episode
@@ -51,7 +52,7 @@ def groups(seed: int, count: int, size: int = 3) -> tuple[list[Episode], torch.T
 def adapter(worker_or_group) -> dict[str, torch.Tensor]:
     if isinstance(worker_or_group, RLWorker):
         return worker_or_group.adapter_tensors()
-    return worker_or_group.call_rank0("adapter_tensors")
+    return worker_or_group.call_ranks([0], "adapter_tensors")[0]
 
 
 def trained(worker: RLWorker, samples, index) -> dict:
@@ -70,7 +71,7 @@ def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16
     all-reduce or another minibatch split moves most entries by ~lr)."""
     batches = [groups(seed, 4) for seed in range(3)]
     single = RLWorker(config(tiny_bf16), PROBLEMS)
-    pair = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
+    pair = RayGroup(config(tiny_bf16, workers=2), PROBLEMS)
     flat = lambda tensors: torch.cat([t.flatten() for t in tensors])  # noqa: E731
     try:
         import ray
@@ -85,7 +86,7 @@ def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16
                     pair.workers[1].train.remote(samples[6:], index[6:] - 2),
                 ]
             )
-            expected_grad, got_grad = flat(single.gradient_tensors()), flat(pair.call_rank0("gradient_tensors"))
+            expected_grad, got_grad = flat(single.gradient_tensors()), flat(pair.call_ranks([0], "gradient_tensors")[0])
             assert float((got_grad - expected_grad).abs().max()) < 1e-3 * float(expected_grad.abs().max())
         got, theirs, expected = adapter(pair), pair.call_ranks([1], "adapter_tensors")[0], adapter(single)
     finally:
@@ -108,7 +109,7 @@ def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf1
         trained(single, samples, index)
     finally:
         torch.set_num_threads(threads)
-    pair = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
+    pair = RayGroup(config(tiny_bf16, workers=2), PROBLEMS)
     try:
         import ray
 
@@ -253,7 +254,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
 def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
     """Rank 1's reward raises mid-step while rank 0 waits for it in the gradient all-reduce: the controller
     reports rank 1's error at once and stops every worker instead of hanging until gloo's timeout."""
-    group = WorkerGroup(config(tiny_bf16, workers=2), PROBLEMS, use_ray=True)
+    group = RayGroup(config(tiny_bf16, workers=2), PROBLEMS)
     try:
         import ray
 

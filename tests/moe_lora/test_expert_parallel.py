@@ -17,7 +17,7 @@ from ep_ranks import (
     run_model_rank,
     run_rank,
 )
-from allsync.placement import free_port
+from allsync.launch.group import free_port
 from moe_lora.expert_parallel import ExpertLayout
 
 

@@ -261,7 +261,7 @@ def test_two_torchrun_nodes_log_the_ray_metrics(warm_tiny, ray_run, tmp_path):
     """Multi-node SPMD as users start it: one torchrun per node with --nnodes 2 --node_rank i and a shared
     rendezvous endpoint (both "nodes" on this machine). Each process is LOCAL_RANK 0 of its node, and RANK 0's
     node alone writes the run's files."""
-    from allsync.placement import free_port
+    from allsync.launch.group import free_port
 
     out = tmp_path / "out"
     config = two_node_config(tmp_path / "c.yaml", warm_tiny, out)
@@ -339,7 +339,7 @@ def test_a_two_node_ray_cluster_logs_the_single_node_metrics(warm_tiny, ray_run,
 def test_each_nodes_ranks_are_consecutive_whatever_bundles_ray_gave_it():
     """Ray's PACK strategy does not promise that bundle i sits next to bundle i+1: ranks are dealt to bundles so
     that every node's ranks are consecutive (an expert-parallel group of 8 on 8-GPU nodes stays in one node)."""
-    from allsync.placement import placement_summary, rank_ranges, ranks_to_bundles
+    from allsync.launch.ray_actors import placement_summary, rank_ranges, ranks_to_bundles
 
     assert ranks_to_bundles({0: "A", 1: "B", 2: "A", 3: "B"}) == [0, 2, 1, 3]
     interleaved = {b: "AB"[b % 2] for b in range(16)}  # two 8-GPU nodes, bundles alternating between them

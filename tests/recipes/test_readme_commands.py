@@ -1,6 +1,6 @@
-"""Every command README.md shows runs as written, with only its step counts and output folders made tiny.
+"""Every command README.md and docs/ show runs as written, with only its step counts and output folders made tiny.
 
-The commands are read from README.md's indented code blocks (`$ ` prompts and continuation lines handled);
+The commands are read from the indented code blocks of README.md and docs/*.md (`$ ` prompts and continuation lines handled);
 every one must be classified below, so a command added to the README without a test here fails
 `test_every_readme_command_is_classified`. Each runs in a sandbox directory holding a copy of `recipes/`, so
 its relative output folders (`runs/...`) land there; the copied YAML configs run 2 RL steps with an
@@ -77,11 +77,14 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def test_every_readme_command_is_classified():
-    found = readme_commands((ROOT / "README.md").read_text())
+    found = [c for path in DOCUMENTS for c in readme_commands(path.read_text())]
     unknown = [c for c in found if c not in FAST + SLOW and c not in NOT_RUN]
-    assert not unknown, f"README.md commands this test does not run: {unknown}"
-    assert set(FAST + SLOW) <= set(found), f"no longer in README.md: {sorted(set(FAST + SLOW) - set(found))}"
+    assert not unknown, f"README.md / docs commands this test does not run: {unknown}"
+    assert set(FAST + SLOW) <= set(found), f"no longer in README.md or docs/: {sorted(set(FAST + SLOW) - set(found))}"
 
 
 def sandbox(tmp_path: Path) -> Path:
