@@ -7,6 +7,7 @@ allsync export SRC --base CKPT --out DIR --format peft|merged [--dtype bf16|fp8]
 allsync eval SRC|none --base CKPT --data FILE --out DIR [--engine torch|vllm] [--n 32] [--temperature 1.0]
              [--top-p 0.7] [--max-new-tokens N] [--reward math_dapo] [--template dapo_math]
 allsync health RUN_DIR [--replay similarity|threshold] [--png PATH]
+allsync check-vllm ADAPTER --base CKPT [--expert-parallel N]
 """
 
 from __future__ import annotations
@@ -244,6 +245,30 @@ def _run_health(args: argparse.Namespace) -> None:
     print(f"timeline: {png}")
 
 
+def _add_check_vllm(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-vllm",
+        help="load a PEFT adapter through vLLM's own LoRA loader (routed experts included, no engine) and compare",
+    )
+    p.add_argument("adapter", help="a PEFT adapter directory (allsync export --format peft) or a training checkpoint")
+    p.add_argument("--base", required=True, help="the base checkpoint")
+    p.add_argument(
+        "--expert-parallel", type=int, default=1, help="check every rank of this expert-parallel size (default 1)"
+    )
+    p.set_defaults(run=_run_check_vllm)
+
+
+def _run_check_vllm(args: argparse.Namespace) -> None:
+    from allsync.engines.vllm_lora_check import VLLMRefused, check_adapter
+
+    try:
+        report = check_adapter(args.adapter, args.base, args.expert_parallel)
+    except VLLMRefused as exc:
+        print(f"vLLM refused: {exc}")
+        raise SystemExit(1) from exc
+    print(report.summary())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -254,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_eval(sub)
     _add_health(sub)
+    _add_check_vllm(sub)
     return parser
 
 

@@ -25,7 +25,15 @@ def on_cpu() -> bool:
 def vllm_engine_kwargs(model: str, dtype: str = "bfloat16", *, max_model_len: int, **overrides) -> dict:
     """Keyword arguments for `vllm.LLM` (CPU: small memory reservation, eager mode, native RoPE).
     max_model_len has no default: vLLM silently ends longer responses as "length" (see VLLMEngine)."""
-    kwargs: dict = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
+    # linear expert placement, vLLM's default, pinned: its LoRA path gives expert-parallel rank k the contiguous block
+    # of experts k x E / EP, which its base layer holds only under linear placement (allsync check-vllm)
+    kwargs: dict = {
+        "model": str(model),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "seed": 0,
+        "expert_placement_strategy": "linear",
+    }
     if on_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default grabs far more
         kwargs.update(

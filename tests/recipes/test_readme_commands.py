@@ -43,6 +43,7 @@ SLOW = [
     "torchrun --nproc_per_node 2 recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20 --out-dir runs/dapo-tiny-ep2-ray",
     "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/adapter --format peft",
+    "allsync check-vllm runs/adapter --base runs/tiny-base --expert-parallel 2",
     "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/merged --format merged --dtype fp8",
     "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/merged-as-trained --format merged "
     "--merge-into trained --routed-experts nf4",
@@ -123,8 +124,10 @@ def test_the_readme_commands_that_train_run(tmp_path):
     """Every training command of the README (2 steps each), then the exports and the evaluation of what they wrote."""
     cwd = sandbox(tmp_path)
     run("python recipes/arithmetic_parquet.py", cwd, 300)  # the parquet run's data
-    last = [c for c in SLOW if c.startswith(("allsync export", "allsync eval"))]
+    last = [c for c in SLOW if c.startswith(("allsync export", "allsync check-vllm", "allsync eval"))]
     for command in [c for c in SLOW if c not in last] + last:
         done = run(command, cwd, 1800)
         if "recipes/dapo.py" in command:
             assert re.search(r"held-out accuracy: base [\d.]+% -> trained [\d.]+%", done.stdout), command
+        if command.startswith("allsync check-vllm"):
+            assert "vLLM accepted: 1 MoE layers x 4 experts x 3 projections" in done.stdout, done.stdout
