@@ -585,15 +585,29 @@ def parse_config(data: dict, source: str = "<config>") -> RunConfig:
     return config
 
 
-def load_config(path: str | os.PathLike) -> RunConfig:
+def read_yaml(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML ({exc})") from exc
-    return parse_config(data, str(path))
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    return parse_config(read_yaml(path), str(path))
+
+
+def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, ConfigError | None]:
+    """The config built section by section (unknown keys and wrong types still raise), and what the checks refuse
+    in it, if anything, without raising it: `allsync plan` plans configs the loop refuses and says why."""
+    config = _build(RunConfig, read_yaml(path), "", str(path))
+    try:
+        validate(config, str(path))
+    except ConfigError as exc:
+        return config, exc
+    return config, None
 
 
 # ------------------------------------------------------------------------------------------ checks

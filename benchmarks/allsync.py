@@ -41,32 +41,14 @@ from allsync.config import parse_config  # noqa: E402
 from allsync.launch.disaggregated import DisaggregatedGroup
 from allsync.launch.local import LocalGroup
 from allsync.launch.ray_actors import RayGroup  # noqa: E402
-from allsync.plan import lora_values  # noqa: E402
+from allsync.plan.shapes import DEEPSEEK_V3  # noqa: E402
+from allsync.plan.weights import lora_values  # noqa: E402
 from allsync.tasks import make_splits  # noqa: E402
 from quant.layout import expected_tensors  # noqa: E402
 
-# DeepSeek-V3 / R1 (671B) shapes from its config.json
-DEEPSEEK_V3 = dict(
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    first_k_dense_replace=3,
-    moe_layer_freq=1,
-    n_routed_experts=256,
-    n_shared_experts=1,
-    num_attention_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-)
-
 
 def sync_sizes(config: dict, targets: list[str], rank: int, bytes_per_value: int = 2) -> dict[str, int]:
-    """Bytes of one sync: adapter only (allsync.plan.lora_values: r (in + out) per adapted weight), against every
+    """Bytes of one sync: adapter only (allsync.plan.weights.lora_values: r (in + out) per adapted weight), against every
     weight of the model."""
     full = sum(math.prod(spec.shape) for spec in expected_tensors(config).values())
     adapter = lora_values(config, rank, tuple(targets))

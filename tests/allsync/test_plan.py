@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from allsync.plan import frozen_bytes, lora_values, weight_bytes, worker_bytes
+from allsync.plan.weights import frozen_bytes, lora_values, weight_bytes, worker_bytes
 from moe_lora.lora import LoRAConfig, attach_lora
 from quant.checkpoint_io import read_config
 from quant.loader import QuantPlan, byte_report, load_frozen_model

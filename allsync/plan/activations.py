@@ -1,0 +1,233 @@
+"""Training activations: what the trainer's forward saves for backward, per token, traced from the real code.
+
+`trace_saved_bytes` builds a two-layer model with the checkpoint's per-token shapes (one dense decoder layer, one MoE
+layer whose experts are the top-k a token is routed to, so every expert row a token makes exists) with the run's
+LoRA, runs the trainer's own forward (allsync.forward.forward_pass) on T = 32 and 64 tokens under
+`torch.autograd.graph.saved_tensors_hooks`, and counts the distinct storages saved in each layer that are not weights.
+The slope over T is the bytes per token, the rest a per-layer constant. Attention is counted as a fused GPU kernel
+(flash / memory-efficient) saves it: q, k, v, the output and a float32 log-sum-exp per head and token; the CPU's
+math kernel would also keep heads x T^2 probabilities. The frozen format does not change it (traced: bf16 and NF4
+experts save the same bytes), so the trace runs on bf16 weights.
+
+The peak above the resident model during one forward + backward of `tokens` tokens:
+
+    activation checkpointing tokens x (L x h x b + post) + tokens x max(dense, moe) + max(const)
+                             (each layer's input kept, one layer recomputed at a time)
+    without                  tokens x (n_dense x dense + n_moe x moe + post) + n_dense x const_dense + n_moe x const_moe
+
+with h the hidden size, b the compute dtype's bytes, `post` what follows the layers (the final norm and the chunked
+lm_head's input). Not counted: the constant part of experts beyond the top-k the trace holds (their LoRA factors
+cast to the compute dtype, a few hundred kB each; 1.3% of a tiny model's saved bytes, tests/allsync/test_plan_fit.py),
+and transient buffers of the backward (activation gradients). Checked against the real-size layers measured on an H200
+(BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TRACE_TOKENS = (32, 64)
+TRACE_VERSION = 1  # bump when the trainer's forward changes what it saves, so that cached traces are redone
+SHAPE_KEYS = (
+    "num_experts_per_tok",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+)
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """Bytes saved for backward by the trainer's forward: per token of a dense and of a MoE decoder layer, per token
+    after the layers (`post`), a layer's input per token (what activation checkpointing keeps), and each layer's
+    constant part (LoRA factors cast to the compute dtype and the like)."""
+
+    dense: float
+    moe: float
+    post: float
+    layer_input: float
+    dense_const: float
+    moe_const: float
+
+    def peak(self, config: dict, tokens: int, checkpointing: bool) -> int:
+        """Bytes above the resident model during one forward + backward of `tokens` tokens (module docstring)."""
+        layers = config["num_hidden_layers"]
+        n_dense = min(config.get("first_k_dense_replace", 0), layers)
+        n_moe = layers - n_dense
+        if checkpointing:
+            per_token = layers * self.layer_input + self.post + max(self.dense, self.moe)
+            return round(tokens * per_token + max(self.dense_const, self.moe_const))
+        per_token = n_dense * self.dense + n_moe * self.moe + self.post
+        return round(tokens * per_token + n_dense * self.dense_const + n_moe * self.moe_const)
+
+
+def trace_spec(config: dict):
+    """The two-layer moe_lora.tiny.TinySpec with `config`'s per-token shapes: one dense and one MoE layer, as many
+    experts as a token is routed to (all of them chosen), one expert group."""
+    from moe_lora.tiny import TinySpec
+
+    top_k = config["num_experts_per_tok"]
+    return TinySpec(
+        layers=2,
+        dense_layers=1,
+        experts=top_k,
+        experts_per_token=top_k,
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        heads=config["num_attention_heads"],
+        q_lora_rank=config["q_lora_rank"],
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        n_group=1,
+        topk_group=1,
+    )
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Stands in for a fused attention kernel while tracing: its output computed without a graph, and what such a
+    kernel saves for backward (q, k, v, the output, a float32 log-sum-exp per head and token)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out):
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, grad
+
+
+@contextmanager
+def fused_attention():
+    """torch's scaled_dot_product_attention, inside, saves what a fused GPU kernel saves (`_FusedAttention`)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(q, k, v, *args, **kwargs):
+        with torch.no_grad():
+            out = original(q, k, v, *args, **kwargs)
+        return _FusedAttention.apply(q, k, v, out)
+
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def weight_storages(model) -> set[int]:
+    """Storages of the model's parameters, buffers and the tensors its modules hold (frozen weights, scales)."""
+    found = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():
+        for value in vars(module).values():
+            values = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            )
+            for item in values:
+                for t in item if isinstance(item, (list, tuple)) else [item]:
+                    if isinstance(t, torch.Tensor):
+                        found.add(t.untyped_storage().data_ptr())
+    return found
+
+
+def saved_per_layer(model, tokens: int, checkpointing: bool) -> dict[str, int]:
+    """Bytes of the distinct non-weight storages the trainer's forward saves for backward, by where they are saved:
+    layer0, layer1, ..., post (after the last layer)."""
+    from allsync.forward import SequenceBatch, checkpointed_decoder_layers, forward_pass
+
+    weights, seen, saved = weight_storages(model), set(), collections.Counter()
+    where = ["pre"]
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, i=i: where.__setitem__(0, f"layer{i}"))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    hooks.append(model.model.norm.register_forward_pre_hook(lambda module, args: where.__setitem__(0, "post")))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in weights and key not in seen:
+            seen.add(key)
+            saved[where[0]] += t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 200, (1, tokens))
+    batch = SequenceBatch(ids, torch.ones_like(ids), torch.ones(1, tokens - 1))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fused_attention():
+            with checkpointed_decoder_layers(model, checkpointing):
+                forward_pass(model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return dict(saved)
+
+
+def trace_saved_bytes(
+    config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str = "bfloat16"
+) -> SavedBytes:
+    """SavedBytes of the run's LoRA on `config`'s shapes, traced (module docstring). Builds the two-layer checkpoint in
+    a temporary directory (DeepSeek-V3's shapes: 2.2 GB, about a minute on 2 cores)."""
+    from moe_lora.lora import LoRAConfig, attach_lora
+    from moe_lora.tiny import make_tiny
+    from quant.loader import QuantPlan, load_frozen_model
+
+    dtype = getattr(torch, compute_dtype)
+    with tempfile.TemporaryDirectory(prefix="allsync-plan-trace-") as tmp:
+        base = make_tiny(Path(tmp) / "model", trace_spec(config))
+        model = load_frozen_model(str(base), QuantPlan.uniform("bf16"), compute_dtype=dtype, progress=False)
+    attach_lora(model, LoRAConfig(lora_rank, 2 * lora_rank, tuple(targets)))
+    first, second = (saved_per_layer(model, t, False) for t in TRACE_TOKENS)
+    span = TRACE_TOKENS[1] - TRACE_TOKENS[0]
+    slope = {k: (second.get(k, 0) - first.get(k, 0)) / span for k in second}
+    const = {k: first.get(k, 0) - TRACE_TOKENS[0] * slope[k] for k in second}
+    return SavedBytes(
+        dense=slope["layer0"],
+        moe=slope["layer1"],
+        post=slope.get("post", 0.0),
+        layer_input=config["hidden_size"] * dtype.itemsize,
+        dense_const=max(const["layer0"], 0.0),
+        moe_const=max(const["layer1"], 0.0),
+    )
+
+
+def trace_key(config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str) -> str:
+    """What the trace depends on, hashed: the per-token shapes, the LoRA and the compute dtype."""
+    shape = {k: config[k] for k in SHAPE_KEYS}
+    text = json.dumps([shape, lora_rank, sorted(targets), compute_dtype, TRACE_VERSION], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "allsync" / "plan"
+
+
+def saved_bytes(config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str = "bfloat16") -> SavedBytes:
+    """`trace_saved_bytes`, kept in the user's cache (~/.cache/allsync/plan/, a JSON file per shape, rank, targets
+    and dtype) so that only the first plan of a shape traces."""
+    path = cache_dir() / f"saved-{trace_key(config, lora_rank, targets, compute_dtype)}.json"
+    if path.exists():
+        return SavedBytes(**json.loads(path.read_text()))
+    result = trace_saved_bytes(config, lora_rank, targets, compute_dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(result)) + "\n")
+    tmp.replace(path)
+    return result

@@ -1,0 +1,191 @@
+"""Will a run fit its GPUs: every part of one worker's memory in the two phases of an all-sync step, and the verdict.
+
+An all-sync worker alternates two phases on the same GPU:
+
+    train      frozen + adapter + activations (+ the engine's weights, colocation resident)
+    generate   adapter + the engine's weights + its KV cache (+ frozen, colocation resident)
+    frozen     the trainer's frozen model (weights.frozen_bytes); adapter: LoRA + its gradients + AdamW's moments
+
+The torch engine generates with the trainer's own weights (no engine weights); vLLM serves the checkpoint as stored
+(its FP8 or bf16 tensors, the worker's block of routed experts), a second copy. Colocation `resident` keeps both
+copies on the GPU; `sleep` keeps only the phase's own: vLLM's sleep mode (level 1) moves the engine's weights to host
+memory while the trainer trains, and the trainer's frozen weights go to host memory while vLLM generates. That costs
+both copies' bytes twice over the host link every step, and host memory for the larger of them per GPU.
+
+Activations: `activations.SavedBytes.peak` at the tokens of one forward (optim.max_tokens_per_forward, or one
+full-length sequence if that is longer; without a budget a minibatch's sequences at full length) with the run's activation checkpointing. KV cache: what the generate phase
+leaves, in tokens of MLA cache (allsync.engines.vllm_support.mla_kv_bytes_per_token), against what the worker's
+sequences of a step need at full length. The run fits when the train phase fits and the generate phase holds at
+least one full-length sequence; fewer than all of them at once means generation in waves, not a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from allsync.plan.activations import SavedBytes
+from allsync.plan.weights import frozen_bytes, lora_values, LORA_VALUE_BYTES
+from quant.loader import QuantPlan
+
+COLOCATIONS = ("resident", "sleep")
+FROZEN_PARTS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "embeddings", "norms_and_router")
+
+
+@dataclass
+class Layout:
+    gpus: int
+    expert_parallel: int
+    gpu_memory_bytes: int
+    colocation: str = "resident"
+    prompt_tokens: int = 1024  # assumed longest prompt (the config does not say; a flag does)
+    host_link_bytes_per_second: float = 25e9  # GPU <-> host, for sleep mode's transfers (a flag; PCIe 4 x16 ~25 GB/s)
+
+
+@dataclass
+class Plan:
+    per_gpu_bytes: dict[str, int]
+    train_bytes: int
+    generate_bytes: int  # with one full-length sequence of KV cache (or all the room there is, if less)
+    gpu_memory_bytes: int
+    kv_cache_tokens: int  # the KV cache the generate phase leaves room for, in tokens
+    sequences: int  # this worker's sequences per step
+    sequence_tokens: int  # prompt + rollout.max_new_tokens
+    tokens_per_forward: int
+    layout: dict
+    sleep_seconds: float = 0.0  # host transfers per step (colocation sleep)
+    host_bytes_per_gpu: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return max(self.train_bytes, self.generate_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def sequences_at_once(self) -> int:
+        return min(self.sequences, self.kv_cache_tokens // self.sequence_tokens)
+
+    def to_json(self) -> dict:
+        return {
+            "per_gpu_bytes": self.per_gpu_bytes,
+            "total_bytes": self.total_bytes,
+            "train_bytes": self.train_bytes,
+            "generate_bytes": self.generate_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "fits": self.fits,
+            "problems": self.problems,
+            "layout": self.layout,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "sequences_at_once": self.sequences_at_once,
+            "sequences": self.sequences,
+            "tokens_per_forward": self.tokens_per_forward,
+            "sleep_seconds_per_step": self.sleep_seconds,
+            "host_bytes_per_gpu": self.host_bytes_per_gpu,
+        }
+
+
+def stored_plan(model_config: dict) -> QuantPlan:
+    """The formats the checkpoint stores its quantizable weights in (what vLLM serves): FP8 blocks or bf16."""
+    return QuantPlan.uniform("fp8" if model_config.get("quantization_config") else "bf16")
+
+
+def kv_bytes_per_token(model_config: dict) -> int:
+    from allsync.engines.vllm_support import mla_kv_bytes_per_token
+
+    return mla_kv_bytes_per_token(model_config)
+
+
+def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan:
+    """The Plan of `run` (a RunConfig) on `layout` for the checkpoint `model_config`; `saved`: the activation trace."""
+    experts_total = model_config["n_routed_experts"]
+    ep = layout.expert_parallel
+    experts = range(experts_total // ep) if ep > 1 else None
+    parts = frozen_bytes(model_config, run.model.quant.plan(), run.model.compute_dtype, experts)
+    values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts)
+    per_gpu = {name: parts.get(name, 0) for name in FROZEN_PARTS}
+    per_gpu.update(
+        lora=values * LORA_VALUE_BYTES, lora_grads=values * LORA_VALUE_BYTES, optimizer=2 * values * LORA_VALUE_BYTES
+    )
+    resident = sum(per_gpu.values())
+
+    r = run.rollout
+    sequences = r.prompts_per_step // layout.gpus * r.group_size
+    sequence_tokens = layout.prompt_tokens + r.max_new_tokens
+    per_minibatch = max(sequences // run.optim.minibatches, 1)
+    budget = run.optim.max_tokens_per_forward  # a sequence longer than the budget is a forward of its own
+    tokens = max(budget, sequence_tokens) if budget else per_minibatch * sequence_tokens
+    per_gpu["activations"] = saved.peak(model_config, tokens, run.optim.activation_checkpointing)
+    engine = sum(frozen_bytes(model_config, stored_plan(model_config), "bfloat16", experts).values())
+    per_gpu["engine_weights"] = engine if r.engine == "vllm" else 0
+
+    kv_token = kv_bytes_per_token(model_config)
+    frozen = sum(per_gpu[name] for name in FROZEN_PARTS)
+    sleeping = layout.colocation == "sleep" and r.engine == "vllm"
+    train = resident + per_gpu["activations"] + (0 if sleeping else per_gpu["engine_weights"])
+    generate_base = resident - (frozen if sleeping else 0) + per_gpu["engine_weights"]
+    kv_tokens = max(layout.gpu_memory_bytes - generate_base, 0) // kv_token
+    per_gpu["kv_cache"] = min(sequences * sequence_tokens, kv_tokens) * kv_token
+
+    problems = []
+    if train > layout.gpu_memory_bytes:
+        problems.append(
+            f"the train phase needs {train / 1e9:.1f} GB (activations {per_gpu['activations'] / 1e9:.1f} GB at "
+            f"{tokens:,} tokens per forward), {(train - layout.gpu_memory_bytes) / 1e9:.1f} GB more than the GPU's "
+            f"{layout.gpu_memory_bytes / 1e9:.0f} GB"
+        )
+    if kv_tokens < sequence_tokens:
+        short = generate_base + sequence_tokens * kv_token - layout.gpu_memory_bytes
+        problems.append(
+            f"the generate phase leaves room for {kv_tokens:,} tokens of KV cache, less than one sequence of "
+            f"{sequence_tokens:,} (prompt + rollout.max_new_tokens); it needs {short / 1e9:.1f} GB more"
+        )
+    return Plan(
+        per_gpu_bytes=per_gpu,
+        train_bytes=train,
+        generate_bytes=generate_base + min(sequence_tokens, kv_tokens) * kv_token,
+        gpu_memory_bytes=layout.gpu_memory_bytes,
+        kv_cache_tokens=kv_tokens,
+        sequences=sequences,
+        sequence_tokens=sequence_tokens,
+        tokens_per_forward=tokens,
+        layout={
+            "gpus": layout.gpus,
+            "expert_parallel": ep,
+            "experts_per_gpu": experts_total // ep,
+            "engine": r.engine,
+            "colocation": layout.colocation,
+            "activation_checkpointing": run.optim.activation_checkpointing,
+            "prompt_tokens": layout.prompt_tokens,
+        },
+        sleep_seconds=2 * (per_gpu["engine_weights"] + frozen) / layout.host_link_bytes_per_second if sleeping else 0.0,
+        host_bytes_per_gpu=max(per_gpu["engine_weights"], frozen) if sleeping else 0,
+        problems=problems,
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The table `allsync plan` prints: every part per GPU, the two phases, the verdict."""
+    gb = lambda n: f"{n / 1e9:9.2f} GB"  # noqa: E731
+    rows = [f"{name:<18}{gb(n)}" for name, n in plan.per_gpu_bytes.items()]
+    lay = plan.layout
+    lines = [
+        f"per GPU, {lay['gpus']} GPUs, expert parallelism {lay['expert_parallel']} ({lay['experts_per_gpu']} experts "
+        f"per GPU), engine {lay['engine']}, colocation {lay['colocation']}:",
+        *rows,
+        f"{'train phase':<18}{gb(plan.train_bytes)}  (resident + activations at {plan.tokens_per_forward:,} tokens "
+        f"per forward{', checkpointed' if lay['activation_checkpointing'] else ''})",
+        f"{'generate phase':<18}{gb(plan.generate_bytes)}  (with one sequence of KV cache)",
+        f"KV cache room: {plan.kv_cache_tokens:,} tokens = {plan.sequences_at_once} of this GPU's {plan.sequences} "
+        f"sequences of {plan.sequence_tokens:,} tokens at once (prompts assumed {lay['prompt_tokens']:,} tokens)",
+    ]
+    if plan.host_bytes_per_gpu:
+        lines.append(
+            f"sleep mode: {plan.host_bytes_per_gpu / 1e9:.1f} GB of host memory per GPU, {plan.sleep_seconds:.1f} s of "
+            "host transfers per step"
+        )
+    verdict = "fits" if plan.fits else "does not fit: " + "; ".join(plan.problems)
+    lines.append(f"verdict: {verdict} ({plan.total_bytes / 1e9:.1f} of {plan.gpu_memory_bytes / 1e9:.0f} GB)")
+    return "\n".join(lines)

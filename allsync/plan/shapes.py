@@ -1,0 +1,33 @@
+"""Model shapes known by name, for planning a run whose checkpoint is not on this machine: the keys of their
+config.json that the plan reads (`allsync plan --shape NAME`)."""
+
+from __future__ import annotations
+
+from quant.layout import FP8_QUANTIZATION_CONFIG
+
+# DeepSeek-V3 and R1 (671B; the same shapes), from the released config.json; stored in FP8 with 128x128 block scales
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    moe_layer_freq=1,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+    quantization_config=FP8_QUANTIZATION_CONFIG,
+)
+SHAPES = {"deepseek-v3": DEEPSEEK_V3, "deepseek-r1": DEEPSEEK_V3}
