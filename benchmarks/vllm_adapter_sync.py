@@ -1,19 +1,17 @@
-"""Adapter-only sync to a vLLM engine: its cost per byte on this machine, and what that makes for DeepSeek-V3 671B.
+"""Adapter-only sync to a vLLM engine, in memory against through a directory, and what it makes for DeepSeek-V3 671B.
 
     python -m benchmarks.vllm_adapter_sync [--layers 4] [--repeats 3] [--json FILE]
 
-After every update the trainer hands its adapter to its vLLM engine as a PEFT directory in /dev/shm
-(allsync/engines/vllm_engine.py: float32 tensors, every expert's gate, up and down), because vLLM 0.32's LoRARequest
-takes only a path. This times both halves on DeepSeek-V3's real shapes (its first `--layers` layers, the first 3
-dense, the rest MoE layers of 256 experts; LoRA rank 16 on the 671B config's targets) for one rank of expert
-parallelism 16 (experts 0-15):
-  write   our side: `write_peft_adapter` into /dev/shm
-  load    vLLM's side in CPU memory (allsync.engines.vllm_lora_check.vllm_view): `LoRAModel.from_local_checkpoint`
-          (only the rank's experts), packing and scaling (`_create_merged_loras_inplace`), and the copy into the
-          MoE layers' stacked LoRA buffers (`FusedMoEWithLoRA.set_lora`)
-and divides each by the adapter's bytes. Times the bytes of one rank's whole 671B adapter (allsync.plan.weights.lora_values
-over all 61 layers with experts 0-15) by those rates: the predicted sync per step. Not measured: the copy from host
-to GPU memory, which vLLM makes when it activates the adapter on a GPU.
+After every update the trainer hands its adapter (float32, every expert's gate, up and down) to its vLLM engine.
+Two ways, timed side by side on DeepSeek-V3's real shapes (its first `--layers` layers, the first 3 dense, the rest
+MoE layers of 256 experts; LoRA rank 16 on the 671B config's targets) for one rank of expert parallelism 16
+(experts 0-15), each through vLLM 0.32's own code in CPU memory (allsync.engines.vllm_lora_check.vllm_view):
+  directory   `write_peft_adapter` into /dev/shm, then `LoRAModel.from_local_checkpoint` (a LoRARequest's path)
+  in memory   `LoRAModel.from_lora_tensors` on the tensors (what allsync.engines.vllm_engine does now)
+each followed by the packing and scaling (`_create_merged_loras_inplace`) and the copy into the MoE layers' stacked
+LoRA buffers (`FusedMoEWithLoRA.set_lora`). The bytes of one rank's whole 671B adapter
+(allsync.plan.weights.lora_values over all 61 layers with experts 0-15) times the seconds per byte give the predicted
+sync per step. Not measured: the copy from host to GPU memory that vLLM makes when it activates the adapter on a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 
 from allsync.plan.weights import lora_target, lora_values
 from allsync.plan.shapes import DEEPSEEK_V3
-from moe_lora.adapter_io import PREFIX, Adapter, write_peft_adapter
+from moe_lora.adapter_io import PREFIX, Adapter, adapter_config_json, write_peft_adapter
 from quant.layout import expected_tensors
 
 TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts")
@@ -59,17 +57,18 @@ def rank_adapter(config: dict, experts: range, seed: int = 0) -> Adapter:
 
 
 def time_sync(config: dict, adapter: Adapter, root: Path) -> tuple[float, float]:
-    """(seconds to write the PEFT directory, seconds for vLLM to load, pack and stack it) once."""
+    """(seconds through a /dev/shm directory, seconds in memory) for one sync, each up to the stacked buffers."""
     from allsync.engines.vllm_lora_check import vllm_view
 
     directory = root / f"adapter-{time.monotonic_ns()}"
     start = time.perf_counter()
     write_peft_adapter(adapter, directory, "DeepSeek-V3")
-    written = time.perf_counter()
     vllm_view(directory, config, RANK, EP, EP_RANK)
-    loaded = time.perf_counter()
+    through_directory = time.perf_counter() - start
     shutil.rmtree(directory)
-    return written - start, loaded - written
+    start = time.perf_counter()
+    vllm_view(None, config, RANK, EP, EP_RANK, in_memory=(adapter.tensors, adapter_config_json(adapter, "DeepSeek-V3")))
+    return through_directory, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -90,30 +89,32 @@ def main(argv: list[str] | None = None) -> dict:
         times = [time_sync(config, adapter, root) for _ in range(args.repeats)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    write_s, load_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+    directory_s, memory_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
     full_bytes = lora_values(DEEPSEEK_V3, RANK, TARGETS, experts) * 4  # float32, as the engine is handed it
     out = {
         "layers": args.layers,
         "adapter_bytes": nbytes,
         "tensors": len(adapter.tensors),
-        "write_seconds": write_s,
-        "vllm_load_seconds": load_s,
-        "write_bytes_per_second": nbytes / write_s,
-        "vllm_load_bytes_per_second": nbytes / load_s,
+        "directory_seconds": directory_s,
+        "in_memory_seconds": memory_s,
+        "directory_over_in_memory": directory_s / memory_s,
         "v3_671b_rank_adapter_bytes": full_bytes,
-        "v3_671b_predicted_sync_seconds": full_bytes / (nbytes / write_s) + full_bytes / (nbytes / load_s),
+        "v3_671b_predicted_sync_seconds_in_memory": full_bytes * memory_s / nbytes,
+        "v3_671b_predicted_sync_seconds_directory": full_bytes * directory_s / nbytes,
     }
     print(
-        f"{args.layers} DeepSeek-V3 layers, rank {RANK}, experts {experts.start}-{experts.stop - 1} of one EP-{EP} rank: "
-        f"{nbytes / 1e6:.1f} MB in {len(adapter.tensors)} tensors (float32)"
+        f"{args.layers} DeepSeek-V3 layers, rank {RANK}, experts {experts.start}-{experts.stop - 1} of one EP-{EP} "
+        f"rank: {nbytes / 1e6:.1f} MB in {len(adapter.tensors)} tensors (float32)"
     )
     print(
-        f"write to /dev/shm {write_s * 1e3:.0f} ms ({out['write_bytes_per_second'] / 1e9:.2f} GB/s), vLLM load + pack + "
-        f"stack {load_s * 1e3:.0f} ms ({out['vllm_load_bytes_per_second'] / 1e9:.2f} GB/s); median of {args.repeats}"
+        f"through /dev/shm {directory_s * 1e3:.0f} ms, in memory {memory_s * 1e3:.0f} ms "
+        f"({out['directory_over_in_memory']:.2f}x); median of {args.repeats}"
     )
     print(
         f"DeepSeek-V3 671B, one rank's adapter ({full_bytes / 1e9:.2f} GB float32): predicted sync "
-        f"{out['v3_671b_predicted_sync_seconds']:.1f} s per step on this machine (host side; the GPU copy not included)"
+        f"{out['v3_671b_predicted_sync_seconds_in_memory']:.1f} s in memory, "
+        f"{out['v3_671b_predicted_sync_seconds_directory']:.1f} s through /dev/shm, per step on this machine "
+        "(host side; the GPU copy not included)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -3,8 +3,11 @@
     engine.generate(prompts, n, sampling) -> Rollout
     engine.load_adapter(tensors, version) -> bytes moved
 
-Adapter-only sync: after every update the LoRA tensors are written as a PEFT adapter to a RAM-backed
-directory (/dev/shm) and hot-loaded through a new `LoRARequest`; the base weights never move. The engine
+Adapter-only sync, in memory: after every update the LoRA tensors go to the engine's worker as they are
+(`add_adapter_from_tensors` through `LLM.collective_rpc`: vLLM's own `LoRAModel.from_lora_tensors` and adapter
+manager, the steps its loader runs after reading a PEFT directory), and the next `LoRARequest` names that adapter;
+no file is written and the base weights never move. vLLM 0.32's LoRARequest itself takes only a path; the adapter
+manager is its worker's private state (`allsync check-vllm` runs the same packing on routed experts). The engine
 runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on the same checkpoint. Logprobs
 are vLLM's processed logprobs (after temperature), the quantity the trainer recomputes.
 
@@ -35,15 +38,12 @@ on CPU the vLLM engine serves adapters without routed-expert LoRA; the torch eng
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 
 from allsync.engines.torch_engine import Rollout, Sampling
 from allsync.engines.vllm_support import vllm_engine_kwargs
-from moe_lora.adapter_io import Adapter, with_all_expert_projections, write_peft_adapter
+from moe_lora.adapter_io import Adapter, adapter_config_json, with_all_expert_projections
 from quant.checkpoint_io import read_config
 
 
@@ -122,7 +122,6 @@ class VLLMEngine:
         self.adapter_version = 0
         self.positions = 0  # prompt + generated tokens, the work a health report divides by
         self.lora_request = None
-        self._lora_dir: Path | None = None
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
@@ -190,16 +189,37 @@ class VLLMEngine:
     def _load_lora(self, adapter: Adapter, version: int) -> int:
         from vllm.lora.request import LoRARequest
 
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        directory = Path(tempfile.mkdtemp(prefix=f"allsync-lora-v{version}-", dir=root))
         served = with_all_expert_projections(adapter, read_config(self.checkpoint))  # vLLM wants all three per expert
-        write_peft_adapter(served, directory / "adapter", self.checkpoint)
-        self.lora_request = LoRARequest(f"allsync-v{version}", version + 1, str(directory / "adapter"))
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
-        self._lora_dir = directory
+        lora_id = version + 1  # vLLM's adapter ids start at 1
+        config = adapter_config_json(served, self.checkpoint)
+        self.llm.collective_rpc(add_adapter_from_tensors, args=(lora_id, served.tensors, config))
+        self.lora_request = LoRARequest(f"allsync-v{version}", lora_id, f"in-memory:allsync-v{version}")
         return sum(t.numel() * t.element_size() for t in adapter.tensors.values())
 
     def close(self) -> None:
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        """Nothing to remove: the adapter lives in the engine's memory."""
+
+
+def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
+    """Runs in the engine's worker (LLM.collective_rpc): the adapter `tensors` (PEFT names, float32) become vLLM's
+    adapter `lora_id` the way its loader makes one from a directory (PEFTHelper checks the rank and scaling,
+    LoRAModel.from_lora_tensors, the adapter manager packs and registers it), replacing the adapters it holds.
+    Returns how many adapters the worker holds (1)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(peft_config)
+    helper.validate_legal(manager.lora_config)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id,
+        tensors,
+        helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+    )
+    adapters = manager._adapter_manager
+    adapters.remove_all_adapters()  # the previous version's
+    adapters.add_adapter(lora)
+    return len(adapters)

@@ -160,33 +160,41 @@ def lora_manager(config: dict, packed: dict[str, list[str]], moe_layers: dict):
     return manager
 
 
-def vllm_view(directory: Path, config: dict, rank: int, ep_size: int, ep_rank: int):
+def vllm_view(directory: Path | None, config: dict, rank: int, ep_size: int, ep_rank: int, in_memory=None):
     """(LoRAModel after packing, {MoE layer name: FusedMoEWithLoRA holding the adapter}, s) of one expert-parallel
-    rank, every step by vLLM's code (see the module docstring)."""
+    rank, every step by vLLM's code (see the module docstring): read from the PEFT `directory`, or, with
+    in_memory = (tensors, adapter_config.json's dict), made from tensors as the trainer's engine sync makes it
+    (allsync.engines.vllm_engine.add_adapter_from_tensors)."""
     from vllm.config.lora import LoRAConfig
     from vllm.lora.lora_model import LoRAModel, MoEEPLoadSpec
     from vllm.lora.peft_helper import PEFTHelper
 
     lora_config = LoRAConfig(max_lora_rank=rank, max_loras=1, lora_dtype=torch.float32)
-    helper = PEFTHelper.from_local_dir(str(directory), max_position_embeddings=config.get("max_position_embeddings"))
-    helper.validate_legal(lora_config)
-    packed = packed_modules(config)
-    experts = config["n_routed_experts"]
-    spec = MoEEPLoadSpec(ep_rank, experts // ep_size, experts) if ep_size > 1 else None
-    model = LoRAModel.from_local_checkpoint(
-        str(directory),
-        expected_modules(packed),
-        helper,
-        lora_model_id=1,
-        device="cpu",
-        dtype=torch.float32,
-        moe_ep_spec=spec,
-    )
+    if in_memory is not None:
+        tensors, peft_config = in_memory
+        helper = PEFTHelper.from_dict(peft_config)
+        helper.validate_legal(lora_config)
+        model = LoRAModel.from_lora_tensors(1, tensors, helper, device="cpu", dtype=torch.float32)
+    else:
+        helper = PEFTHelper.from_local_dir(
+            str(directory), max_position_embeddings=config.get("max_position_embeddings")
+        )
+        helper.validate_legal(lora_config)
+        experts = config["n_routed_experts"]
+        model = LoRAModel.from_local_checkpoint(
+            str(directory),
+            expected_modules(packed_modules(config)),
+            helper,
+            lora_model_id=1,
+            device="cpu",
+            dtype=torch.float32,
+            moe_ep_spec=MoEEPLoadSpec(ep_rank, experts // ep_size, experts) if ep_size > 1 else None,
+        )
     layers = {
         f"model.layers.{i}.mlp.experts": lora_moe_layer(config, lora_config, ep_size, ep_rank)
         for i in moe_layer_indices(config)
     }
-    lora_manager(config, packed, layers)._create_merged_loras_inplace(model)
+    lora_manager(config, packed_modules(config), layers)._create_merged_loras_inplace(model)
     for name, layer in layers.items():
         if (packed_lora := model.loras.get(name)) is not None:
             layer.set_lora(0, packed_lora.lora_a, packed_lora.lora_b)

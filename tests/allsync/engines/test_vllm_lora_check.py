@@ -118,3 +118,25 @@ def test_the_command_prints_vllms_verdict(exported, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["check-vllm", str(adapter), "--base", str(base), "--expert-parallel", "3"])
     assert exit_info.value.code == 1
+
+
+def test_the_trainers_in_memory_sync_stacks_what_the_directory_does(exported):
+    """The engine's sync hands vLLM the tensors, not a directory (allsync.engines.vllm_engine.add_adapter_from_tensors):
+    from_lora_tensors + the same packing fill every stacked buffer of rank 1 of 2 with the same values."""
+    from moe_lora.adapter_io import adapter_config_json, read_adapter
+    from quant.checkpoint_io import read_config
+
+    base, adapter_dir = exported
+    config = read_config(base)
+    adapter = read_adapter(adapter_dir, config)
+    _, from_disk, _ = vllm_view(adapter_dir, config, adapter.r, 2, 1)
+    memory = (adapter.tensors, adapter_config_json(adapter, str(base)))
+    _, from_memory, scale = vllm_view(None, config, adapter.r, 2, 1, in_memory=memory)
+    assert scale == adapter.scale
+    for name, layer in from_disk.items():
+        other = from_memory[name]
+        for a, b in zip(
+            (*layer.w13_lora_a_stacked, *layer.w13_lora_b_stacked, *layer.w2_lora_a_stacked, *layer.w2_lora_b_stacked),
+            (*other.w13_lora_a_stacked, *other.w13_lora_b_stacked, *other.w2_lora_a_stacked, *other.w2_lora_b_stacked),
+        ):
+            assert torch.equal(a, b) and a.abs().sum() > 0, name
