@@ -29,30 +29,14 @@ from pathlib import Path
 
 import torch
 
+from allsync.plan.shapes import DEEPSEEK_V3, tiny_spec_fields
 from quant.checkpoint_io import atomic_output_dir, atomic_write_text, split_into_shards, write_shards
 from quant.formats import fp8_block_quantize
 from quant.layout import expected_tensors, scale_key
 from quant.loader import QuantPlan, byte_report, load_frozen_model
 
-REAL_V3_TWO_LAYERS = dict(
-    layers=2,
-    dense_layers=1,
-    experts=256,
-    experts_per_token=8,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    n_group=8,
-    topk_group=4,
-    fp8=True,
-)
-VOCAB = 129280
+REAL_V3_TWO_LAYERS = tiny_spec_fields(DEEPSEEK_V3, layers=2, dense_layers=1, experts=256, fp8=True)
+VOCAB = DEEPSEEK_V3["vocab_size"]
 PLANS = {"nf4": QuantPlan("nf4", "fp8", "fp8", "fp8"), "fp8": QuantPlan.uniform("fp8")}
 TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts")
 EP16_EXPERTS = range(0, 16)

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from allsync.plan.shapes import tiny_spec_fields
+
 TRACE_TOKENS = (32, 64)
 TRACE_VERSION = 1  # bump when the trainer's forward changes what it saves, so that cached traces are redone
 SHAPE_KEYS = (
@@ -82,23 +84,7 @@ def trace_spec(config: dict):
     from moe_lora.tiny import TinySpec
 
     top_k = config["num_experts_per_tok"]
-    return TinySpec(
-        layers=2,
-        dense_layers=1,
-        experts=top_k,
-        experts_per_token=top_k,
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        moe_intermediate_size=config["moe_intermediate_size"],
-        heads=config["num_attention_heads"],
-        q_lora_rank=config["q_lora_rank"],
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        v_head_dim=config["v_head_dim"],
-        n_group=1,
-        topk_group=1,
-    )
+    return TinySpec(**tiny_spec_fields(config, 2, 1, top_k, n_group=1, topk_group=1))
 
 
 class _FusedAttention(torch.autograd.Function):

@@ -31,3 +31,26 @@ DEEPSEEK_V3 = dict(
     quantization_config=FP8_QUANTIZATION_CONFIG,
 )
 SHAPES = {"deepseek-v3": DEEPSEEK_V3, "deepseek-r1": DEEPSEEK_V3}
+
+
+def tiny_spec_fields(config: dict, layers: int, dense_layers: int, experts: int, **overrides) -> dict:
+    """moe_lora.tiny.TinySpec's fields for a checkpoint of `layers` layers (`dense_layers` dense) and `experts` routed
+    experts with `config`'s per-token shapes (hidden size, attention, MLP widths, experts per token, expert groups)."""
+    fields = dict(
+        layers=layers,
+        dense_layers=dense_layers,
+        experts=experts,
+        experts_per_token=config["num_experts_per_tok"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        heads=config["num_attention_heads"],
+        q_lora_rank=config["q_lora_rank"],
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        n_group=config.get("n_group", 1),
+        topk_group=config.get("topk_group", 1),
+    )
+    return {**fields, **overrides}
