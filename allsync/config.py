@@ -721,7 +721,8 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
     if c.parallel.expert_parallel > 1 and c.rollout.engine != "torch":
         fail(
             f"parallel.expert_parallel = {c.parallel.expert_parallel} with rollout.engine {c.rollout.engine}: the sharded "
-            "experts serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch"
+            "experts serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch "
+            "(`allsync plan --config ...` says whether the layout fits its GPUs either way)"
         )
 
 
