@@ -168,6 +168,22 @@ class OverlongSection:
 
 
 @dataclass
+class TISSection:
+    """algorithm.tis: truncated importance sampling for a sampler that is not the trainer (allsync.algorithms.importance)."""
+
+    level: str = "token"  # token: min(pi_old / pi_engine, cap) per token | sequence: the product over the row, capped
+    cap: float = 2.0
+
+    def check(self, fail) -> None:
+        from allsync.algorithms import TIS_LEVELS
+
+        if self.level not in TIS_LEVELS:
+            fail(f"algorithm.tis.level = {self.level!r}: use token or sequence")
+        if not self.cap >= 1.0:
+            fail(f"algorithm.tis.cap = {self.cap}: must be >= 1 (a weight of 1 is no correction)")
+
+
+@dataclass
 class AlgorithmSection:
     advantage: str = "grpo"  # grpo | drgrpo (group baselines) | gae | egae (PPO with a critic; egae = T-PPO)
     policy_loss: str = "clipped"  # allsync.algorithms.POLICY_LOSSES: clipped (PPO's surrogate with DAPO's clip-higher)
@@ -185,6 +201,7 @@ class AlgorithmSection:
     # workers the whole batch together: as many rounds as they need together; a worker may train on more or fewer)
     sampling_fill: str = "worker"
     overlong: OverlongSection | None = None
+    tis: TISSection | None = None  # reweight each token's policy loss by min(pi_old / pi_engine, cap)
     kl_coef: float = 0.0  # beta of the KL penalty to the reference policy (the frozen base, adapters off)
     kl_estimator: str = "k3"
     gamma: float = 1.0  # gae / egae discount
@@ -247,6 +264,8 @@ class AlgorithmSection:
                 fail(f"algorithm.kl_estimator: {exc}")
         if self.overlong is not None:
             self.overlong.check(fail)
+        if self.tis is not None:
+            self.tis.check(fail)
 
 
 @dataclass

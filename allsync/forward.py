@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from allsync.algorithms import aggregate_loss, get, kl_penalty, value_loss
+from allsync.algorithms import aggregate_loss, get, kl_penalty, tis_weights, value_loss
 
 
 @dataclass
@@ -229,6 +229,8 @@ class LossSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     policy_loss: str = "clipped"  # a name in allsync.algorithms.POLICY_LOSSES
+    tis_level: str | None = None  # algorithm.tis.level; None: no importance weights
+    tis_cap: float = 2.0
 
 
 @dataclass
@@ -251,6 +253,8 @@ class LossStats:
     entropy: float  # policy entropy at the rollout temperature
     kl_ref: float  # KL to the reference policy (the kl_estimator's value); 0 without reference logprobs
     logprobs: torch.Tensor | None = None  # [B, L-1] the forward's token logprobs, detached
+    tis: float = 0.0  # TIS weights summed over the trained tokens (algorithm.tis)
+    tis_capped: float = 0.0  # trained tokens whose TIS weight the cap cut
 
 
 def minibatch_loss(
@@ -266,6 +270,7 @@ def minibatch_loss(
     value_head: ValueHead | None = None,
     value_targets: ValueTargets | None = None,
     episode_tokens: torch.Tensor | None = None,
+    engine_logprobs: torch.Tensor | None = None,
 ):
     """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss; episode_tokens:
     each row's episode's trained tokens, for episode-mean-token-mean), plus
@@ -275,10 +280,18 @@ def minibatch_loss(
 
     old_logprobs None: the policy being trained is the one that sampled (one on-policy minibatch, before any
     optimizer step), so the old logprobs are this forward's own, detached: r = exp(logprobs - sg(logprobs)) = 1,
-    and the separate no-gradient pass that would compute the same numbers is skipped."""
+    and the separate no-gradient pass that would compute the same numbers is skipped.
+
+    settings.tis_level set: each token's policy loss is weighted by its truncated importance weight against the
+    engine's logprobs (allsync.algorithms.tis_weights; the advantages scaled by it, the same for the clipped
+    surrogate)."""
     out = forward_pass(model, batch, settings.temperature, value_head, with_entropy=True)
     mask = batch.response_mask
     old_logprobs = out.logprobs.detach() if old_logprobs is None else old_logprobs
+    tis = capped = None
+    if settings.tis_level is not None:
+        tis, capped = tis_weights(old_logprobs, engine_logprobs, mask, settings.tis_level, settings.tis_cap)
+        advantages = advantages * tis
     loss, stats = get("policy_loss", settings.policy_loss)(
         out.logprobs,
         old_logprobs,
@@ -315,5 +328,7 @@ def minibatch_loss(
         float((out.entropy * mask).sum()),
         kl_ref,
         out.logprobs.detach(),
+        float((tis * mask).sum()) if tis is not None else 0.0,
+        float(capped.sum()) if capped is not None else 0.0,
     )
     return loss, sums

@@ -154,8 +154,17 @@ def loss_settings(config) -> LossSettings:
     """The policy loss's settings; producer.weighting picks the aggregation with producer.kind multiconv."""
     a, mc = config.algorithm, multiconv_settings(config)
     agg = WEIGHTING_AGGREGATION[mc.weighting] if mc is not None else a.loss_agg
+    tis = {"tis_level": a.tis.level, "tis_cap": a.tis.cap} if a.tis is not None else {}
     return LossSettings(
-        a.clip_low, a.clip_high, a.clip_c, agg, config.rollout.temperature, a.kl_coef, a.kl_estimator, a.policy_loss
+        a.clip_low,
+        a.clip_high,
+        a.clip_c,
+        agg,
+        config.rollout.temperature,
+        a.kl_coef,
+        a.kl_estimator,
+        a.policy_loss,
+        **tis,
     )
 
 
@@ -402,6 +411,7 @@ class Learner:
             "optimizer_steps": 0,
             "empty_minibatches": 0,
             "grad_norm": 0.0,
+            **({"tis_sum": 0.0, "tis_capped_sum": 0.0} if self.loss_settings.tis_level is not None else {}),
         }
         local_sq = torch.zeros(
             (), dtype=torch.float64, device=self.device
@@ -512,6 +522,7 @@ class Learner:
             value_head=self.value_head,
             value_targets=targets,
             episode_tokens=mb.episode_tokens,
+            engine_logprobs=mb.engine_logprobs,
         )
         if not torch.isfinite(loss):
             self.flat_grad[-1] = 1.0
@@ -527,6 +538,9 @@ class Learner:
         out["kl_sum"] += sums.approx_kl
         out["entropy_sum"] += sums.entropy
         out["kl_ref_sum"] += sums.kl_ref
+        if "tis_sum" in out:
+            out["tis_sum"] += sums.tis
+            out["tis_capped_sum"] += sums.tis_capped
         out["trained_tokens"] += int(mb.sequences.response_mask.sum())
         return sums.logprobs
 

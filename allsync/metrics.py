@@ -36,6 +36,15 @@ def aggregate(per_worker: list[dict]) -> dict:
             "approx_kl": total("kl_sum") / tokens,
             "entropy": total("entropy_sum") / tokens,
             "kl_ref": total("kl_ref_sum") / tokens,
+            # algorithm.tis: the mean importance weight and the share of tokens the cap cut
+            **(
+                {
+                    "tis_mean": sum(m.get("tis_sum", 0.0) for m in per_worker) / tokens,
+                    "tis_clipfrac": sum(m.get("tis_capped_sum", 0.0) for m in per_worker) / tokens,
+                }
+                if any("tis_sum" in m for m in per_worker)
+                else {}
+            ),
         }
         if total("trained_tokens")
         else {}

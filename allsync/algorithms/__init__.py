@@ -14,6 +14,7 @@ from .advantages import (
     whitening_sums,
 )
 from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizers
+from .importance import TIS_LEVELS, tis_weights
 from .episodes import CREDIT_RULES, credit_mask, episode_token_counts, episodes_with_tokens
 from .dynamic_sampling import (
     DynamicSamplingExhausted,
@@ -83,5 +84,7 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_penalty",
     "policy_loss",
+    "TIS_LEVELS",
+    "tis_weights",
     "value_loss",
 ]

@@ -367,3 +367,36 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
         assert outs[0][key] == outs[1][key], key
     a, b = adapter(workers[0]), adapter(workers[1])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tis_weights_the_update_by_the_engines_logprobs_and_is_logged(tiny_bf16):
+    """algorithm.tis: with the engine's logprobs equal to the trainer's the weights are 1 and the gradient is the
+    uncorrected one; with the engine at logprob 0 (p = 1) every token's weight is exp(old logprob), as logged."""
+    samples, index = groups(5, 2)
+    plain = RLWorker(config(tiny_bf16, lr=0.0), PROBLEMS)
+    corrected = RLWorker(config(tiny_bf16, lr=0.0, tis={"level": "token", "cap": 2.0}), PROBLEMS)
+    batch = corrected.learner.episode_batch(samples, index)
+    mask = batch.sequences.response_mask
+    expected_mean = float((batch.old_logprobs.exp() * mask).sum() / mask.sum())  # engine logprobs 0 in `groups`
+    out = corrected.train(samples, index)
+    assert out["tis_sum"] / out["trained_tokens"] == pytest.approx(expected_mean, rel=1e-4) and expected_mean < 0.5
+    assert out["tis_capped_sum"] == 0.0 and "tis_sum" not in plain.train(samples, index)
+
+    for episode, row in zip(samples, range(len(samples))):  # the engine computed exactly the trainer's logprobs
+        n = len(episode.final.response_ids)
+        start = int(mask[row].nonzero()[0])
+        episode.final.engine_logprobs = batch.old_logprobs[row, start : start + n].tolist()
+    same = corrected.train(samples, index)
+    assert same["tis_sum"] == pytest.approx(same["trained_tokens"], rel=1e-6) and same["tis_capped_sum"] == 0.0
+    plain.train(samples, index)
+    for a, b in zip(plain.gradient_tensors(), corrected.gradient_tensors()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_tis_settings_are_checked_naming_the_key(tiny_bf16):
+    from allsync.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algorithm.tis.level = 'episode': use token or sequence"):
+        config(tiny_bf16, tis={"level": "episode"})
+    with pytest.raises(ConfigError, match=r"algorithm.tis.cap = 0.5: must be >= 1"):
+        config(tiny_bf16, tis={"cap": 0.5})
