@@ -11,7 +11,7 @@ import math
 import os
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import yaml
@@ -33,11 +33,12 @@ class QuantSection:
     dense_mlp: str = "bf16"
     double_quant: bool = False
 
-    def plan(self):
-        """The quant.loader.QuantPlan these formats describe (what the frozen model is loaded and trained in)."""
+    def plan(self, overrides: dict | None = None):
+        """The quant.loader.QuantPlan these formats describe (what the frozen model is loaded and trained in), with
+        `overrides` (rollout.engine_formats: some of the same keys) in place of these where given."""
         from quant.loader import QuantPlan
 
-        return QuantPlan(self.routed_experts, self.shared_experts, self.attention, self.dense_mlp, self.double_quant)
+        return QuantPlan(**{**asdict(self), **(overrides or {})})
 
     def check(self, fail) -> None:
         for group in ("routed_experts", "shared_experts", "attention", "dense_mlp"):
@@ -117,6 +118,10 @@ class RolloutSection:
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
+    # torch engine: generate with a second frozen copy in other formats (model.quant's keys, e.g. {routed_experts:
+    # bf16}; the rest as model.quant), its LoRA tensors the trainer's own: a sampler that is not the trainer, as
+    # vLLM serving FP8 beside an NF4 trainer is. None: the engine is the trainer's model
+    engine_formats: dict[str, str | bool] | None = None
 
     def check(self, fail) -> None:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -130,6 +135,14 @@ class RolloutSection:
         for key in ("prompts_per_step", "group_size", "max_new_tokens"):
             if getattr(self, key) < 1:
                 fail(f"rollout.{key} = {getattr(self, key)}: must be >= 1")
+        for key, value in (self.engine_formats or {}).items():
+            if key == "double_quant" and isinstance(value, bool):
+                continue
+            if key not in ("routed_experts", "shared_experts", "attention", "dense_mlp") or value not in FORMATS:
+                fail(
+                    f"rollout.engine_formats.{key} = {value!r}: give model.quant's keys (routed_experts, "
+                    f"shared_experts, attention, dense_mlp, double_quant) with formats {', '.join(FORMATS)}"
+                )
         if self.engine not in ("torch", "vllm"):
             fail(f"rollout.engine = {self.engine!r}: use torch or vllm")
         if self.gpu_memory_utilization is not None:
@@ -736,6 +749,12 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
         fail(
             "rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "
             "model.compute_copy: true (small models) or rollout.merge_lora: false"
+        )
+    if c.rollout.engine_formats and (c.rollout.engine != "torch" or c.parallel.expert_parallel > 1):
+        fail(
+            f"rollout.engine_formats with rollout.engine {c.rollout.engine} and parallel.expert_parallel "
+            f"{c.parallel.expert_parallel}: the second frozen copy is the torch engine's, without expert parallelism "
+            "(vLLM serves the checkpoint as stored)"
         )
     if c.parallel.expert_parallel > 1 and c.rollout.engine != "torch":
         fail(

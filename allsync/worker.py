@@ -68,6 +68,25 @@ def keep_compute_copies_within(model, dtype: torch.dtype, device: torch.device) 
     return keep_compute_copies(model, dtype)
 
 
+def lora_config(config: RunConfig) -> LoRAConfig:
+    """The lora section as moe_lora.lora's LoRAConfig."""
+    lc = config.lora
+    return LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora, expert_kernel=lc.expert_kernel)
+
+
+def tie_lora(copy: torch.nn.Module, model: torch.nn.Module) -> int:
+    """Make every trainable parameter of `copy` (a second frozen model with the same LoRA attached) the same
+    Parameter object as `model`'s of that name; returns how many were tied."""
+    theirs = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    mine = [name for name, p in copy.named_parameters() if p.requires_grad]
+    if sorted(mine) != sorted(theirs):
+        raise ValueError("rollout.engine_formats: the engine's copy has other LoRA parameters than the trainer's")
+    for name in mine:
+        parent, _, leaf = name.rpartition(".")
+        setattr(copy.get_submodule(parent), leaf, theirs[name])
+    return len(mine)
+
+
 class NaNLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss."""
 
@@ -127,11 +146,7 @@ class RLWorker:
             experts=experts,
             device=self.device,
         )
-        lc = config.lora
-        attach_lora(
-            self.model,
-            LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora, expert_kernel=lc.expert_kernel),
-        )
+        attach_lora(self.model, lora_config(config))
         seeded_init_(self.model, config.run.seed)  # the same adapter on every rank and under every expert layout
         if config.model.compute_copy:
             keep_compute_copies_within(self.model, _dtype(config.model.compute_dtype), self.device)
@@ -197,7 +212,7 @@ class RLWorker:
             lockstep = self.groups if self.groups.expert_parallel else None
             r = self.config.rollout
             return TorchEngine(
-                self.model,
+                self.model if r.engine_formats is None else self.engine_copy(),
                 self.tokenizer.eos_token_id,
                 self.tokenizer.pad_token_id,
                 r.decode_batch,
@@ -228,6 +243,20 @@ class RLWorker:
                 f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}"
             )
         return engine
+
+    def engine_copy(self):
+        """rollout.engine_formats: a second frozen model in those formats (the rest as model.quant) whose LoRA
+        tensors are the trainer's own parameters (`tie_lora`), so every update reaches it with nothing to copy."""
+        c = self.config
+        dtype = _dtype(c.model.compute_dtype)
+        plan = c.model.quant.plan(c.rollout.engine_formats)
+        model = load_frozen_model(c.model.base, plan, compute_dtype=dtype, progress=False, device=self.device)
+        with torch.random.fork_rng(devices=[]):  # its own initial factors are replaced: draw nothing from the run's RNG
+            attach_lora(model, lora_config(c))
+        tie_lora(model, self.model)
+        if c.model.compute_copy:
+            keep_compute_copies_within(model, dtype, self.device)
+        return model
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
