@@ -1,0 +1,113 @@
+"""A sampler that is not the trainer, on the default job: bf16 experts in the engine against the trainer's NF4 ones,
+uncorrected and with truncated importance sampling, beside the matched engine.
+
+    python -m benchmarks.sampler_mismatch [--steps 200] [--eval-every 50] [--base runs/tiny-base] [--out DIR]
+
+Each variant is `python recipes/dapo.py` on recipes/configs/tiny_cpu.yaml (two Ray workers, the same base, seed and
+data) with:
+    matched         the engine is the trainer's model (the default)
+    mismatched      rollout.engine_formats {routed_experts: bf16}: the checkpoint's own expert weights in the engine
+    tis-token       mismatched + algorithm.tis {level: token, cap: 2}
+    tis-sequence    mismatched + algorithm.tis {level: sequence, cap: 2}
+Writes OUT/sampler_mismatch.json (per variant: held-out accuracy at each evaluation, logprob_gap and tis_mean per
+step) and OUT/sampler_mismatch.png (held-out accuracy and logprob gap over steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MISMATCH = {"routed_experts": "bf16"}
+VARIANTS = {
+    "matched": ({}, None),
+    "mismatched": (MISMATCH, None),
+    "tis-token": (MISMATCH, {"level": "token", "cap": 2.0}),
+    "tis-sequence": (MISMATCH, {"level": "sequence", "cap": 2.0}),
+}
+
+
+def variant_config(base: str, engine_formats: dict, tis: dict | None, steps: int, eval_every: int) -> dict:
+    config = yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
+    config["model"].update(base=base, warm_start=False)
+    config["rollout"]["engine_formats"] = engine_formats or None
+    config["algorithm"]["tis"] = tis
+    config["run"].update(steps=steps, eval_every=eval_every, checkpoint_every=steps, time_limit_minutes=None)
+    return config
+
+
+def run_variant(name: str, config: dict, out: Path) -> dict:
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "dapo.py"),
+        "--config",
+        str(path),
+        "--out-dir",
+        str(folder / "run"),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{name}: recipes/dapo.py failed\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {
+        "heldout": {r["step"]: r["heldout_accuracy"] for r in rows if "heldout_accuracy" in r},
+        "logprob_gap": {r["step"]: r["logprob_gap"] for r in rows if "logprob_gap" in r},
+        "tis_mean": {r["step"]: r["tis_mean"] for r in rows if "tis_mean" in r},
+        "last_line": done.stdout.strip().splitlines()[-1],
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (accuracy, gap) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        accuracy.plot(list(r["heldout"]), list(r["heldout"].values()), marker="o", label=name)
+        gap.plot(list(r["logprob_gap"]), list(r["logprob_gap"].values()), label=name)
+    accuracy.set(xlabel="RL step", ylabel="held-out accuracy (avg@4)", title="held-out accuracy")
+    gap.set(xlabel="RL step", ylabel="nats", yscale="log", title="engine - trainer logprob gap")
+    accuracy.legend()
+    fig.suptitle("engine bf16 experts, trainer NF4 experts (default job)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--base", default=str(ROOT / "runs" / "tiny-base"), help="the default job's warm-started base")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "sampler-mismatch"))
+    args = parser.parse_args(argv)
+    if not (Path(args.base) / "config.json").exists():
+        parser.error(f"--base {args.base}: no checkpoint (run the default job once: it builds runs/tiny-base)")
+    out = Path(args.out)
+    results = {}
+    for name, (engine_formats, tis) in VARIANTS.items():
+        results[name] = run_variant(
+            name, variant_config(args.base, engine_formats, tis, args.steps, args.eval_every), out
+        )
+        r = results[name]
+        gaps = list(r["logprob_gap"].values())
+        print(f"{name:<13} held-out {r['heldout']}  logprob gap median {sorted(gaps)[len(gaps) // 2]:.2e}", flush=True)
+    (out / "sampler_mismatch.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out / "sampler_mismatch.png")
+    print(f"wrote {out / 'sampler_mismatch.json'} and {out / 'sampler_mismatch.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
