@@ -168,7 +168,7 @@ def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan
 
 def format_plan(plan: Plan) -> str:
     """The table `allsync plan` prints: every part per GPU, the two phases, the verdict."""
-    gb = lambda n: f"{n / 1e9:9.2f} GB"  # noqa: E731
+    gb = lambda n: f"{n / 1e9:9.2f} GB" if n >= 1e9 else f"{n / 1e6:9.2f} MB"  # noqa: E731 - tiny models in MB
     rows = [f"{name:<18}{gb(n)}" for name, n in plan.per_gpu_bytes.items()]
     lay = plan.layout
     lines = [
