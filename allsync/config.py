@@ -19,6 +19,7 @@ import yaml
 from allsync.producers.registry import DEFAULT_PRODUCER, ProducerSettings, default_producer, producer_classes
 from allsync.tasks import TASKS, ArithmeticTask, TaskSettings
 from quant.formats import FORMATS
+from quant.layout import QUANTIZABLE_GROUPS
 
 
 class ConfigError(ValueError):
@@ -41,7 +42,7 @@ class QuantSection:
         return QuantPlan(**{**asdict(self), **(overrides or {})})
 
     def check(self, fail) -> None:
-        for group in ("routed_experts", "shared_experts", "attention", "dense_mlp"):
+        for group in QUANTIZABLE_GROUPS:
             if getattr(self, group) not in FORMATS:
                 fail(f"model.quant.{group} = {getattr(self, group)!r}: unknown format (valid: {', '.join(FORMATS)})")
 
@@ -138,7 +139,7 @@ class RolloutSection:
         for key, value in (self.engine_formats or {}).items():
             if key == "double_quant" and isinstance(value, bool):
                 continue
-            if key not in ("routed_experts", "shared_experts", "attention", "dense_mlp") or value not in FORMATS:
+            if key not in QUANTIZABLE_GROUPS or value not in FORMATS:
                 fail(
                     f"rollout.engine_formats.{key} = {value!r}: give model.quant's keys (routed_experts, "
                     f"shared_experts, attention, dense_mlp, double_quant) with formats {', '.join(FORMATS)}"

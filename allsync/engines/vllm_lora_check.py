@@ -170,6 +170,7 @@ def vllm_view(directory: Path | None, config: dict, rank: int, ep_size: int, ep_
     from vllm.lora.peft_helper import PEFTHelper
 
     lora_config = LoRAConfig(max_lora_rank=rank, max_loras=1, lora_dtype=torch.float32)
+    packed = packed_modules(config)
     if in_memory is not None:
         tensors, peft_config = in_memory
         helper = PEFTHelper.from_dict(peft_config)
@@ -183,7 +184,7 @@ def vllm_view(directory: Path | None, config: dict, rank: int, ep_size: int, ep_
         experts = config["n_routed_experts"]
         model = LoRAModel.from_local_checkpoint(
             str(directory),
-            expected_modules(packed_modules(config)),
+            expected_modules(packed),
             helper,
             lora_model_id=1,
             device="cpu",
@@ -194,7 +195,7 @@ def vllm_view(directory: Path | None, config: dict, rank: int, ep_size: int, ep_
         f"model.layers.{i}.mlp.experts": lora_moe_layer(config, lora_config, ep_size, ep_rank)
         for i in moe_layer_indices(config)
     }
-    lora_manager(config, packed_modules(config), layers)._create_merged_loras_inplace(model)
+    lora_manager(config, packed, layers)._create_merged_loras_inplace(model)
     for name, layer in layers.items():
         if (packed_lora := model.loras.get(name)) is not None:
             layer.set_lora(0, packed_lora.lora_a, packed_lora.lora_b)

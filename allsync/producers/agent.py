@@ -27,7 +27,7 @@ from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import GroupRounds
-from allsync.producers.registry import ProducerContext, register_producer
+from allsync.producers.registry import ProducerContext, refuse_memory_ablation, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, model_len_needed, reward_row
 
@@ -283,10 +283,7 @@ class ToolAgent:
 
     def evaluate(self, problems, problem_ids, samples, sampling, memory, score_answers) -> list:
         """The conversations run to the end; the environment's reward scores each (not score_answers)."""
-        if memory != "own":
-            raise ValueError(
-                f"memory {memory!r}: only multi-conversation episodes (producer.kind multiconv) carry a memory"
-            )
+        refuse_memory_ablation(memory)
         return agent_records(self.run(problems, samples, sampling), problem_ids, samples)
 
     def close(self) -> None:

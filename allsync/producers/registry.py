@@ -83,6 +83,15 @@ class ProducerSettings(Protocol):
     def model_len(self, config, tokenizer, problems: list, max_position_embeddings: int) -> int: ...
 
 
+def refuse_memory_ablation(memory: str) -> None:
+    """Held-out evaluation with another memory than the episode's own (the memory ablation, "blank" / "gold") is
+    refused by producers whose episodes carry no memory."""
+    if memory != "own":
+        raise ValueError(
+            f"memory {memory!r}: only multi-conversation episodes (producer.kind multiconv) carry a memory"
+        )
+
+
 def register_producer(cls: type) -> type:
     """Class decorator: `cls.kind` becomes a value of producer.kind."""
     if cls.kind in PRODUCERS:

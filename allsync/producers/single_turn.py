@@ -8,7 +8,7 @@ from typing import ClassVar
 from allsync.episodes import Episode
 from allsync.engines.torch_engine import Sampling
 from allsync.producers.groups import GroupRounds
-from allsync.producers.registry import ProducerContext, register_producer
+from allsync.producers.registry import ProducerContext, refuse_memory_ablation, register_producer
 from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
 
@@ -41,10 +41,7 @@ def engine_answers(
 ) -> list[tuple[list[int], str]]:
     """n answers per problem to its prompt, each (response ids, finish reason). `memory` other than own (the memory
     ablation) is refused: a single-turn answer carries no memory."""
-    if memory != "own":
-        raise ValueError(
-            f"memory {memory!r}: only multi-conversation episodes (producer.kind multiconv) carry a memory"
-        )
+    refuse_memory_ablation(memory)
     rollout = engine.generate([encode(p) for p in problems], n, sampling)
     return list(zip(rollout.response_ids, rollout.finish_reasons))
 

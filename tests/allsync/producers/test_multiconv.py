@@ -269,3 +269,12 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
     assert config.producer.model_len(config, tokenizer, problems, 4096) == longest + 40
     with pytest.raises(ValueError, match=r"producer.memory_tokens = 40 plus the longest memory write's prompt"):
         config.producer.model_len(config, tokenizer, problems, longest + 39)
+
+
+def test_producers_without_a_memory_refuse_the_memory_ablation():
+    from allsync.producers.registry import refuse_memory_ablation
+    from allsync.producers.single_turn import engine_answers
+
+    refuse_memory_ablation("own")
+    with pytest.raises(ValueError, match=r"memory 'gold': only multi-conversation episodes .* carry a memory"):
+        engine_answers(None, None, [], 1, None, memory="gold")  # refused before the engine is asked
