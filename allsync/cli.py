@@ -8,8 +8,10 @@ allsync eval SRC|none --base CKPT --data FILE --out DIR [--engine torch|vllm] [-
              [--top-p 0.7] [--max-new-tokens N] [--reward math_dapo] [--template dapo_math]
 allsync health RUN_DIR [--replay similarity|threshold] [--png PATH]
 allsync check-vllm ADAPTER --base CKPT [--expert-parallel N]
-allsync plan --config X [--gpus N] [--expert-parallel K] [--gpu-memory 80GB] [--shape deepseek-v3] [--colocation resident|sleep]
-             [--prompt-tokens N] [--host-link 25GB/s] [--json FILE]
+allsync plan --config X [--gpus N] [--expert-parallel K] [--gpu h100|h200] [--gpu-memory 80GB] [--shape deepseek-v3]
+             [--colocation resident|sleep|shared] [--prompt-tokens N] [--response-lengths FILE|lognormal:median=M,sigma=S]
+             [--prompts-per-step N] [--kept-groups F] [--gpus-per-node 8] [--interconnect nvlink=153GB/s,network=43GB/s] [--host-link 25GB/s] [--host-memory 2TB]
+             [--search] [--json FILE]
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import fields
+
+from allsync.plan.command import add_plan_parser
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
@@ -271,104 +275,6 @@ def _run_check_vllm(args: argparse.Namespace) -> None:
     print(report.summary())
 
 
-SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(text: str, flag: str, per_second: bool = False) -> float:
-    """ "80GB" / "141GiB" (or "25GB/s" with per_second) in bytes; a ValueError naming the flag otherwise."""
-    import re
-
-    body = text.strip().upper()
-    if per_second:
-        if not body.endswith("/S"):
-            raise ValueError(f"{flag} {text!r}: give a rate such as 25GB/s")
-        body = body[:-2]
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", body)
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"{flag} {text!r}: give a positive size such as 80GB or 141GiB")
-    return float(match.group(1)) * SIZE_UNITS[match.group(2) or ""]
-
-
-def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from allsync.plan.fit import COLOCATIONS
-    from allsync.plan.shapes import SHAPES
-
-    p = sub.add_parser("plan", help="will a config fit its GPUs: every part of a worker's memory, and the verdict")
-    p.add_argument("--config", required=True, help="a run config (YAML)")
-    p.add_argument("--gpus", type=int, help="GPUs (default: the config's parallel.nodes x workers_per_node)")
-    p.add_argument("--expert-parallel", type=int, help="routed experts over this many GPUs (default: the config's)")
-    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU (default %(default)s, an H100)")
-    p.add_argument(
-        "--shape", choices=sorted(SHAPES), help="the model's shape by name when model.base is not on this machine"
-    )
-    p.add_argument("--colocation", choices=COLOCATIONS, default="resident", help="vLLM's weights while training")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="longest prompt, in tokens (default %(default)s)")
-    p.add_argument("--host-link", default="25GB/s", help="GPU-host bandwidth for sleep mode (default %(default)s)")
-    p.add_argument("--json", help="write the plan here too")
-    p.set_defaults(run=_run_plan)
-
-
-def _run_plan(args: argparse.Namespace) -> None:
-    import json
-    from pathlib import Path
-
-    from allsync.config import load_config_for_planning
-    from allsync.plan.activations import saved_bytes
-    from allsync.plan.fit import Layout, format_plan, plan_run
-    from allsync.plan.shapes import SHAPES
-    from quant.checkpoint_io import read_config
-
-    run, refusal = load_config_for_planning(args.config)
-    if args.shape:
-        model_config = SHAPES[args.shape]
-    elif (Path(run.model.base) / "config.json").exists():
-        model_config = read_config(run.model.base)
-    else:
-        raise ValueError(f"model.base = {run.model.base!r} has no config.json here: name its shape with --shape")
-    gpus = args.gpus or run.parallel.workers
-    ep, experts = args.expert_parallel or run.parallel.expert_parallel, model_config["n_routed_experts"]
-    if gpus < 1 or ep < 1 or gpus % ep or experts % ep:
-        raise ValueError(
-            f"--gpus {gpus} / --expert-parallel {ep} (parallel.expert_parallel): the expert-parallel size must divide "
-            f"the GPUs and the {experts} routed experts"
-        )
-    if run.rollout.prompts_per_step % gpus:
-        raise ValueError(
-            f"--gpus {gpus}: rollout.prompts_per_step = {run.rollout.prompts_per_step} does not split over the GPUs"
-        )
-    if args.prompt_tokens < 1:
-        raise ValueError(f"--prompt-tokens {args.prompt_tokens}: must be >= 1")
-    layout = Layout(
-        gpus,
-        ep,
-        int(parse_size(args.gpu_memory, "--gpu-memory")),
-        args.colocation,
-        args.prompt_tokens,
-        parse_size(args.host_link, "--host-link", per_second=True),
-    )
-    print("tracing the trainer's saved activations for this shape (cached after the first time) ...", flush=True)
-    saved = saved_bytes(model_config, run.lora.rank, tuple(run.lora.targets), run.model.compute_dtype)
-    plan = plan_run(run, model_config, layout, saved)
-    print(format_plan(plan))
-    if refusal is not None:
-        print(f"the config checker refuses this config: {refusal}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({**plan.to_json(), "refused": str(refusal) if refusal else None}, indent=1) + "\n"
-        )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="allsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -380,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_health(sub)
     _add_check_vllm(sub)
-    _add_plan(sub)
+    add_plan_parser(sub)
     return parser
 
 

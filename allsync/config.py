@@ -295,6 +295,9 @@ class OptimSection:
     # run in row groups of at most this many (gradients accumulate exactly); None: all rows at once
     max_tokens_per_forward: int | None = None
     activation_checkpointing: bool = False  # keep only decoder-layer inputs for backward and recompute the rest
+    # what each training forward saves for backward waits in host memory (torch.autograd.graph.save_on_cpu, pinned
+    # on GPUs) and comes back when backward needs it; with activation_checkpointing: the layers' inputs
+    activation_offload: bool = False
 
     def check(self, fail) -> None:
         if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < 1:

@@ -7,7 +7,7 @@ response token, so `forward_logprobs(...)[0][:, t]` = log p(token_{t+1} | tokens
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,15 @@ def checkpointed_decoder_layers(model, enabled: bool = True):
     finally:
         for layer in layers:
             del layer.forward  # the class's forward again
+
+
+def saved_on_host(enabled: bool):
+    """optim.activation_offload: inside, every tensor autograd saves for backward is copied to host memory (pinned
+    when CUDA is there, so the copies back are asynchronous) and the device copy freed; backward copies each back
+    when it needs it. Outside a backward, so recomputed layers (activation checkpointing) keep theirs on the device."""
+    if not enabled:
+        return nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
 def token_budget_chunks(lengths: list[int], budget: int | None) -> list[list[int]]:
@@ -109,8 +118,12 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits held at once by `token_logprobs` (64 Mi
 def _chunk_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """z = (h W^T) / T in float32 -> (z[target] - logsumexp(z), entropy = logsumexp(z) - sum softmax(z) z)."""
-    z = torch.nn.functional.linear(hidden, weight).float() / temperature
+    """z = (h W^T) / T in float32 -> (z[target] - logsumexp(z), entropy = logsumexp(z) - sum softmax(z) z).
+    h is flattened to rows first, so the product is one matrix product whatever h's strides: a slice of the
+    hidden states here, a contiguous copy when activation offload brings it back for the recomputation, and
+    the recomputation must save what the forward saved."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    z = torch.nn.functional.linear(rows, weight).float().view(*hidden.shape[:-1], -1) / temperature
     lse = torch.logsumexp(z, dim=-1)
     logprobs = z.gather(-1, targets[..., None]).squeeze(-1) - lse
     if not with_entropy:

@@ -40,6 +40,7 @@ from allsync.forward import (
     logprob_gap,
     minibatch_loss,
     response_positions,
+    saved_on_host,
     scatter_response_values,
     to_response_layout,
     to_sequence_layout,
@@ -509,21 +510,22 @@ class Learner:
         targets = None
         if mb.returns is not None:
             targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)
-        loss, sums = minibatch_loss(
-            self.model,
-            mb.sequences,
-            mb.old_logprobs,
-            mb.advantages,
-            self.loss_settings,
-            totals[0],
-            totals[1],
-            norm_length=c.rollout.max_new_tokens,
-            ref_logprobs=mb.ref_logprobs,
-            value_head=self.value_head,
-            value_targets=targets,
-            episode_tokens=mb.episode_tokens,
-            engine_logprobs=mb.engine_logprobs,
-        )
+        with saved_on_host(c.optim.activation_offload):  # the forward only: backward's recomputation stays
+            loss, sums = minibatch_loss(
+                self.model,
+                mb.sequences,
+                mb.old_logprobs,
+                mb.advantages,
+                self.loss_settings,
+                totals[0],
+                totals[1],
+                norm_length=c.rollout.max_new_tokens,
+                ref_logprobs=mb.ref_logprobs,
+                value_head=self.value_head,
+                value_targets=targets,
+                episode_tokens=mb.episode_tokens,
+                engine_logprobs=mb.engine_logprobs,
+            )
         if not torch.isfinite(loss):
             self.flat_grad[-1] = 1.0
             if self.groups.expert_parallel:  # the EP peers wait for this rank's backward all-to-alls

@@ -67,3 +67,15 @@ def ray_cluster():
         yield cluster.address
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def plan_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plan-cache")
+
+
+@pytest.fixture
+def trace_cache(plan_cache_dir, monkeypatch):
+    """`allsync plan`'s activation traces cached once per test session (DeepSeek-V3's takes ~30 s), not in ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(plan_cache_dir))
+    return plan_cache_dir

@@ -66,16 +66,30 @@ class SavedBytes:
     dense_const: float
     moe_const: float
 
-    def peak(self, config: dict, tokens: int, checkpointing: bool) -> int:
-        """Bytes above the resident model during one forward + backward of `tokens` tokens (module docstring)."""
+    def peak(self, config: dict, tokens: int, checkpointing: bool, offload: bool = False) -> int:
+        """Bytes above the resident model during one forward + backward of `tokens` tokens (module docstring).
+        offload (optim.activation_offload): what the forward saves waits in host memory, and backward brings back
+        one part at a time: the lm_head's input, then each layer's (with checkpointing: its input, while the layer
+        is recomputed)."""
         layers = config["num_hidden_layers"]
         n_dense = min(config.get("first_k_dense_replace", 0), layers)
         n_moe = layers - n_dense
+        if offload:
+            layer = max(self.dense, self.moe) + (self.layer_input if checkpointing else 0.0)
+            return round(tokens * max(self.post, layer) + max(self.dense_const, self.moe_const))
         if checkpointing:
             per_token = layers * self.layer_input + self.post + max(self.dense, self.moe)
             return round(tokens * per_token + max(self.dense_const, self.moe_const))
         per_token = n_dense * self.dense + n_moe * self.moe + self.post
         return round(tokens * per_token + n_dense * self.dense_const + n_moe * self.moe_const)
+
+    def offloaded(self, config: dict, tokens: int, checkpointing: bool) -> int:
+        """Host bytes activation offload holds for one forward + backward: every tensor the forward saves."""
+        layers = config["num_hidden_layers"]
+        n_dense = min(config.get("first_k_dense_replace", 0), layers)
+        if checkpointing:
+            return round(tokens * (layers * self.layer_input + self.post))
+        return round(tokens * (n_dense * self.dense + (layers - n_dense) * self.moe + self.post))
 
 
 def trace_spec(config: dict):

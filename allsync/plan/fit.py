@@ -10,7 +10,9 @@ The torch engine generates with the trainer's own weights (no engine weights); v
 (its FP8 or bf16 tensors, the worker's block of routed experts), a second copy. Colocation `resident` keeps both
 copies on the GPU; `sleep` keeps only the phase's own: vLLM's sleep mode (level 1) moves the engine's weights to host
 memory while the trainer trains, and the trainer's frozen weights go to host memory while vLLM generates. That costs
-both copies' bytes twice over the host link every step, and host memory for the larger of them per GPU.
+both copies' bytes twice over the host link every step, and host memory for the larger of them per GPU. `shared`
+(modelled, not built): vLLM reads the trainer's frozen tensors, one copy; vLLM can only serve what the checkpoint
+stores, so the trainer then freezes every group in the stored formats (FP8 for DeepSeek-V3) instead of model.quant's.
 
 Activations: `activations.SavedBytes.peak` at the tokens of one forward (optim.max_tokens_per_forward, or one
 full-length sequence if that is longer; without a budget a minibatch's sequences at full length) with the run's activation checkpointing. KV cache: what the generate phase
@@ -24,11 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from allsync.plan.activations import SavedBytes
-from allsync.plan.weights import frozen_bytes, lora_values, LORA_VALUE_BYTES
-from quant.loader import QuantPlan
+from allsync.plan.weights import FROZEN_PARTS, engine_bytes, stored_plan, trainer_bytes
 
-COLOCATIONS = ("resident", "sleep")
-FROZEN_PARTS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "embeddings", "norms_and_router")
+COLOCATIONS = ("resident", "sleep", "shared")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class Layout:
     colocation: str = "resident"
     prompt_tokens: int = 1024  # assumed longest prompt (the config does not say; a flag does)
     host_link_bytes_per_second: float = 25e9  # GPU <-> host, for sleep mode's transfers (a flag; PCIe 4 x16 ~25 GB/s)
+    host_memory_bytes: int = 2 * 10**12  # per node (a flag)
+    gpus_per_node: int = 8
 
 
 @dataclass
@@ -53,7 +55,8 @@ class Plan:
     tokens_per_forward: int
     layout: dict
     sleep_seconds: float = 0.0  # host transfers per step (colocation sleep)
-    host_bytes_per_gpu: int = 0
+    host_bytes_per_gpu: int = 0  # sleep mode's weights and offloaded activations, at the phase that holds most
+    offloaded_bytes: int = 0  # optim.activation_offload: one forward's saved tensors in host memory
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -84,12 +87,8 @@ class Plan:
             "tokens_per_forward": self.tokens_per_forward,
             "sleep_seconds_per_step": self.sleep_seconds,
             "host_bytes_per_gpu": self.host_bytes_per_gpu,
+            "offloaded_activation_bytes": self.offloaded_bytes,
         }
-
-
-def stored_plan(model_config: dict) -> QuantPlan:
-    """The formats the checkpoint stores its quantizable weights in (what vLLM serves): FP8 blocks or bf16."""
-    return QuantPlan.uniform("fp8" if model_config.get("quantization_config") else "bf16")
 
 
 def kv_bytes_per_token(model_config: dict) -> int:
@@ -98,28 +97,32 @@ def kv_bytes_per_token(model_config: dict) -> int:
     return mla_kv_bytes_per_token(model_config)
 
 
+def tokens_per_forward(run, sequences: int, sequence_tokens: int) -> int:
+    """The tokens of one training forward: optim.max_tokens_per_forward (a longer sequence is a forward of its own),
+    or without a budget a minibatch's sequences at full length."""
+    budget = run.optim.max_tokens_per_forward
+    if budget:
+        return max(budget, sequence_tokens)
+    return max(sequences // run.optim.minibatches, 1) * sequence_tokens
+
+
 def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan:
     """The Plan of `run` (a RunConfig) on `layout` for the checkpoint `model_config`; `saved`: the activation trace."""
     experts_total = model_config["n_routed_experts"]
     ep = layout.expert_parallel
-    experts = range(experts_total // ep) if ep > 1 else None
-    parts = frozen_bytes(model_config, run.model.quant.plan(), run.model.compute_dtype, experts)
-    values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts)
-    per_gpu = {name: parts.get(name, 0) for name in FROZEN_PARTS}
-    per_gpu.update(
-        lora=values * LORA_VALUE_BYTES, lora_grads=values * LORA_VALUE_BYTES, optimizer=2 * values * LORA_VALUE_BYTES
-    )
+    r = run.rollout
+    shared = layout.colocation == "shared" and r.engine == "vllm"
+    per_gpu = trainer_bytes(run, model_config, ep, stored_plan(model_config) if shared else None)
     resident = sum(per_gpu.values())
 
-    r = run.rollout
     sequences = r.prompts_per_step // layout.gpus * r.group_size
     sequence_tokens = layout.prompt_tokens + r.max_new_tokens
-    per_minibatch = max(sequences // run.optim.minibatches, 1)
-    budget = run.optim.max_tokens_per_forward  # a sequence longer than the budget is a forward of its own
-    tokens = max(budget, sequence_tokens) if budget else per_minibatch * sequence_tokens
-    per_gpu["activations"] = saved.peak(model_config, tokens, run.optim.activation_checkpointing)
-    engine = sum(frozen_bytes(model_config, stored_plan(model_config), "bfloat16", experts).values())
-    per_gpu["engine_weights"] = engine if r.engine == "vllm" else 0
+    tokens = tokens_per_forward(run, sequences, sequence_tokens)
+    o = run.optim
+    per_gpu["activations"] = saved.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload)
+    offloaded = saved.offloaded(model_config, tokens, o.activation_checkpointing) if o.activation_offload else 0
+    engine = sum(engine_bytes(model_config, ep).values())
+    per_gpu["engine_weights"] = engine if r.engine == "vllm" and not shared else 0
 
     kv_token = kv_bytes_per_token(model_config)
     frozen = sum(per_gpu[name] for name in FROZEN_PARTS)
@@ -142,6 +145,13 @@ def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan
             f"the generate phase leaves room for {kv_tokens:,} tokens of KV cache, less than one sequence of "
             f"{sequence_tokens:,} (prompt + rollout.max_new_tokens); it needs {short / 1e9:.1f} GB more"
         )
+    host_bytes = max(per_gpu["engine_weights"] + offloaded, frozen) if sleeping else offloaded
+    node_gpus = min(layout.gpus, layout.gpus_per_node)
+    if host_bytes * node_gpus > layout.host_memory_bytes:
+        problems.append(
+            f"host memory: {node_gpus} GPUs x {host_bytes / 1e9:.1f} GB (sleep mode's weights, offloaded activations) "
+            f"= {host_bytes * node_gpus / 1e9:.0f} GB, more than the node's {layout.host_memory_bytes / 1e9:.0f} GB"
+        )
     return Plan(
         per_gpu_bytes=per_gpu,
         train_bytes=train,
@@ -158,10 +168,13 @@ def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan
             "engine": r.engine,
             "colocation": layout.colocation,
             "activation_checkpointing": run.optim.activation_checkpointing,
+            "activation_offload": run.optim.activation_offload,
             "prompt_tokens": layout.prompt_tokens,
+            "frozen_formats": "as stored (shared with vLLM)" if shared else "model.quant",
         },
         sleep_seconds=2 * (per_gpu["engine_weights"] + frozen) / layout.host_link_bytes_per_second if sleeping else 0.0,
-        host_bytes_per_gpu=max(per_gpu["engine_weights"], frozen) if sleeping else 0,
+        host_bytes_per_gpu=host_bytes,
+        offloaded_bytes=offloaded,
         problems=problems,
     )
 
@@ -176,16 +189,20 @@ def format_plan(plan: Plan) -> str:
         f"per GPU), engine {lay['engine']}, colocation {lay['colocation']}:",
         *rows,
         f"{'train phase':<18}{gb(plan.train_bytes)}  (resident + activations at {plan.tokens_per_forward:,} tokens "
-        f"per forward{', checkpointed' if lay['activation_checkpointing'] else ''})",
+        f"per forward{', checkpointed' if lay['activation_checkpointing'] else ''}"
+        f"{', offloaded' if lay['activation_offload'] else ''})",
         f"{'generate phase':<18}{gb(plan.generate_bytes)}  (with one sequence of KV cache)",
         f"KV cache room: {plan.kv_cache_tokens:,} tokens = {plan.sequences_at_once} of this GPU's {plan.sequences} "
         f"sequences of {plan.sequence_tokens:,} tokens at once (prompts assumed {lay['prompt_tokens']:,} tokens)",
     ]
-    if plan.host_bytes_per_gpu:
+    if plan.offloaded_bytes:
         lines.append(
-            f"sleep mode: {plan.host_bytes_per_gpu / 1e9:.1f} GB of host memory per GPU, {plan.sleep_seconds:.1f} s of "
-            "host transfers per step"
+            f"activation offload: {plan.offloaded_bytes / 1e9:.1f} GB of one forward's activations in host memory"
         )
+    if plan.sleep_seconds:
+        lines.append(f"sleep mode: {plan.sleep_seconds:.1f} s of host transfers per step")
+    if plan.host_bytes_per_gpu:
+        lines.append(f"host memory per GPU: {plan.host_bytes_per_gpu / 1e9:.1f} GB")
     verdict = "fits" if plan.fits else "does not fit: " + "; ".join(plan.problems)
     lines.append(f"verdict: {verdict} ({plan.total_bytes / 1e9:.1f} of {plan.gpu_memory_bytes / 1e9:.0f} GB)")
     return "\n".join(lines)

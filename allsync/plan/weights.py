@@ -14,8 +14,8 @@ disagree on what exists. Bytes per tensor, as `QuantizedWeight.nbytes` and the l
     gradients                as many float32 values as LoRA; AdamW state: two (exp_avg, exp_avg_sq)
 
 Checked against measurement: the tiny configs' loaded models (tests/allsync/test_plan.py) and two real-size
-DeepSeek-V3 layers on an H200 (benchmarks/measured/v3_layer_memory_h200.json, BENCHMARKS.md). Not modelled yet:
-activations, the rollout engine's own weights and KV cache, and the step time.
+DeepSeek-V3 layers on an H200 (benchmarks/measured/v3_layer_memory_h200.json, BENCHMARKS.md). The activations, the
+engine's KV cache and the verdict are in activations.py and fit.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from quant.layout import FP8_BLOCK, TensorSpec, expected_tensors, parse_expert_k
 from quant.loader import QuantPlan
 
 LORA_VALUE_BYTES = torch.float32.itemsize  # LoRAConfig.dtype: A and B in float32
+FROZEN_PARTS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "embeddings", "norms_and_router")
 KEPT_GROUPS = {"embed": "embeddings", "lm_head": "embeddings", "norm": "norms_and_router", "router": "norms_and_router"}
 
 
@@ -87,14 +88,26 @@ def lora_values(config: dict, rank: int, targets: tuple[str, ...], experts: rang
     )
 
 
-def worker_bytes(run, model_config: dict) -> dict[str, int]:
-    """Per worker of `run` (a RunConfig) on the checkpoint `model_config`: the frozen groups, `lora`, `lora_grads`
-    and `optimizer` (AdamW), in bytes. With parallel.expert_parallel = k each worker holds n_routed_experts / k."""
-    ep = run.parallel.expert_parallel
-    experts = range(model_config["n_routed_experts"] // ep) if ep > 1 else None
-    out = frozen_bytes(model_config, run.model.quant.plan(), run.model.compute_dtype, experts)
+def stored_plan(model_config: dict) -> QuantPlan:
+    """The formats the checkpoint stores its quantizable weights in (what vLLM serves): FP8 blocks or bf16."""
+    return QuantPlan.uniform("fp8" if model_config.get("quantization_config") else "bf16")
+
+
+def trainer_bytes(run, model_config: dict, expert_parallel: int, quant: QuantPlan | None = None) -> dict[str, int]:
+    """The trainer's resident bytes per GPU, by part: the frozen groups (in `quant`, default model.quant's formats),
+    LoRA, its gradients and AdamW's two moments, with n_routed_experts / expert_parallel experts per GPU."""
+    experts = range(model_config["n_routed_experts"] // expert_parallel) if expert_parallel > 1 else None
+    parts = frozen_bytes(model_config, quant or run.model.quant.plan(), run.model.compute_dtype, experts)
     values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts)
-    out.update(
+    per_gpu = {name: parts.get(name, 0) for name in FROZEN_PARTS}
+    per_gpu.update(
         lora=values * LORA_VALUE_BYTES, lora_grads=values * LORA_VALUE_BYTES, optimizer=2 * values * LORA_VALUE_BYTES
     )
-    return out
+    return per_gpu
+
+
+def engine_bytes(model_config: dict, expert_parallel: int) -> dict[str, int]:
+    """vLLM's own copy of the base per GPU, by group: the checkpoint's tensors as stored, n_routed_experts / EP
+    experts."""
+    experts = range(model_config["n_routed_experts"] // expert_parallel) if expert_parallel > 1 else None
+    return frozen_bytes(model_config, stored_plan(model_config), "bfloat16", experts)

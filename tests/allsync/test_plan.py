@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from allsync.plan.weights import frozen_bytes, lora_values, weight_bytes, worker_bytes
+from allsync.plan.weights import frozen_bytes, lora_values, trainer_bytes, weight_bytes
 from moe_lora.lora import LoRAConfig, attach_lora
 from quant.checkpoint_io import read_config
 from quant.loader import QuantPlan, byte_report, load_frozen_model
@@ -79,12 +79,12 @@ def test_predictions_against_the_h200_measurement():
             assert bytes_ == pytest.approx(p[key]["measured"], rel=0.01), (p["plan"], key)
 
 
-def test_worker_bytes_of_a_run_config(tiny_fp8):
+def test_trainer_bytes_of_a_run_config(tiny_fp8):
     from allsync.config import parse_config
 
     run = parse_config({"model": {"base": str(tiny_fp8)}, "parallel": {"workers_per_node": 2, "expert_parallel": 2}})
     config = read_config(tiny_fp8)
-    out = worker_bytes(run, config)
+    out = trainer_bytes(run, config, run.parallel.expert_parallel)
     held = config["n_routed_experts"] // 2
     assert (
         out["routed_experts"] == frozen_bytes(config, run.model.quant.plan(), "float32", range(held))["routed_experts"]

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from allsync.cli import main, parse_size
+from allsync.cli import main
+from allsync.plan.command import parse_size
 from allsync.plan.activations import saved_per_layer, trace_saved_bytes
 from moe_lora.lora import LoRAConfig, attach_lora
 from moe_lora.tiny import TinySpec, make_tiny, tiny_config
@@ -41,15 +42,6 @@ def test_sizes_are_parsed_or_refused_naming_the_flag():
         parse_size("25GB", "--host-link", per_second=True)
 
 
-@pytest.fixture(scope="module")
-def trace_cache(tmp_path_factory):
-    """One cache for the module: DeepSeek-V3's trace (two real-size layers) is made once."""
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(cache))
-        yield cache
-
-
 def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
     config = "recipes/configs/dapo_math_deepseek_v3_671b.yaml"
     out = tmp_path / "plan.json"
@@ -64,8 +56,11 @@ def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
     assert parts["optimizer"] == 2 * parts["lora"] and parts["engine_weights"] > parts["routed_experts"]
     frozen = sum(parts[k] for k in ("routed_experts", "shared_experts", "attention", "dense_mlp", "embeddings"))
     assert frozen / 1e9 == pytest.approx(41.86, abs=0.01)  # tests/allsync/test_plan.py's 42.07 GB less norms/router
-    # activation checkpointing at one 21,504-token sequence: 61 layer inputs, the final part, one MoE layer again
-    assert plan["tokens_per_forward"] == 21504 and 25e9 < parts["activations"] < 40e9
+    # activation checkpointing at one 21,504-token sequence, offloaded: the 61 layer inputs and the final part wait in
+    # host memory; on the GPU one MoE layer recomputed with its input
+    assert plan["tokens_per_forward"] == 21504 and 10e9 < parts["activations"] < 15e9
+    assert 18e9 < plan["offloaded_activation_bytes"] < 22e9
+    assert plan["host_bytes_per_gpu"] == parts["engine_weights"] + plan["offloaded_activation_bytes"]  # sleep, training
     assert plan["train_bytes"] == sum(parts[k] for k in parts if k not in ("engine_weights", "kv_cache"))
     assert plan["layout"] == {
         "gpus": 48,
@@ -74,9 +69,11 @@ def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
         "engine": "vllm",
         "colocation": "sleep",
         "activation_checkpointing": True,
+        "activation_offload": True,
         "prompt_tokens": 1024,
+        "frozen_formats": "model.quant",
     }
-    assert plan["fits"] == (plan["total_bytes"] <= 80e9) and "verdict:" in text
+    assert plan["fits"] and plan["total_bytes"] <= 80e9 and "verdict: fits" in text
     assert "parallel.expert_parallel = 16 with rollout.engine vllm" in plan["refused"]  # the loop still refuses it
     assert (
         main(

@@ -304,6 +304,8 @@ def peak_saved_bytes(worker: RLWorker, samples, index) -> int:
         {"max_tokens_per_forward": 30},
         {"max_tokens_per_forward": 30, "activation_checkpointing": True},
         {"activation_checkpointing": True},
+        {"activation_checkpointing": True, "activation_offload": True},
+        {"activation_offload": True},
     ],
 )
 def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tiny_bf16, optim):
@@ -331,7 +333,36 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
         torch.cat([g.flatten() for g in split.gradient_tensors()]),
     )
     assert float((g_got - g_want).abs().max()) < 1e-4 * float(g_want.abs().max())
-    assert saved[1] < saved[0]
+    assert saved[1] < saved[0]  # offloaded: what the forward saves goes to the host copies, not to the counted ones
+
+
+def test_activation_offload_moves_what_the_forward_saves_and_leaves_recomputation_on_the_device(tiny_bf16, monkeypatch):
+    """optim.activation_offload wraps the forward only: with activation checkpointing the host copies are the layers'
+    inputs and the lm_head's input (what the plan counts as offloaded), a small share of what the forward saves
+    without checkpointing; backward's recomputed layers are not offloaded. The hook stands in for save_on_cpu on a GPU:
+    it gives back contiguous copies (on a CPU save_on_cpu gives back the tensor itself), which the recomputation of
+    the chunked logprobs must accept."""
+    samples, index = groups(0, 4)
+    packed: list[int] = []
+
+    class CountingSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, pin_memory: bool = False):
+            def pack(t):
+                packed.append(t.numel() * t.element_size())
+                return t.device, t.detach().clone()
+
+            super().__init__(pack, lambda p: p[1].to(p[0]))
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    offloaded = {}
+    for checkpointing in (False, True):
+        c = config(tiny_bf16, minibatches=1)
+        c.optim.activation_offload, c.optim.activation_checkpointing = True, checkpointing
+        worker = RLWorker(c, PROBLEMS)
+        packed.clear()
+        trained(worker, samples, index)
+        offloaded[checkpointing] = sum(packed)
+    assert 0 < offloaded[True] < 0.5 * offloaded[False]
 
 
 @pytest.mark.parametrize("optim", [{}, {"max_tokens_per_forward": 40}])

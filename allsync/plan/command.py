@@ -1,0 +1,191 @@
+"""`allsync plan`: the memory of a config's layout, its estimated step time, and with --search every layout that
+fits, fastest first. Flags that cannot be parsed or used are refused, naming the flag, before anything is computed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(text: str, flag: str, per_second: bool = False) -> float:
+    """ "80GB" / "141GiB" (or "25GB/s" with per_second) in bytes; a ValueError naming the flag otherwise."""
+    body = text.strip().upper()
+    if per_second:
+        if not body.endswith("/S"):
+            raise ValueError(f"{flag} {text!r}: give a rate such as 25GB/s")
+        body = body[:-2]
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", body)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"{flag} {text!r}: give a positive size such as 80GB or 141GiB")
+    return float(match.group(1)) * SIZE_UNITS[match.group(2) or ""]
+
+
+def parse_interconnect(text: str) -> dict[str, float]:
+    """`--interconnect nvlink=153GB/s,network=43GB/s`: per-GPU all-to-all bandwidths inside and across nodes."""
+    try:
+        given = dict(item.split("=", 1) for item in text.split(","))
+    except ValueError as e:
+        raise ValueError(f"--interconnect {text!r}: expected nvlink=RATE,network=RATE") from e
+    unknown = set(given) - {"nvlink", "network"}
+    if unknown:
+        raise ValueError(f"--interconnect {text!r}: unknown link {sorted(unknown)[0]!r} (nvlink, network)")
+    return {f"{k}_bytes_per_second": parse_size(v, f"--interconnect {k}", per_second=True) for k, v in given.items()}
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from allsync.plan.fit import COLOCATIONS
+    from allsync.plan.hardware import GPUS
+    from allsync.plan.lengths import DEFAULT_LENGTHS
+    from allsync.plan.shapes import SHAPES
+
+    p = sub.add_parser(
+        "plan", help="will a config fit its GPUs, how long a step takes, and (--search) which layout is fastest"
+    )
+    p.add_argument("--config", required=True, help="a run config (YAML)")
+    p.add_argument("--gpus", type=int, help="GPUs (default: the config's parallel.nodes x workers_per_node)")
+    p.add_argument("--expert-parallel", type=int, help="routed experts over this many GPUs (default: the config's)")
+    p.add_argument(
+        "--gpu", choices=sorted(GPUS), default="h100", help="the GPU's rates and memory (default %(default)s)"
+    )
+    p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GB (default: the --gpu's)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), help="the model's shape by name when model.base is not on this machine"
+    )
+    p.add_argument("--colocation", choices=COLOCATIONS, default="resident", help="vLLM's weights while training")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length, in tokens (default %(default)s)")
+    p.add_argument(
+        "--response-lengths", default=DEFAULT_LENGTHS, help="a file of lengths, or %(default)s (the default, assumed)"
+    )
+    p.add_argument("--prompts-per-step", type=int, help="plan this batch instead of rollout.prompts_per_step")
+    p.add_argument("--kept-groups", type=float, default=1.0, help="share of groups dynamic sampling keeps (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink (default %(default)s)")
+    p.add_argument("--interconnect", help="per-GPU all-to-all rates, e.g. nvlink=153GB/s,network=43GB/s (default)")
+    p.add_argument("--host-link", help="GPU-host bandwidth for sleep mode (default 25GB/s)")
+    p.add_argument("--host-memory", default="2TB", help="host memory of one node (default %(default)s)")
+    p.add_argument("--search", action="store_true", help="rank every layout that fits on --gpus by step time")
+    p.add_argument("--json", help="write the plan here too")
+    p.set_defaults(run=run_plan)
+
+
+def hardware_of(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from allsync.plan.hardware import hardware
+
+    memory = int(parse_size(args.gpu_memory, "--gpu-memory")) if args.gpu_memory else None
+    host = parse_size(args.host_link, "--host-link", per_second=True) if args.host_link else None
+    hw = hardware(args.gpu, memory, host)
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
+    links = parse_interconnect(args.interconnect) if args.interconnect else {}
+    return replace(hw, gpus_per_node=args.gpus_per_node, **links)
+
+
+def model_config_of(run, shape: str | None) -> dict:
+    from allsync.plan.shapes import SHAPES
+    from quant.checkpoint_io import read_config
+
+    if shape:
+        return SHAPES[shape]
+    if (Path(run.model.base) / "config.json").exists():
+        return read_config(run.model.base)
+    raise ValueError(f"model.base = {run.model.base!r} has no config.json here: name its shape with --shape")
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from allsync.config import load_config_for_planning
+    from allsync.plan.activations import saved_bytes
+    from allsync.plan.estimate import Workload, colocated_steps
+    from allsync.plan.fit import Layout, format_plan, plan_run
+    from allsync.plan.lengths import parse_lengths
+    from allsync.plan.search import format_search, search
+
+    run, refusal = load_config_for_planning(args.config)
+    if args.prompts_per_step is not None:
+        if args.prompts_per_step < 1:
+            raise ValueError(f"--prompts-per-step {args.prompts_per_step}: must be >= 1")
+        run = replace(run, rollout=replace(run.rollout, prompts_per_step=args.prompts_per_step))
+    model_config = model_config_of(run, args.shape)
+    gpus = args.gpus or run.parallel.workers
+    ep, experts = args.expert_parallel or run.parallel.expert_parallel, model_config["n_routed_experts"]
+    if gpus < 1 or ep < 1 or gpus % ep or experts % ep:
+        raise ValueError(
+            f"--gpus {gpus} / --expert-parallel {ep} (parallel.expert_parallel): the expert-parallel size must divide "
+            f"the GPUs and the {experts} routed experts"
+        )
+    if run.rollout.prompts_per_step % gpus:
+        raise ValueError(
+            f"--gpus {gpus}: rollout.prompts_per_step = {run.rollout.prompts_per_step} does not split over the GPUs "
+            "(--prompts-per-step plans another batch)"
+        )
+    if args.prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens {args.prompt_tokens}: must be >= 1")
+    if not 0 < args.kept_groups <= 1:
+        raise ValueError(f"--kept-groups {args.kept_groups}: must be in (0, 1]")
+    hw = hardware_of(args)
+    work = Workload(parse_lengths(args.response_lengths), args.prompt_tokens, args.kept_groups)
+    layout = Layout(
+        gpus,
+        ep,
+        hw.memory_bytes,
+        args.colocation,
+        args.prompt_tokens,
+        hw.host_link_bytes_per_second,
+        int(parse_size(args.host_memory, "--host-memory")),
+        hw.gpus_per_node,
+    )
+
+    print("tracing the trainer's saved activations for this shape (cached after the first time) ...", flush=True)
+    saved = saved_bytes(model_config, run.lora.rank, tuple(run.lora.targets), run.model.compute_dtype)
+    plan = plan_run(run, model_config, layout, saved)
+    print(format_plan(plan))
+    out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
+    out["response_lengths"] = work.lengths.description
+    if plan.kv_cache_tokens >= plan.sequence_tokens:
+        steps = colocated_steps(run, model_config, layout, plan, hw, work)
+        print(format_steps(steps, work, hw, plan.fits))
+        out["step_seconds"] = steps[0].seconds
+        out["schedules"] = [s.to_json() for s in steps]
+    else:
+        print("step time: not estimated (the engine has no room for one sequence)")
+        out["step_seconds"] = None
+    if refusal is not None:
+        print(f"the config checker refuses this config: {refusal}")
+    if args.search:
+        ranked, refused = search(run, model_config, hw, gpus, saved, work, layout)
+        print(format_search(ranked, refused, gpus))
+        out["search"] = [c.to_json() for c in ranked]
+        out["search_refused"] = [{"layout": label, "reason": why} for label, why in refused]
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def format_steps(steps, work, hw, fits: bool) -> str:
+    """The estimated step time of the planned layout, per schedule that applies to it."""
+    head = "estimated step time" + ("" if fits else " (if it fit)")
+    lines = [f"{head} on {hw.name} GPUs, responses {work.lengths.description}, prompts {work.prompt_tokens:,} tokens:"]
+    for s in steps:
+        built = "" if s.built else ", modelled, not built"
+        parts = ", ".join(f"{k} {v:,.0f} s" for k, v in s.parts.items() if v >= 0.5)
+        lines.append(
+            f"  {s.schedule}{built}: {s.seconds:,.0f} s = {s.seconds / 3600:.2f} h, {s.idle_fraction:.0%} of GPU time "
+            f"idle ({parts})"
+        )
+    return "\n".join(lines)

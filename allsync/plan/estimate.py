@@ -1,0 +1,183 @@
+"""A step's seconds for one layout: each GPU's sequences drawn from the response lengths, generated on a simulated
+continuous-batching engine, trained by the roofline of step_time.py, and put together by each schedule of
+schedules.py.
+
+Per step and GPU (all-sync, colocated):
+    sequences      rollout.prompts_per_step / GPUs prompts x rollout.group_size, divided by --kept-groups (dynamic
+                   sampling generates until that share of groups has a reward spread; 1: every group kept)
+    generate       generation_timeline with the generator's weights (vLLM's own copy, or the trainer's frozen model
+                   for the torch engine and for colocation `shared`) and the plan's KV room
+    train          step_time.train_seconds of the kept sequences (prompt + response tokens), plus one all-reduce of
+                   the LoRA gradients (float32) per minibatch: the routed experts' over their GPUS / EP replicas,
+                   the rest over all GPUs
+    adapter sync   vLLM's load of the updated adapter, at the host-side rate measured by
+                   benchmarks/vllm_adapter_sync.py (0.055 s for 199 MB); the torch engine shares the trainer's
+    sleep          fit.Plan.sleep_seconds (colocation sleep)
+Disaggregated and one-step-off split the GPUs: generators hold only the engine (more KV room), trainers only the
+trainer; the adapter crosses the network to each generator and is loaded there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from allsync.plan import schedules
+from allsync.plan.fit import Layout, Plan, kv_bytes_per_token
+from allsync.plan.hardware import Hardware
+from allsync.plan.lengths import ResponseLengths
+from allsync.plan.step_time import DecodeCost, allreduce_seconds, generation_timeline, train_passes, train_seconds
+from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, lora_values, stored_plan, trainer_bytes
+
+ADAPTER_LOAD_SECONDS_PER_BYTE = 0.055 / 199.0e6  # benchmarks/vllm_adapter_sync.py, in memory (BENCHMARKS.md)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step asks for, independent of the layout."""
+
+    lengths: ResponseLengths
+    prompt_tokens: int
+    kept_groups: float = 1.0  # share of generated groups dynamic sampling keeps
+    seed: int = 0
+
+
+def draw_groups(run, gpus: int, work: Workload) -> list[np.ndarray]:
+    """Each GPU's generated response lengths, [groups, group_size]; the first kept_groups share of them is trained."""
+    rng = np.random.default_rng(work.seed)
+    r = run.rollout
+    groups = int(np.ceil(r.prompts_per_step // gpus / work.kept_groups))
+    return [
+        work.lengths.draw(groups * r.group_size, r.max_new_tokens, rng).reshape(groups, r.group_size)
+        for _ in range(gpus)
+    ]
+
+
+def kept(run, gpus: int, groups: np.ndarray) -> np.ndarray:
+    return groups[: run.rollout.prompts_per_step // gpus]
+
+
+def generator_cost(
+    run, model_config: dict, hw: Hardware, ep: int, frozen: dict[str, int], own_copy: bool
+) -> DecodeCost:
+    """What a decode step reads: vLLM's own copy of the base (own_copy) or the trainer's `frozen` parts."""
+    weights = engine_bytes(model_config, ep) if own_copy else {k: frozen[k] for k in FROZEN_PARTS}
+    fmt = (
+        stored_plan(model_config).format_of("routed_experts")
+        if own_copy
+        else run.model.quant.plan().format_of("routed_experts")
+    )
+    routed = weights.get("routed_experts", 0)
+    return DecodeCost(
+        model_config, hw, routed, sum(weights.values()) - routed, kv_bytes_per_token(model_config), ep, fmt
+    )
+
+
+def generate(groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> tuple[float, np.ndarray]:
+    """(seconds until the GPU's last response, each group's finish seconds sorted)."""
+    finish = generation_timeline(groups.ravel(), prompt_tokens, kv_tokens, cost).reshape(groups.shape).max(axis=1)
+    return float(finish.max()), np.sort(finish)
+
+
+def grad_sync_seconds(run, model_config: dict, hw: Hardware, gpus: int, ep: int) -> float:
+    """One all-reduce of the LoRA gradients: routed experts' over gpus / ep replicas, the rest over all GPUs."""
+    targets = tuple(run.lora.targets)
+    experts = range(model_config["n_routed_experts"] // ep) if ep > 1 else None
+    held = lora_values(model_config, run.lora.rank, targets, experts)
+    routed = lora_values(model_config, run.lora.rank, tuple(t for t in targets if t == "routed_experts"), experts)
+    replicas = gpus // ep
+    link = hw.network_bytes_per_second if gpus > hw.gpus_per_node else hw.nvlink_bytes_per_second
+    return allreduce_seconds((held - routed) * LORA_VALUE_BYTES, gpus, link) + allreduce_seconds(
+        routed * LORA_VALUE_BYTES, replicas, link
+    )
+
+
+def train_each(
+    run,
+    model_config,
+    hw,
+    ep: int,
+    routed_format: str,
+    sequences: list[np.ndarray],
+    prompt_tokens: int,
+    offloaded_per_token: float = 0.0,
+):
+    """Each GPU's training seconds for its sequences (arrays of response lengths), one array of per-sequence seconds
+    per GPU. offloaded_per_token: activation offload's host bytes per token, copied out in the forward and back in
+    backward over the host link."""
+    passes = train_passes(run.optim.activation_checkpointing, run.optim.minibatches, run.algorithm.kl_coef > 0)
+    out = []
+    for s in sequences:
+        tokens = s + prompt_tokens
+        offload = 2 * tokens * offloaded_per_token / hw.host_link_bytes_per_second
+        out.append(train_seconds(model_config, tokens, hw, routed_format, passes, ep) + offload)
+    return out
+
+
+def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Hardware, work: Workload) -> list:
+    """All-sync on the plan's layout, and all-sync with in-step overlap where both copies stay on the GPU."""
+    ep, gpus = layout.expert_parallel, layout.gpus
+    own_copy = run.rollout.engine == "vllm" and layout.colocation != "shared"
+    cost = generator_cost(run, model_config, hw, ep, plan.per_gpu_bytes, own_copy)
+    if layout.colocation == "shared":
+        routed_format = stored_plan(model_config).format_of("routed_experts")
+    else:
+        routed_format = run.model.quant.plan().format_of("routed_experts")
+    drawn = draw_groups(run, gpus, work)
+    per_token = plan.offloaded_bytes / plan.tokens_per_forward
+    sequences = [kept(run, gpus, g).ravel() for g in drawn]
+    trained = train_each(run, model_config, hw, ep, routed_format, sequences, work.prompt_tokens, per_token)
+    grad_sync = run.optim.minibatches * grad_sync_seconds(run, model_config, hw, gpus, ep)
+    train = np.array([t.sum() for t in trained]) + grad_sync
+    fixed = {"sleep transfers": plan.sleep_seconds} if plan.sleep_seconds else {}
+    if run.rollout.engine == "vllm":
+        fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
+    gen = np.array([generate(g, work.prompt_tokens, plan.kv_cache_tokens, cost)[0] for g in drawn])
+    out = [schedules.all_sync(gen, train, fixed)]
+    # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
+    overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config)
+    if layout.colocation != "sleep" and overlap_kv >= plan.sequence_tokens:
+        runs = [generate(g, work.prompt_tokens, overlap_kv, cost) for g in drawn]
+        group_train = [t.reshape(-1, run.rollout.group_size).sum(axis=1) for t in trained]
+        ready = [finish[: len(t)] for (_, finish), t in zip(runs, group_train)]  # the kept groups: the first to finish
+        out.append(
+            schedules.all_sync_overlap(
+                ready, group_train, np.array([s for s, _ in runs]), {**fixed, "gradient sync": grad_sync}
+            )
+        )
+    return out
+
+
+def split_steps(
+    run,
+    model_config: dict,
+    hw: Hardware,
+    gen_gpus: int,
+    gen_ep: int,
+    kv_tokens: int,
+    train_gpus: int,
+    train_ep: int,
+    work: Workload,
+    offloaded_per_token: float = 0.0,
+) -> list:
+    """Disaggregated and one-step-off with `gen_gpus` generators (expert parallelism gen_ep, `kv_tokens` of KV room
+    each) and `train_gpus` trainers (train_ep): [StepTime, StepTime]."""
+    own_copy = run.rollout.engine == "vllm"
+    frozen = {} if own_copy else trainer_bytes(run, model_config, gen_ep)
+    cost = generator_cost(run, model_config, hw, gen_ep, frozen, own_copy)
+    drawn = draw_groups(run, gen_gpus, work)
+    gen = np.array([generate(g, work.prompt_tokens, kv_tokens, cost)[0] for g in drawn])
+    batch = np.concatenate([kept(run, gen_gpus, g).ravel() for g in drawn])
+    per_trainer = [batch[i::train_gpus] for i in range(train_gpus)]
+    routed_format = run.model.quant.plan().format_of("routed_experts")
+    trained = train_each(
+        run, model_config, hw, train_ep, routed_format, per_trainer, work.prompt_tokens, offloaded_per_token
+    )
+    train = np.array([t.sum() for t in trained]) + run.optim.minibatches * grad_sync_seconds(
+        run, model_config, hw, train_gpus, train_ep
+    )
+    experts = range(model_config["n_routed_experts"] // gen_ep) if gen_ep > 1 else None
+    adapter = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts) * LORA_VALUE_BYTES
+    transfer = adapter / hw.network_bytes_per_second + (adapter * ADAPTER_LOAD_SECONDS_PER_BYTE if own_copy else 0.0)
+    return [schedules.disaggregated(gen, train, transfer), schedules.one_step_off(gen, train, transfer)]

@@ -1,0 +1,75 @@
+"""The machines a plan's step time is computed for: one GPU's peak rates and memory, its links, and the shares of
+those peaks our code reaches (measured where we have measured them, named as assumptions where we have not).
+
+Sources:
+    peak bf16 dense FLOP/s, HBM bandwidth   NVIDIA's H100 SXM5 and H200 SXM datasheets (989 TFLOP/s; 3.35 / 4.8 TB/s)
+    train_efficiency                      measured: the trainer's forward + backward of one 21,504-token sequence
+                                          through DeepSeek-V3's real layers on an H200 reaches 26.4% (NF4 routed
+                                          experts) and 29.8% (FP8) of the peak by `step_time.sequence_forward_flops`
+                                          without activation checkpointing (benchmarks/measured/
+                                          v3_layer_memory_h200.json; tests/allsync/test_plan_step.py recomputes them
+                                          and checks the checkpointed runs against them); bf16 and int8 were not
+                                          measured and are taken as FP8's and NF4's
+    decode_bandwidth_efficiency           assumed 0.7 of HBM bandwidth for a decode step's weight and KV reads (not
+                                          measured here: the lent GPUs have no vLLM)
+    a2a bandwidth (training, prefill)     DeepEP's normal kernels as its README reports them on H800 + 400 Gb/s
+                                          InfiniBand: about 153 GB/s per GPU inside a node (NVLink), 43 GB/s across
+                                          nodes (RDMA)
+    a2a latency (decode)                  DeepEP's low-latency kernels, README: dispatch + combine of 128 tokens
+                                          (hidden 7168, top-8) = 191 us at EP 8, 313 at 16, 428 at 32, 487 at 64,
+                                          561 at 128, 554 at 256
+    all-reduce bandwidth                  the same RDMA 43 GB/s per GPU once a group spans nodes, NVLink's otherwise
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+TRAIN_EFFICIENCY = {"nf4": 0.264, "fp8": 0.298, "bf16": 0.298, "int8": 0.264}  # by the routed experts' format
+DECODE_A2A_SECONDS = {8: 191e-6, 16: 313e-6, 32: 428e-6, 64: 487e-6, 128: 561e-6, 256: 554e-6}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bytes: int
+    flops: float  # bf16 dense peak, FLOP/s
+    hbm_bytes_per_second: float
+    gpus_per_node: int = 8
+    nvlink_bytes_per_second: float = 153e9  # all-to-all, per GPU, inside a node
+    network_bytes_per_second: float = 43e9  # all-to-all and all-reduce, per GPU, across nodes
+    host_link_bytes_per_second: float = 25e9  # GPU <-> host (sleep mode's transfers)
+    decode_bandwidth_efficiency: float = 0.7  # assumed
+
+    def train_efficiency(self, routed_format: str) -> float:
+        return TRAIN_EFFICIENCY[routed_format]
+
+    def link_bytes_per_second(self, group: int) -> float:
+        """Per-GPU bandwidth of a collective over `group` GPUs: NVLink inside a node, the network once it spans
+        nodes (the slower link bounds the collective)."""
+        return self.nvlink_bytes_per_second if group <= self.gpus_per_node else self.network_bytes_per_second
+
+    def decode_a2a_seconds(self, group: int) -> float:
+        """One MoE layer's dispatch + combine in a decode step over `group` GPUs (0 without expert parallelism)."""
+        if group <= 1:
+            return 0.0
+        known = sorted(DECODE_A2A_SECONDS)
+        return DECODE_A2A_SECONDS[min((g for g in known if g >= group), default=known[-1])]
+
+
+GPUS = {
+    "h100": Hardware("H100 SXM 80 GB", 80_000_000_000, 989e12, 3.35e12),
+    "h200": Hardware("H200 SXM 141 GB", 141_000_000_000, 989e12, 4.8e12),
+}
+
+
+def hardware(name: str, memory_bytes: int | None = None, host_link: float | None = None) -> Hardware:
+    """The preset `name` (`--gpu`), with the memory and host link the flags give, if they give them."""
+    if name not in GPUS:
+        raise ValueError(f"--gpu {name!r}: known GPUs are {', '.join(sorted(GPUS))}")
+    hw = GPUS[name]
+    if memory_bytes is not None:
+        hw = replace(hw, memory_bytes=memory_bytes)
+    if host_link is not None:
+        hw = replace(hw, host_link_bytes_per_second=host_link)
+    return hw

@@ -1,0 +1,246 @@
+"""`allsync plan --search`: every layout of a config on N GPUs that fits, ranked by the estimated step time.
+
+Enumerated:
+    colocated (all-sync, and all-sync + overlap)   expert-parallel size k dividing both N and n_routed_experts;
+                                                   colocation resident / sleep / shared (vLLM; the torch engine
+                                                   generates with the trainer's weights)
+    split (disaggregated, one-step-off)            generators G_gen in whole nodes (single GPUs below two nodes),
+                                                   their expert parallelism k_gen; trainers N - G_gen at the
+                                                   smallest expert parallelism whose train phase fits
+A layout fits when fit.plan_run's verdict is "fits" (colocated), or when the generators hold the engine and one
+full-length sequence of KV cache and the trainers' train phase fits their memory (split). Not searched: pipeline
+stages (the trainer has none) and engine tensor parallelism (vLLM's external-launcher world is the trainer's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from tqdm.auto import tqdm
+
+from allsync.plan.activations import SavedBytes
+from allsync.plan.estimate import Workload, colocated_steps, split_steps
+from allsync.plan.fit import COLOCATIONS, Layout, kv_bytes_per_token, plan_run, tokens_per_forward
+from allsync.plan.hardware import Hardware
+from allsync.plan.schedules import StepTime
+from allsync.plan.weights import engine_bytes, trainer_bytes
+
+
+COLOCATION_NOT_BUILT = {
+    "sleep": "vLLM's level-1 sleep with the trainer's frozen weights in host memory while vLLM generates",
+    "shared": "vLLM reading the trainer's frozen tensors",
+}
+
+
+def missing_wiring(run, gpus: int, gpus_per_node: int, expert_parallel: int, layout: str) -> str | None:
+    """What the loop's config checker refuses in `run` laid out this way (None: it runs today)."""
+    from allsync.config import ConfigError, validate
+
+    nodes = gpus // gpus_per_node if gpus % gpus_per_node == 0 else 1
+    parallel = replace(
+        run.parallel, nodes=nodes, workers_per_node=gpus // nodes, expert_parallel=expert_parallel, layout=layout
+    )
+    try:
+        validate(replace(run, parallel=parallel), "")
+    except ConfigError as exc:
+        return str(exc).removeprefix(": ").split(" (`allsync plan")[0]
+    return None
+
+
+def not_built(run, step: StepTime, layout: dict, gpus_per_node: int) -> list[str]:
+    """What of a candidate the loop does not run today: its schedule, its colocation, or what the config checker
+    refuses in the config laid out this way."""
+    out = [] if step.built else [f"the {step.schedule} schedule"]
+    if layout.get("colocation") in COLOCATION_NOT_BUILT and run.rollout.engine == "vllm":
+        out.append(COLOCATION_NOT_BUILT[layout["colocation"]])
+    if "generators" in layout:
+        if layout["generators"] != layout["trainers"]:
+            out.append("an uneven split (parallel.layout disaggregated halves the workers)")
+        halves = 2 * layout["trainers"]  # the loop's disaggregated layout: as many generators as trainers
+        refusal = missing_wiring(run, halves, gpus_per_node, layout["trainer_expert_parallel"], "disaggregated")
+    else:
+        refusal = missing_wiring(run, layout["gpus"], gpus_per_node, layout["expert_parallel"], "colocated")
+    return out + ([refusal] if refusal else [])
+
+
+@dataclass
+class Candidate:
+    step: StepTime
+    layout: dict  # what distinguishes it: gpus, expert parallelism, colocation or the split
+    memory: dict = field(default_factory=dict)  # peak bytes per GPU (per side when split), KV room in sequences
+    not_built: list[str] = field(default_factory=list)  # what the loop does not run today (empty: it runs)
+
+    @property
+    def label(self) -> str:
+        lay = self.layout
+        offload = ", activations offloaded" if lay["activation_offload"] else ""
+        if "generators" in lay:
+            return (
+                f"{lay['generators']} generate (EP {lay['generator_expert_parallel']}) + {lay['trainers']} train "
+                f"(EP {lay['trainer_expert_parallel']}{offload})"
+            )
+        return f"EP {lay['expert_parallel']}, colocation {lay['colocation']}{offload}"
+
+    def to_json(self) -> dict:
+        return {**self.step.to_json(), "layout": self.layout, "memory": self.memory, "not_built": self.not_built}
+
+
+def divisors(n: int, experts: int) -> list[int]:
+    """Expert-parallel sizes for n GPUs: the divisors of gcd(n, experts)."""
+    g = math.gcd(n, experts)
+    return [k for k in range(1, g + 1) if g % k == 0]
+
+
+def colocated(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: Workload, base: Layout):
+    """(candidates, refusals): every expert-parallel size and colocation on `gpus` GPUs."""
+    found, refused = [], []
+    colocations = COLOCATIONS if run.rollout.engine == "vllm" else ("resident",)
+    for ep in divisors(gpus, model_config["n_routed_experts"]):
+        for colocation in colocations:
+            layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
+            plan = plan_run(run, model_config, layout, saved)
+            label = f"EP {ep}, colocation {colocation}"
+            if not plan.fits:
+                refused.append((label, plan.problems[0]))
+                continue
+            memory = {"peak_bytes": plan.total_bytes, "sequences_in_kv": plan.sequences_at_once}
+            described = {
+                "gpus": gpus,
+                "expert_parallel": ep,
+                "colocation": colocation,
+                "activation_offload": run.optim.activation_offload,
+            }
+            for step in colocated_steps(run, model_config, layout, plan, hw, work):
+                found.append(Candidate(step, described, memory, not_built(run, step, described, hw.gpus_per_node)))
+    return found, refused
+
+
+def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: Workload):
+    """(candidates, refusals): every split of `gpus` into generators and trainers (module docstring)."""
+    found, refused = [], []
+    r, experts = run.rollout, model_config["n_routed_experts"]
+    unit = hw.gpus_per_node if gpus >= 2 * hw.gpus_per_node else 1
+    sequence_tokens = work.prompt_tokens + r.max_new_tokens
+    kv_token = kv_bytes_per_token(model_config)
+    for gen_gpus in range(unit, gpus, unit):
+        train_gpus = gpus - gen_gpus
+        if r.prompts_per_step % gen_gpus:
+            refused.append((f"{gen_gpus} generate", f"{r.prompts_per_step} prompts do not split over {gen_gpus} GPUs"))
+            continue
+        sequences = r.prompts_per_step * r.group_size // train_gpus + 1
+        tokens = tokens_per_forward(run, sequences, sequence_tokens)
+        o = run.optim
+        activations = saved.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload)
+        offloaded = saved.offloaded(model_config, tokens, o.activation_checkpointing) if o.activation_offload else 0
+        train_fit = [
+            (k, total)
+            for k in divisors(train_gpus, experts)
+            if (total := sum(trainer_bytes(run, model_config, k).values()) + activations) <= hw.memory_bytes
+        ]
+        if not train_fit:
+            refused.append((f"{train_gpus} train", "the train phase does not fit at any expert-parallel size"))
+            continue
+        train_ep, train_total = train_fit[0]
+        for gen_ep in divisors(gen_gpus, experts):
+            weights = (
+                sum(engine_bytes(model_config, gen_ep).values())
+                if r.engine == "vllm"
+                else sum(
+                    v
+                    for k, v in trainer_bytes(run, model_config, gen_ep).items()
+                    if k not in ("lora_grads", "optimizer")
+                )
+            )
+            kv_tokens = (hw.memory_bytes - weights) // kv_token
+            label = f"{gen_gpus} generate (EP {gen_ep}) + {train_gpus} train"
+            if kv_tokens < sequence_tokens:
+                refused.append((label, f"the generators' weights leave KV room for {max(kv_tokens, 0):,} tokens"))
+                continue
+            layout = {
+                "gpus": gpus,
+                "generators": gen_gpus,
+                "generator_expert_parallel": gen_ep,
+                "trainers": train_gpus,
+                "trainer_expert_parallel": train_ep,
+                "activation_offload": o.activation_offload,
+            }
+            memory = {
+                "generator_weights_bytes": weights,
+                "generator_kv_tokens": kv_tokens,
+                "trainer_peak_bytes": train_total,
+            }
+            steps = split_steps(
+                run, model_config, hw, gen_gpus, gen_ep, kv_tokens, train_gpus, train_ep, work, offloaded / tokens
+            )
+            for step in steps:
+                found.append(Candidate(step, layout, memory, not_built(run, step, layout, hw.gpus_per_node)))
+    return found, refused
+
+
+def search(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: Workload, base: Layout):
+    """(every feasible candidate, fastest first; the refusals (label, reason)), with and without activation
+    offload."""
+    found, refused = [], []
+    kinds = [(offload, kind) for offload in (False, True) for kind in (colocated, split)]
+    for offload, kind in tqdm(kinds, desc="layouts", unit="kind"):
+        variant = replace(run, optim=replace(run.optim, activation_offload=offload))
+        extra = (base,) if kind is colocated else ()
+        f, r = kind(variant, model_config, hw, gpus, saved, work, *extra)
+        found += f
+        refused += [(label + (", activations offloaded" if offload else ""), why) for label, why in r]
+    # ties (e.g. training hidden behind generation either way) go to the simpler layout: no offload
+    return sorted(found, key=lambda c: (round(c.step.seconds), c.layout["activation_offload"])), refused
+
+
+def why_faster(a: Candidate, b: Candidate) -> str:
+    """Why `a` beats the next-ranked `b`: what differs between them, and the step-time part that differs most."""
+    keys = set(a.step.parts) | set(b.step.parts)
+    key = max(keys, key=lambda k: abs(b.step.parts.get(k, 0.0) - a.step.parts.get(k, 0.0)))
+    differs = [] if a.step.schedule == b.step.schedule else [f"{a.step.schedule} instead of {b.step.schedule}"]
+    if a.label != b.label:
+        differs.append(f"{a.label} instead of {b.label}")
+    gain = b.step.seconds - a.step.seconds
+    lead = f"{gain:,.0f} s faster than the next" if gain >= 0.5 else "as fast as the next"
+    return (
+        f"{lead} ({'; '.join(differs) or 'same layout'}): "
+        f"{key} {a.step.parts.get(key, 0.0):,.0f} s against {b.step.parts.get(key, 0.0):,.0f} s"
+    )
+
+
+def format_search(ranked: list[Candidate], refused: list[tuple[str, str]], gpus: int, top: int = 5) -> str:
+    """The top `top` layouts with why each beats the next, the best of each schedule, and what did not fit."""
+    from allsync.plan.schedules import SCHEDULES
+
+    lines = [f"layouts of this config on {gpus} GPUs that fit: {len(ranked)}, fastest first (estimated):"]
+    for i, c in enumerate(ranked[:top]):
+        built = f" (not built: {'; '.join(c.not_built)})" if c.not_built else " (runs today)"
+        parts = ", ".join(f"{k} {v:,.0f} s" for k, v in c.step.parts.items() if v >= 0.5)
+        lines.append(
+            f"{i + 1}. {c.step.schedule}, {c.label}: {c.step.seconds / 3600:.2f} h per step, "
+            f"{c.step.idle_fraction:.0%} of GPU time idle ({parts}){built}"
+        )
+        if i + 1 < len(ranked):
+            lines.append(f"   {why_faster(c, ranked[i + 1])}")
+    runs_today = next((c for c in ranked if not c.not_built), None)
+    lines.append(
+        "fastest layout the loop runs today: "
+        + (
+            f"{runs_today.step.schedule}, {runs_today.label}, {runs_today.step.seconds / 3600:.2f} h"
+            if runs_today
+            else "none"
+        )
+    )
+    lines.append("best layout of each schedule:")
+    for schedule in SCHEDULES:
+        best = next((c for c in ranked if c.step.schedule == schedule), None)
+        text = (
+            "no layout fits"
+            if best is None
+            else (f"{best.step.seconds / 3600:.2f} h per step, {best.step.idle_fraction:.0%} idle ({best.label})")
+        )
+        lines.append(f"  {schedule:<20}{text}")
+    if refused:  # the largest layouts of each kind come last: the closest to fitting
+        lines.append(f"did not fit: {len(refused)} layouts, the largest of them:")
+        lines += [f"  {label}: {why}" for label, why in refused[-6:]]
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""What one step's work costs on a GPU: FLOPs and bytes of DeepSeek-V3's layers, turned into seconds by a roofline.
+
+Forward FLOPs of one token that attends to c earlier tokens (h hidden, H heads, MLA as trained, not absorbed):
+
+    attention   2 (h q_lora + q_lora H (d_nope + d_rope) + h (kv_lora + d_rope) + kv_lora H (d_nope + d_v) + H d_v h)
+                + 2 c H (d_nope + d_rope) + 2 c H d_v                        (projections; scores; weighted values)
+    dense MLP   2 x 3 h inter
+    MoE         2 x 3 h moe_inter (k + shared) + 2 h E                      (the k routed and the shared experts; router)
+    after       2 h vocab                                                    (lm_head)
+
+so a sequence of S tokens costs S x F(c = S / 2) (F is linear in c). Training a sequence runs it through the frozen
+model `passes` times: forward 1, backward 2 (input gradients only: the base is frozen; LoRA's share is < 1%), the
+recomputed forward of activation checkpointing 1, the old-logprob forward of a step with several minibatches 1, the
+reference forward of a KL penalty 1. Seconds = FLOPs / (peak x hardware.train_efficiency), the efficiency measured on
+the real layers (hardware.py), plus the MoE all-to-all: per routed token and MoE layer, k copies of the hidden
+state (bf16) leave and come back, the share (EP - 1) / EP of them to other GPUs, once per forward-like pass and once
+in backward, at the group's per-GPU all-to-all bandwidth.
+
+A decode step of B sequences holding C tokens of context in all reads the weights the generator holds (routed
+experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens of KV cache:
+
+    t = max(bytes / (HBM x decode_bandwidth_efficiency), FLOPs / (peak x train_efficiency)) + MoE layers x a2a latency
+
+Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
+sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
+cache is full.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+
+from allsync.plan.hardware import Hardware
+
+BF16 = 2
+ADMISSION_HEADROOM_TOKENS = 16
+
+
+def attention_projection_params(config: dict) -> int:
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
+    return (
+        h * q_lora
+        + q_lora * heads * (nope + rope)
+        + h * (kv_lora + rope)
+        + kv_lora * heads * (nope + v)
+        + heads * v * h
+    )
+
+
+def moe_layers(config: dict) -> int:
+    return config["num_hidden_layers"] - config["first_k_dense_replace"]
+
+
+def forward_flops_per_token(config: dict, context: float) -> float:
+    """F(c): forward FLOPs of one token attending to `context` tokens, every layer and the lm_head (module docstring)."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    attention = 2 * attention_projection_params(config) + 2 * context * heads * (
+        config["qk_nope_head_dim"] + config["qk_rope_head_dim"] + config["v_head_dim"]
+    )
+    dense_mlp = 2 * 3 * h * config["intermediate_size"]
+    experts = config["num_experts_per_tok"] + config.get("n_shared_experts", 0)
+    moe = 2 * 3 * h * config["moe_intermediate_size"] * experts + 2 * h * config["n_routed_experts"]
+    dense = config["first_k_dense_replace"]
+    return (
+        config["num_hidden_layers"] * attention
+        + dense * dense_mlp
+        + moe_layers(config) * moe
+        + 2 * h * config["vocab_size"]
+    )
+
+
+def sequence_forward_flops(config: dict, tokens) -> np.ndarray:
+    """Forward FLOPs of whole sequences of `tokens` tokens (causal: S x F(S / 2))."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    f0 = forward_flops_per_token(config, 0.0)
+    slope = forward_flops_per_token(config, 1.0) - f0
+    return tokens * (f0 + slope * tokens / 2)
+
+
+def train_passes(checkpointing: bool, minibatches: int, kl: bool) -> tuple[int, int]:
+    """(FLOP passes, all-to-all passes) of training one sequence: forward 1 + backward 2 (+ recompute, + old-logprob
+    forward when a step has several minibatches, + reference forward with a KL penalty); the backward moves the
+    all-to-all's bytes once."""
+    forwards = 1 + int(checkpointing) + int(minibatches > 1) + int(kl)
+    return forwards + 2, forwards + 1
+
+
+def a2a_bytes_per_token(config: dict, expert_parallel: int) -> float:
+    """Bytes one token sends to and gets back from other GPUs in one pass over the MoE layers: k bf16 hidden states
+    out and back per layer, (EP - 1) / EP of them remote."""
+    if expert_parallel <= 1:
+        return 0.0
+    per_layer = 2 * config["num_experts_per_tok"] * config["hidden_size"] * BF16
+    return moe_layers(config) * per_layer * (expert_parallel - 1) / expert_parallel
+
+
+def train_seconds(
+    config: dict, tokens, hw: Hardware, routed_format: str, passes: tuple[int, int], ep: int
+) -> np.ndarray:
+    """Seconds to train sequences of `tokens` tokens (one per entry) on one GPU (module docstring)."""
+    flop_passes, a2a_passes = passes
+    compute = flop_passes * sequence_forward_flops(config, tokens) / (hw.flops * hw.train_efficiency(routed_format))
+    a2a = (
+        a2a_passes
+        * np.asarray(tokens, dtype=np.float64)
+        * a2a_bytes_per_token(config, ep)
+        / hw.link_bytes_per_second(ep)
+    )
+    return compute + a2a
+
+
+def allreduce_seconds(nbytes: float, group: int, bytes_per_second: float) -> float:
+    """A ring all-reduce of `nbytes` over `group` GPUs: 2 (n - 1) / n x bytes at `bytes_per_second` per GPU."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / bytes_per_second
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """A generator's per-step costs: the weights it reads (routed experts apart), its KV bytes per token, its
+    expert-parallel group."""
+
+    config: dict
+    hw: Hardware
+    routed_bytes: int  # the generator's routed experts (the share a step touches is read)
+    other_bytes: int  # every other weight it holds (read every step)
+    kv_bytes_per_token: int
+    expert_parallel: int
+    routed_format: str
+
+    def touched(self, batch: float) -> float:
+        """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
+        k, experts = self.config["num_experts_per_tok"], self.config["n_routed_experts"]
+        return 1.0 - (1.0 - k / experts) ** (batch * max(self.expert_parallel, 1))
+
+    def decode_step_seconds(self, batch: float, context: float) -> float:
+        """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
+        nbytes = self.routed_bytes * self.touched(batch) + self.other_bytes + context * self.kv_bytes_per_token
+        f0 = forward_flops_per_token(self.config, 0.0)
+        flops = batch * f0 + (forward_flops_per_token(self.config, 1.0) - f0) * context
+        roofline = max(
+            nbytes / (self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency),
+            flops / (self.hw.flops * self.hw.train_efficiency(self.routed_format)),
+        )
+        return roofline + moe_layers(self.config) * self.hw.decode_a2a_seconds(self.expert_parallel)
+
+    def prefill_seconds(self, prompt_tokens: float) -> float:
+        flops = float(sequence_forward_flops(self.config, prompt_tokens))
+        a2a = prompt_tokens * a2a_bytes_per_token(self.config, self.expert_parallel)
+        return flops / (
+            self.hw.flops * self.hw.train_efficiency(self.routed_format)
+        ) + a2a / self.hw.link_bytes_per_second(self.expert_parallel)
+
+
+def generation_timeline(
+    lengths, prompt_tokens: int, kv_capacity_tokens: int, cost: DecodeCost, max_sequences: int = 1024
+):
+    """When each of one GPU's sequences (response `lengths`, prompts of `prompt_tokens`) finishes generating under
+    continuous batching with `kv_capacity_tokens` of KV cache, as vLLM schedules it: sequences are admitted first
+    come first served while their context fits, the cache fills as they grow, and when it is full the latest admitted
+    is preempted, goes back to the front of the queue (admission leaves ADMISSION_HEADROOM_TOKENS per running
+    sequence free, vLLM's block of 16 tokens, so a preempted sequence is not readmitted at once) and on readmission recomputes its context (a prefill of its
+    prompt and the tokens it had). Event-driven: between two events (a finish, a full cache, an admission) the batch
+    is fixed and a decode step costs `cost.decode_step_seconds` at the interval's mean context. Returns the finish
+    seconds per sequence, in input order."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and int(lengths.max()) + prompt_tokens > kv_capacity_tokens:
+        raise ValueError(
+            f"a sequence of {int(lengths.max()) + prompt_tokens:,} tokens does not fit a KV cache of {kv_capacity_tokens:,}"
+        )
+    finish = np.zeros(len(lengths))
+    done = np.zeros(len(lengths), dtype=np.int64)
+    queue, active = collections.deque(range(len(lengths))), []
+    now, used = 0.0, 0
+    while queue or active:
+        while (
+            queue
+            and len(active) < max_sequences
+            and (
+                used + prompt_tokens + done[queue[0]] + (len(active) + 1) * ADMISSION_HEADROOM_TOKENS
+                <= kv_capacity_tokens
+            )
+        ):
+            i = queue.popleft()
+            active.append(i)
+            used += prompt_tokens + int(done[i])
+            now += cost.prefill_seconds(prompt_tokens + int(done[i]))
+        idx = np.array(active)
+        steps = min(int((lengths[idx] - done[idx]).min()), (kv_capacity_tokens - used) // len(idx))
+        if steps == 0:  # the cache is full: preempt the latest admitted
+            j = active.pop()
+            used -= prompt_tokens + int(done[j])
+            queue.appendleft(j)
+            continue
+        now += steps * cost.decode_step_seconds(len(idx), used + len(idx) * steps / 2)
+        done[idx] += steps
+        used += len(idx) * steps
+        for i in idx[done[idx] == lengths[idx]]:
+            finish[i] = now
+            active.remove(int(i))
+            used -= prompt_tokens + int(lengths[i])
+    return finish
