@@ -9,7 +9,7 @@ from allsync.cli import main
 from allsync.plan.command import parse_size
 from allsync.plan.activations import saved_per_layer, trace_saved_bytes
 from moe_lora.lora import LoRAConfig, attach_lora
-from moe_lora.tiny import TinySpec, make_tiny, tiny_config
+from moe_lora.tiny import TinySpec, make_tiny
 from quant.loader import QuantPlan, load_frozen_model
 
 TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts")

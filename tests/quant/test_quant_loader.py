@@ -4,8 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import quant.loader as loader_module
-from quant.formats import FORMATS, quantize_weight
+from quant.formats import quantize_weight
 from quant.layout import expected_tensors, parse_expert_key
 from quant.loader import QuantPlan, byte_report, load_frozen_model, read_config
 
