@@ -201,9 +201,10 @@ def why_faster(a: Candidate, b: Candidate) -> str:
     if a.label != b.label:
         differs.append(f"{a.label} instead of {b.label}")
     gain = b.step.seconds - a.step.seconds
-    lead = f"{gain:,.0f} s faster than the next" if gain >= 0.5 else "as fast as the next"
+    if gain < 0.5:
+        return f"as fast as the next ({'; '.join(differs) or 'same layout'}), ranked first for being simpler"
     return (
-        f"{lead} ({'; '.join(differs) or 'same layout'}): "
+        f"{gain:,.0f} s faster than the next ({'; '.join(differs) or 'same layout'}): "
         f"{key} {a.step.parts.get(key, 0.0):,.0f} s against {b.step.parts.get(key, 0.0):,.0f} s"
     )
 
@@ -240,7 +241,13 @@ def format_search(ranked: list[Candidate], refused: list[tuple[str, str]], gpus:
             else (f"{best.step.seconds / 3600:.2f} h per step, {best.step.idle_fraction:.0%} idle ({best.label})")
         )
         lines.append(f"  {schedule:<20}{text}")
-    if refused:  # the largest layouts of each kind come last: the closest to fitting
-        lines.append(f"did not fit: {len(refused)} layouts, the largest of them:")
-        lines += [f"  {label}: {why}" for label, why in refused[-6:]]
+    colocated_refusals = {}  # the largest expert-parallel size of each colocation (and offload) that does not fit
+    for label, why in refused:
+        if label.startswith("EP "):
+            colocated_refusals[label.split(", ", 1)[1]] = (label, why)
+    if refused:
+        lines.append(
+            f"did not fit: {len(refused)} layouts; all-sync at the largest expert-parallel size of each colocation:"
+        )
+        lines += [f"  {label}: {why}" for label, why in colocated_refusals.values()]
     return "\n".join(lines)

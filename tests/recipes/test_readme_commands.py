@@ -29,7 +29,7 @@ FAST = [
     "allsync make-tiny runs/tiny-fp8 --fp8 --experts 16 --layers 4 --dense-layers 1 --seed 3",
     "allsync load runs/tiny-fp8 --routed-experts nf4 --attention fp8 --shared-experts int8 --dense-mlp bf16",
     "python recipes/arithmetic_parquet.py",
-    "allsync plan --config recipes/configs/dapo_math_deepseek_v3_671b.yaml --shape deepseek-v3 --colocation sleep",
+    "allsync plan --config recipes/configs/dapo_math_deepseek_v3_671b.yaml --shape deepseek-v3 --colocation sleep --search",
 ]
 SLOW = [
     "accelerate launch recipes/dapo.py",
@@ -118,7 +118,7 @@ def test_the_cheap_readme_commands_run(tmp_path):
     assert (cwd / "runs" / "tiny" / "model.safetensors.index.json").exists()
     assert "routed_experts" in outputs[2] and "nf4" in outputs[2]
     assert "wrote runs/data/arithmetic-train.parquet: 20,000 rows" in outputs[3]
-    assert "verdict: does not fit: the train phase needs 81.2 GB" in outputs[4]
+    assert "verdict: fits (69.5 of 80 GB)" in outputs[4] and "layouts of this config on 48 GPUs that fit" in outputs[4]
 
 
 @pytest.mark.slow

@@ -1,0 +1,97 @@
+"""DeepSeek-V3 671B with the DAPO config on 16, 32, 48 and 64 H100s: `allsync plan --search` for each, as a table
+and a plot of the estimated step time per schedule (computed, nothing runs on GPUs).
+
+    python -m benchmarks.plan_671b [--gpus 16,32,48,64] [--gpu h100] [--png docs/plan_671b.png] [--json FILE]
+
+DAPO's batch is 512 prompts x 16 samples; 512 prompts do not split over 48 GPUs, so 48 GPUs plan the config's 480.
+Per GPU count it prints the fastest layout of each schedule, and the fastest all-sync layout the loop runs today.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from allsync.config import load_config_for_planning
+from allsync.plan.activations import saved_bytes
+from allsync.plan.estimate import Workload
+from allsync.plan.fit import Layout
+from allsync.plan.hardware import hardware
+from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
+from allsync.plan.schedules import SCHEDULES
+from allsync.plan.search import search
+from allsync.plan.shapes import DEEPSEEK_V3
+
+CONFIG = "recipes/configs/dapo_math_deepseek_v3_671b.yaml"
+DAPO_PROMPTS = 512
+
+
+def plan_gpus(run, gpus: int, hw, saved, work) -> dict:
+    prompts = DAPO_PROMPTS if DAPO_PROMPTS % gpus == 0 else run.rollout.prompts_per_step
+    run = replace(run, rollout=replace(run.rollout, prompts_per_step=prompts))
+    base = Layout(gpus, 1, hw.memory_bytes, "resident", 1024, hw.host_link_bytes_per_second)
+    ranked, _ = search(run, DEEPSEEK_V3, hw, gpus, saved, work, base)
+    best = {s: next((c for c in ranked if c.step.schedule == s), None) for s in SCHEDULES}
+    return {
+        "gpus": gpus,
+        "prompts": prompts,
+        "best": {s: (c.to_json() | {"label": c.label}) if c else None for s, c in best.items()},
+        "runs_today": next((c.to_json() | {"label": c.label} for c in ranked if not c.not_built), None),
+    }
+
+
+def hours(entry: dict | None) -> str:
+    return "does not fit" if entry is None else f"{entry['step_seconds'] / 3600:.2f} h ({entry['label']})"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for schedule in SCHEDULES:
+        points = [(r["gpus"], r["best"][schedule]["step_seconds"] / 3600) for r in results if r["best"][schedule]]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=schedule)
+    ax.axhline(1.5, color="grey", linestyle="--", label="all-sync LoRA report: ~1.5 h")
+    ax.set_xlabel("H100 GPUs")
+    ax.set_ylabel("estimated hours per DAPO step")
+    ax.set_title("DeepSeek-V3 671B, DAPO + LoRA: fastest layout that fits")
+    ax.set_xticks([r["gpus"] for r in results])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", default="16,32,48,64")
+    parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--png", default="docs/plan_671b.png")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    run, _ = load_config_for_planning(CONFIG)
+    hw = hardware(args.gpu)
+    saved = saved_bytes(DEEPSEEK_V3, run.lora.rank, tuple(run.lora.targets), run.model.compute_dtype)
+    work = Workload(parse_lengths(DEFAULT_LENGTHS), 1024)
+    counts = [int(g) for g in args.gpus.split(",")]
+    results = [plan_gpus(run, g, hw, saved, work) for g in tqdm(counts, desc="GPU counts", unit="plan")]
+    print(f"| GPUs | prompts | {' | '.join(SCHEDULES)} | runs in the loop today |")
+    print("|---" * (len(SCHEDULES) + 3) + "|")
+    for r in results:
+        cells = " | ".join(hours(r["best"][s]) for s in SCHEDULES)
+        print(f"| {r['gpus']} | {r['prompts']} | {cells} | {hours(r['runs_today']) if r['runs_today'] else 'none'} |")
+    plot(results, Path(args.png))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
