@@ -13,10 +13,12 @@
 says which scores count as correct: above 0 (math_dapo's +1, the 0/1 rewards, user functions), and
 exactly 1 for reasoning_gym, whose partial credit is not a solved problem.
 
-`math_dapo` follows DAPO's reward (verl's `reward_score/math_dapo.py` behaves this way): keep the last 300
+`math_dapo` follows DAPO's reward as verl 0.9.1's `reward_score/math_dapo.py` computes it: keep the last 300
 characters of the response, take the text after the last `Answer:` (case-insensitive, to the end of its
 line), normalize it and the ground truth with the final-answer normalization of Minerva (Lewkowycz et al.,
-2022), which DAPO reuses, and compare the two strings exactly. Normalization, in order:
+2022), which DAPO reuses, and compare the two strings exactly. Without an `Answer:` line, the content of the last
+`\\boxed{...}` in the last 100 of those characters is compared with the ground truth as written (verl 0.9's
+fallback; before it such a response scored -1). Normalization, in order:
   1. keep what follows the last `=`;
   2. substitutions: drop a leading article ("an ", "a "), ".$" -> "$", drop "\\$", "\\ " and spaces,
      "mbox" -> "text", ",\\text{and}" and "\\text{and}" -> ",", "\\text{m}" -> "\\text{}";
@@ -37,6 +39,7 @@ from evals.extract import extract_answer
 from evals.verify import is_correct, math_verify_equal
 
 DAPO_TAIL_CHARS = 300  # DAPO scores only the end of a response
+STRICT_BOX_TAIL_CHARS = 100  # the boxed fallback looks at the last 100 of those 300 characters
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 _SUBSTITUTIONS = (
@@ -126,18 +129,25 @@ def dapo_answer(response: str) -> str | None:
     return found[-1] if found else None
 
 
+def dapo_boxed_fallback(response: str) -> str | None:
+    """math_dapo's answer when no `Answer:` line is there: the last \\boxed{...} in the last 100 of the response's
+    last 300 characters (verl 0.9's `is_correct_strict_box`), or None."""
+    return last_boxed(response[-DAPO_TAIL_CHARS:][-STRICT_BOX_TAIL_CHARS:], commands=("\\boxed{",))
+
+
 def math_dapo(response: str, ground_truth: str) -> float:
-    """+1.0 when the normalized last `Answer:` equals the normalized ground truth, else -1.0 (wrong and
-    unparsable alike)."""
+    """+1.0 when the normalized last `Answer:` equals the normalized ground truth; without an `Answer:` line,
+    +1.0 when the last \\boxed{} of the response's end equals the ground truth as written (no normalization);
+    else -1.0 (wrong and unparsable alike). The rule of verl 0.9.1's `reward_score/math_dapo.py`."""
     answer = dapo_answer(response)
-    if answer is None:
-        return -1.0
-    return 1.0 if normalize_final_answer(answer) == normalize_final_answer(ground_truth) else -1.0
+    if answer is not None:
+        return 1.0 if normalize_final_answer(answer) == normalize_final_answer(ground_truth) else -1.0
+    return 1.0 if dapo_boxed_fallback(response) == ground_truth else -1.0
 
 
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced, or None."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+def last_boxed(text: str, commands: tuple[str, ...] = ("\\boxed{", "\\fbox{")) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}; `commands`), braces balanced, or None."""
+    start = max(text.rfind(command) for command in commands)
     if start < 0:
         return None
     i = text.index("{", start) + 1
@@ -221,7 +231,8 @@ def is_correct_score(name: str, score_value: float) -> bool:
 def answer_of(name: str, response: str) -> str | None:
     """The answer reward `name` reads from the response (None: none found)."""
     if name == "math_dapo":
-        return dapo_answer(response)
+        answer = dapo_answer(response)
+        return answer if answer is not None else dapo_boxed_fallback(response)
     if name == "math_verify":
         boxed = last_boxed(response)
         return boxed if boxed is not None else extract_answer(response)

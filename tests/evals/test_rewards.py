@@ -8,7 +8,7 @@ from evals.rewards import dapo_answer, normalize_final_answer, score
 MATH_DAPO_CASES = [
     ("Answer: 42", "42", 1.0),
     ("Answer: 41", "42", -1.0),  # wrong
-    ("The answer is 42", "42", -1.0),  # no `Answer:` line: unparsable scores like wrong
+    ("The answer is 42", "42", -1.0),  # no `Answer:` line and nothing boxed: unparsable scores like wrong
     ("answer: 4", "4", 1.0),  # case-insensitive marker
     ("ANSWER : 4", "4", 1.0),  # spaces before the colon
     ("Answer: 3\nAnswer: 4", "4", 1.0),  # the last `Answer:` counts
@@ -48,9 +48,42 @@ MATH_DAPO_CASES = [
 ]
 
 
-@pytest.mark.parametrize("response, truth, expected", MATH_DAPO_CASES)
+# Without an `Answer:` line, verl 0.9's fallback: the last \boxed{} in the last 100 characters, compared as written.
+# Every expected score below is what verl 0.9.1's own `verl.utils.reward_score.math_dapo.compute_score` returned for
+# the case (2026-11-26); a grid of 2,420 such cases (20 templates x 11 answers x 11 truths) agreed with it everywhere.
+VERL_0_9_CASES = [
+    ("The final answer is \\boxed{42}", "42", 1.0),
+    ("The final answer is \\boxed{42}", "41", -1.0),
+    ("so $\\boxed{\\frac{3}{4}}$.", "\\frac{3}{4}", 1.0),
+    ("\\boxed{09}", "9", -1.0),  # the boxed content is not normalized
+    ("\\boxed{1,000}", "1000", -1.0),
+    ("\\boxed{ 42 }", "42", -1.0),
+    ("\\boxed{42} meters", "42", 1.0),
+    ("first \\boxed{1} then \\boxed{42}", "42", 1.0),  # the last box
+    ("first \\boxed{42} then \\boxed{1}", "42", -1.0),
+    ("\\fbox{42}", "42", -1.0),  # \boxed only
+    ("\\boxed{42", "42", -1.0),  # unbalanced
+    ("\\boxed{42}" + " filler" * 20, "42", -1.0),  # the box is not in the last 100 characters
+    ("Answer: \\boxed{42}", "42", 1.0),
+    ("\\boxed{42} Answer: 5", "42", -1.0),  # an `Answer:` line wins over any box
+    ("Answer: 5 \\boxed{42}", "42", -1.0),
+    ("Answer: 42" + " x" * 100, "42", -1.0),  # the rest of the line belongs to the answer
+    ("\\boxed{\\text{(B)}}", "\\text{(B)}", 1.0),
+    ("Answer: \\text{(B)}", "(B)", 1.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, expected", MATH_DAPO_CASES + VERL_0_9_CASES)
 def test_math_dapo(response, truth, expected):
     assert score("math_dapo", response, truth) == expected
+
+
+def test_math_dapo_reads_the_boxed_fallback_as_its_answer():
+    from evals.rewards import answer_of
+
+    assert answer_of("math_dapo", "so \\boxed{7}.") == "7"
+    assert answer_of("math_dapo", "\\boxed{7}\nAnswer: 8") == "8"
+    assert answer_of("math_dapo", "no answer") is None
 
 
 def test_normalization_steps():
