@@ -216,6 +216,9 @@ class AlgorithmSection:
     sampling_fill: str = "worker"
     overlong: OverlongSection | None = None
     tis: TISSection | None = None  # reweight each token's policy loss by min(pi_old / pi_engine, cap)
+    # R3: the trainer's MoE layers use the experts the engine chose for each token (gate weights from the trainer's
+    # own router scores at them); moe_lora.routing
+    routing_replay: bool = False
     kl_coef: float = 0.0  # beta of the KL penalty to the reference policy (the frozen base, adapters off)
     kl_estimator: str = "k3"
     gamma: float = 1.0  # gae / egae discount
@@ -783,6 +786,16 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
         fail(
             f"parallel.layout {c.parallel.layout} with algorithm.advantage {a.advantage}: the critic's "
             "in-flight responses live on colocated workers; use parallel.layout colocated"
+        )
+    if a.routing_replay and r.engine != "torch":
+        fail(
+            f"algorithm.routing_replay with rollout.engine {r.engine}: the torch engine records the experts it routes "
+            "each token to; vLLM 0.32's enable_return_routed_experts is not wired in yet (use rollout.engine torch)"
+        )
+    if a.routing_replay and c.producer.kind != "single_turn":
+        fail(
+            f"algorithm.routing_replay with producer.kind {c.producer.kind}: only single-turn episodes carry the "
+            "engine's experts to the trainer so far (use producer.kind single_turn)"
         )
     if a.overlong is not None and a.overlong.max_len > r.max_new_tokens:
         fail(f"algorithm.overlong.max_len = {a.overlong.max_len} exceeds rollout.max_new_tokens = {r.max_new_tokens}")

@@ -24,6 +24,7 @@ class Segment:
     kind: str = "answer"  # answer | memory | turn
     adapter_version: int = 0  # the adapter that generated its trained tokens
     loss_mask: list[int] | None = None  # per response token, 0 = not trained; None = every token trained
+    routing: object = None  # torch engine: [prompt + response - 1, MoE layers, k] experts each fed token went to
 
 
 @dataclass
@@ -42,10 +43,15 @@ class Episode:
         reward: float,
         correct: bool,
         adapter_version: int,
+        routing=None,
     ) -> "Episode":
         """Today's single-turn sample: one answer segment."""
         return Episode(
-            [Segment(prompt_ids, response_ids, engine_logprobs, finish_reason, "answer", adapter_version)],
+            [
+                Segment(
+                    prompt_ids, response_ids, engine_logprobs, finish_reason, "answer", adapter_version, None, routing
+                )
+            ],
             reward,
             correct,
         )
@@ -79,6 +85,12 @@ class Rows:
     @property
     def engine_logprobs(self) -> list[list[float]]:
         return [s.engine_logprobs for s in self.segments]
+
+    @property
+    def routing(self) -> list | None:
+        """Every row's recorded experts, or None unless every row has them."""
+        found = [s.routing for s in self.segments]
+        return None if any(r is None for r in found) else found
 
     @property
     def loss_masks(self) -> list[list[int]] | None:

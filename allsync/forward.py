@@ -22,12 +22,28 @@ class SequenceBatch:
     input_ids: torch.Tensor  # [B, L] right-padded prompt + response
     attention_mask: torch.Tensor  # [B, L]
     response_mask: torch.Tensor  # [B, L-1] float, 1 where the predicted token is a response token
+    # the experts the engine sent each token to ([B, L, MoE layers, k]) and which tokens have them ([B, L] bool)
+    routing: torch.Tensor | None = None
+    routing_has: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _with(self, f) -> "SequenceBatch":
+        """f applied to every [B, L(-1), ...] tensor."""
+        routing = None if self.routing is None else (f(self.routing), f(self.routing_has))
+        return SequenceBatch(f(self.input_ids), f(self.attention_mask), f(self.response_mask), *(routing or ()))
+
     def select(self, rows: torch.Tensor | list[int]) -> "SequenceBatch":
-        return SequenceBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
+        return self._with(lambda t: t[rows])
+
+    def flat_routing(self) -> tuple:
+        """(indices [B x L, layers, k], has [B x L], counts [B x L]) as the routers see the tokens, counts marking the
+        response tokens (moe_lora.routing.RoutingReplay.set); Nones without routing."""
+        if self.routing is None:
+            return None, None, None
+        response = torch.cat([torch.zeros_like(self.response_mask[:, :1]), self.response_mask], dim=1) > 0
+        return self.routing.flatten(0, 1), self.routing_has.flatten(), (self.routing_has & response).flatten()
 
     @property
     def width(self) -> int:
@@ -35,13 +51,13 @@ class SequenceBatch:
         return int(self.attention_mask.sum(-1).max()) if len(self) else 0
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
-        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+        return self._with(lambda t: t.to(device))
 
     def trimmed(self, width: int) -> "SequenceBatch":
         """The first `width` columns (per-token [B, L-1] tensors keep width - 1)."""
-        return SequenceBatch(
-            self.input_ids[:, :width], self.attention_mask[:, :width], self.response_mask[:, : width - 1]
-        )
+        out = self._with(lambda t: t[:, :width])
+        out.response_mask = self.response_mask[:, : width - 1]
+        return out
 
 
 @contextmanager
@@ -85,7 +101,11 @@ def token_budget_chunks(lengths: list[int], budget: int | None) -> list[list[int
     return chunks
 
 
-def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SequenceBatch:
+def build_sequences(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, routing: list | None = None
+) -> SequenceBatch:
+    """Right-padded rows of prompt + response; `routing`: each row's recorded experts [tokens fed, layers, k] (the
+    engine's; the row's first tokens), placed at its positions."""
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
@@ -95,7 +115,14 @@ def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], 
         ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention[i, : len(p) + len(r)] = 1
         response[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
-    return SequenceBatch(ids, attention, response)
+    batch = SequenceBatch(ids, attention, response)
+    if routing:
+        batch.routing = torch.zeros((len(lengths), width, *routing[0].shape[1:]), dtype=routing[0].dtype)
+        batch.routing_has = torch.zeros((len(lengths), width), dtype=torch.bool)
+        for i, experts in enumerate(routing):
+            batch.routing[i, : len(experts)] = experts
+            batch.routing_has[i, : len(experts)] = True
+    return batch
 
 
 class ValueHead(nn.Module):
@@ -178,7 +205,11 @@ def forward_pass(
     with_entropy: bool = False,
 ) -> ForwardOut:
     """One forward pass of the decoder, then chunked token logprobs (`token_logprobs`) from its last
-    hidden state and the frozen lm_head: the [B, L, V] logits are never built."""
+    hidden state and the frozen lm_head: the [B, L, V] logits are never built. A model the learner attached a
+    routing replay to (moe_lora.routing.replaying) gets the batch's recorded experts first."""
+    replay = getattr(model, "routing_replay", None)
+    if replay is not None:
+        replay.set(*batch.flat_routing())
     out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     hidden = out.last_hidden_state[:, :-1]
     weight = model.get_output_embeddings().weight

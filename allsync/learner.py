@@ -48,6 +48,7 @@ from allsync.forward import (
 )
 from moe_lora.expert_parallel import expert_parameters
 from moe_lora.lora import adapters_disabled
+from moe_lora.routing import replaying
 
 # producer.weighting (multiconv) -> the loss aggregation it means (allsync.algorithms.aggregation)
 WEIGHTING_AGGREGATION = {"token": "token-mean", "episode": "episode-mean-token-mean"}
@@ -249,7 +250,7 @@ class Learner:
         rows = flatten(episodes)
         rewards = torch.tensor([e.reward for e in episodes])
         episode_advantages = get("advantage", a.advantage)(rewards, group_index).to(self.device)
-        batch = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
+        batch = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id, rows.routing).to(self.device)
         engine_logprobs = scatter_response_values(rows.engine_logprobs, batch)  # before the masks below make gaps
         episode_of_row = torch.tensor(rows.episode_of_row, device=self.device)
         if (masks := rows.loss_masks) is not None:  # tool observations: not chosen by the policy, not trained
@@ -381,8 +382,16 @@ class Learner:
                 self.current_logprobs(idle)
             self.reference_logprobs(idle)
         make_batch = self.critic_batch if self.value_head is not None else lambda e: self.episode_batch(e, group_index)
-        tb = make_batch(episodes) if episodes else None
-        out = self.update(tb, adapter_version)
+        with replaying(self.model, self.config.algorithm.routing_replay) as routing:
+            self.model.routing_replay = routing  # forward_pass hands it each batch's recorded experts
+            try:
+                tb = make_batch(episodes) if episodes else None
+                out = self.update(tb, adapter_version)
+            finally:
+                del self.model.routing_replay
+        mismatched, counted = routing.take_counts()
+        if counted:  # the engine recorded its experts: how many (trained token, MoE layer) pairs the trainer differs on
+            out.update(routing_mismatched=mismatched, routing_counted=counted)
         if tb is not None and multiconv_settings(self.config) is not None:
             out.update(segment_gaps(tb))
         return out

@@ -45,6 +45,12 @@ def aggregate(per_worker: list[dict]) -> dict:
                 if any("tis_sum" in m for m in per_worker)
                 else {}
             ),
+            # the torch engine's recorded experts against the trainer's own choice, per (trained token, MoE layer)
+            **(
+                {"routing_mismatch": total("routing_mismatched") / total("routing_counted")}
+                if total("routing_counted")
+                else {}
+            ),
         }
         if total("trained_tokens")
         else {}

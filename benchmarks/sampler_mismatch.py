@@ -9,8 +9,11 @@ data) with:
     mismatched      rollout.engine_formats {routed_experts: bf16}: the checkpoint's own expert weights in the engine
     tis-token       mismatched + algorithm.tis {level: token, cap: 2}
     tis-sequence    mismatched + algorithm.tis {level: sequence, cap: 2}
-Writes OUT/sampler_mismatch.json (per variant: held-out accuracy at each evaluation, logprob_gap and tis_mean per
-step) and OUT/sampler_mismatch.png (held-out accuracy and logprob gap over steps).
+    r3              mismatched + algorithm.routing_replay (the trainer uses the experts the engine chose)
+    r3-tis-token    r3 + algorithm.tis {level: token, cap: 2}
+`--variants a,b` runs some of them; `--previous FILE` adds the variants of an earlier run's JSON that were not run.
+Writes OUT/sampler_mismatch.json (per variant: held-out accuracy at each evaluation, logprob_gap, tis_mean and
+routing_mismatch per step) and OUT/sampler_mismatch.png (held-out accuracy and logprob gap over steps).
 """
 
 from __future__ import annotations
@@ -25,19 +28,25 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MISMATCH = {"routed_experts": "bf16"}
-VARIANTS = {
-    "matched": ({}, None),
-    "mismatched": (MISMATCH, None),
-    "tis-token": (MISMATCH, {"level": "token", "cap": 2.0}),
-    "tis-sequence": (MISMATCH, {"level": "sequence", "cap": 2.0}),
+TOKEN_TIS = {"level": "token", "cap": 2.0}
+VARIANTS = {  # name: (rollout.engine_formats, algorithm.tis, algorithm.routing_replay)
+    "matched": ({}, None, False),
+    "mismatched": (MISMATCH, None, False),
+    "tis-token": (MISMATCH, TOKEN_TIS, False),
+    "tis-sequence": (MISMATCH, {"level": "sequence", "cap": 2.0}, False),
+    "r3": (MISMATCH, None, True),
+    "r3-tis-token": (MISMATCH, TOKEN_TIS, True),
 }
 
 
-def variant_config(base: str, engine_formats: dict, tis: dict | None, steps: int, eval_every: int) -> dict:
+def variant_config(
+    base: str, engine_formats: dict, tis: dict | None, replay: bool, steps: int, eval_every: int
+) -> dict:
     config = yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
     config["model"].update(base=base, warm_start=False)
     config["rollout"]["engine_formats"] = engine_formats or None
     config["algorithm"]["tis"] = tis
+    config["algorithm"]["routing_replay"] = replay
     config["run"].update(steps=steps, eval_every=eval_every, checkpoint_every=steps, time_limit_minutes=None)
     return config
 
@@ -63,6 +72,7 @@ def run_variant(name: str, config: dict, out: Path) -> dict:
         "heldout": {r["step"]: r["heldout_accuracy"] for r in rows if "heldout_accuracy" in r},
         "logprob_gap": {r["step"]: r["logprob_gap"] for r in rows if "logprob_gap" in r},
         "tis_mean": {r["step"]: r["tis_mean"] for r in rows if "tis_mean" in r},
+        "routing_mismatch": {r["step"]: r["routing_mismatch"] for r in rows if "routing_mismatch" in r},
         "last_line": done.stdout.strip().splitlines()[-1],
     }
 
@@ -91,18 +101,31 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--base", default=str(ROOT / "runs" / "tiny-base"), help="the default job's warm-started base")
     parser.add_argument("--out", default=str(ROOT / "runs" / "sampler-mismatch"))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    parser.add_argument("--previous", help="an earlier run's sampler_mismatch.json: its other variants join the report")
     args = parser.parse_args(argv)
+    chosen = args.variants.split(",")
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     if not (Path(args.base) / "config.json").exists():
         parser.error(f"--base {args.base}: no checkpoint (run the default job once: it builds runs/tiny-base)")
     out = Path(args.out)
-    results = {}
-    for name, (engine_formats, tis) in VARIANTS.items():
+    previous = json.loads(Path(args.previous).read_text()) if args.previous else {}
+    results = {name: r for name, r in previous.items() if name not in chosen}
+    for name in chosen:
+        engine_formats, tis, replay = VARIANTS[name]
         results[name] = run_variant(
-            name, variant_config(args.base, engine_formats, tis, args.steps, args.eval_every), out
+            name, variant_config(args.base, engine_formats, tis, replay, args.steps, args.eval_every), out
         )
         r = results[name]
         gaps = list(r["logprob_gap"].values())
-        print(f"{name:<13} held-out {r['heldout']}  logprob gap median {sorted(gaps)[len(gaps) // 2]:.2e}", flush=True)
+        mismatch = sorted(r["routing_mismatch"].values()) or [float("nan")]
+        print(
+            f"{name:<13} held-out {r['heldout']}  logprob gap median {sorted(gaps)[len(gaps) // 2]:.2e}  "
+            f"routing mismatch median {mismatch[len(mismatch) // 2]:.4f}",
+            flush=True,
+        )
     (out / "sampler_mismatch.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "sampler_mismatch.png")
     print(f"wrote {out / 'sampler_mismatch.json'} and {out / 'sampler_mismatch.png'}")

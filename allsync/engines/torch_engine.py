@@ -37,6 +37,7 @@ from transformers import DynamicCache, TopPLogitsWarper
 from evals.generation import cut_at_eos, left_pad
 from moe_lora.lora import lora_merged
 from moe_lora.mla_decode import ExpandedKVCache, expanded_cache_fits, install_expanded_cache
+from moe_lora.routing import moe_layers, recording
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class Rollout:
     finish_reasons: list[str]  # "stop" (eos) or "length"
     adapter_version: int
     group_index: list[int] = field(default_factory=list)
+    # per sample, the experts its tokens went to (TorchEngine.record_routing): [prompt + response - 1, MoE layers,
+    # top-k] indices for every token fed to the model (the last response token never is); None when not recorded
+    routing: list | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -89,6 +93,8 @@ class TorchEngine:
         # MLA keys/values expanded once per token where that costs no more memory than the latent cache
         # (moe_lora/mla_decode.py); otherwise transformers' latent cache, re-expanded at every step
         self.expanded_kv = expanded_cache_fits(model.config) and install_expanded_cache(model) > 0
+        # the experts each generated token went to, for routing replay and the routing_mismatch metric
+        self.record_routing = bool(moe_layers(model))
 
     def load_adapter(self, tensors: dict[str, torch.Tensor] | None, version: int) -> int:
         """The engine is the trainer's model: its LoRA tensors are already current; returns bytes moved (0)."""
@@ -107,7 +113,7 @@ class TorchEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
         expanded = [p for p in prompts for _ in range(n)]
-        responses, logprobs, reasons = [], [], []
+        responses, logprobs, reasons, routing = [], [], [], []
         was_training = self.model.training
         self.model.eval()
         chunks = math.ceil(len(expanded) / self.batch_size)
@@ -122,13 +128,20 @@ class TorchEngine:
                     ):
                         self._generate_batch([[self.pad_id]], sampling)
                     continue
-                r, lp, fr = self._generate_batch(chunk, sampling)
+                r, lp, fr, rt = self._generate_batch(chunk, sampling)
                 responses += r
                 logprobs += lp
                 reasons += fr
+                routing += rt
         self.model.train(was_training)
         return Rollout(
-            expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))]
+            expanded,
+            responses,
+            logprobs,
+            reasons,
+            self.adapter_version,
+            [i // n for i in range(len(expanded))],
+            routing if self.record_routing else None,
         )
 
     def _generate_batch(self, prompts: list[list[int]], s: Sampling):
@@ -136,9 +149,10 @@ class TorchEngine:
         cache = (
             ExpandedKVCache(reserve=s.max_new_tokens) if self.expanded_kv else DynamicCache(config=self.model.config)
         )
-        tokens, chosen = sample_from_cache(
-            self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep
-        )
+        with recording(self.model) if self.record_routing else contextlib.nullcontext() as record:
+            tokens, chosen = sample_from_cache(
+                self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep
+            )
         self.positions += tokens.shape[0] * (max(map(len, prompts)) + tokens.shape[1])
         responses, logprobs, reasons = [], [], []
         for row, lp in zip(tokens.tolist(), chosen.tolist()):
@@ -146,7 +160,27 @@ class TorchEngine:
             responses.append(tokens_cut)
             logprobs.append(lp[: len(tokens_cut)])
             reasons.append(reason)
-        return responses, logprobs, reasons
+        routing = sample_routing(record, distinct, repeats, responses) if self.record_routing else []
+        return responses, logprobs, reasons, routing
+
+
+def sample_routing(record, prompts: list[list[int]], repeats: list[int], responses: list[list[int]]) -> list:
+    """Each sample's recorded experts, [prompt + response - 1, layers, k] (moe_lora.routing.RoutingRecord of one
+    sample_from_cache call): the prefill's call holds the left-padded distinct prompts, decode step s (call s) the
+    token each row was fed, response token s - 1; the last response token is never fed."""
+    width = max(map(len, prompts))
+    prefill = record.call(0).cpu()
+    prefill = prefill.view(len(prompts), width, *prefill.shape[1:])
+    decode = torch.stack([record.call(s) for s in range(1, len(record))]).cpu() if len(record) > 1 else None
+    out, row = [], 0
+    for i, (prompt, n) in enumerate(zip(prompts, repeats)):
+        prompt_part = prefill[i, width - len(prompt) :]
+        for _ in range(n):
+            fed = max(len(responses[row]) - 1, 0)
+            parts = [prompt_part] if not fed else [prompt_part, decode[:fed, row]]
+            out.append(torch.cat(parts))
+            row += 1
+    return out
 
 
 def runs_of_equal(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:

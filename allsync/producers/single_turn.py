@@ -24,10 +24,17 @@ class SingleTurn:
         rewards, correct, _ = self.score(
             [problems[i // n] for i in range(len(rollout))], rollout.response_ids, rollout.group_index
         )
+        routing = rollout.routing or [None] * len(rollout)
         return [
-            Episode.single(prompt, response, logprobs, reason, reward, ok, rollout.adapter_version)
-            for prompt, response, logprobs, reason, reward, ok in zip(
-                rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rollout.finish_reasons, rewards, correct
+            Episode.single(prompt, response, logprobs, reason, reward, ok, rollout.adapter_version, experts)
+            for prompt, response, logprobs, reason, reward, ok, experts in zip(
+                rollout.prompt_ids,
+                rollout.response_ids,
+                rollout.logprobs,
+                rollout.finish_reasons,
+                rewards,
+                correct,
+                routing,
             )
         ]
 
