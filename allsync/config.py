@@ -790,7 +790,8 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
     if a.routing_replay and r.engine != "torch":
         fail(
             f"algorithm.routing_replay with rollout.engine {r.engine}: the torch engine records the experts it routes "
-            "each token to; vLLM 0.32's enable_return_routed_experts is not wired in yet (use rollout.engine torch)"
+            "each token to; vLLM 0.32 returns them (enable_return_routed_experts) only with its Model Runner V2 "
+            "(VLLM_USE_V2_MODEL_RUNNER=1, Triton on a GPU), which is not wired in yet (use rollout.engine torch)"
         )
     if a.routing_replay and c.producer.kind != "single_turn":
         fail(
