@@ -47,8 +47,8 @@ def aggregate(per_worker: list[dict]) -> dict:
             ),
             # the torch engine's recorded experts against the trainer's own choice, per (trained token, MoE layer)
             **(
-                {"routing_mismatch": total("routing_mismatched") / total("routing_counted")}
-                if total("routing_counted")
+                {"routing_mismatch": sum(m.get("routing_mismatched", 0) for m in per_worker) / counted}
+                if (counted := sum(m.get("routing_counted", 0) for m in per_worker))
                 else {}
             ),
         }

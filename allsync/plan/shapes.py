@@ -30,7 +30,19 @@ DEEPSEEK_V3 = dict(
     max_position_embeddings=163840,
     quantization_config=FP8_QUANTIZATION_CONFIG,
 )
-SHAPES = {"deepseek-v3": DEEPSEEK_V3, "deepseek-r1": DEEPSEEK_V3}
+# Kimi K2 (1.04T, 32B active; Kimi-K2-Instruct's released config.json: DeepSeek-V3's architecture with 384 experts,
+# 64 heads, one dense layer, no expert groups), stored in FP8 with 128x128 block scales
+KIMI_K2 = dict(
+    DEEPSEEK_V3,
+    vocab_size=163840,
+    num_attention_heads=64,
+    first_k_dense_replace=1,
+    n_routed_experts=384,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=131072,
+)
+SHAPES = {"deepseek-v3": DEEPSEEK_V3, "deepseek-r1": DEEPSEEK_V3, "kimi-k2": KIMI_K2}
 
 
 def tiny_spec_fields(config: dict, layers: int, dense_layers: int, experts: int, **overrides) -> dict:
