@@ -128,9 +128,12 @@ def load_measured(ckpt: Path, plan: QuantPlan, device: str, memory: Memory, expe
     }
 
 
-def train_step_bytes(model, optimizer, seq: int, checkpointing: bool, device: str, memory: Memory) -> dict:
-    """One forward+backward of -mean(token logprob) on one sequence of `seq` random tokens."""
-    from allsync.forward import SequenceBatch, checkpointed_decoder_layers, forward_pass
+def train_step_bytes(
+    model, optimizer, seq: int, checkpointing: bool, device: str, memory: Memory, offload: bool = False
+) -> dict:
+    """One forward+backward of -mean(token logprob) on one sequence of `seq` random tokens; offload: the forward's
+    saved tensors in (pinned) host memory (optim.activation_offload)."""
+    from allsync.forward import SequenceBatch, checkpointed_decoder_layers, forward_pass, saved_on_host
 
     optimizer.zero_grad(set_to_none=True)
     free(memory)
@@ -140,14 +143,14 @@ def train_step_bytes(model, optimizer, seq: int, checkpointing: bool, device: st
     memory.reset_peak()
     t0 = time.perf_counter()
     try:
-        with checkpointed_decoder_layers(model, checkpointing):
+        with checkpointed_decoder_layers(model, checkpointing), saved_on_host(offload):
             loss = -forward_pass(model, batch).logprobs.mean()
         loss.backward()
         del loss
     except torch.OutOfMemoryError as e:
         optimizer.zero_grad(set_to_none=True)
         free(memory)
-        return {"seq": seq, "checkpointing": checkpointing, "oom": str(e).split("\n")[0][:200]}
+        return {"seq": seq, "checkpointing": checkpointing, "offload": offload, "oom": str(e).split("\n")[0][:200]}
     if memory.cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -155,6 +158,7 @@ def train_step_bytes(model, optimizer, seq: int, checkpointing: bool, device: st
     return {
         "seq": seq,
         "checkpointing": checkpointing,
+        "offload": offload,
         "seconds": round(seconds, 3),
         "peak_above_resident": delta(memory.peak(), resident),
         "grads_measured": delta(memory.allocated(), resident),
@@ -162,7 +166,9 @@ def train_step_bytes(model, optimizer, seq: int, checkpointing: bool, device: st
     }
 
 
-def measure_plan(ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: int, device: str) -> dict:
+def measure_plan(
+    ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: int, device: str, offload: bool = False
+) -> dict:
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
 
     memory = Memory(device)
@@ -180,7 +186,8 @@ def measure_plan(ckpt: Path, name: str, plan: QuantPlan, seqs: list[int], rank: 
         "params": sum(p.numel() for p in params),
     }
     optimizer = torch.optim.AdamW(params, lr=1e-6)
-    steps = [train_step_bytes(model, optimizer, s, c, device, memory) for s in seqs for c in (True, False)]
+    variants = [(True, False), (False, False)] + ([(True, True)] if offload else [])  # (checkpointing, offload)
+    steps = [train_step_bytes(model, optimizer, s, c, device, memory, o) for s in seqs for c, o in variants]
     done = [s for s in steps if "oom" not in s]
     before = memory.allocated()
     if done:  # gradients are present from the last step that ran: one AdamW step makes its state
@@ -212,7 +219,7 @@ def format_report(result: dict) -> str:
         r = result[key]
         lines.append(f"  {key:<18} {gib(r['measured']):>9} ({gib(r['tensors'])})")
     for s in result["steps"]:
-        tag = f"seq {s['seq']:>6} ckpt {'on ' if s['checkpointing'] else 'off'}"
+        tag = f"seq {s['seq']:>6} ckpt {'on ' if s['checkpointing'] else 'off'}{' offload' if s.get('offload') else ''}"
         if "oom" in s:
             lines.append(f"  {tag}: out of memory")
         else:
@@ -231,6 +238,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ckpt", default="/tmp/v3-two-layers")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default=None, help="JSON overrides of the shape (a small one for a CPU run)")
+    ap.add_argument("--offload", action="store_true", help="also a checkpointed step with activation offload")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     shape = {**REAL_V3_TWO_LAYERS, **(json.loads(args.shape) if args.shape else {})}
@@ -253,7 +261,7 @@ def main(argv=None) -> dict:
     }
     print(f"checkpoint {ckpt} written in {out['write_seconds']} s", flush=True)
     for name in args.plans.split(","):
-        result = measure_plan(ckpt, name, PLANS[name], seqs, args.rank, args.device)
+        result = measure_plan(ckpt, name, PLANS[name], seqs, args.rank, args.device, args.offload)
         out["plans"].append(result)
         print(format_report(result), flush=True)
         if args.json:
