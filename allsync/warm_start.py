@@ -298,7 +298,8 @@ def settings_for_run(config) -> WarmStartSettings:
     agent = config.producer if config.producer.kind == "agent" else None
     spec = replace(DEFAULT_SPEC, tool_tokens=True) if agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
     evaluation = EvalSettings(heldout_size=config.task.heldout_size)
-    if agent is not None:  # the answer after a tool output ("Answer: 62560" + eos) is longer than arithmetic's
+    long_replies = getattr(config.task, "reasoning", "none") != "none"  # a digit-by-digit sum before the answer
+    if agent is not None or long_replies:  # longer than arithmetic's "Answer: N" + eos
         evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
     return WarmStartSettings(spec, config.task.warm_start_task(agent), seed=config.task.seed, eval=evaluation)
 

@@ -307,6 +307,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
             {
                 "heldout_accuracy": base_accuracy,
                 "heldout_greedy_accuracy": base_greedy,
+                "heldout_mean_tokens": base_summary["mean_tokens"],
                 **({"heldout_tool_call_rate": base_tools} if base_tools is not None else {}),
             },
         )
@@ -327,6 +328,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
         if step % config.run.eval_every == 0 or step == config.run.steps:
             summary, samples = heldout_evaluation(group, splits.heldout, config.run.eval_samples)
             accuracy = metrics["heldout_accuracy"] = summary[f"avg@{config.run.eval_samples}"]
+            metrics["heldout_mean_tokens"] = summary["mean_tokens"]
             if "tool_call_rate" in summary:  # tool agents: how often an episode called a tool
                 tools = metrics["heldout_tool_call_rate"] = summary["tool_call_rate"]
             if ctl and step == config.run.steps:  # the trained adapter's samples, summary and plot

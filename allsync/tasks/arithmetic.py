@@ -30,6 +30,7 @@ class ArithmeticSpec:
     max_digits: int = 3
     ops: tuple[str, ...] = ("+",)
     nonnegative: bool = True  # "-": put the larger operand first so answers are >= 0
+    reasoning: str = "none"  # none: the reply is `Answer: N`; verbose: a digit-by-digit sum first (verbose_reply)
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -37,6 +38,10 @@ class ArithmeticSpec:
         unknown = [op for op in self.ops if op not in OPERATIONS]
         if unknown or not self.ops:
             raise ValueError(f"ops {self.ops!r}: each must be one of {sorted(OPERATIONS)}")
+        if self.reasoning not in REASONING:
+            raise ValueError(f"reasoning {self.reasoning!r}: use {' or '.join(REASONING)}")
+        if self.reasoning == "verbose" and tuple(self.ops) != ("+",):
+            raise ValueError(f"reasoning verbose with ops {list(self.ops)}: the verbose reply is written for '+'")
 
     def space_size(self) -> int:
         """Distinct problems: (sum over d of count(d))^2 * len(ops), count(1) = 10, count(d) = 9 * 10^(d-1)."""
@@ -52,7 +57,10 @@ class ArithmeticSpec:
         return max(len(str(r)) for r in results)
 
     def max_response_tokens(self) -> int:
-        """Tokens of the longest `Answer: N` reply plus eos (the tokenizer is byte-level: 1 char = 1 token)."""
+        """Tokens of the longest reply plus eos (the tokenizer is byte-level: 1 char = 1 token)."""
+        if self.reasoning == "verbose":
+            top = 10**self.max_digits - 1
+            return len(verbose_reply(top, top, MAX_RESTATEMENTS)) + 1
         return len(ANSWER_PREFIX) + self.max_answer_chars() + 1
 
     # the warm start's side (allsync.tasks.registry.WarmStartTask)
@@ -60,10 +68,42 @@ class ArithmeticSpec:
         return make_splits(self, train_size, heldout_size, seed)
 
     def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
-        return answer_examples(tokenizer, problems)
+        if self.reasoning == "none":
+            return answer_examples(tokenizer, problems)
+        rng = random.Random(f"verbose-{seed}")
+        replies = [verbose_reply(*operands(p), rng.randint(0, MAX_RESTATEMENTS)) for p in problems]
+        return answer_examples(tokenizer, problems, replies)
 
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
         return encode_problems(tokenizer, problems, with_answer=False)
+
+
+REASONING = ("none", "verbose")
+MAX_RESTATEMENTS = 3
+
+
+def operands(problem: Problem) -> tuple[int, int]:
+    """a and b of `What is a+b?`."""
+    a, b = problem.prompt.removeprefix("What is ").removesuffix("?").split("+")
+    return int(a), int(b)
+
+
+def verbose_reply(a: int, b: int, restatements: int) -> str:
+    """A long-winded sum, column by column with carries, restated `restatements` times, then the answer line:
+
+        47+38: ones 7+8=15, write 5 carry 1. tens 4+3+1=8, write 8. so 47+38=85. again: 47+38=85.
+        Answer: 85
+    """
+    names = ("ones", "tens", "hundreds", "thousands")
+    steps, carry, i = [], 0, 0
+    while a // 10**i or b // 10**i or carry or i == 0:
+        x, y = a // 10**i % 10, b // 10**i % 10
+        total = x + y + carry
+        terms = f"{x}+{y}" + (f"+{carry}" if carry else "")
+        steps.append(f"{names[i]} {terms}={total}, write {total % 10}" + (" carry 1" if total > 9 else "") + ".")
+        carry, i = total // 10, i + 1
+    text = f"{a}+{b}: " + " ".join(steps) + f" so {a}+{b}={a + b}." + f" again: {a}+{b}={a + b}." * restatements
+    return f"{text}\n{ANSWER_PREFIX}{a + b}"
 
 
 def digit_count(d: int) -> int:
@@ -118,5 +158,7 @@ class ArithmeticTask(GeneratedTask):
     heldout_size: int = 200  # unique held-out problems
     seed: int = 0  # the generated splits
 
+    reasoning: str = "none"  # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning)
+
     def spec(self) -> ArithmeticSpec:
-        return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops))
+        return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)

@@ -58,13 +58,14 @@ def format_response(answer: str) -> str:
     return f"{ANSWER_PREFIX}{answer}"
 
 
-def chat_messages(problem: Problem, with_answer: bool = False) -> list[dict[str, str]]:
+def chat_messages(problem: Problem, with_answer: bool = False, response: str | None = None) -> list[dict[str, str]]:
+    """The problem's chat messages; with_answer adds the assistant's reply: `response`, or `Answer: N`."""
     if isinstance(problem.prompt, str):
         messages = [{"role": "user", "content": problem.prompt}]
     else:
         messages = [{"role": role, "content": content} for role, content in problem.prompt]
     if with_answer:
-        messages.append({"role": "assistant", "content": format_response(problem.answer)})
+        messages.append({"role": "assistant", "content": response or format_response(problem.answer)})
     return messages
 
 
@@ -101,13 +102,17 @@ def model_len_needed(
 
 
 # ------------------------------------------------------------------------------------------ supervised examples
-def encode_problems(tokenizer, problems: list[Problem], with_answer: bool) -> list[list[int]]:
-    """Chat-formatted token ids; with_answer appends `Answer: N<eos>` (the template's assistant turn)."""
+def encode_problems(
+    tokenizer, problems: list[Problem], with_answer: bool, responses: list[str] | None = None
+) -> list[list[int]]:
+    """Chat-formatted token ids; with_answer appends the reply (`responses[i]`, or `Answer: N`) and eos (the
+    template's assistant turn)."""
+    responses = responses or [None] * len(problems)
     texts = [
         tokenizer.apply_chat_template(
-            chat_messages(p, with_answer), add_generation_prompt=not with_answer, tokenize=False
+            chat_messages(p, with_answer, r), add_generation_prompt=not with_answer, tokenize=False
         )
-        for p in problems
+        for p, r in zip(problems, responses)
     ]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
@@ -119,9 +124,12 @@ def answer_start(prompt_ids: list[int], full_ids: list[int]) -> int:
     return len(prompt_ids)
 
 
-def answer_examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
-    """(prompt + `Answer: N` + eos ids, index of the first answer token) per problem: a one-step task's teacher."""
-    full = encode_problems(tokenizer, problems, with_answer=True)
+def answer_examples(
+    tokenizer, problems: list[Problem], responses: list[str] | None = None
+) -> list[tuple[list[int], int]]:
+    """(prompt + reply + eos ids, index of the first reply token) per problem: a one-step task's teacher; the reply
+    is `responses[i]`, or `Answer: N`."""
+    full = encode_problems(tokenizer, problems, with_answer=True, responses=responses)
     prompts = encode_problems(tokenizer, problems, with_answer=False)
     return [(f, answer_start(p, f)) for p, f in zip(prompts, full)]
 
