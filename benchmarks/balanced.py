@@ -40,7 +40,14 @@ def run_variant(name: str, config: dict, out: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [sys.executable, str(ROOT / "recipes" / "dapo.py"), "--config", str(path), "--out-dir", str(folder / "run")]
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "dapo.py"),
+        "--config",
+        str(path),
+        "--out-dir",
+        str(folder / "run"),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name}: recipes/dapo.py failed\n{done.stderr[-3000:]}")

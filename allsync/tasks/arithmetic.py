@@ -91,8 +91,8 @@ def operands(problem: Problem) -> tuple[int, int]:
 def verbose_reply(a: int, b: int, restatements: int) -> str:
     """A long-winded sum, column by column with carries, restated `restatements` times, then the answer line:
 
-        47+38: ones 7+8=15, write 5 carry 1. tens 4+3+1=8, write 8. so 47+38=85. again: 47+38=85.
-        Answer: 85
+    47+38: ones 7+8=15, write 5 carry 1. tens 4+3+1=8, write 8. so 47+38=85. again: 47+38=85.
+    Answer: 85
     """
     names = ("ones", "tens", "hundreds", "thousands")
     steps, carry, i = [], 0, 0
@@ -158,7 +158,9 @@ class ArithmeticTask(GeneratedTask):
     heldout_size: int = 200  # unique held-out problems
     seed: int = 0  # the generated splits
 
-    reasoning: str = "none"  # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning)
+    reasoning: str = (
+        "none"  # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning)
+    )
 
     def spec(self) -> ArithmeticSpec:
         return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)
