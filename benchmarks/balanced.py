@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from benchmarks.dapo_runs import run_dapo
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu_balanced.yaml"
@@ -36,22 +36,7 @@ def variant_config(length: dict | None, steps: int, eval_every: int) -> dict:
 
 
 def run_variant(name: str, config: dict, out: Path) -> dict:
-    folder = out / name
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [
-        sys.executable,
-        str(ROOT / "recipes" / "dapo.py"),
-        "--config",
-        str(path),
-        "--out-dir",
-        str(folder / "run"),
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{name}: recipes/dapo.py failed\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, _ = run_dapo(name, config, out / name)
     return {
         "heldout": {r["step"]: r["heldout_accuracy"] for r in rows if "heldout_accuracy" in r},
         "heldout_tokens": {r["step"]: r["heldout_mean_tokens"] for r in rows if "heldout_mean_tokens" in r},

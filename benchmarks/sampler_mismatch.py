@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from benchmarks.dapo_runs import run_dapo
 
 ROOT = Path(__file__).resolve().parents[1]
 MISMATCH = {"routed_experts": "bf16"}
@@ -52,28 +52,13 @@ def variant_config(
 
 
 def run_variant(name: str, config: dict, out: Path) -> dict:
-    folder = out / name
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [
-        sys.executable,
-        str(ROOT / "recipes" / "dapo.py"),
-        "--config",
-        str(path),
-        "--out-dir",
-        str(folder / "run"),
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{name}: recipes/dapo.py failed\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, last_line = run_dapo(name, config, out / name)
     return {
         "heldout": {r["step"]: r["heldout_accuracy"] for r in rows if "heldout_accuracy" in r},
         "logprob_gap": {r["step"]: r["logprob_gap"] for r in rows if "logprob_gap" in r},
         "tis_mean": {r["step"]: r["tis_mean"] for r in rows if "tis_mean" in r},
         "routing_mismatch": {r["step"]: r["routing_mismatch"] for r in rows if "routing_mismatch" in r},
-        "last_line": done.stdout.strip().splitlines()[-1],
+        "last_line": last_line,
     }
 
 

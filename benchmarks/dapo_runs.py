@@ -1,0 +1,33 @@
+"""One `python recipes/dapo.py` run of a config dict, as the benchmarks that compare configs run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_dapo(name: str, config: dict, folder: Path) -> tuple[list[dict], str]:
+    """Write `config` to folder/config.yaml, train with recipes/dapo.py into folder/run; (its metrics.jsonl rows,
+    the last line it printed). A failed run stops the benchmark with its stderr's end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "dapo.py"),
+        "--config",
+        str(path),
+        "--out-dir",
+        str(folder / "run"),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{name}: recipes/dapo.py failed\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rows, done.stdout.strip().splitlines()[-1]
