@@ -1,15 +1,17 @@
 """Balanced reasoning (issue 27): DAPO with and without Kimi-1.5's length reward from the same verbose base.
 
-    python -m benchmarks.balanced [--steps 100] [--eval-every 25] [--out runs/balanced]
+    python -m benchmarks.balanced [--steps 100] [--eval-every 25] [--seeds 0] [--previous FILE] [--out runs/balanced]
 
 Both runs are `python recipes/dapo.py` on recipes/configs/tiny_cpu_balanced.yaml (the default model and task,
 warm-started to sum column by column and restate its result before `Answer: N`; the base is built once):
     accuracy-only   DAPO as configured: +1 / 0 on the answer
     balanced        the same with reward.length {coef: 1.0}: within a group the shortest correct reply earns +0.5,
                     the longest -0.5, a wrong reply is never rewarded for being short
-Reported for the base and both runs: held-out avg@4 and the mean tokens of the held-out replies, at every
-evaluation. Writes OUT/balanced.json and OUT/balanced.png (held-out accuracy against mean reply tokens over
-training). Last line: `balanced reasoning: accuracy X% of the accuracy-only run's with Y% of its tokens`.
+Each pair runs once per `--seeds` value (run.seed: the LoRA's start and the sampling); `--previous` adds the seeds
+of an earlier run's balanced.json. Reported for the base and every run: held-out avg@4 and the mean tokens of the
+held-out replies, at every evaluation. Writes OUT/balanced.json and OUT/balanced.png (held-out accuracy against
+mean reply tokens over training, seed 0). Last line, from the seeds' means at the last step:
+`balanced reasoning: accuracy X% of the accuracy-only run's with Y% of its tokens`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu_balanced.yaml"
 VARIANTS = {"accuracy-only": None, "balanced": {"coef": 1.0}}
 
 
-def variant_config(length: dict | None, steps: int, eval_every: int) -> dict:
+def variant_config(length: dict | None, steps: int, eval_every: int, seed: int) -> dict:
     config = yaml.safe_load(CONFIG.read_text())
     config["model"]["base"] = str(ROOT / config["model"]["base"])
     config.setdefault("reward", {})["length"] = length
-    config["run"].update(steps=steps, eval_every=eval_every, checkpoint_every=steps)
+    config["run"].update(steps=steps, eval_every=eval_every, checkpoint_every=steps, seed=seed)
     return config
 
 
@@ -51,8 +53,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, r in results.items():
-        steps = sorted(set(r["heldout"]) & set(r["heldout_tokens"]))
+    for name, by_seed in results.items():
+        r = by_seed[min(by_seed, key=int)]
+        steps = sorted(set(r["heldout"]) & set(r["heldout_tokens"]), key=int)
         ax.plot([r["heldout_tokens"][s] for s in steps], [100 * r["heldout"][s] for s in steps], marker="o", label=name)
         for s in (steps[0], steps[-1]):
             ax.annotate(f"step {s}", (r["heldout_tokens"][s], 100 * r["heldout"][s]), fontsize=7)
@@ -67,21 +70,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--seeds", default="0", help="comma-separated run.seed values")
+    parser.add_argument("--previous", help="an earlier run's balanced.json: its seeds join the report")
     parser.add_argument("--out", default=str(ROOT / "runs" / "balanced"))
     args = parser.parse_args(argv)
     out = Path(args.out)
-    results = {}
-    for name, length in VARIANTS.items():
-        results[name] = run_variant(name, variant_config(length, args.steps, args.eval_every), out)
-        r = results[name]
-        print(f"{name:<14} held-out {r['heldout']}  held-out tokens {r['heldout_tokens']}", flush=True)
+    results = {name: {} for name in VARIANTS}
+    if args.previous:
+        for name, by_seed in json.loads(Path(args.previous).read_text()).items():
+            results[name].update(by_seed if "heldout" not in by_seed else {"0": by_seed})  # older files: seed 0 alone
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for name, length in VARIANTS.items():
+            config = variant_config(length, args.steps, args.eval_every, seed)
+            r = results[name][str(seed)] = run_variant(name, config, out / f"seed-{seed}")
+            print(f"{name:<14} seed {seed} held-out {r['heldout']}  held-out tokens {r['heldout_tokens']}", flush=True)
     (out / "balanced.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "balanced.png")
-    last = {name: max(r["heldout"]) for name, r in results.items()}
-    plain, balanced = results["accuracy-only"], results["balanced"]
-    accuracy = balanced["heldout"][last["balanced"]] / max(plain["heldout"][last["accuracy-only"]], 1e-9)
-    tokens = balanced["heldout_tokens"][last["balanced"]] / plain["heldout_tokens"][last["accuracy-only"]]
-    print(f"base: held-out {plain['heldout'][0]:.1%} with {plain['heldout_tokens'][0]:.1f} tokens per reply")
+
+    def final(name: str, key: str) -> float:
+        """The seeds' mean of `key` at each run's last evaluation."""
+        runs = list(results[name].values())
+        return sum(r[key][max(r[key], key=int)] for r in runs) / len(runs)
+
+    accuracy = final("balanced", "heldout") / max(final("accuracy-only", "heldout"), 1e-9)
+    tokens = final("balanced", "heldout_tokens") / final("accuracy-only", "heldout_tokens")
+    seed0 = results["accuracy-only"][min(results["accuracy-only"], key=int)]
+    base = min(seed0["heldout"], key=int)
+    print(f"base: held-out {seed0['heldout'][base]:.1%} with {seed0['heldout_tokens'][base]:.1f} tokens per reply")
+    print(f"seeds: {', '.join(sorted(results['balanced'], key=int))}")
     print(f"wrote {out / 'balanced.json'} and {out / 'balanced.png'}")
     print(f"balanced reasoning: accuracy {accuracy:.0%} of the accuracy-only run's with {tokens:.0%} of its tokens")
     return results
