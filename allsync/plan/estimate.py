@@ -28,7 +28,7 @@ from allsync.plan.fit import Layout, Plan, kv_bytes_per_token
 from allsync.plan.hardware import Hardware
 from allsync.plan.lengths import ResponseLengths
 from allsync.plan.step_time import DecodeCost, allreduce_seconds, generation_timeline, train_passes, train_seconds
-from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, lora_values, stored_plan, trainer_bytes
+from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, held_experts, lora_values, stored_plan
 
 ADAPTER_LOAD_SECONDS_PER_BYTE = 0.055 / 199.0e6  # benchmarks/vllm_adapter_sync.py, in memory (BENCHMARKS.md)
 
@@ -58,11 +58,18 @@ def kept(run, gpus: int, groups: np.ndarray) -> np.ndarray:
     return groups[: run.rollout.prompts_per_step // gpus]
 
 
+def generator_bytes(model_config: dict, ep: int, own_copy: bool, trainer_parts: dict | None) -> dict[str, int]:
+    """The frozen weights a generator reads every decode step, by part: vLLM's own copy of the base (own_copy), or
+    the trainer's frozen parts (`trainer_parts`: weights.trainer_bytes or a Plan's per_gpu_bytes)."""
+    if own_copy:
+        return engine_bytes(model_config, ep)
+    return {k: trainer_parts[k] for k in FROZEN_PARTS}
+
+
 def generator_cost(
-    run, model_config: dict, hw: Hardware, ep: int, frozen: dict[str, int], own_copy: bool
+    run, model_config: dict, hw: Hardware, ep: int, weights: dict[str, int], own_copy: bool
 ) -> DecodeCost:
-    """What a decode step reads: vLLM's own copy of the base (own_copy) or the trainer's `frozen` parts."""
-    weights = engine_bytes(model_config, ep) if own_copy else {k: frozen[k] for k in FROZEN_PARTS}
+    """A decode step's costs over the generator's `weights` (generator_bytes), in the formats they are held in."""
     fmt = (
         stored_plan(model_config).format_of("routed_experts")
         if own_copy
@@ -83,7 +90,7 @@ def generate(groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: Decod
 def grad_sync_seconds(run, model_config: dict, hw: Hardware, gpus: int, ep: int) -> float:
     """One all-reduce of the LoRA gradients: routed experts' over gpus / ep replicas, the rest over all GPUs."""
     targets = tuple(run.lora.targets)
-    experts = range(model_config["n_routed_experts"] // ep) if ep > 1 else None
+    experts = held_experts(model_config, ep)
     held = lora_values(model_config, run.lora.rank, targets, experts)
     routed = lora_values(model_config, run.lora.rank, tuple(t for t in targets if t == "routed_experts"), experts)
     replicas = gpus // ep
@@ -119,7 +126,9 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     """All-sync on the plan's layout, and all-sync with in-step overlap where both copies stay on the GPU."""
     ep, gpus = layout.expert_parallel, layout.gpus
     own_copy = run.rollout.engine == "vllm" and layout.colocation != "shared"
-    cost = generator_cost(run, model_config, hw, ep, plan.per_gpu_bytes, own_copy)
+    cost = generator_cost(
+        run, model_config, hw, ep, generator_bytes(model_config, ep, own_copy, plan.per_gpu_bytes), own_copy
+    )
     if layout.colocation == "shared":
         routed_format = stored_plan(model_config).format_of("routed_experts")
     else:
@@ -155,17 +164,17 @@ def split_steps(
     hw: Hardware,
     gen_gpus: int,
     gen_ep: int,
+    generator: dict[str, int],
     kv_tokens: int,
     train_gpus: int,
     train_ep: int,
     work: Workload,
     offloaded_per_token: float = 0.0,
 ) -> list:
-    """Disaggregated and one-step-off with `gen_gpus` generators (expert parallelism gen_ep, `kv_tokens` of KV room
-    each) and `train_gpus` trainers (train_ep): [StepTime, StepTime]."""
+    """Disaggregated and one-step-off with `gen_gpus` generators (expert parallelism gen_ep, holding `generator`
+    (generator_bytes) and `kv_tokens` of KV room each) and `train_gpus` trainers (train_ep): [StepTime, StepTime]."""
     own_copy = run.rollout.engine == "vllm"
-    frozen = {} if own_copy else trainer_bytes(run, model_config, gen_ep)
-    cost = generator_cost(run, model_config, hw, gen_ep, frozen, own_copy)
+    cost = generator_cost(run, model_config, hw, gen_ep, generator, own_copy)
     drawn = draw_groups(run, gen_gpus, work)
     gen = np.array([generate(g, work.prompt_tokens, kv_tokens, cost)[0] for g in drawn])
     batch = np.concatenate([kept(run, gen_gpus, g).ravel() for g in drawn])
@@ -177,7 +186,7 @@ def split_steps(
     train = np.array([t.sum() for t in trained]) + run.optim.minibatches * grad_sync_seconds(
         run, model_config, hw, train_gpus, train_ep
     )
-    experts = range(model_config["n_routed_experts"] // gen_ep) if gen_ep > 1 else None
+    experts = held_experts(model_config, gen_ep)
     adapter = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts) * LORA_VALUE_BYTES
     transfer = adapter / hw.network_bytes_per_second + (adapter * ADAPTER_LOAD_SECONDS_PER_BYTE if own_copy else 0.0)
     return [schedules.disaggregated(gen, train, transfer), schedules.one_step_off(gen, train, transfer)]

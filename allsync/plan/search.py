@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 from tqdm.auto import tqdm
 
 from allsync.plan.activations import SavedBytes
-from allsync.plan.estimate import Workload, colocated_steps, split_steps
+from allsync.plan.estimate import Workload, colocated_steps, generator_bytes, split_steps
 from allsync.plan.fit import COLOCATIONS, Layout, kv_bytes_per_token, plan_run, tokens_per_forward
 from allsync.plan.hardware import Hardware
 from allsync.plan.schedules import StepTime
-from allsync.plan.weights import engine_bytes, trainer_bytes
+from allsync.plan.weights import trainer_bytes
 
 
 COLOCATION_NOT_BUILT = {
@@ -133,25 +133,20 @@ def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: W
         o = run.optim
         activations = saved.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload)
         offloaded = saved.offloaded(model_config, tokens, o.activation_checkpointing) if o.activation_offload else 0
-        train_fit = [
+        train_fit = (
             (k, total)
             for k in divisors(train_gpus, experts)
             if (total := sum(trainer_bytes(run, model_config, k).values()) + activations) <= hw.memory_bytes
-        ]
-        if not train_fit:
+        )
+        train_ep, train_total = next(train_fit, (None, None))  # the smallest expert-parallel size that fits
+        if train_ep is None:
             refused.append((f"{train_gpus} train", "the train phase does not fit at any expert-parallel size"))
             continue
-        train_ep, train_total = train_fit[0]
+        own_copy = r.engine == "vllm"
         for gen_ep in divisors(gen_gpus, experts):
-            weights = (
-                sum(engine_bytes(model_config, gen_ep).values())
-                if r.engine == "vllm"
-                else sum(
-                    v
-                    for k, v in trainer_bytes(run, model_config, gen_ep).items()
-                    if k not in ("lora_grads", "optimizer")
-                )
-            )
+            parts = None if own_copy else trainer_bytes(run, model_config, gen_ep)
+            generator = generator_bytes(model_config, gen_ep, own_copy, parts)
+            weights = sum(generator.values()) + (0 if own_copy else parts["lora"])  # the torch engine's LoRA too
             kv_tokens = (hw.memory_bytes - weights) // kv_token
             label = f"{gen_gpus} generate (EP {gen_ep}) + {train_gpus} train"
             if kv_tokens < sequence_tokens:
@@ -171,7 +166,17 @@ def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: W
                 "trainer_peak_bytes": train_total,
             }
             steps = split_steps(
-                run, model_config, hw, gen_gpus, gen_ep, kv_tokens, train_gpus, train_ep, work, offloaded / tokens
+                run,
+                model_config,
+                hw,
+                gen_gpus,
+                gen_ep,
+                generator,
+                kv_tokens,
+                train_gpus,
+                train_ep,
+                work,
+                offloaded / tokens,
             )
             for step in steps:
                 found.append(Candidate(step, layout, memory, not_built(run, step, layout, hw.gpus_per_node)))

@@ -88,6 +88,11 @@ def lora_values(config: dict, rank: int, targets: tuple[str, ...], experts: rang
     )
 
 
+def held_experts(model_config: dict, expert_parallel: int) -> range | None:
+    """The routed experts one GPU holds under expert parallelism (a block of n_routed_experts / EP; None: all)."""
+    return range(model_config["n_routed_experts"] // expert_parallel) if expert_parallel > 1 else None
+
+
 def stored_plan(model_config: dict) -> QuantPlan:
     """The formats the checkpoint stores its quantizable weights in (what vLLM serves): FP8 blocks or bf16."""
     return QuantPlan.uniform("fp8" if model_config.get("quantization_config") else "bf16")
@@ -96,7 +101,7 @@ def stored_plan(model_config: dict) -> QuantPlan:
 def trainer_bytes(run, model_config: dict, expert_parallel: int, quant: QuantPlan | None = None) -> dict[str, int]:
     """The trainer's resident bytes per GPU, by part: the frozen groups (in `quant`, default model.quant's formats),
     LoRA, its gradients and AdamW's two moments, with n_routed_experts / expert_parallel experts per GPU."""
-    experts = range(model_config["n_routed_experts"] // expert_parallel) if expert_parallel > 1 else None
+    experts = held_experts(model_config, expert_parallel)
     parts = frozen_bytes(model_config, quant or run.model.quant.plan(), run.model.compute_dtype, experts)
     values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts)
     per_gpu = {name: parts.get(name, 0) for name in FROZEN_PARTS}
@@ -109,5 +114,5 @@ def trainer_bytes(run, model_config: dict, expert_parallel: int, quant: QuantPla
 def engine_bytes(model_config: dict, expert_parallel: int) -> dict[str, int]:
     """vLLM's own copy of the base per GPU, by group: the checkpoint's tensors as stored, n_routed_experts / EP
     experts."""
-    experts = range(model_config["n_routed_experts"] // expert_parallel) if expert_parallel > 1 else None
+    experts = held_experts(model_config, expert_parallel)
     return frozen_bytes(model_config, stored_plan(model_config), "bfloat16", experts)
