@@ -2,7 +2,7 @@
 
     checkpoints/step-000100/
         adapter/                  PEFT adapter (adapter_config.json + adapter_model.safetensors)
-        trainer.safetensors       AdamW moments and step counts, the value head (PPO)   (rank 0)
+        trainer.safetensors       AdamW moments and step counts, the critic (PPO)       (rank 0)
         trainer.json              optimizer param groups, adapter version               (rank 0)
         rank{r}.safetensors       torch's RNG state                                      (each rank)
         rank{r}.json              data position, Python/NumPy RNG states, T-PPO pools    (each rank)
@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from quant.checkpoint_io import atomic_write_text
 
 OPTIMIZER_PREFIX = "optimizer.state."
-VALUE_HEAD_PREFIX = "value_head."
+CRITIC_PREFIX = "critic."  # the critic's adapter and value head (allsync/critic.py)
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "allsync-checkpoint-manifest"
 MANIFEST_VERSION = 1

@@ -234,7 +234,7 @@ class AlgorithmSection:
 
     @property
     def uses_critic(self) -> bool:
-        """The estimator learns a value head (PPO's gae, T-PPO's egae); group baselines (grpo, drgrpo) do not."""
+        """The estimator learns a critic (PPO's gae, T-PPO's egae; allsync/critic.py); group baselines (grpo, drgrpo) do not."""
         return self.estimator.needs_critic
 
     def check(self, fail) -> None:
@@ -293,7 +293,7 @@ class OptimSection:
     grad_clip: float = 1.0
     minibatches: int = 1  # optimizer steps per RL step (split of the batch)
     warmup_steps: int = 0
-    value_lr: float = 1e-3  # the critic's value head (gae / egae)
+    value_lr: float = 1e-3  # the critic's adapter and value head (gae / egae; allsync/critic.py)
     # padded tokens (rows x longest row) per forward pass: the logprob passes and each minibatch's forward+backward
     # run in row groups of at most this many (gradients accumulate exactly); None: all rows at once
     max_tokens_per_forward: int | None = None

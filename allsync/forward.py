@@ -1,7 +1,7 @@
 """Trainer-side pieces of one RL step: sequences from a rollout, token logprobs, the policy update.
 
 Sequences are prompt + response, right-padded. Position t of `response_mask` marks that token t+1 is a
-response token, so `forward_logprobs(...)[0][:, t]` = log p(token_{t+1} | tokens_{<=t}) lines up with it.
+response token, so `forward_logprobs(...)[:, t]` = log p(token_{t+1} | tokens_{<=t}) lines up with it.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
-from torch import nn
 
-from allsync.algorithms import aggregate_loss, get, kl_penalty, tis_weights, value_loss
+from allsync.algorithms import aggregate_loss, get, kl_penalty, tis_weights
 
 
 @dataclass
@@ -125,20 +124,6 @@ def build_sequences(
     return batch
 
 
-class ValueHead(nn.Module):
-    """PPO's critic: V(s_t) = w . h_t + b on the policy's final hidden state h_t, detached, so the value
-    loss trains this head only and never moves the policy's LoRA tensors. Starts at V = 0."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden.detach().float()).squeeze(-1)
-
-
 LOGIT_CHUNK_ELEMENTS = 1 << 24  # logits held at once by `token_logprobs` (64 MiB in float32)
 
 
@@ -193,7 +178,6 @@ class ForwardOut:
     """Per-position quantities of one forward pass, all [B, L-1] (position t predicts token t+1)."""
 
     logprobs: torch.Tensor  # log softmax(logits_t / T)[token_{t+1}]
-    values: torch.Tensor | None = None  # V(tokens_{<=t}) from the value head
     entropy: torch.Tensor | None = None  # entropy of softmax(logits_t / T), no gradient
 
 
@@ -201,7 +185,6 @@ def forward_pass(
     model,
     batch: SequenceBatch,
     temperature: float = 1.0,
-    value_head: ValueHead | None = None,
     with_entropy: bool = False,
 ) -> ForwardOut:
     """One forward pass of the decoder, then chunked token logprobs (`token_logprobs`) from its last
@@ -214,14 +197,12 @@ def forward_pass(
     hidden = out.last_hidden_state[:, :-1]
     weight = model.get_output_embeddings().weight
     logprobs, entropy = token_logprobs(hidden, weight, batch.input_ids[:, 1:], temperature, with_entropy)
-    values = value_head(hidden) if value_head is not None else None
-    return ForwardOut(logprobs, values, entropy if with_entropy else None)
+    return ForwardOut(logprobs, entropy if with_entropy else None)
 
 
-def forward_logprobs(model, batch: SequenceBatch, temperature: float = 1.0, value_head: ValueHead | None = None):
-    """(logprobs, values) of `forward_pass`, both [B, L-1] (values None without a head)."""
-    out = forward_pass(model, batch, temperature, value_head)
-    return out.logprobs, out.values
+def forward_logprobs(model, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
+    """The token logprobs of `forward_pass`, [B, L-1]."""
+    return forward_pass(model, batch, temperature).logprobs
 
 
 def response_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,16 +259,6 @@ class LossSettings:
 
 
 @dataclass
-class ValueTargets:
-    """What the critic learns from in a micro-batch: EGAE returns on the tokens of finished responses."""
-
-    returns: torch.Tensor  # [B, L-1]
-    mask: torch.Tensor  # [B, L-1], 1 on response tokens of finished responses only (T-PPO)
-    global_tokens: torch.Tensor | float  # such tokens in the whole batch, over every rank
-    coef: float  # algorithm.value_coef
-
-
-@dataclass
 class LossStats:
     """Token sums of one micro-batch (divide by the global token count for means)."""
 
@@ -311,16 +282,13 @@ def minibatch_loss(
     global_seqs,
     norm_length: int | None = None,
     ref_logprobs=None,
-    value_head: ValueHead | None = None,
-    value_targets: ValueTargets | None = None,
     episode_tokens: torch.Tensor | None = None,
     engine_logprobs: torch.Tensor | None = None,
 ):
     """Policy loss of one micro-batch, scaled as its share of the global batch (see policy_loss; episode_tokens:
     each row's episode's trained tokens, for episode-mean-token-mean), plus
     kl_coef * KL(policy || reference) aggregated the same way when reference logprobs are given
-    (reference = the frozen base with the adapters off), plus value_targets.coef * the critic's value
-    loss when a value head is given. Returns (loss, LossStats of token sums).
+    (reference = the frozen base with the adapters off). Returns (loss, LossStats of token sums).
 
     old_logprobs None: the policy being trained is the one that sampled (one on-policy minibatch, before any
     optimizer step), so the old logprobs are this forward's own, detached: r = exp(logprobs - sg(logprobs)) = 1,
@@ -329,7 +297,7 @@ def minibatch_loss(
     settings.tis_level set: each token's policy loss is weighted by its truncated importance weight against the
     engine's logprobs (allsync.algorithms.tis_weights; the advantages scaled by it, the same for the clipped
     surrogate)."""
-    out = forward_pass(model, batch, settings.temperature, value_head, with_entropy=True)
+    out = forward_pass(model, batch, settings.temperature, with_entropy=True)
     mask = batch.response_mask
     old_logprobs = out.logprobs.detach() if old_logprobs is None else old_logprobs
     tis = capped = None
@@ -357,13 +325,6 @@ def minibatch_loss(
             kl, mask, settings.agg, global_tokens, global_seqs, norm_length, episode_tokens
         )
         kl_ref = float((kl.detach() * mask).sum())
-    if value_head is not None:
-        v = value_targets
-        finished = v.mask.sum(-1) > 0
-        vloss, _ = value_loss(
-            out.values, v.returns, v.mask, finished, agg="token-mean", global_tokens=max(float(v.global_tokens), 1.0)
-        )
-        loss = loss + v.coef * vloss
     tokens = float(mask.sum())
     sums = LossStats(
         float(stats.clipfrac_high) * tokens,

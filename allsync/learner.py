@@ -1,6 +1,6 @@
 """The update: what every producer's episodes are trained with.
 
-`Learner` owns the trainable tensors (LoRA, and PPO's value head), AdamW, the flat gradient buffers and
+`Learner` owns the trainable tensors (LoRA, and PPO's critic: allsync/critic.py), AdamW, the flat gradient buffers and
 the minibatch loop. `train` turns episodes into a `TrainBatch` (one row per segment): `episode_batch` for group
 baselines, `critic_batch` for PPO / T-PPO (advantages from the critic), and `update` trains on it. It never knows
 how the episodes were generated.
@@ -28,12 +28,11 @@ from allsync.algorithms import (
     whiten_advantages,
     whitening_sums,
 )
+from allsync.critic import Critic, ValueTargets, critic_loss
 from allsync.episodes import Episode, flatten
 from allsync.forward import (
     LossSettings,
     SequenceBatch,
-    ValueHead,
-    ValueTargets,
     build_sequences,
     checkpointed_decoder_layers,
     forward_logprobs,
@@ -192,12 +191,12 @@ class Learner:
         sharded = {id(p) for p in expert_parameters(model)} if layout is not None else set()
         self.expert_params = [p for p in self.lora_params if id(p) in sharded]  # summed over the EDP group
         self.replicated_lora_params = [p for p in self.lora_params if id(p) not in sharded]
-        self.value_head = ValueHead(model.config.hidden_size).to(device) if config.algorithm.uses_critic else None
-        self.value_params = list(self.value_head.parameters()) if self.value_head is not None else []
+        self.critic = Critic(model, config.run.seed) if config.algorithm.uses_critic else None
+        self.value_params = list(self.critic.trainable_tensors().values()) if self.critic is not None else []
         self.params = self.replicated_lora_params + self.value_params  # summed over every rank
         self.flat_grad = flat_gradients(self.params, device=device)  # every rank all-reduces one buffer per minibatch
         self.flat_expert_grad = flat_gradients(self.expert_params, flag=False, device=device)
-        for p in self.params:  # replicas start identical whatever their seeds (the value head)
+        for p in self.params:  # replicas start identical whatever their seeds
             self.groups.broadcast(p.data)
         self.optimized = self.lora_params + self.value_params
         self.optimizer = torch.optim.AdamW(
@@ -208,7 +207,7 @@ class Learner:
         self.consecutive_nan = 0
 
     def optim_settings(self) -> list[dict]:
-        """Per AdamW param group (the adapter's, then the value head's), the settings the config gives it."""
+        """Per AdamW param group (the adapter's, then the critic's), the settings the config gives it."""
         o = self.config.optim
         common = {"betas": tuple(o.betas), "weight_decay": o.weight_decay}
         return [{"base_lr": o.lr, "lr": o.lr, **common}, {"base_lr": o.value_lr, "lr": o.value_lr, **common}][
@@ -322,7 +321,7 @@ class Learner:
         seqs.response_mask.zero_()
         zeros = torch.zeros_like(seqs.response_mask)
         kl = zeros if self.config.algorithm.kl_coef else None
-        critic = (zeros, zeros) if self.value_head is not None else (None, None)
+        critic = (zeros, zeros) if self.critic is not None else (None, None)
         return TrainBatch(seqs, zeros, zeros, *critic, ref_logprobs=kl, engine_logprobs=zeros)
 
     def forward_chunks(self, batch: SequenceBatch) -> list[list[int]]:
@@ -337,31 +336,30 @@ class Learner:
             return count
         return 1 if self.config.optim.max_tokens_per_forward is None else self.groups.max_over_ranks(count)
 
-    def chunked_forward(
-        self, batch: SequenceBatch, value_head: ValueHead | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward_logprobs over the batch's row groups (`forward_chunks`), put back together at its width."""
+    def chunked(self, batch: SequenceBatch, compute) -> torch.Tensor:
+        """compute(rows) -> [rows, width - 1] (the policy's token logprobs, the critic's values) over the batch's
+        row groups (`forward_chunks`), put back together at the batch's width."""
         if self.config.optim.max_tokens_per_forward is None:
-            return forward_logprobs(self.model, batch, self.config.rollout.temperature, value_head)
+            return compute(batch)
         chunks, width = self.forward_chunks(batch), batch.input_ids.shape[1] - 1
         forwards = self.lockstep_count(len(chunks))  # agreed before any forward: the MoE layers' all-to-alls pair up
         parts = []
         for rows in chunks:
             part = batch.select(rows)
-            parts.append(
-                forward_logprobs(self.model, part.trimmed(part.width), self.config.rollout.temperature, value_head)
-            )
+            parts.append(compute(part.trimmed(part.width)))
         for _ in range(forwards - len(chunks)):
-            forward_logprobs(self.model, self.idle_batch().sequences, self.config.rollout.temperature, value_head)
+            compute(self.idle_batch().sequences)
         pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731 - right padding, as the batch's
-        logprobs = torch.cat([pad(lp) for lp, _ in parts]) if parts else batch.response_mask.new_zeros(0, width)
-        values = torch.cat([pad(v) for _, v in parts]) if value_head is not None and parts else None
-        return logprobs, values
+        return torch.cat([pad(p) for p in parts]) if parts else batch.response_mask.new_zeros(0, width)
+
+    def policy_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        return self.chunked(batch, lambda rows: forward_logprobs(self.model, rows, self.config.rollout.temperature))
 
     @torch.no_grad()
     def current_logprobs(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The current policy's logprobs (and values, with a critic) of the batch, before any update."""
-        return self.chunked_forward(batch, self.value_head)
+        """The current policy's logprobs (and the critic's values, with a critic) of the batch, before any update."""
+        values = self.chunked(batch, self.critic) if self.critic is not None else None
+        return self.policy_logprobs(batch), values
 
     @torch.no_grad()
     def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor | None:
@@ -370,7 +368,7 @@ class Learner:
         if not self.config.algorithm.kl_coef:
             return None
         with adapters_disabled(self.model):
-            return self.chunked_forward(batch, None)[0]
+            return self.policy_logprobs(batch)
 
     # ------------------------------------------------------------------------------ the update
     def train(self, episodes: list[Episode], group_index: torch.Tensor, adapter_version: int) -> dict:
@@ -381,7 +379,7 @@ class Learner:
             if not self.reuses_update_forward:
                 self.current_logprobs(idle)
             self.reference_logprobs(idle)
-        make_batch = self.critic_batch if self.value_head is not None else lambda e: self.episode_batch(e, group_index)
+        make_batch = self.critic_batch if self.critic is not None else lambda e: self.episode_batch(e, group_index)
         with replaying(self.model, self.config.algorithm.routing_replay) as routing:
             self.model.routing_replay = routing  # forward_pass hands it each batch's recorded experts
             try:
@@ -444,7 +442,10 @@ class Learner:
             mb = tb.minibatch(rows) if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0) else None
             micro = self.forward_chunks(mb.sequences) if mb is not None else []
             own_logprobs = []  # the micro-batches' detached logprobs: the old ones when tb has none yet
-            with checkpointed_decoder_layers(self.model, c.optim.activation_checkpointing):
+            checkpointing = c.optim.activation_checkpointing
+            with checkpointed_decoder_layers(self.model, checkpointing), checkpointed_decoder_layers(
+                self.critic, checkpointing and self.critic is not None
+            ):
                 for i in range(self.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
                     if i < len(micro):
                         own_logprobs.append(
@@ -491,8 +492,8 @@ class Learner:
         return out
 
     def _value_grad_norm(self) -> torch.Tensor:
-        """||g|| of the critic's value head (replicated: the same on every rank); 0 without a critic. The critic is
-        its own model (T-PPO optimizes policy and value independently): its gradient is clipped and logged apart."""
+        """||g|| of the critic's adapter and head (replicated: the same on every rank); 0 without a critic. The critic
+        is its own model (T-PPO optimizes policy and value independently): its gradient is clipped and logged apart."""
         return (
             torch.nn.utils.get_total_norm([p.grad for p in self.value_params]) if self.value_params else torch.zeros(())
         )
@@ -512,13 +513,11 @@ class Learner:
 
     def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict | None) -> torch.Tensor:
         """Loss of this worker's part of a minibatch (its share of the global batch) and its backward into the
-        flat gradient buffers; a non-finite loss sets the buffer's flag instead. out None: an idle row
-        (expert parallelism), whose backward only serves the other ranks' tokens. Returns the forward's
+        flat gradient buffers, the policy's then the critic's (two graphs, one alive at a time, in the same order
+        on every rank); a non-finite loss sets the buffer's flag instead. out None: an idle row (expert
+        parallelism), whose backward only serves the other ranks' tokens. Returns the policy forward's
         detached logprobs [rows, width - 1]."""
         c = self.config
-        targets = None
-        if mb.returns is not None:
-            targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)
         with saved_on_host(c.optim.activation_offload):  # the forward only: backward's recomputation stays
             loss, sums = minibatch_loss(
                 self.model,
@@ -530,20 +529,21 @@ class Learner:
                 totals[1],
                 norm_length=c.rollout.max_new_tokens,
                 ref_logprobs=mb.ref_logprobs,
-                value_head=self.value_head,
-                value_targets=targets,
                 episode_tokens=mb.episode_tokens,
                 engine_logprobs=mb.engine_logprobs,
             )
-        if not torch.isfinite(loss):
-            self.flat_grad[-1] = 1.0
-            if self.groups.expert_parallel:  # the EP peers wait for this rank's backward all-to-alls
-                loss.backward()
-            return sums.logprobs
-        loss.backward()
-        if out is None:
+        finite = self._backward(loss)
+        value_loss_share = None
+        if self.critic is not None:
+            targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)
+            with saved_on_host(c.optim.activation_offload):
+                loss_value, value_loss_share = critic_loss(self.critic, mb.sequences, targets)
+            finite = self._backward(loss_value) and finite
+        if out is None or not finite:
             return sums.logprobs
         out["loss_sum"] += float(loss.detach())
+        if value_loss_share is not None:
+            out["value_loss_sum"] = out.get("value_loss_sum", 0.0) + float(value_loss_share)
         out["clipfrac_high_sum"] += sums.clipfrac_high
         out["clipfrac_low_sum"] += sums.clipfrac_low
         out["kl_sum"] += sums.approx_kl
@@ -554,6 +554,17 @@ class Learner:
             out["tis_capped_sum"] += sums.tis_capped
         out["trained_tokens"] += int(mb.sequences.response_mask.sum())
         return sums.logprobs
+
+    def _backward(self, loss: torch.Tensor) -> bool:
+        """loss.backward() when finite; otherwise the flat buffer's non-finite flag (every rank skips the step), and
+        under expert parallelism the backward all the same: the EP peers wait for this rank's all-to-alls."""
+        if torch.isfinite(loss):
+            loss.backward()
+            return True
+        self.flat_grad[-1] = 1.0
+        if self.groups.expert_parallel:
+            loss.backward()
+        return False
 
 
 def placed_rows(parts: list[torch.Tensor], row_groups: list[list[int]], like: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from allsync.checkpoint import (
-    VALUE_HEAD_PREFIX,
+    CRITIC_PREFIX,
     optimizer_state_from_files,
     optimizer_state_to_files,
     read_state,
@@ -105,7 +105,7 @@ class ShardedTrainingState:
         return state
 
     def save(self, directory: str | Path, adapter_version: int, rank_meta: dict) -> None:
-        """The whole adapter, AdamW state and value head from rank 0 (expert blocks gathered); this rank's RNG
+        """The whole adapter, AdamW state and critic from rank 0 (expert blocks gathered); this rank's RNG
         states and `rank_meta` (data position, producer state) from every rank."""
         directory = Path(directory)
         adapter_tensors, optimizer_state = self.full_adapter_tensors(), self.full_optimizer_state()
@@ -116,15 +116,16 @@ class ShardedTrainingState:
             adapter = Adapter(adapter_tensors, lc.rank, lc.alpha, lc.use_rslora)
             write_peft_adapter(adapter, directory / "adapter", self.config.model.base, overwrite=True)
             tensors, meta = optimizer_state_to_files(optimizer_state)
-            if self.learner.value_head is not None:
-                tensors.update({VALUE_HEAD_PREFIX + k: v for k, v in self.learner.value_head.state_dict().items()})
+            if self.learner.critic is not None:
+                critic = self.learner.critic.trainable_tensors()
+                tensors.update({CRITIC_PREFIX + k: v.detach().clone() for k, v in critic.items()})
             write_state(directory, "trainer", tensors, {"optimizer": meta, "adapter_version": adapter_version})
         rng_tensors, rng = rng_state()
         write_state(directory, f"rank{self.rank}", rng_tensors, {"rng": rng, **rank_meta})
 
     def load(self, directory: str | Path) -> tuple[int, dict]:
         """Back into the model and optimizer: the adapter (this rank's expert block), AdamW's state (this
-        config's optim settings win over the saved ones, each change named), the value head, then this rank's
+        config's optim settings win over the saved ones, each change named), the critic, then this rank's
         RNG states. Returns (adapter version, this rank's saved meta)."""
         directory = Path(directory)
         trainer_tensors, trainer = read_state(directory, "trainer")
@@ -139,10 +140,8 @@ class ShardedTrainingState:
         changed = self.learner.apply_optim_settings()
         if changed and self.rank == 0:
             print(f"note: resumed with this config's optim settings: {'; '.join(changed)}", file=sys.stderr)
-        if self.learner.value_head is not None:
-            head = {
-                k[len(VALUE_HEAD_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(VALUE_HEAD_PREFIX)
-            }
-            self.learner.value_head.load_state_dict(head)
+        if self.learner.critic is not None:
+            critic = {k[len(CRITIC_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(CRITIC_PREFIX)}
+            self.learner.critic.load_trainable(critic, str(directory / "trainer.safetensors"))
         set_rng_state(mine_tensors, mine["rng"])
         return trainer["adapter_version"], mine

@@ -186,8 +186,8 @@ class RLWorker:
         self.producer = self._make_producer()
 
     @property
-    def value_head(self):
-        return self.learner.value_head
+    def critic(self):
+        return self.learner.critic
 
     def _make_producer(self):
         """The episode producer producer.kind names (allsync/producers/), given this worker's engine and data."""

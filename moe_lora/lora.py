@@ -13,6 +13,7 @@ lm_head stay frozen. Key names are PEFT's, routed experts one entry per expert:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 import zlib
@@ -36,6 +37,7 @@ __all__ = [
     "LoRAExperts",
     "LoRALinear",
     "TARGETS",
+    "adapter_copy",
     "adapters_disabled",
     "attach_lora",
     "load_lora_state_dict",
@@ -104,6 +106,23 @@ def attach_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
             wrapper = LoRALinear(module, *args)
         model.set_submodule(name, wrapper)
     return model
+
+
+def adapter_copy(model: nn.Module, routed_experts: bool = True) -> nn.Module:
+    """A second model over the same frozen weights, with adapter tensors of its own: every frozen module
+    (quantized projections and experts), frozen parameter (embeddings, norms, routers) and buffer is shared,
+    not copied; the containers and the LoRA A/B tensors are new (copies of `model`'s; re-draw them with
+    seeded_init_). Costs the adapter's bytes. routed_experts False: the copy's MoE layers run their frozen
+    experts without an adapter (the shared FrozenExperts in place of the copied LoRAExperts)."""
+    shared: dict[int, object] = {id(t): t for t in model.parameters() if not t.requires_grad}
+    shared.update({id(b): b for b in model.buffers()})
+    shared.update({id(m): m for m in model.modules() if isinstance(m, (FrozenLinear, FrozenExperts))})
+    twin = copy.deepcopy(model, memo=shared)
+    if not routed_experts:
+        for name, module in list(twin.named_modules()):
+            if isinstance(module, LoRAExperts):
+                twin.set_submodule(name, module.base)
+    return twin
 
 
 def seeded_init_(model: nn.Module, seed: int) -> None:

@@ -85,7 +85,7 @@ def write_examples(worker: RLWorker, problems: list[Problem], path: Path, seed: 
 def response_logprobs(model, prompts, responses, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log p of each response token given its prompt, [B, T] (response-aligned), and its valid mask."""
     batch = build_sequences(prompts, responses, pad_id)
-    logprobs, _ = forward_logprobs(model, batch)
+    logprobs = forward_logprobs(model, batch)
     index, valid = response_positions(batch.response_mask)
     return to_response_layout(logprobs, index, valid), valid.float()
 

@@ -204,7 +204,7 @@ class AdvantageEstimator:
 
     needs_groups: a baseline from the other responses to the same prompt (rollout.group_size >= 2; DAPO's dynamic
         sampling filters such groups). compute(rewards [N], group_index [N]) -> [N], one advantage per episode.
-    needs_critic: values from a learned value head (PPO): compute(token_rewards, values, mask, ...) per token.
+    needs_critic: values from a learned critic (PPO): compute(token_rewards, values, mask, ...) per token.
     bootstraps_cut: T-PPO's: a response cut at a generation window gets advantages from V at the cut. Such an
         estimator runs with producer.window, and only such an estimator can (the others need whole responses).
     """

@@ -180,7 +180,7 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
     tb = with_kl.learner.episode_batch(*batches[0])
     base = load_frozen_model(tiny_bf16, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32)
     with torch.no_grad():
-        reference, _ = forward_logprobs(base, tb.sequences)
+        reference = forward_logprobs(base, tb.sequences)
     mask = tb.sequences.response_mask.bool()
     assert torch.allclose(tb.ref_logprobs[mask], reference[mask], atol=1e-6)
     current, _ = with_kl.learner.current_logprobs(tb.sequences)

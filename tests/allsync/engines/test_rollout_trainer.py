@@ -42,7 +42,7 @@ def test_engine_logprobs_equal_trainer_logprobs(model):
     assert rollout.group_index == [0, 0, 0, 1, 1, 1] and rollout.adapter_version == 0
     batch = build_sequences(rollout.prompt_ids, rollout.response_ids, pad_id=2)  # right padding in the trainer
     with torch.no_grad():
-        trainer, _ = forward_logprobs(model, batch, temperature=0.7)
+        trainer = forward_logprobs(model, batch, temperature=0.7)
     engine_lp = scatter_response_values(rollout.logprobs, batch)
     assert ((engine_lp - trainer).abs() * batch.response_mask).max() < 1e-4
 

@@ -112,7 +112,7 @@ def test_vllm_logprobs_at_temperature_07_equal_the_trainers(engine, dense_ckpt):
 
     def gap(temperature: float) -> float:
         with torch.no_grad():
-            trainer = forward_logprobs(model, batch, temperature=temperature)[0]
+            trainer = forward_logprobs(model, batch, temperature=temperature)
         return float(((trainer - engine_lp).abs() * mask).sum() / mask.sum())
 
     assert gap(0.7) < 1e-3

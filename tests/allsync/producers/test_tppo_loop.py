@@ -1,5 +1,6 @@
-"""T-PPO in the loop: generation windows over a pool of in-flight responses, EGAE advantages from a value
-head, each token trained once by the adapter that generated it, staleness of continuing responses reported."""
+"""T-PPO in the loop: generation windows over a pool of in-flight responses, EGAE advantages from a critic (its own
+LoRA on the frozen base), each token trained once by the adapter that generated it, staleness of continuing
+responses reported."""
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ from allsync.metrics import aggregate
 from allsync.tasks import ArithmeticSpec, make_splits
 from allsync.forward import (
     build_sequences,
-    forward_logprobs,
     response_positions,
     to_response_layout,
     to_sequence_layout,
@@ -51,7 +51,7 @@ def test_layouts_move_response_tokens_to_column_zero_and_back():
 
 def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_tiny, problems):
     worker = RLWorker(tppo_config(warm_tiny), problems)
-    torch.nn.init.normal_(worker.value_head.linear.weight, std=0.3)  # a critic with nonzero values
+    torch.nn.init.normal_(worker.critic.head.weight, std=0.3)  # a critic with nonzero values
     prompt = worker.encode_prompt(problems[0])
     finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
     cut = PartialResponse(problems[0], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0)
@@ -65,7 +65,7 @@ def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
     assert policy.tolist() == [[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]]  # this window's tokens only
     assert tb.value_mask[0].sum() == 6 and tb.value_mask[1].sum() == 0  # the critic learns from finished ones only
     with torch.no_grad():
-        _, values = forward_logprobs(worker.model, full, 1.0, worker.value_head)
+        values = worker.critic(full)
     v = to_response_layout(values, index, valid)
     adv = to_response_layout(tb.advantages, index, valid)
     raw, _ = egae(
@@ -162,6 +162,50 @@ def test_the_critics_gradient_has_its_own_clip_and_norm(warm_tiny, problems):
     assert m["optimizer_steps"] == 1 and m["grad_norm"] > 1e-3 and m["value_grad_norm"] > 1e-3
     assert norm(learner.lora_params) == pytest.approx(1e-6, rel=1e-3)
     assert norm(learner.value_params) == pytest.approx(1e-6, rel=1e-3)
+
+
+def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_tiny, problems):
+    """The critic is the frozen base under its own LoRA (no routed-expert adapter) plus a head: the same frozen
+    storage as the policy, its own A/B tensors; fresh, it values the base's features (B = 0); the value loss's
+    gradient reaches only its adapter and head, the policy loss's only the policy's."""
+    from allsync.critic import ValueTargets, critic_loss
+    from allsync.forward import forward_pass
+    from moe_lora.lora import LoRAExperts, LoRALinear, adapters_disabled
+    from quant.modules import FrozenExperts
+
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    policy, critic = worker.model, worker.critic
+    frozen_policy = {id(p) for p in policy.parameters() if not p.requires_grad}
+    frozen_critic = {id(p) for p in critic.model.parameters() if not p.requires_grad}
+    assert frozen_critic and frozen_critic <= frozen_policy  # embeddings, norms, routers: shared, not copied
+    critic_modules = dict(critic.model.named_modules())
+    shared = [(m, critic_modules[n]) for n, m in policy.model.named_modules() if isinstance(m, LoRALinear)]
+    assert shared and all(a.base is b.base and a.lora_A is not b.lora_A for a, b in shared)
+    assert not any(isinstance(m, LoRAExperts) for m in critic.model.modules())
+    assert any(isinstance(m, FrozenExperts) for m in critic.model.modules())
+    policy_ids = {id(p) for p in worker.learner.lora_params}
+    assert not policy_ids & {id(p) for p in worker.learner.value_params}
+    assert all(not torch.equal(a.lora_A, b.lora_A) for a, b in shared)  # drawn apart
+
+    torch.nn.init.normal_(critic.head.weight, std=0.3)
+    prompt = worker.encode_prompt(problems[0])
+    batch = build_sequences([prompt, prompt], [[10, 11, 12], [20, 21]], worker.tokenizer.pad_token_id)
+    with torch.no_grad(), adapters_disabled(policy):
+        hidden = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        expected = critic.head(hidden[:, :-1].float()).squeeze(-1)
+        assert torch.allclose(critic(batch), expected, atol=1e-5)  # B = 0: the base's features
+
+    learner = worker.learner  # gradients land in its flat buffers (views), zero before a backward
+    moved = lambda params: sum(float(p.grad.abs().sum()) for p in params)  # noqa: E731
+    targets = ValueTargets(torch.ones_like(batch.response_mask), batch.response_mask, batch.response_mask.sum(), 0.5)
+    loss, share = critic_loss(critic, batch, targets)
+    loss.backward()
+    assert float(share) > 0 and moved(learner.lora_params) == 0
+    b_grads = [m.lora_B.grad for m in critic.model.modules() if isinstance(m, LoRALinear)]
+    assert all(float(g.abs().sum()) > 0 for g in b_grads)  # every adapter of the critic
+    learner.flat_grad.zero_()
+    (-forward_pass(policy, batch).logprobs.mean()).backward()
+    assert moved(learner.value_params) == 0 and moved(learner.lora_params) > 0
 
 
 @pytest.mark.parametrize(
