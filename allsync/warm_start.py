@@ -86,7 +86,19 @@ class WarmStartSettings:
         return self.steps * self.train.batch_size
 
     def as_json(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))  # tuples -> lists, as they come back from disk
+        """The settings as stored beside a base (tuples as lists, as they come back from disk). A task setting
+        added after bases were built (ArithmeticSpec.reasoning) is left out at its default, which trains what
+        bases did before it existed, so those bases stay valid."""
+        return without_later_defaults(json.loads(json.dumps(asdict(self))))
+
+
+def without_later_defaults(settings: dict) -> dict:
+    """`settings` (as_json's layout) less the settings added after bases were built, where they hold the default
+    that trains what bases did before (task.reasoning none): bases of every allsync version compare alike."""
+    task = settings.get("task")
+    if isinstance(task, dict) and task.get("reasoning") == "none":
+        settings = {**settings, "task": {k: v for k, v in task.items() if k != "reasoning"}}
+    return settings
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -245,7 +257,10 @@ def cached_report(out: Path, settings: WarmStartSettings) -> dict | None:
     if not out.exists() or not any(out.iterdir()):
         return None
     stored = json.loads(path.read_text()) if path.exists() else {}
-    differences = settings_differences(stored.get("settings"), settings.as_json())
+    saved = stored.get("settings")
+    differences = settings_differences(
+        without_later_defaults(saved) if isinstance(saved, dict) else saved, settings.as_json()
+    )
     if differences:
         raise FileExistsError(
             f"{out} exists but is not a warm start with these settings (stored -> wanted: "

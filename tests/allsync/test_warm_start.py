@@ -161,6 +161,14 @@ def test_warm_start_caches_and_refuses_other_settings(tmp_path, monkeypatch):
     ):
         warm_start(tmp_path / "base", replace(FAST, steps=5, seed=3), progress=False)
     assert json.loads((out / "warm_start.json").read_text()) == report  # untouched
+    assert "reasoning" not in report["settings"]["task"]  # a base stored before task.reasoning existed still reads
+    written = json.loads((out / "warm_start.json").read_text())  # as the allsync that wrote reasoning: none stored
+    written["settings"]["task"]["reasoning"] = "none"
+    (out / "warm_start.json").write_text(json.dumps(written))
+    assert warm_start(tmp_path / "base", FAST, progress=False) == out
+    verbose = replace(FAST, task=replace(FAST.task, reasoning="verbose"))
+    with pytest.raises(FileExistsError, match=r"task\.reasoning: None -> 'verbose'"):
+        warm_start(tmp_path / "base", verbose, progress=False)
 
 
 # a warm start as a launched process runs it: the caller's thread count from OMP_NUM_THREADS, the warm start's own
