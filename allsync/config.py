@@ -224,6 +224,12 @@ class AlgorithmSection:
     gamma: float = 1.0  # gae / egae discount
     lam: float = 0.95  # gae / egae lambda
     value_coef: float = 0.5  # weight of the critic's value loss (gae / egae)
+    # lambda of the critic's targets (decoupled GAE, as VAPO): 1 = the Monte Carlo return of a finished response,
+    # not biased toward the critic's own bootstrap; the policy's advantages keep algorithm.lam
+    value_lam: float = 1.0
+    # the first N steps train only the critic, on the starting policy's responses (VAPO's value pretraining):
+    # the policy's first advantages come from a critic that has seen its returns
+    value_pretrain_steps: int = 0
 
     @property
     def estimator(self):
@@ -268,8 +274,18 @@ class AlgorithmSection:
                 get(kind, getattr(self, name))
             except ValueError as exc:
                 fail(f"algorithm.{name}: {exc}")
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            fail(f"algorithm.gamma = {self.gamma} and algorithm.lam = {self.lam} must be in [0, 1]")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and 0 <= self.value_lam <= 1):
+            fail(
+                f"algorithm.gamma = {self.gamma}, algorithm.lam = {self.lam} and algorithm.value_lam = "
+                f"{self.value_lam} must be in [0, 1]"
+            )
+        if self.value_pretrain_steps < 0:
+            fail(f"algorithm.value_pretrain_steps = {self.value_pretrain_steps}: must be >= 0")
+        if not self.uses_critic and (self.value_pretrain_steps or self.value_lam != 1.0):
+            fail(
+                f"algorithm.value_pretrain_steps / value_lam with algorithm.advantage {self.advantage}: group baselines "
+                "have no critic (use gae or egae)"
+            )
         if self.clip_c is not None and self.clip_c <= 1:
             fail(f"algorithm.clip_c = {self.clip_c}: the dual clip constant must be > 1")
         if not (0 < self.clip_low < 1 and self.clip_high > 0):

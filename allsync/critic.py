@@ -64,9 +64,13 @@ class Critic(nn.Module):
         own = self.trainable_tensors()
         for name, t in own.items():
             if name not in tensors:
-                raise KeyError(f"{source}: critic tensor {name!r} missing ({sum(k not in tensors for k in own)} missing)")
+                raise KeyError(
+                    f"{source}: critic tensor {name!r} missing ({sum(k not in tensors for k in own)} missing)"
+                )
             if tuple(tensors[name].shape) != tuple(t.shape):
-                raise ValueError(f"{source}: critic tensor {name!r} is {list(tensors[name].shape)}, expected {list(t.shape)}")
+                raise ValueError(
+                    f"{source}: critic tensor {name!r} is {list(tensors[name].shape)}, expected {list(t.shape)}"
+                )
         extra = sorted(set(tensors) - set(own))
         if extra:
             raise KeyError(f"{source}: {extra[0]!r} is not a critic tensor ({len(extra)} such)")

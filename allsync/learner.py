@@ -204,6 +204,7 @@ class Learner:
         )
         self.apply_optim_settings()
         self.loss_settings = loss_settings(config)
+        self.policy_frozen = False  # algorithm.value_pretrain_steps: this step trains the critic only
         self.consecutive_nan = 0
 
     def optim_settings(self) -> list[dict]:
@@ -280,7 +281,7 @@ class Learner:
         tokens to train (T-PPO: the latest window's). Advantages by EGAE over each whole response (the reward on the
         last token of finished ones; a response cut at a window, finish reason "window", bootstraps
         V(s_l) = V(s_{l-1})) with the current critic, whitened over the trained tokens of every worker; the critic
-        learns from every token of finished responses."""
+        learns from every token of finished responses, toward returns of lambda algorithm.value_lam."""
         a = self.config.algorithm
         rows = flatten(episodes)
         seqs = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
@@ -294,9 +295,10 @@ class Learner:
             if reason != "window":
                 token_rewards[i, len(episode.final.response_ids) - 1] = episode.reward
         is_finished = torch.tensor([reason != "window" for reason in reasons], device=self.device)
-        advantages, returns = egae(
-            token_rewards, to_response_layout(old_values, index, valid), valid.float(), ~is_finished, a.gamma, a.lam
-        )
+        values, cut = to_response_layout(old_values, index, valid), ~is_finished
+        advantages, returns = egae(token_rewards, values, valid.float(), cut, a.gamma, a.lam)
+        if a.value_lam != a.lam:  # decoupled GAE: the critic's targets with their own lambda
+            returns = egae(token_rewards, values, valid.float(), cut, a.gamma, a.value_lam)[1]
         policy_mask = seqs.response_mask
         if (masks := rows.loss_masks) is not None:
             policy_mask = policy_mask * scatter_response_values(masks, seqs)
@@ -405,6 +407,9 @@ class Learner:
         minibatches = c.optim.minibatches
         for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
             group["lr"] = warmup_lr(group["base_lr"], adapter_version, c.optim.warmup_steps)
+        self.policy_frozen = adapter_version <= c.algorithm.value_pretrain_steps  # steps count from 1
+        if self.policy_frozen:  # value pretraining: the policy's loss is not even backpropagated
+            self.optimizer.param_groups[0]["lr"] = 0.0
         out = {
             "loss_sum": 0.0,
             "clipfrac_high_sum": 0.0,
@@ -443,8 +448,9 @@ class Learner:
             micro = self.forward_chunks(mb.sequences) if mb is not None else []
             own_logprobs = []  # the micro-batches' detached logprobs: the old ones when tb has none yet
             checkpointing = c.optim.activation_checkpointing
-            with checkpointed_decoder_layers(self.model, checkpointing), checkpointed_decoder_layers(
-                self.critic, checkpointing and self.critic is not None
+            with (
+                checkpointed_decoder_layers(self.model, checkpointing),
+                checkpointed_decoder_layers(self.critic, checkpointing and self.critic is not None),
             ):
                 for i in range(self.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
                     if i < len(micro):
@@ -532,7 +538,7 @@ class Learner:
                 episode_tokens=mb.episode_tokens,
                 engine_logprobs=mb.engine_logprobs,
             )
-        finite = self._backward(loss)
+        finite = True if self.policy_frozen else self._backward(loss)
         value_loss_share = None
         if self.critic is not None:
             targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)

@@ -72,6 +72,12 @@ def aggregate(per_worker: list[dict]) -> dict:
         **(
             {"value_grad_norm": per_worker[0]["value_grad_norm"]} if "value_grad_norm" in per_worker[0] else {}
         ),  # T-PPO's critic
+        # the critic's 0.5 (V - R)^2 over the finished responses' tokens (each worker sums its share)
+        **(
+            {"value_loss": sum(m.get("value_loss_sum", 0.0) for m in per_worker)}
+            if any("value_loss_sum" in m for m in per_worker)
+            else {}
+        ),
         "optimizer_steps": per_worker[0]["optimizer_steps"],
         "empty_minibatches": per_worker[0]["empty_minibatches"],  # no token on any worker: no optimizer step
         "nan_steps": per_worker[0]["nan_steps"],  # non-finite loss or gradient norm: step skipped on every worker
