@@ -25,6 +25,7 @@ from allsync.algorithms import (
     episodes_with_tokens,
     get,
     overlong_filter_mask,
+    value_fit_sums,
     whiten_advantages,
     whitening_sums,
 )
@@ -74,6 +75,7 @@ class TrainBatch:
         None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
     )
     segment_kinds: list[str] | None = None  # per row: answer | memory | turn
+    value_fit: torch.Tensor | None = None  # the critic's values before the update against its targets (value_fit_sums)
 
     def __post_init__(self) -> None:
         if self.episode_of_row is None:
@@ -304,6 +306,7 @@ class Learner:
             policy_mask = policy_mask * scatter_response_values(masks, seqs)
         if a.overlong is not None and a.overlong.filter_truncated:
             policy_mask = overlong_filter_mask(reasons, policy_mask)
+        value_fit = value_fit_sums(values, returns, valid.float() * is_finished[:, None])
         advantages = to_sequence_layout(advantages, index, valid, width)
         sums = self.all_reduce(whitening_sums(advantages, policy_mask))  # the whole batch's statistics
         return TrainBatch(
@@ -314,6 +317,7 @@ class Learner:
             value_mask=seqs.response_mask * is_finished[:, None],
             ref_logprobs=self.reference_logprobs(seqs),
             engine_logprobs=engine,
+            value_fit=value_fit,
         )
 
     def idle_batch(self) -> TrainBatch:
@@ -392,6 +396,8 @@ class Learner:
         mismatched, counted = routing.take_counts()
         if counted:  # the engine recorded its experts: how many (trained token, MoE layer) pairs the trainer differs on
             out.update(routing_mismatched=mismatched, routing_counted=counted)
+        if tb is not None and tb.value_fit is not None:
+            out["value_fit_sums"] = tb.value_fit.tolist()
         if tb is not None and multiconv_settings(self.config) is not None:
             out.update(segment_gaps(tb))
         return out
@@ -407,7 +413,7 @@ class Learner:
         minibatches = c.optim.minibatches
         for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
             group["lr"] = warmup_lr(group["base_lr"], adapter_version, c.optim.warmup_steps)
-        self.policy_frozen = adapter_version <= c.algorithm.value_pretrain_steps  # steps count from 1
+        self.policy_frozen = adapter_version < c.algorithm.value_pretrain_steps  # version 0 trains step 1
         if self.policy_frozen:  # value pretraining: the policy's loss is not even backpropagated
             self.optimizer.param_groups[0]["lr"] = 0.0
         out = {

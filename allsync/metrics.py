@@ -72,6 +72,8 @@ def aggregate(per_worker: list[dict]) -> dict:
         **(
             {"value_grad_norm": per_worker[0]["value_grad_norm"]} if "value_grad_norm" in per_worker[0] else {}
         ),  # T-PPO's critic
+        # the critic's values before the update against its targets: 1 - Var(R - V) / Var(R) (0: the mean return)
+        **value_fit_metric(per_worker),
         # the critic's 0.5 (V - R)^2 over the finished responses' tokens (each worker sums its share)
         **(
             {"value_loss": sum(m.get("value_loss_sum", 0.0) for m in per_worker)}
@@ -91,6 +93,16 @@ def aggregate(per_worker: list[dict]) -> dict:
         **({"alltoall_bytes": total("alltoall_bytes")} if "alltoall_bytes" in per_worker[0] else {}),
         **ratio_metrics(per_worker),
     }
+
+
+def value_fit_metric(per_worker: list[dict]) -> dict:
+    """value_explained_variance over every worker's finished responses (allsync.algorithms.explained_variance);
+    absent without a critic or when no response finished."""
+    from allsync.algorithms import explained_variance
+
+    parts = [m["value_fit_sums"] for m in per_worker if "value_fit_sums" in m]
+    ev = explained_variance([sum(column) for column in zip(*parts)]) if parts else None
+    return {} if ev is None else {"value_explained_variance": ev}
 
 
 def ratio_metrics(per_worker: list[dict]) -> dict:

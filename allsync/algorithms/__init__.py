@@ -37,7 +37,7 @@ from .reward_shaping import (
 )
 from .selection import UnknownNameError
 from .tppo_windows import InFlight, WindowAdvance, advance_window
-from .value_loss import ValueLossStats, value_loss
+from .value_loss import ValueLossStats, explained_variance, value_fit_sums, value_loss
 
 __all__ = [
     "CREDIT_RULES",
@@ -87,4 +87,6 @@ __all__ = [
     "TIS_LEVELS",
     "tis_weights",
     "value_loss",
+    "value_fit_sums",
+    "explained_variance",
 ]

@@ -77,3 +77,24 @@ def value_loss(
         num_tokens = valid.sum()
         clipfrac = (clip_active & valid).sum() / num_tokens.clamp_min(1)
     return loss, ValueLossStats(clipfrac=clipfrac.to(values.dtype), num_tokens=num_tokens)
+
+
+def value_fit_sums(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sums over the masked tokens that add up over workers, float64 [5]:
+    [n, sum R, sum R^2, sum (R - V), sum (R - V)^2] (for :func:`explained_variance`)."""
+    m = mask.double()
+    r, e = returns.double() * m, (returns.double() - values.double()) * m
+    return torch.stack([m.sum(), r.sum(), (r * r).sum(), e.sum(), (e * e).sum()])
+
+
+def explained_variance(sums) -> float | None:
+    """The critic's explained variance from :func:`value_fit_sums` (summed over workers):
+
+        EV = 1 - Var(R - V) / Var(R)
+
+    1: the values predict every return; 0: no better than the mean return; < 0: worse. None when Var(R) = 0."""
+    n, r, r2, e, e2 = (float(x) for x in sums)
+    if n == 0:
+        return None
+    var_r = r2 / n - (r / n) ** 2
+    return None if var_r <= 1e-12 else 1.0 - (e2 / n - (e / n) ** 2) / var_r

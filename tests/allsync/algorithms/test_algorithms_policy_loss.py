@@ -7,12 +7,14 @@ from allsync.algorithms import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
     entropy_from_logits,
+    explained_variance,
     kl_k1,
     kl_k2,
     kl_k3,
     kl_penalty,
     loss_normalizers,
     policy_loss,
+    value_fit_sums,
     value_loss,
 )
 
@@ -207,3 +209,18 @@ def test_entropy_from_logits():
     assert ent[1].item() == pytest.approx(0.0, abs=1e-9)
     p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
     assert entropy_from_logits(p.log() + 3.0).item() == pytest.approx(-(p * p.log()).sum().item())
+
+
+def test_explained_variance_by_hand_and_over_shards():
+    """R = [1, 0, 0, 1] on the masked tokens (Var 0.25): V = R explains all of it, V = the mean nothing, V = 0.5 + 0.25
+    (R - 0.5) gives
+    EV = 1 - Var(R - V) / Var(R) = 1 - 0.75^2 = 0.4375; two workers' sums add up."""
+    returns = torch.tensor([[1.0, 0.0, 9.0], [0.0, 1.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the 9s are masked out
+    assert explained_variance(value_fit_sums(returns, returns, mask)) == pytest.approx(1.0)
+    assert explained_variance(value_fit_sums(torch.full_like(returns, 0.5), returns, mask)) == pytest.approx(0.0)
+    partial = 0.5 + 0.25 * (returns - 0.5)
+    assert explained_variance(value_fit_sums(partial, returns, mask)) == pytest.approx(0.4375)
+    shards = value_fit_sums(partial[:1], returns[:1], mask[:1]) + value_fit_sums(partial[1:], returns[1:], mask[1:])
+    assert explained_variance(shards) == pytest.approx(0.4375)
+    assert explained_variance(value_fit_sums(returns, torch.ones_like(returns), mask)) is None  # Var(R) = 0

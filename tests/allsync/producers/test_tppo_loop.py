@@ -208,6 +208,38 @@ def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_
     assert moved(learner.value_params) == 0 and moved(learner.lora_params) > 0
 
 
+def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
+    """algorithm.value_pretrain_steps 3: steps 1-3 train the critic alone (the policy's adapter bit for bit as it
+    started), step 4 both."""
+    config = tppo_config(warm_tiny, lr=1e-2, value_pretrain_steps=3)
+    config.reward.function = "reward_functions:length_bonus"  # +1 / -0.5: the critic always has something to learn
+    worker = RLWorker(config, problems)
+    learner = worker.learner
+    snapshot = lambda params: [p.detach().clone() for p in params]  # noqa: E731
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    policy0, critic0 = snapshot(learner.lora_params), snapshot(learner.value_params)
+    for step in (1, 2, 3):
+        m = worker.step(step)
+    assert same(policy0, learner.lora_params) and m["grad_norm"] == 0.0
+    assert not same(critic0, learner.value_params) and m["value_loss_sum"] > 0
+    policy3 = snapshot(learner.lora_params)
+    m = worker.step(4)
+    assert not same(policy3, learner.lora_params) and m["grad_norm"] > 0
+
+
+def test_the_critic_learns_monte_carlo_returns_by_default(warm_tiny, problems):
+    """value_lam 1 (decoupled GAE): a finished response's value targets are its reward at every token, whatever the
+    critic says; the advantages keep algorithm.lam's bootstrap."""
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    torch.nn.init.normal_(worker.critic.head.weight, std=0.3)
+    prompt = worker.encode_prompt(problems[0])
+    finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
+    tb = worker.learner.critic_batch([finished.episode("stop", 1.0, True, 0)])
+    returns = tb.returns[tb.value_mask > 0]
+    assert returns.tolist() == pytest.approx([1.0] * 6, abs=1e-6)
+    assert worker.config.algorithm.lam == 0.95 and tb.advantages.abs().sum() > 0
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
