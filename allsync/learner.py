@@ -14,6 +14,7 @@ whole episodes (the rows of one episode are never split), so per-episode denomin
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -530,7 +531,8 @@ class Learner:
         parallelism), whose backward only serves the other ranks' tokens. Returns the policy forward's
         detached logprobs [rows, width - 1]."""
         c = self.config
-        with saved_on_host(c.optim.activation_offload):  # the forward only: backward's recomputation stays
+        frozen = torch.no_grad() if self.policy_frozen else nullcontext()  # value pretraining: no policy graph
+        with saved_on_host(c.optim.activation_offload), frozen:  # the forward only: backward's recomputation stays
             loss, sums = minibatch_loss(
                 self.model,
                 mb.sequences,
