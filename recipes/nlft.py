@@ -12,7 +12,8 @@ Per seed, from the base of recipes/configs/tiny_cpu.yaml (built by its warm star
   SFT        the likelihood of the standard answers (`Answer: N` + eos) under the plain prompt
   NLFT       the sampled responses scored under the plain prompt (with gradient), under the prompt carrying the
              standard answer, and under the prompt carrying the judgment: allsync.algorithms.nlft's loss
-Both: a fresh LoRA (the RL run's rank and targets), AdamW, `--epochs` passes in batches of 10. Reported per method
+Both: a fresh LoRA (the RL run's rank and targets) trained by the RL learner's update (AdamW with the default run's
+betas, gradient clip 1) under the `nlft` policy loss, `--epochs` passes in batches of 10. Reported per method
 and seed: held-out accuracy (avg@`--heldout-samples` on the task's held-out problems), training seconds, and the
 peak bytes the training forwards saved for backward. Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
 """
@@ -23,16 +24,24 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import yaml
 from tqdm.auto import tqdm
 
-from allsync.algorithms.nlft import nlft_loss
+from allsync.algorithms import nlft_signed_weights
 from allsync.config import parse_config
 from allsync.engines.torch_engine import Sampling
-from allsync.forward import build_sequences, forward_logprobs, response_positions, to_response_layout
+from allsync.forward import (
+    build_sequences,
+    forward_logprobs,
+    response_positions,
+    to_response_layout,
+    to_sequence_layout,
+)
+from allsync.learner import TrainBatch
 from allsync.tasks import Problem, make_splits
 from allsync.tasks.problems import answer_examples
 from allsync.worker import RLWorker
@@ -90,19 +99,21 @@ def response_logprobs(model, prompts, responses, pad_id: int) -> tuple[torch.Ten
     return to_response_layout(logprobs, index, valid), valid.float()
 
 
-def sft_loss(worker, rows: list[dict]) -> torch.Tensor:
+def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatch:
+    """What the learner trains on for a batch of examples, with the `nlft` policy loss (allsync.algorithms.nlft):
+    SFT, the standard answers (`Answer: N` + eos) under the plain prompt, every token's weight 1 (its likelihood);
+    NLFT, the sampled responses under the plain prompt, weighted by nlft_signed_weights from p_base (the adapter
+    now), p_std (the prompt carrying the standard answer) and p_judge (the prompt carrying the judgment)."""
     problems = [Problem(r["prompt"], r["answer"]) for r in rows]
-    full = answer_examples(worker.tokenizer, problems)
-    logprobs, valid = response_logprobs(
-        worker.model, [f[:s] for f, s in full], [f[s:] for f, s in full], worker.learner.pad_id
-    )
-    return -(logprobs * valid).sum() / valid.sum()
-
-
-def nlft_batch_loss(worker, rows: list[dict]) -> torch.Tensor:
-    problems = [Problem(r["prompt"], r["answer"]) for r in rows]
+    learner, model, pad, encode = worker.learner, worker.model, worker.learner.pad_id, worker.encode_prompt
+    if method == "sft":
+        full = answer_examples(worker.tokenizer, problems)
+        seqs = build_sequences([f[:s] for f, s in full], [f[s:] for f, s in full], pad)
+        return TrainBatch(seqs, learner.current_logprobs(seqs)[0], seqs.response_mask.clone())
     responses = [r["response"] for r in rows]
-    pad, model, encode = worker.learner.pad_id, worker.model, worker.encode_prompt
+    seqs = build_sequences([encode(p) for p in problems], responses, pad)
+    index, valid = response_positions(seqs.response_mask)
+    old_logprobs = learner.current_logprobs(seqs)[0]
     with torch.no_grad():
         std = [encode(with_note(p, f"the correct answer is {p.answer}")) for p in problems]
         judged = [
@@ -110,22 +121,23 @@ def nlft_batch_loss(worker, rows: list[dict]) -> torch.Tensor:
         ]
         p_std = response_logprobs(model, std, responses, pad)[0].exp()
         p_judge = response_logprobs(model, judged, responses, pad)[0].exp()
-    logprobs, valid = response_logprobs(model, [encode(p) for p in problems], responses, pad)
-    correct = torch.tensor([r["correct"] for r in rows])
-    return nlft_loss(logprobs, p_std, p_judge, correct, valid).loss
+    p_base = to_response_layout(old_logprobs, index, valid).exp()
+    weights = nlft_signed_weights(p_base, p_std, p_judge, torch.tensor([r["correct"] for r in rows]))
+    return TrainBatch(seqs, old_logprobs, to_sequence_layout(weights, index, valid, seqs.response_mask.shape[1]))
 
 
-def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, lr: float, seed: int) -> tuple[float, int]:
-    """(seconds, peak bytes saved for backward by one training forward)."""
-    params = [p for p in worker.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    loss_of = sft_loss if method == "sft" else nlft_batch_loss
+def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: int) -> tuple[float, int]:
+    """`epochs` passes over the examples in batches of BATCH through the RL learner's update (its AdamW, gradient
+    clip and buffers) with the `nlft` policy loss. Returns (seconds, peak bytes saved for backward by one update)."""
+    learner = worker.learner
+    learner.loss_settings = replace(learner.loss_settings, policy_loss="nlft")  # this recipe's loss, not a config key
     order = torch.Generator().manual_seed(seed)
-    peak = 0
+    peak, version = 0, 0
     start = time.perf_counter()
     for _ in range(epochs):
         perm = torch.randperm(len(rows), generator=order).tolist()
         for i in range(0, len(rows), BATCH):
+            tb = examples_batch(worker, [rows[j] for j in perm[i : i + BATCH]], method)
             saved: dict[int, int] = {}
 
             def pack(t):
@@ -133,11 +145,9 @@ def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, lr: floa
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = loss_of(worker, [rows[j] for j in perm[i : i + BATCH]])
+                learner.update(tb, version)
             peak = max(peak, sum(saved.values()))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            version += 1
     return time.perf_counter() - start, peak
 
 
@@ -157,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/nlft")
     args = parser.parse_args(argv)
     config = run_config(args.base)
+    config.optim.lr = args.lr
     if not (Path(args.base) / "config.json").exists():
         from allsync.warm_start import settings_for_run, warm_start
 
@@ -175,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                 results["base"] = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
             if rows is None:
                 rows = write_examples(worker, problems, Path(args.out) / f"seed-{seed}" / "examples.jsonl", seed)
-            seconds, peak = train(worker, rows, method, args.epochs, args.lr, seed)
+            seconds, peak = train(worker, rows, method, args.epochs, seed)
             accuracy = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
             results[method].append(dict(seed=seed, heldout=accuracy, seconds=seconds, peak_saved_bytes=peak))
             print(

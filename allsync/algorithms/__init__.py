@@ -25,6 +25,7 @@ from .dynamic_sampling import (
     keep_groups,
 )
 from .policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossStats, policy_loss
+from .nlft import nlft_policy_loss, nlft_signed_weights  # registers the nlft policy loss
 from .registry import REGISTRIES, get
 from .regularizers import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_penalty
 from .reward_shaping import (
@@ -87,6 +88,8 @@ __all__ = [
     "TIS_LEVELS",
     "tis_weights",
     "value_loss",
+    "nlft_policy_loss",
+    "nlft_signed_weights",
     "value_fit_sums",
     "explained_variance",
 ]

@@ -18,7 +18,10 @@ supports them; a correct response's tokens get a likelihood term, boosted where 
     correct              -w log(p_base),       w = 1 + ((p_std - 0.95) / 0.05)^5 if p_std > 0.95 else 1
 
 The weights are computed from detached probabilities; the loss is the mean of the weighted terms over the masked
-tokens. Example: p_judge 0.30, p_base 0.10, p_std 0.15 is salient with w = 2 sigmoid(1.5) = 1.635 and term
+tokens. In the learner (the same update loop as RL) the weights travel as the per-token "advantages" of a batch,
+signed: w for a likelihood term, -w for an unlikelihood one (`nlft_signed_weights`), and `nlft_policy_loss` is the
+policy loss registered as `nlft` (trained by recipes/nlft.py; refused for RL runs, whose advantages are not
+weights). SFT is the same loss with every weight 1 on the standard answer. Example: p_judge 0.30, p_base 0.10, p_std 0.15 is salient with w = 2 sigmoid(1.5) = 1.635 and term
 -1.635 log(0.9); p_judge 0.30 with p_base 0.25 is not salient (0.30 / 0.25 = 1.2).
 """
 
@@ -27,6 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .aggregation import Number, aggregate_loss
+from .policy_loss import POLICY_LOSSES, PolicyLossStats
 
 SALIENCY_RATIO = 1.5
 SALIENT_MIN_PROBABILITY = 0.01
@@ -59,6 +65,55 @@ def nlft_weights(
     return weights, salient
 
 
+def nlft_signed_weights(
+    p_base: torch.Tensor, p_std: torch.Tensor, p_judge: torch.Tensor, correct: torch.Tensor
+) -> torch.Tensor:
+    """[B, T]: +w on likelihood tokens, -w on salient (unlikelihood) ones (`nlft_weights`)."""
+    weights, salient = nlft_weights(p_base, p_std, p_judge, correct)
+    return torch.where(salient, -weights, weights)
+
+
+def nlft_terms(logprobs: torch.Tensor, signed_weights: torch.Tensor) -> torch.Tensor:
+    """Per token: -w log(1 - p) where the signed weight is -w < 0, else -w log p (p = exp(logprobs))."""
+    unlikely = torch.log1p(-logprobs.exp().clamp(max=1 - 1e-6))
+    return torch.where(signed_weights < 0, signed_weights * unlikely, -signed_weights * logprobs)
+
+
+def nlft_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: Number | None = None,
+    global_seqs: Number | None = None,
+    *,
+    norm_length: int | None = None,
+    episode_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """The `nlft` policy loss: aggregate_loss(nlft_terms(logprobs, advantages), mask, agg, ...), `advantages` being
+    the signed NLFT weights; no ratio and no clip (the clip settings are ignored: a supervised loss)."""
+    loss = aggregate_loss(
+        nlft_terms(logprobs, advantages),
+        mask,
+        agg,
+        global_tokens,
+        global_seqs,
+        norm_length=norm_length,
+        episode_tokens=episode_tokens,
+    )
+    valid = mask > 0
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    kl = ((old_logprobs - logprobs.detach()) * valid).sum() / valid.sum().clamp_min(1)
+    return loss, PolicyLossStats(zero, zero, zero, kl, zero)
+
+
+POLICY_LOSSES["nlft"] = nlft_policy_loss
+
+
 def nlft_loss(
     logprobs_base: torch.Tensor,
     p_std: torch.Tensor,
@@ -66,12 +121,10 @@ def nlft_loss(
     correct: torch.Tensor,
     mask: torch.Tensor,
 ) -> NLFTTerms:
-    """The NLFT loss (module docstring). logprobs_base: [B, T] log p_base of the response tokens under the plain
-    prompt, with gradient; p_std, p_judge: [B, T] probabilities (p_judge is read for wrong responses only);
-    correct: [B] bool; mask: [B, T], 1 on response tokens."""
-    p_base = logprobs_base.exp()
-    weights, salient = nlft_weights(p_base, p_std, p_judge, correct)
-    unlikely = torch.log1p(-p_base.clamp(max=1 - 1e-6))
-    terms = -weights * torch.where(salient, unlikely, logprobs_base)
+    """The NLFT loss (module docstring) as a token mean. logprobs_base: [B, T] log p_base of the response tokens
+    under the plain prompt, with gradient; p_std, p_judge: [B, T] probabilities (p_judge is read for wrong
+    responses only); correct: [B] bool; mask: [B, T], 1 on response tokens."""
+    weights, salient = nlft_weights(logprobs_base.exp(), p_std, p_judge, correct)
+    terms = nlft_terms(logprobs_base, torch.where(salient, -weights, weights))
     mask = mask.float()
     return NLFTTerms(weights, salient, (terms * mask).sum() / mask.sum().clamp(min=1))

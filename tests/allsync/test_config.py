@@ -38,6 +38,12 @@ def test_defaults_are_valid_and_nested_values_parse():
         ),
         ({"lora": {"targets": ["kv_b_proj"]}}, r"kv_b_proj with run\.export peft"),
         ({"algorithm": {"advantage": "ppo2"}}, r"algorithm\.advantage: .*'ppo2'"),
+        ({"algorithm": {"policy_loss": "nlft"}}, r"algorithm\.policy_loss nlft: NLFT trains on judged examples"),
+        (
+            {"algorithm": {"value_pretrain_steps": 5}},
+            r"algorithm\.value_pretrain_steps / value_lam with algorithm\.advantage grpo",
+        ),
+        ({"algorithm": {"value_lam": 1.5}}, r"algorithm\.value_lam = 1\.5 must be in \[0, 1\]"),
         (
             {"algorithm": {"policy_loss": "gspo"}},
             r"algorithm\.policy_loss: unknown policy_loss 'gspo'; valid names: clipped",

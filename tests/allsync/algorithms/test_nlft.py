@@ -59,3 +59,25 @@ def test_the_gradient_reaches_the_plain_prompts_logprobs_only_and_masked_tokens_
     expected = [w_salient * 0.10 / 0.90 / 2, -w_other / 2, 0.0]
     assert logprobs.grad[0].tolist() == pytest.approx(expected, abs=1e-12)
     assert p_std.grad is None or float(p_std.grad.abs().sum()) == 0.0
+
+
+def test_the_registered_policy_loss_is_nlft_loss_with_signed_weights():
+    """What the learner computes (`nlft` policy loss over signed weights, token-mean) equals nlft_loss, value and
+    gradient: the oracle's salient token, a likelihood token, a correct response's boosted token, a masked one."""
+    from allsync.algorithms import get, nlft_signed_weights
+
+    logprobs = torch.log(torch.tensor([[0.10, 0.25, 0.5], [0.97, 0.6, 0.2]], dtype=torch.float64))
+    p_std = torch.tensor([[0.15, 0.15, 0.15], [0.99, 0.5, 0.5]], dtype=torch.float64)
+    p_judge = torch.tensor([[0.30, 0.30, 0.30], [0.5, 0.5, 0.5]], dtype=torch.float64)
+    correct, mask = torch.tensor([False, True]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    signed = nlft_signed_weights(logprobs.exp(), p_std, p_judge, correct)
+    assert signed[0, 0].item() == pytest.approx(-2 / (1 + math.exp(-1.5)))  # salient: the unlikelihood sign
+    assert signed[1, 0].item() == pytest.approx(1 + 0.8**5) and signed[0, 1].item() == pytest.approx(math.sqrt(0.15))
+    a = logprobs.clone().requires_grad_(True)
+    b = logprobs.clone().requires_grad_(True)
+    loss, stats = get("policy_loss", "nlft")(a, logprobs, signed, mask, agg="token-mean")
+    reference = nlft_loss(b, p_std, p_judge, correct, mask).loss
+    loss.backward()
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-12) and loss.item() > 0
+    assert torch.allclose(a.grad, b.grad, atol=1e-12) and float(stats.approx_kl) == 0.0
