@@ -2,6 +2,7 @@
 uncorrected and with truncated importance sampling, beside the matched engine.
 
     python -m benchmarks.sampler_mismatch [--steps 200] [--eval-every 50] [--base runs/tiny-base] [--out DIR]
+                                          [--moe-layers N]
 
 Each variant is `python recipes/dapo.py` on recipes/configs/tiny_cpu.yaml (two Ray workers, the same base, seed and
 data) with:
@@ -12,6 +13,9 @@ data) with:
     r3              mismatched + algorithm.routing_replay (the trainer uses the experts the engine chose)
     r3-tis-token    r3 + algorithm.tis {level: token, cap: 2}
 `--variants a,b` runs some of them; `--previous FILE` adds the variants of an earlier run's JSON that were not run.
+`--moe-layers N`: the default model with N MoE layers after its dense one (the default base has 1, whose router reads
+the dense layer's output, the same in both formats: no token can change experts there), warm-started like the
+default base (the run's task and seed) into runs/tiny-base-moeN when missing.
 Writes OUT/sampler_mismatch.json (per variant: held-out accuracy at each evaluation, logprob_gap, tis_mean and
 routing_mismatch per step) and OUT/sampler_mismatch.png (held-out accuracy and logprob gap over steps).
 """
@@ -51,6 +55,20 @@ def variant_config(
     return config
 
 
+def build_moe_base(moe_layers: int) -> str:
+    """runs/tiny-base-moeN: the default job's warm start (its task, split seed and steps) on the default tiny model
+    with `moe_layers` MoE layers after the dense one; reused when it is there with these settings."""
+    from dataclasses import replace
+
+    from allsync.config import parse_config
+    from allsync.warm_start import settings_for_run, warm_start
+
+    config = parse_config(yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text()))
+    settings = settings_for_run(config)
+    model = replace(settings.model, layers=settings.model.dense_layers + moe_layers)
+    return str(warm_start(ROOT / "runs" / f"tiny-base-moe{moe_layers}", replace(settings, model=model)))
+
+
 def run_variant(name: str, config: dict, out: Path) -> dict:
     rows, last_line = run_dapo(name, config, out / name)
     return {
@@ -88,7 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(ROOT / "runs" / "sampler-mismatch"))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     parser.add_argument("--previous", help="an earlier run's sampler_mismatch.json: its other variants join the report")
+    parser.add_argument("--moe-layers", type=int, help="build (or reuse) a base with this many MoE layers")
     args = parser.parse_args(argv)
+    if args.moe_layers is not None:
+        if args.moe_layers < 1:
+            parser.error(f"--moe-layers {args.moe_layers}: must be >= 1")
+        args.base = build_moe_base(args.moe_layers)
     chosen = args.variants.split(",")
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
