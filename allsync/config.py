@@ -47,12 +47,17 @@ class QuantSection:
                 fail(f"model.quant.{group} = {getattr(self, group)!r}: unknown format (valid: {', '.join(FORMATS)})")
 
 
+WARM_START_STEPS = 750  # the default base's supervised steps (tuned for RL headroom; allsync/warm_start.py)
+
+
 @dataclass
 class ModelSection:
     base: str = "runs/tiny-base"  # checkpoint directory
     warm_start: bool = (
         False  # build `base` with allsync.warm_start (tiny model, supervised on the run's task) when it is missing
     )
+    # supervised steps of that warm start (a weaker base leaves RL more headroom); part of the base's stored settings
+    warm_start_steps: int = WARM_START_STEPS
     compute_dtype: str = "float32"  # bfloat16 on GPUs
     # keep every frozen weight dequantized in compute_dtype beside its stored format (dequantized once, not at
     # every forward and backward): the same numbers, faster, but 4 (float32) or 2 bytes per parameter more.
@@ -62,6 +67,10 @@ class ModelSection:
 
     def check(self, fail) -> None:
         self.quant.check(fail)
+        if self.warm_start_steps < 1:
+            fail(f"model.warm_start_steps = {self.warm_start_steps}: must be >= 1")
+        if self.warm_start_steps != WARM_START_STEPS and not self.warm_start:
+            fail(f"model.warm_start_steps = {self.warm_start_steps} without model.warm_start: nothing is warm-started")
         if self.compute_dtype not in ("float32", "bfloat16"):
             fail(f"model.compute_dtype = {self.compute_dtype!r}: use float32 or bfloat16")
 

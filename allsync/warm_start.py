@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from allsync.config import WARM_START_STEPS
 from allsync.tasks import ArithmeticSpec, Problem, WarmStartTask
 from evals.generation import EvalSettings, evaluate_model
 from moe_lora.tiny import TinySpec, make_tiny
@@ -54,7 +55,7 @@ DEFAULT_SPEC = TinySpec(
     topk_group=1,
 )
 DEFAULT_TASK = ArithmeticSpec(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
-DEFAULT_STEPS = 750
+DEFAULT_STEPS = WARM_START_STEPS
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,13 @@ def settings_for_run(config) -> WarmStartSettings:
     long_replies = getattr(config.task, "reasoning", "none") != "none"  # a digit-by-digit sum before the answer
     if agent is not None or long_replies:  # longer than arithmetic's "Answer: N" + eos
         evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
-    return WarmStartSettings(spec, config.task.warm_start_task(agent), seed=config.task.seed, eval=evaluation)
+    return WarmStartSettings(
+        spec,
+        config.task.warm_start_task(agent),
+        steps=config.model.warm_start_steps,
+        seed=config.task.seed,
+        eval=evaluation,
+    )
 
 
 def warm_start(

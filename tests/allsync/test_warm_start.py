@@ -258,3 +258,19 @@ def test_the_runs_heldout_problems_are_never_warm_start_training_data(config_nam
     assert len(heldout) == config.task.heldout_size and len(warm.train) == settings.train_size
     assert heldout.isdisjoint(identity(p) for p in warm.train)
     assert heldout == {identity(p) for p in warm.heldout}  # the base was scored on the run's own held-out problems
+
+
+def test_model_warm_start_steps_sets_the_bases_steps_and_is_refused_without_a_warm_start():
+    """model.warm_start_steps goes into the settings the base is built and stored with (a base of 750 steps is not
+    one of 300); without model.warm_start it would change nothing, so it is refused by name."""
+    from allsync.config import ConfigError, parse_config
+    from allsync.warm_start import settings_for_run
+
+    config = parse_config({"model": {"warm_start": True, "warm_start_steps": 300}})
+    settings = settings_for_run(config)
+    assert settings.steps == 300 and settings.train_size == 300 * 64 and settings.as_json()["steps"] == 300
+    assert settings_for_run(parse_config({"model": {"warm_start": True}})).steps == 750
+    with pytest.raises(ConfigError, match=r"model\.warm_start_steps = 300 without model\.warm_start"):
+        parse_config({"model": {"warm_start_steps": 300}})
+    with pytest.raises(ConfigError, match=r"model\.warm_start_steps = 0: must be >= 1"):
+        parse_config({"model": {"warm_start": True, "warm_start_steps": 0}})
