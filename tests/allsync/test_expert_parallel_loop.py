@@ -26,7 +26,7 @@ from allsync.tasks import ArithmeticSpec, make_splits
 def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = None):
     data = run_config(base, Path("unused"), expert_parallel)
     data["optim"].update(optim or {})
-    if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a value head, EGAE
+    if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a critic, EGAE
         data["producer"] = {"kind": "windows", "window": 4}
         data["algorithm"] = {"advantage": "egae", "dynamic_sampling": False}
         data["optim"]["value_lr"] = 1e-2
@@ -103,7 +103,7 @@ def seeded_start(base) -> dict[str, torch.Tensor]:
 
 
 def test_tppo_windows_at_ep2_log_the_ep1_steps(warm_tiny):
-    """The critic's path (value head, EGAE, whitening all-reduce, windows over an in-flight pool) in lockstep."""
+    """The critic's path (its own LoRA, EGAE, whitening all-reduce, windows over an in-flight pool) in lockstep."""
     want, _, _ = run_steps(warm_tiny, 1, 3, tppo=True)
     got, _, _ = run_steps(warm_tiny, 2, 3, tppo=True)
     assert sum(w["trained_tokens"] for step in want for w in step) > 0
