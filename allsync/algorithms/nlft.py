@@ -21,8 +21,10 @@ The weights are computed from detached probabilities; the loss is the mean of th
 tokens. In the learner (the same update loop as RL) the weights travel as the per-token "advantages" of a batch,
 signed: w for a likelihood term, -w for an unlikelihood one (`nlft_signed_weights`), and `nlft_policy_loss` is the
 policy loss registered as `nlft` (trained by recipes/nlft.py; refused for RL runs, whose advantages are not
-weights). SFT is the same loss with every weight 1 on the standard answer. Example: p_judge 0.30, p_base 0.10, p_std 0.15 is salient with w = 2 sigmoid(1.5) = 1.635 and term
--1.635 log(0.9); p_judge 0.30 with p_base 0.25 is not salient (0.30 / 0.25 = 1.2).
+weights). SFT is the same loss with every weight 1 on the standard answer.
+
+Example: p_judge 0.30, p_base 0.10, p_std 0.15 is salient with w = 2 sigmoid(1.5) = 1.635 and term -1.635 log(0.9);
+p_judge 0.30 with p_base 0.25 is not salient (0.30 / 0.25 = 1.2).
 """
 
 from __future__ import annotations
