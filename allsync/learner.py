@@ -207,7 +207,6 @@ class Learner:
         )
         self.apply_optim_settings()
         self.loss_settings = loss_settings(config)
-        self.policy_frozen = False  # algorithm.value_pretrain_steps: this step trains the critic only
         self.consecutive_nan = 0
 
     def optim_settings(self) -> list[dict]:
@@ -414,8 +413,8 @@ class Learner:
         minibatches = c.optim.minibatches
         for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
             group["lr"] = warmup_lr(group["base_lr"], adapter_version, c.optim.warmup_steps)
-        self.policy_frozen = adapter_version < c.algorithm.value_pretrain_steps  # version 0 trains step 1
-        if self.policy_frozen:  # value pretraining: the policy's loss is not even backpropagated
+        critic_only = adapter_version < c.algorithm.value_pretrain_steps  # value pretraining; version 0 trains step 1
+        if critic_only:  # the policy's loss is not even backpropagated
             self.optimizer.param_groups[0]["lr"] = 0.0
         out = {
             "loss_sum": 0.0,
@@ -463,11 +462,14 @@ class Learner:
                     if i < len(micro):
                         own_logprobs.append(
                             self._backward_minibatch(
-                                mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])), totals[m], out
+                                mb if len(micro) == 1 else mb.minibatch(torch.tensor(micro[i])),
+                                totals[m],
+                                out,
+                                critic_only,
                             )
                         )
                     else:
-                        self._backward_minibatch(self.idle_batch(), totals[m], None)
+                        self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
             if tb is not None and tb.old_logprobs is None:  # one minibatch (reuses_update_forward): all of tb's rows
                 tb.old_logprobs = placed_rows(own_logprobs, micro, tb.engine_logprobs)
             if self.before_gradient_reduce is not None:
@@ -524,14 +526,17 @@ class Learner:
         sq = self.all_reduce(block.reshape(1))[0] + replicated.double() ** 2
         return sq.sqrt().float()
 
-    def _backward_minibatch(self, mb: TrainBatch, totals: torch.Tensor, out: dict | None) -> torch.Tensor:
+    def _backward_minibatch(
+        self, mb: TrainBatch, totals: torch.Tensor, out: dict | None, critic_only: bool = False
+    ) -> torch.Tensor:
         """Loss of this worker's part of a minibatch (its share of the global batch) and its backward into the
         flat gradient buffers, the policy's then the critic's (two graphs, one alive at a time, in the same order
         on every rank); a non-finite loss sets the buffer's flag instead. out None: an idle row (expert
         parallelism), whose backward only serves the other ranks' tokens. Returns the policy forward's
-        detached logprobs [rows, width - 1]."""
+        detached logprobs [rows, width - 1]. critic_only (value pretraining): the policy's forward runs without a
+        graph and nothing is backpropagated into it."""
         c = self.config
-        frozen = torch.no_grad() if self.policy_frozen else nullcontext()  # value pretraining: no policy graph
+        frozen = torch.no_grad() if critic_only else nullcontext()
         with saved_on_host(c.optim.activation_offload), frozen:  # the forward only: backward's recomputation stays
             loss, sums = minibatch_loss(
                 self.model,
@@ -546,7 +551,7 @@ class Learner:
                 episode_tokens=mb.episode_tokens,
                 engine_logprobs=mb.engine_logprobs,
             )
-        finite = True if self.policy_frozen else self._backward(loss)
+        finite = True if critic_only else self._backward(loss)
         value_loss_share = None
         if self.critic is not None:
             targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)

@@ -117,12 +117,9 @@ def adapter_copy(model: nn.Module, routed_experts: bool = True) -> nn.Module:
     shared: dict[int, object] = {id(t): t for t in model.parameters() if not t.requires_grad}
     shared.update({id(b): b for b in model.buffers()})
     shared.update({id(m): m for m in model.modules() if isinstance(m, (FrozenLinear, FrozenExperts))})
-    twin = copy.deepcopy(model, memo=shared)
-    if not routed_experts:
-        for name, module in list(twin.named_modules()):
-            if isinstance(module, LoRAExperts):
-                twin.set_submodule(name, module.base)
-    return twin
+    if not routed_experts:  # each LoRAExperts "copies" to its frozen base: its adapter is never copied
+        shared.update({id(m): m.base for m in model.modules() if isinstance(m, LoRAExperts)})
+    return copy.deepcopy(model, memo=shared)
 
 
 def seeded_init_(model: nn.Module, seed: int) -> None:
