@@ -80,15 +80,30 @@ class Critic(nn.Module):
 
 def critic_loss(critic: Critic, batch: SequenceBatch, targets: ValueTargets) -> tuple[torch.Tensor, torch.Tensor]:
     """coef * 0.5 (V_t - R_t)^2 summed over the finished responses' tokens of this micro-batch / the whole batch's
-    such tokens (allsync.algorithms.value_loss): this rank's share. Returns (loss, its value without coef, detached)."""
-    values = critic(batch)
-    finished = targets.mask.sum(-1) > 0
+    such tokens (allsync.algorithms.value_loss): this rank's share. Returns (loss, its value without coef, detached).
+
+    Only the rows with a target go through the critic (`rows_with_targets`): the rows of a T-PPO window whose
+    responses go on add nothing to the loss, so their forward and backward are skipped (the same loss and
+    gradient). A micro-batch without any still runs one masked row, so that every rank runs the same forwards
+    (expert parallelism's all-to-alls)."""
+    rows = rows_with_targets(targets.mask)
+    part = batch.select(rows)
+    width = part.width
+    part, mask = part.trimmed(width), targets.mask[rows, : width - 1]
+    values = critic(part)
     loss, _ = value_loss(
         values,
-        targets.returns,
-        targets.mask,
-        finished,
+        targets.returns[rows, : width - 1],
+        mask,
+        mask.sum(-1) > 0,
         agg="token-mean",
         global_tokens=max(float(targets.global_tokens), 1.0),
     )
     return targets.coef * loss, loss.detach()
+
+
+def rows_with_targets(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the rows of `mask` [B, L-1] with any target token; [0] (a row whose targets are all masked)
+    when there is none."""
+    rows = (mask.sum(-1) > 0).nonzero().squeeze(-1)
+    return rows if len(rows) else torch.zeros(1, dtype=torch.long, device=mask.device)

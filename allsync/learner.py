@@ -237,10 +237,11 @@ class Learner:
 
     @property
     def reuses_update_forward(self) -> bool:
-        """Group baselines with one minibatch: every forward of the update runs before its one optimizer step, so
-        the policy it computes is the sampling policy and its own detached logprobs are the old ones (no separate
-        no-gradient pass; forward.minibatch_loss). A critic's advantages need the values before the update."""
-        return self.config.optim.minibatches == 1 and not self.config.algorithm.uses_critic
+        """One minibatch: every forward of the update runs before its one optimizer step, so the policy it computes
+        is the sampling policy and its own detached logprobs are the old ones (no separate no-gradient pass;
+        forward.minibatch_loss). A critic's values still come from a forward before the update: its advantages
+        need them."""
+        return self.config.optim.minibatches == 1
 
     # ------------------------------------------------------------------------------ batches
     def episode_batch(self, episodes: list[Episode], group_index: torch.Tensor) -> TrainBatch:
@@ -265,7 +266,7 @@ class Learner:
         if a.overlong is not None and a.overlong.filter_truncated:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
-        old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)[0]
+        old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
         return TrainBatch(
             batch,
@@ -288,7 +289,8 @@ class Learner:
         rows = flatten(episodes)
         seqs = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
         engine = scatter_response_values(rows.engine_logprobs, seqs)
-        old_logprobs, old_values = self.current_logprobs(seqs)
+        old_values = self.current_values(seqs)
+        old_logprobs = None if self.reuses_update_forward else self.current_logprobs(seqs)
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
         reasons = [s.finish_reason for s in rows.segments]
@@ -362,10 +364,14 @@ class Learner:
         return self.chunked(batch, lambda rows: forward_logprobs(self.model, rows, self.config.rollout.temperature))
 
     @torch.no_grad()
-    def current_logprobs(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The current policy's logprobs (and the critic's values, with a critic) of the batch, before any update."""
-        values = self.chunked(batch, self.critic) if self.critic is not None else None
-        return self.policy_logprobs(batch), values
+    def current_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        """The current policy's logprobs of the batch, before any update."""
+        return self.policy_logprobs(batch)
+
+    @torch.no_grad()
+    def current_values(self, batch: SequenceBatch) -> torch.Tensor:
+        """The critic's values of the batch, before any update."""
+        return self.chunked(batch, self.critic)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor | None:
@@ -382,6 +388,8 @@ class Learner:
         `episode_batch` (group baselines), then `update`; an idle rank under EP runs the same forward passes."""
         if not episodes and self.groups.expert_parallel:  # the forward passes episode_batch would run, on an idle row
             idle = self.idle_batch().sequences
+            if self.critic is not None:
+                self.current_values(idle)
             if not self.reuses_update_forward:
                 self.current_logprobs(idle)
             self.reference_logprobs(idle)

@@ -109,11 +109,11 @@ def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatc
     if method == "sft":
         full = answer_examples(worker.tokenizer, problems)
         seqs = build_sequences([f[:s] for f, s in full], [f[s:] for f, s in full], pad)
-        return TrainBatch(seqs, learner.current_logprobs(seqs)[0], seqs.response_mask.clone())
+        return TrainBatch(seqs, learner.current_logprobs(seqs), seqs.response_mask.clone())
     responses = [r["response"] for r in rows]
     seqs = build_sequences([encode(p) for p in problems], responses, pad)
     index, valid = response_positions(seqs.response_mask)
-    old_logprobs = learner.current_logprobs(seqs)[0]
+    old_logprobs = learner.current_logprobs(seqs)
     with torch.no_grad():
         std = [encode(with_note(p, f"the correct answer is {p.answer}")) for p in problems]
         judged = [

@@ -183,7 +183,7 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
         reference = forward_logprobs(base, tb.sequences)
     mask = tb.sequences.response_mask.bool()
     assert torch.allclose(tb.ref_logprobs[mask], reference[mask], atol=1e-6)
-    current, _ = with_kl.learner.current_logprobs(tb.sequences)
+    current = with_kl.learner.current_logprobs(tb.sequences)
     assert not torch.allclose(current[mask], reference[mask], atol=1e-4)  # the trained policy moved away
 
 
@@ -378,7 +378,7 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
             setattr(w.config.optim, key, value)
     reused, separate = (w.learner.episode_batch(samples, index) for w in workers)
     assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
-    separate.old_logprobs, _ = workers[1].learner.current_logprobs(separate.sequences)
+    separate.old_logprobs = workers[1].learner.current_logprobs(separate.sequences)
     passes = []
     original = workers[0].learner.current_logprobs
     workers[0].learner.current_logprobs = lambda *a: passes.append(1) or original(*a)

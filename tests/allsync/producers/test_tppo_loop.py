@@ -288,3 +288,59 @@ def test_the_critic_learns_monte_carlo_returns_by_default(warm_tiny, problems):
 def test_critic_configs_name_the_key(data, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(data, "x.yaml")
+
+
+def test_the_critic_trains_on_finished_rows_only_with_the_loss_and_gradient_of_every_row(warm_tiny, problems):
+    """critic_loss runs the critic on the rows that have value targets (a T-PPO window's continuing responses have
+    none): the loss and the critic's gradient equal value_loss over every row's values; a micro-batch with no
+    target still runs one (masked) row and moves nothing."""
+    from allsync.algorithms import value_loss
+    from allsync.critic import ValueTargets, critic_loss
+
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    critic, params = worker.critic, worker.learner.value_params
+    torch.nn.init.normal_(critic.head.weight, std=0.3)
+    prompts = [worker.encode_prompt(p) for p in problems[:3]]
+    batch = build_sequences(prompts, [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32]], worker.tokenizer.pad_token_id)
+    mask = batch.response_mask * torch.tensor([[0.0], [1.0], [0.0]])  # the short middle row finished
+    returns = torch.full_like(mask, 0.7)
+    targets = ValueTargets(returns, mask, mask.sum(), 0.5)
+
+    def gradient(loss):
+        for p in params:
+            p.grad = None
+        loss.backward()
+        return [p.grad.clone() for p in params]
+
+    loss, share = critic_loss(critic, batch, targets)
+    selected = gradient(loss)
+    full, _ = value_loss(critic(batch), returns, mask, mask.sum(-1) > 0, global_tokens=float(mask.sum()))
+    everything = gradient(0.5 * full)
+    assert float(share) == pytest.approx(float(full), rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(selected, everything))
+    none = ValueTargets(returns, torch.zeros_like(mask), 0.0, 0.5)
+    loss, share = critic_loss(critic, batch, none)
+    assert float(share) == 0.0 and all(float(g.abs().sum()) == 0 for g in gradient(loss))
+
+
+def test_one_minibatch_with_a_critic_takes_the_old_logprobs_from_its_own_forward(warm_tiny, problems):
+    """With one minibatch the policy's old logprobs come from the update's own forward (no separate pass), as with
+    group baselines; the critic's values still come before the update. The same update as when given a separate
+    pass's old logprobs, bit for bit."""
+    config = lambda: tppo_config(warm_tiny, lr=1e-2)  # noqa: E731
+    workers = [RLWorker(config(), problems) for _ in range(2)]
+    prompt = workers[0].encode_prompt(problems[0])
+    responses = [
+        PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4),
+        PartialResponse(problems[1], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0),
+    ]
+    episodes = [responses[0].episode("stop", 1.0, True, 0), responses[1].episode("window", 0.0, False, 0)]
+    reused, separate = (w.learner.critic_batch(episodes) for w in workers)
+    assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
+    separate.old_logprobs = workers[1].learner.current_logprobs(separate.sequences)
+    outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
+    torch.testing.assert_close(reused.old_logprobs, separate.old_logprobs, atol=0, rtol=0)
+    for key in ("loss_sum", "value_loss_sum", "grad_norm", "value_grad_norm", "trained_tokens"):
+        assert outs[0][key] == outs[1][key], key
+    trained = [w.learner.lora_params + w.learner.value_params for w in workers]
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
