@@ -323,9 +323,19 @@ class RLWorker:
         metrics.update(self.busy_report(wall0))
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
             metrics.update(self.dispatch_stats.take())
-        positions, self.engine.positions = self.engine.positions, 0
-        metrics.update(self.monitor.report(metrics, positions))
+        work = self.take_engine_counters()
+        if "decode_slots" in work:  # the torch engine's static decode batches: their fill (metrics.aggregate)
+            metrics.update(decode_slots=work["decode_slots"], decoded_tokens=work["decoded_tokens"])
+        metrics.update(self.monitor.report(metrics, work["positions"]))
         return metrics
+
+    def take_engine_counters(self) -> dict[str, int]:
+        """The engine's work counters (`engine.counters`: token positions; decode slots and the tokens they produced)
+        since the last call, reset to 0."""
+        work = {name: getattr(self.engine, name) for name in self.engine.counters}
+        for name in work:
+            setattr(self.engine, name, 0)
+        return work
 
     def rollout_phase(self, groups_wanted: int) -> tuple[list[Episode], torch.Tensor, dict]:
         """The producer's episodes from the current adapter, scored (DAPO: mixed groups kept); timed as "generate"."""
@@ -391,11 +401,12 @@ class RLWorker:
         evals.report.SampleRecord fields per response, problem_id the index in `problems`. Multi-conversation
         episodes are run whole and their answers scored; `memory` blank / gold answers from an empty or the
         task's gold memory instead of the episode's own (the memory ablation)."""
-        positions = self.engine.positions
+        work = {name: getattr(self.engine, name) for name in self.engine.counters}
         try:
             return self._evaluate(problems, samples, memory)
         finally:  # evaluation's work is not the next step's: its health signals divide the step's work by its time
-            self.engine.positions = positions
+            for name, count in work.items():
+                setattr(self.engine, name, count)
             if self.dispatch_stats is not None:  # evaluation runs between steps, after the step took its totals
                 self.dispatch_stats.take()
 

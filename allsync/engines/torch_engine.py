@@ -78,6 +78,8 @@ class Rollout:
 class TorchEngine:
     """Generation with the training model (shared frozen base and LoRA tensors)."""
 
+    counters = ("positions", "decode_slots", "decoded_tokens")  # work since the worker's last report
+
     def __init__(
         self, model, eos_id: int, pad_id: int, batch_size: int | None = None, lockstep=None, merge_lora: bool = False
     ):
@@ -88,6 +90,9 @@ class TorchEngine:
         self.merge_lora = merge_lora
         self.adapter_version = 0
         self.positions = 0  # token positions computed (rows x padded length), the work a health report divides by
+        # static batches: every row of a decode batch takes a slot at each step until the batch's last row ends
+        self.decode_slots = 0  # rows x decode steps
+        self.decoded_tokens = 0  # the response tokens those slots produced (eos included): fill = tokens / slots
         if getattr(model, "generation_config", None) is not None:
             check_plain_logits(model.generation_config)
         # MLA keys/values expanded once per token where that costs no more memory than the latent cache
@@ -160,6 +165,8 @@ class TorchEngine:
             responses.append(tokens_cut)
             logprobs.append(lp[: len(tokens_cut)])
             reasons.append(reason)
+        self.decode_slots += tokens.numel()
+        self.decoded_tokens += sum(map(len, responses))
         routing = sample_routing(record, distinct, repeats, responses) if self.record_routing else []
         return responses, logprobs, reasons, routing
 

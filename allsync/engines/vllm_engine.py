@@ -75,6 +75,8 @@ def memory_share(checkpoint: str, dtype: str, max_model_len: int, configured: fl
 
 
 class VLLMEngine:
+    counters = ("positions",)  # work since the worker's last report (continuous batching: no idle decode slots)
+
     def __init__(
         self,
         checkpoint: str,

@@ -5,6 +5,7 @@ import torch
 
 import allsync.learner as update_module
 from allsync.config import parse_config
+from allsync.metrics import aggregate
 from allsync.launch.local import LocalGroup
 from allsync.launch.ray_actors import RayGroup
 from allsync.tasks import Problem
@@ -110,6 +111,33 @@ def test_held_out_evaluation_is_not_counted_as_the_next_steps_generation_work(ti
         assert w.engine.positions == 0  # the step's report took them
         records = w.evaluate(PROBLEMS[:8], 2)
         assert len(records) == 16 and w.engine.positions == 0  # before: 16 responses' positions, counted in step 2
+        assert w.engine.decode_slots == w.engine.decoded_tokens == 0
+    finally:
+        w.shutdown()
+
+
+def test_decode_fill_is_the_response_tokens_over_the_static_batches_slots(warm_tiny):
+    """The torch engine decodes a batch until its longest response ends: decode_slots = rows x steps of each batch,
+    decoded_tokens = the responses' tokens (eos included); a step reports both and aggregate their ratio."""
+    from allsync.engines.torch_engine import Sampling
+
+    w = RLWorker(config(warm_tiny, 1), PROBLEMS)
+    try:
+        engine = w.engine
+        engine.batch_size = 4
+        prompt = w.encode_prompt(PROBLEMS[0])
+        prompts = [prompt[:k] for k in range(2, len(prompt) + 1)]  # cut prompts: responses of many lengths
+        rollout = engine.generate(prompts, 1, Sampling(temperature=1.0, max_new_tokens=12))
+        lengths = [len(r) for r in rollout.response_ids]
+        batches = [lengths[i : i + 4] for i in range(0, len(lengths), 4)]
+        assert engine.decoded_tokens == sum(lengths) and len(set(lengths)) > 1
+        assert engine.decode_slots == sum(len(b) * max(b) for b in batches) > engine.decoded_tokens
+        assert w.take_engine_counters()["decode_slots"] > 0 and engine.decode_slots == 0
+        engine.batch_size = 64
+        metrics = w.step(1)
+        assert engine.decode_slots == engine.decoded_tokens == 0  # the step's report took them
+        fill = metrics["decoded_tokens"] / metrics["decode_slots"]
+        assert 0 < fill <= 1 and aggregate([metrics])["decode_fill"] == pytest.approx(fill)
     finally:
         w.shutdown()
 
