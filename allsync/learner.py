@@ -26,6 +26,7 @@ from allsync.algorithms import (
     episodes_with_tokens,
     get,
     overlong_filter_mask,
+    split_advantage_sums,
     value_fit_sums,
     whiten_advantages,
     whitening_sums,
@@ -76,7 +77,9 @@ class TrainBatch:
         None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
     )
     segment_kinds: list[str] | None = None  # per row: answer | memory | turn
-    value_fit: torch.Tensor | None = None  # the critic's values before the update against its targets (value_fit_sums)
+    # a critic's step sums that add up over workers: value_fit_sums (its values before the update against its
+    # targets) and split_advantage_sums (the raw advantages of cut and finished responses)
+    critic_sums: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.episode_of_row is None:
@@ -310,6 +313,10 @@ class Learner:
             policy_mask = overlong_filter_mask(reasons, policy_mask)
         value_fit = value_fit_sums(values, returns, valid.float() * is_finished[:, None])
         advantages = to_sequence_layout(advantages, index, valid, width)
+        critic_sums = {
+            "value_fit_sums": value_fit,
+            "advantage_split_sums": split_advantage_sums(advantages, policy_mask, cut),
+        }
         sums = self.all_reduce(whitening_sums(advantages, policy_mask))  # the whole batch's statistics
         return TrainBatch(
             SequenceBatch(seqs.input_ids, seqs.attention_mask, policy_mask),
@@ -319,7 +326,7 @@ class Learner:
             value_mask=seqs.response_mask * is_finished[:, None],
             ref_logprobs=self.reference_logprobs(seqs),
             engine_logprobs=engine,
-            value_fit=value_fit,
+            critic_sums=critic_sums,
         )
 
     def idle_batch(self) -> TrainBatch:
@@ -404,8 +411,8 @@ class Learner:
         mismatched, counted = routing.take_counts()
         if counted:  # the engine recorded its experts: how many (trained token, MoE layer) pairs the trainer differs on
             out.update(routing_mismatched=mismatched, routing_counted=counted)
-        if tb is not None and tb.value_fit is not None:
-            out["value_fit_sums"] = tb.value_fit.tolist()
+        if tb is not None and tb.critic_sums is not None:
+            out.update({key: sums.tolist() for key, sums in tb.critic_sums.items()})
         if tb is not None and multiconv_settings(self.config) is not None:
             out.update(segment_gaps(tb))
         return out

@@ -99,13 +99,21 @@ def aggregate(per_worker: list[dict]) -> dict:
 
 
 def value_fit_metric(per_worker: list[dict]) -> dict:
-    """value_explained_variance over every worker's finished responses (allsync.algorithms.explained_variance);
-    absent without a critic or when no response finished."""
+    """value_explained_variance over every worker's finished responses (allsync.algorithms.explained_variance),
+    absent without a critic or when no response finished; advantage_cut_mean / advantage_finished_mean, the raw
+    (before whitening) mean advantage of the trained tokens of responses cut at a window / finished
+    (allsync.algorithms.split_advantage_sums), each absent when there were none."""
     from allsync.algorithms import explained_variance
 
     parts = [m["value_fit_sums"] for m in per_worker if "value_fit_sums" in m]
     ev = explained_variance([sum(column) for column in zip(*parts)]) if parts else None
-    return {} if ev is None else {"value_explained_variance": ev}
+    out = {} if ev is None else {"value_explained_variance": ev}
+    splits = [m["advantage_split_sums"] for m in per_worker if "advantage_split_sums" in m]
+    if splits:
+        cut, n_cut, finished, n_finished = (sum(column) for column in zip(*splits))
+        out.update({"advantage_cut_mean": cut / n_cut} if n_cut else {})
+        out.update({"advantage_finished_mean": finished / n_finished} if n_finished else {})
+    return out
 
 
 def ratio_metrics(per_worker: list[dict]) -> dict:

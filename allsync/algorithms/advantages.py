@@ -224,3 +224,17 @@ ADVANTAGE_ESTIMATORS = {
     "gae": AdvantageEstimator(gae, needs_groups=False, needs_critic=True),
     "egae": AdvantageEstimator(egae, needs_groups=False, needs_critic=True, bootstraps_cut=True),
 }
+
+
+def split_advantage_sums(advantages: torch.Tensor, mask: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """Sums over the trained tokens (``mask``) that add up over workers, float64 [4]:
+    [sum A over rows cut at a window, their tokens, sum A over finished rows, their tokens].
+
+    A cut row's advantages are the critic's own differences (EGAE with no reward yet: with lam 1,
+    A_t = V_{l-1} - V_t), so their mean shows what bootstrapping adds: about 0 from a critic whose values are
+    expectations of the later ones, and a steady sign from one that, say, values later positions lower.
+    ``cut``: [B] bool."""
+    m = mask.double()
+    a = advantages.double() * m
+    rows = cut.to(a.dtype)[:, None]
+    return torch.stack([(a * rows).sum(), (m * rows).sum(), (a * (1 - rows)).sum(), (m * (1 - rows)).sum()])

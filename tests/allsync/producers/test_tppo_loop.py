@@ -77,6 +77,18 @@ def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
     )
     expected = whiten_advantages(raw, policy, whitening_sums(raw, policy)).float()  # over this window's tokens
     assert torch.allclose(adv, expected, atol=1e-5) and (adv * policy).sum().abs() < 1e-4
+    cut_sum, cut_tokens, finished_sum, finished_tokens = tb.critic_sums["advantage_split_sums"].tolist()
+    assert (cut_tokens, finished_tokens) == (4, 2)  # the trained tokens: the cut row's window, the finished one's
+    assert cut_sum == pytest.approx(float(raw[1, :4].sum()), abs=1e-5)
+    assert finished_sum == pytest.approx(float(raw[0, 4:].sum()), abs=1e-5)
+
+
+def test_the_cut_and_finished_advantage_means_add_up_over_workers():
+    from allsync.metrics import value_fit_metric
+
+    workers = [{"advantage_split_sums": [-1.0, 2.0, 3.0, 4.0]}, {"advantage_split_sums": [-2.0, 4.0, 0.0, 0.0]}]
+    assert value_fit_metric(workers) == {"advantage_cut_mean": -0.5, "advantage_finished_mean": 0.75}
+    assert value_fit_metric([{"advantage_split_sums": [0.0, 0.0, 1.0, 2.0]}]) == {"advantage_finished_mean": 0.5}
 
 
 def test_whitening_is_hand_computed_and_shards_add_up():
