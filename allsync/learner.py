@@ -510,7 +510,8 @@ class Learner:
             self.optimizer.step()
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
-        if tb is not None and tb.engine_logprobs is not None:  # None: not sampled (recipes/nlft.py's examples)
+        # engine_logprobs None: not sampled (recipes/nlft.py's examples); old_logprobs None: no token was trained
+        if tb is not None and tb.engine_logprobs is not None and tb.old_logprobs is not None:
             out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
                 print(

@@ -147,6 +147,17 @@ def test_an_empty_minibatch_is_no_optimizer_step(tiny_bf16):
     assert {int(s["step"]) for s in w.learner.optimizer.state.values()} == {1}
 
 
+def test_a_fully_masked_batch_with_one_minibatch_is_no_step_and_no_error(tiny_bf16):
+    """One minibatch takes its old logprobs from the update's forward; a batch whose tokens are all masked runs no
+    forward, so there are none: no optimizer step, no logprob gap (before: a TypeError on the missing logprobs)."""
+    w = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS)
+    tb = w.learner.episode_batch(*groups(0, 2))
+    assert tb.old_logprobs is None
+    tb.sequences.response_mask.zero_()  # e.g. the overlong filter masked every response
+    out = w.learner.update(tb, w.adapter_version)
+    assert (out["optimizer_steps"], out["empty_minibatches"], out["logprob_gap"]) == (0, 1, 0.0)
+
+
 def test_a_non_finite_gradient_with_a_finite_loss_skips_the_step(tiny_bf16):
     w = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS)
     before = adapter(w)
