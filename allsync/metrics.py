@@ -91,7 +91,11 @@ def aggregate(per_worker: list[dict]) -> dict:
         "utilization": sum(m["busy_seconds"] for m in per_worker) / (wall * len(per_worker)),
         # the torch engine: response tokens / (rows x decode steps) of its static batches, where a row that ended
         # keeps its slot until the batch's longest response ends (T-PPO's windows bound that wait)
-        **({"decode_fill": total("decoded_tokens") / slots} if (slots := sum(m.get("decode_slots", 0) for m in per_worker)) else {}),
+        **(
+            {"decode_fill": total("decoded_tokens") / slots}
+            if (slots := sum(m.get("decode_slots", 0) for m in per_worker))
+            else {}
+        ),
         # expert parallelism only: bytes sent to other ranks by the MoE all-to-alls (tokens, outputs, gradients)
         **({"alltoall_bytes": total("alltoall_bytes")} if "alltoall_bytes" in per_worker[0] else {}),
         **ratio_metrics(per_worker),

@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=12.0, help="each arm's run.time_limit_minutes")
     parser.add_argument("--window", type=int, default=32, help="T-PPO's producer.window")
-    parser.add_argument("--pool", type=int, default=128, help="PPO / T-PPO responses in flight (rollout.prompts_per_step)")
+    parser.add_argument(
+        "--pool", type=int, default=128, help="PPO / T-PPO responses in flight (rollout.prompts_per_step)"
+    )
     parser.add_argument("--eval-minutes", type=float, default=2.0)
     parser.add_argument("--out", default=str(ROOT / "runs" / "tppo-windows"))
     args = parser.parse_args(argv)
@@ -166,7 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"wrote {out / 'tppo_windows.json'} and {out / 'tppo_windows.png'}")
     ppo, tppo = results["PPO"], results["T-PPO"]
     target, ppo_minutes = ppo["curve"][-1][2], ppo["train_minutes"]
-    print(f"base {ppo['curve'][0][2]:.1%}; final: " + ", ".join(f"{n} {r['curve'][-1][2]:.1%}" for n, r in results.items()))
+    print(
+        f"base {ppo['curve'][0][2]:.1%}; final: "
+        + ", ".join(f"{n} {r['curve'][-1][2]:.1%}" for n, r in results.items())
+    )
     reached = time_to_reach(tppo["curve"], target)
     if reached is None:
         best = max(a for _, _, a in tppo["curve"])

@@ -8,9 +8,9 @@ from .advantages import (
     AdvantageEstimator,
     drgrpo_advantages,
     egae,
-    split_advantage_sums,
     gae,
     grpo_advantages,
+    split_advantage_sums,
     whiten_advantages,
     whitening_sums,
 )
