@@ -324,9 +324,9 @@ class RLWorker:
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
             metrics.update(self.dispatch_stats.take())
         work = self.take_engine_counters()
-        if "decode_slots" in work:  # the torch engine's static decode batches: their fill (metrics.aggregate)
-            metrics.update(decode_slots=work["decode_slots"], decoded_tokens=work["decoded_tokens"])
-        metrics.update(self.monitor.report(metrics, work["positions"]))
+        positions = work.pop("positions")
+        metrics.update(work)  # the torch engine's decode slots and the tokens they produced (metrics.aggregate)
+        metrics.update(self.monitor.report(metrics, positions))
         return metrics
 
     def take_engine_counters(self) -> dict[str, int]:
@@ -401,7 +401,7 @@ class RLWorker:
         evals.report.SampleRecord fields per response, problem_id the index in `problems`. Multi-conversation
         episodes are run whole and their answers scored; `memory` blank / gold answers from an empty or the
         task's gold memory instead of the episode's own (the memory ablation)."""
-        work = {name: getattr(self.engine, name) for name in self.engine.counters}
+        work = self.take_engine_counters()
         try:
             return self._evaluate(problems, samples, memory)
         finally:  # evaluation's work is not the next step's: its health signals divide the step's work by its time

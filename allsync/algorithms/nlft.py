@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .aggregation import Number, aggregate_loss
-from .policy_loss import POLICY_LOSSES, PolicyLossStats
+from .policy_loss import POLICY_LOSSES, PolicyLossStats, _masked_mean
 
 SALIENCY_RATIO = 1.5
 SALIENT_MIN_PROBABILITY = 0.01
@@ -107,9 +107,8 @@ def nlft_policy_loss(
         norm_length=norm_length,
         episode_tokens=episode_tokens,
     )
-    valid = mask > 0
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    kl = ((old_logprobs - logprobs.detach()) * valid).sum() / valid.sum().clamp_min(1)
+    kl = _masked_mean(old_logprobs - logprobs.detach(), mask > 0)
     return loss, PolicyLossStats(zero, zero, zero, kl, zero)
 
 
