@@ -616,10 +616,35 @@ def _build(cls, data: dict, where: str, source: str):
         elif sub is not None and isinstance(value, dict):
             kwargs[f.name] = _build(sub, value, key, source)
         elif _type_ok(value, annotation):
+            check_numbers(key, value, annotation, source)
             kwargs[f.name] = value
         else:
             raise ConfigError(f"{source}: '{key}' = {value!r} is not of type {annotation}")
     return cls(**kwargs)
+
+
+def _holds_float(annotation) -> bool:
+    """float, float | None, list[float] (a dict's values are free-form: reasoning-gym's dataset_args)."""
+    if annotation is float:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, list):
+        return any(_holds_float(a) for a in typing.get_args(annotation))
+    return False
+
+
+def check_numbers(key: str, value, annotation, source: str) -> None:
+    """Every float setting is a finite number >= 0: none of the loop's rates, coefficients, clips, temperatures,
+    timeouts or thresholds has a meaning below 0, and NaN or inf would pass every `x < bound` check after it
+    (`optim.lr: .nan` writes NaN into the whole adapter at step 1). Sections check their own upper bounds."""
+    if not _holds_float(annotation):
+        return
+    for number in value if isinstance(value, list) else [value]:
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            if not math.isfinite(number):
+                raise ConfigError(f"{source}: {key} = {value!r}: must be a finite number")
+            if number < 0:
+                raise ConfigError(f"{source}: {key} = {value!r}: must be >= 0")
 
 
 # section -> (the key naming the class, its registry, the default name)

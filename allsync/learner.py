@@ -14,7 +14,7 @@ whole episodes (the rows of one episode are never split), so per-episode denomin
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -148,8 +148,31 @@ def flat_gradients(
 
 
 def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
-    """lr(step) = lr * min(1, (step + 1) / warmup_steps), step counted from 0 (the adapter version)."""
-    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else lr
+    """lr(step) = lr * clamp((step + 1) / warmup_steps, 0, 1), step counted from 0 (a param group's own step: the
+    policy's is negative during value pretraining, where its group is not stepped)."""
+    return lr * min(1.0, max(0.0, (step + 1) / warmup_steps)) if warmup_steps > 0 else lr
+
+
+def group_steps(adapter_version: int, algorithm) -> tuple[int, int]:
+    """Each param group's own step count from 0, for its warm-up: the policy's (group 0) starts after the critic-only
+    steps of value pretraining, the critic's (group 1) at version 0:
+        policy step = version - value_pretrain_steps,  critic step = version."""
+    return adapter_version - algorithm.value_pretrain_steps, adapter_version
+
+
+def step_skipping(optimizer: torch.optim.Optimizer, skipped: list[torch.nn.Parameter]) -> None:
+    """optimizer.step() that leaves `skipped` and their state untouched. AdamW steps every parameter whose .grad is
+    not None: a zero gradient still advances state["step"], which shifts its bias correction
+    (1 - beta^t) for every later update, and decays momentum. A parameter whose .grad is None is not visited, so the
+    skipped ones' grads (views into the flat buffer) are set aside for the call and put back."""
+    grads = [p.grad for p in skipped]
+    for p in skipped:
+        p.grad = None
+    try:
+        optimizer.step()
+    finally:
+        for p, grad in zip(skipped, grads):
+            p.grad = grad
 
 
 def multiconv_settings(config):
@@ -270,6 +293,8 @@ class Learner:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
         old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)
+        if old_logprobs is not None:
+            self.stop_counting_routes()
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
         return TrainBatch(
             batch,
@@ -294,6 +319,8 @@ class Learner:
         engine = scatter_response_values(rows.engine_logprobs, seqs)
         old_values = self.current_values(seqs)
         old_logprobs = None if self.reuses_update_forward else self.current_logprobs(seqs)
+        if old_logprobs is not None:
+            self.stop_counting_routes()
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
         reasons = [s.finish_reason for s in rows.segments]
@@ -386,8 +413,29 @@ class Learner:
         the same forward pass and temperature as the policy's. None when algorithm.kl_coef is 0."""
         if not self.config.algorithm.kl_coef:
             return None
-        with adapters_disabled(self.model):
+        with adapters_disabled(self.model), self.routing_switched(live=True, counting=False):
             return self.policy_logprobs(batch)
+
+    @contextmanager
+    def routing_switched(self, **settings):
+        """Inside, the step's routing replay (moe_lora.routing.RoutingReplay, when `train` attached one) has these
+        `live` / `counting` settings."""
+        routing = getattr(self.model, "routing_replay", None)
+        before = {key: getattr(routing, key) for key in settings} if routing is not None else {}
+        for key, value in settings.items():
+            if routing is not None:
+                setattr(routing, key, value)
+        try:
+            yield
+        finally:
+            for key, value in before.items():
+                setattr(routing, key, value)
+
+    def stop_counting_routes(self) -> None:
+        """After the step's first policy pass (the sampling policy, before any optimizer step): routing_mismatch
+        compares the engine's experts with that pass's only, not with later minibatches' or the reference's."""
+        if (routing := getattr(self.model, "routing_replay", None)) is not None:
+            routing.counting = False
 
     # ------------------------------------------------------------------------------ the update
     def train(self, episodes: list[Episode], group_index: torch.Tensor, adapter_version: int) -> dict:
@@ -426,11 +474,9 @@ class Learner:
         worker or a non-finite gradient norm skips the step on every worker (`nan_steps`)."""
         c = self.config
         minibatches = c.optim.minibatches
-        for group in self.optimizer.param_groups:  # linear warm-up over the first optim.warmup_steps RL steps
-            group["lr"] = warmup_lr(group["base_lr"], adapter_version, c.optim.warmup_steps)
         critic_only = adapter_version < c.algorithm.value_pretrain_steps  # value pretraining; version 0 trains step 1
-        if critic_only:  # the policy's loss is not even backpropagated
-            self.optimizer.param_groups[0]["lr"] = 0.0
+        for group, step in zip(self.optimizer.param_groups, group_steps(adapter_version, c.algorithm)):
+            group["lr"] = warmup_lr(group["base_lr"], step, c.optim.warmup_steps)
         out = {
             "loss_sum": 0.0,
             "clipfrac_high_sum": 0.0,
@@ -485,6 +531,7 @@ class Learner:
                         )
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
+            self.stop_counting_routes()  # later minibatches run after an optimizer step
             if tb is not None and tb.old_logprobs is None:  # one minibatch (reuses_update_forward): all of tb's rows
                 tb.old_logprobs = placed_rows(own_logprobs, micro, tb.engine_logprobs)
             if self.before_gradient_reduce is not None:
@@ -507,7 +554,7 @@ class Learner:
             if self.value_params:
                 torch.nn.utils.clip_grads_with_norm_(self.value_params, c.optim.grad_clip, value_norm)
                 out["value_grad_norm"] = float(value_norm)
-            self.optimizer.step()
+            step_skipping(self.optimizer, self.lora_params if critic_only else [])
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
         # engine_logprobs None: not sampled (recipes/nlft.py's examples); old_logprobs None: no token was trained

@@ -15,7 +15,10 @@ for the tokens it sees. Two wrappers of that call, one MoE layer at a time (`moe
                               (token, MoE layer) pairs whose own top-k set differs from the recorded set.
 
 The replay wrapper reads the routing the latest `set` gave until the next `set`: a recomputed layer (activation
-checkpointing) replays what its forward replayed, and counts only once per `set`.
+checkpointing) replays what its forward replayed, and counts only once per `set`. `counting` off stops the counts
+(the mismatch is the sampling policy's: the first policy pass of a step, before any optimizer step); `live` on
+routes every layer by itself whatever `set` gives (the reference pass with adapters off: R3 replays the policy's
+forwards, the reference model routes live).
 """
 
 from __future__ import annotations
@@ -94,13 +97,15 @@ class RoutingReplay:
     has: torch.Tensor | None = None  # [tokens] bool: the token has recorded indices
     counts: torch.Tensor | None = None  # [tokens] bool: the token's mismatch is counted (trained tokens)
     counted_layers: set = field(default_factory=set)
+    counting: bool = True  # off: the forwards count nothing (the learner counts a step's first policy pass only)
+    live: bool = False  # on: `set` gives no recorded routing, every layer routes by itself (the reference pass)
     mismatched: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     counted: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
 
     def set(self, indices: torch.Tensor | None, has: torch.Tensor | None, counts: torch.Tensor | None) -> None:
         """The next forward's tokens (flattened [B x L] as the router sees them): their recorded indices, which have
         them, and which count in the mismatch; None: no recorded routing (the layer routes by itself)."""
-        self.indices, self.has, self.counts = indices, has, counts
+        self.indices, self.has, self.counts = (None, None, None) if self.live else (indices, has, counts)
         self.counted_layers = set()
 
     def take_counts(self) -> tuple[int, int]:
@@ -118,7 +123,7 @@ class RoutingReplay:
             )
         recorded = self.indices[:, layer].to(device=indices.device, dtype=torch.long)
         has = self.has.to(indices.device)
-        if layer not in self.counted_layers:
+        if self.counting and layer not in self.counted_layers:
             self.counted_layers.add(layer)
             counts = self.counts.to(indices.device)
             differs = (indices.sort(-1).values != recorded.sort(-1).values).any(-1) & counts

@@ -1,5 +1,7 @@
 """Config files: unknown keys and impossible combinations are errors naming the key, before any work."""
 
+import re
+
 import pytest
 import yaml
 
@@ -58,7 +60,7 @@ def test_defaults_are_valid_and_nested_values_parse():
             r"overlong\.max_len = 64 exceeds rollout\.max_new_tokens = 16",
         ),
         ({"rollout": {"temperature": 0.0}}, r"rollout\.temperature = 0\.0: must be > 0"),
-        ({"rollout": {"temperature": -1.0}}, r"rollout\.temperature = -1\.0: must be > 0"),
+        ({"rollout": {"temperature": -1.0}}, r"rollout\.temperature = -1\.0: must be >= 0"),
         (
             {"rollout": {"top_p": 0.7}},
             r"rollout\.top_p = 0\.7: training samples from the full softmax.*run\.eval_top_p",
@@ -216,3 +218,76 @@ def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, m
     monkeypatch.setattr(worker_module, "free_device_bytes", lambda device: 1_000_000)
     with pytest.raises(ConfigError, match="model.compute_copy: a torch.float32 copy of the frozen weights needs"):
         worker_module.RLWorker(config, [Problem("1+1", "2")])
+
+
+def float_settings() -> list[tuple[dict, str]]:
+    """(the smallest config data that sets it, its dotted key) for every float setting of every section, the task's
+    and producer's of every registered class included, found by walking the dataclasses."""
+    import dataclasses
+    import typing
+
+    from allsync.config import _dataclass_of, _holds_float
+    from allsync.producers.registry import ProducerSettings, producer_classes
+    from allsync.tasks import TASKS, TaskSettings
+
+    out = []
+
+    def walk(cls, path: list[str], named: dict):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            annotation = hints[f.name]
+            if annotation is TaskSettings:
+                for name, task in TASKS.items():
+                    walk(task, path + [f.name], {"name": name})
+            elif annotation is ProducerSettings:
+                for kind, producer in producer_classes().items():
+                    walk(producer, path + [f.name], {"kind": kind})
+            elif _dataclass_of(annotation) is not None:
+                walk(_dataclass_of(annotation), path + [f.name], {})
+            elif _holds_float(annotation) and f.init:
+                out.append((path + [f.name], named, typing.get_origin(annotation) is list))
+
+    walk(RunConfig, [], {})
+    settings = []
+    for path, named, is_list in out:
+        for bad in (float("nan"), float("inf"), -1.0):
+            data = leaf = {}
+            for part in path[:-1]:
+                leaf[part] = {}
+                leaf = leaf[part]
+            if len(path) == 2 and path[0] in ("task", "producer"):
+                leaf.update(named)
+            leaf[path[-1]] = [bad, 0.5] if is_list else bad
+            settings.append((data, ".".join(path)))
+    return settings
+
+
+FLOAT_SETTINGS = float_settings()
+
+
+def test_every_float_setting_is_walked():
+    keys = {key for _, key in FLOAT_SETTINGS}
+    assert {
+        "optim.lr",
+        "optim.value_lr",
+        "algorithm.kl_coef",
+        "algorithm.value_coef",
+        "algorithm.overlong.factor",
+        "optim.betas",
+        "reward.length.coef",
+        "health.min_z",
+    } <= keys
+    assert any(key.startswith("task.") for key in keys) and any(key.startswith("producer.") for key in keys)
+
+
+@pytest.mark.parametrize("data, key", FLOAT_SETTINGS, ids=[f"{k}={d}" for d, k in FLOAT_SETTINGS])
+def test_nan_inf_and_negative_floats_are_refused_naming_the_key(data, key):
+    with pytest.raises(ConfigError, match=re.escape(f"{key} = ") + ".*must be (a finite number|>= 0)"):
+        parse_config(data)
+
+
+def test_nan_from_yaml_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match=r"optim\.lr = nan: must be a finite number"):
+        load_config(path)

@@ -90,6 +90,26 @@ def test_routing_mismatch_is_logged_every_step_and_replay_lowers_the_logprob_gap
     assert replayed[0]["logprob_gap"] < plain[0]["logprob_gap"]
 
 
+@pytest.mark.parametrize("optim, algorithm", [({"minibatches": 2}, {}), ({}, {"kl_coef": 0.5})])
+def test_a_matched_engine_reads_no_mismatch_with_minibatches_and_a_reference_pass(tiny_bf16, optim, algorithm):
+    """The trainer is its own engine (same weights, same kernels): the true mismatch is 0. Counted on every forward of
+    the step it read 15-25% at optim.minibatches 2 (the second minibatch runs after an optimizer step) and 28-38% at
+    kl_coef 0.5 (the reference pass with adapters off); counted on the first policy pass only it reads 0, over each
+    (trained token, MoE layer) pair once."""
+    c = config(tiny_bf16)
+    c.optim.lr = 5e-2  # a large first step: a second minibatch after it routes differently
+    c.optim.minibatches = optim.get("minibatches", 1)
+    c.algorithm.kl_coef = algorithm.get("kl_coef", 0.0)
+    torch.manual_seed(0)
+    worker = RLWorker(c, PROBLEMS)
+    per_step = [worker.step(step) for step in (1, 2, 3)]
+    layers = len(moe_layers(worker.model))
+    for m in per_step:
+        assert m["routing_mismatched"] == 0
+        # every trained token but each response's last (never fed to the engine: no recorded route), once per layer
+        assert m["routing_counted"] == (m["trained_tokens"] - m["trained_samples"]) * layers
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

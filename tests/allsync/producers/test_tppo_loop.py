@@ -234,9 +234,21 @@ def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
         m = worker.step(step)
     assert same(policy0, learner.lora_params) and m["grad_norm"] == 0.0
     assert not same(critic0, learner.value_params) and m["value_loss_sum"] > 0
+    state = learner.optimizer.state
+    assert all(p not in state for p in learner.lora_params)  # AdamW never visited the policy: no moments, no step
+    assert all(int(state[p]["step"]) == 3 for p in learner.value_params)
     policy3 = snapshot(learner.lora_params)
     m = worker.step(4)
     assert not same(policy3, learner.lora_params) and m["grad_norm"] > 0
+    assert all(int(state[p]["step"]) == 1 for p in learner.lora_params)
+    assert all(int(state[p]["step"]) == 4 for p in learner.value_params)
+    # AdamW's first step moves every coordinate with a gradient by lr * g / |g| (bias-corrected m / sqrt(v) = sign g):
+    # exactly the configured size. Had the 3 critic-only steps advanced the policy's count, the size would be
+    # lr * (1 - b1) / (1 - b1^4) * sqrt((1 - b2^4) / (1 - b2)) = 0.58 lr (betas 0.9, 0.99).
+    moves = torch.cat([(p.detach() - p0).abs().flatten() for p, p0 in zip(learner.lora_params, policy3)])
+    grads = torch.cat([p.grad.abs().flatten() for p in learner.lora_params])  # the step's (clipped) gradient
+    moved_by = moves[grads > 1e-4]  # AdamW's eps (1e-8) is < 1e-4 of these gradients
+    assert moved_by.numel() > 0 and torch.allclose(moved_by, torch.full_like(moved_by, 1e-2), rtol=1e-3)
 
 
 def test_the_critic_learns_monte_carlo_returns_by_default(warm_tiny, problems):
