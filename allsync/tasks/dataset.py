@@ -11,28 +11,51 @@ from allsync.tasks.problems import Problem, Splits, check_template
 from allsync.tasks.registry import register_task
 
 
+def unique_rows(files: list[str], template: str | None, excluded: set[str]) -> tuple[list, list[str], int]:
+    """The rows of `files` unique by prompt (evals.datasets.Row.key: the rendered text, and the context when there is
+    one), skipping those whose key is in `excluded`; one report line per file; how many were skipped."""
+    from evals.datasets import load_rows
+
+    seen, kept, reports, skipped = set(), [], [], 0
+    for path in files:
+        rows, report = load_rows(path, template)
+        reports.append(report)
+        for row in rows:
+            if row.key in seen:
+                continue
+            seen.add(row.key)
+            if row.key in excluded:
+                skipped += 1
+            else:
+                kept.append(row)
+    return kept, reports, skipped
+
+
 def dataset_splits(
     train_files: list[str], eval_files: list[str], template: str | None, seed: int
 ) -> tuple[Splits, list[str]]:
-    """Training rows (unique over all train_files, shuffled with the seed) and evaluation rows (unique), as
-    Problems, with one report line per file (rows read, unique prompts kept)."""
-    from evals.datasets import DAPO_MATH_TEMPLATE, EPISODE_KEYS, load_rows
+    """Evaluation rows (unique) and training rows (unique over all train_files, without any whose prompt is also an
+    evaluation prompt, shuffled with the seed), as Problems, with one report line per file (rows read, unique
+    prompts kept) and one counting the training prompts dropped as evaluation prompts: trained on, they would make
+    the held-out accuracy a training accuracy. Training files holding nothing else are an error naming them."""
+    from evals.datasets import DAPO_MATH_TEMPLATE, EPISODE_KEYS, DatasetError
 
     text = DAPO_MATH_TEMPLATE if template == "dapo_math" else template
-    parts, reports = [], []
-    for files in (train_files, eval_files):
-        seen, problems = set(), []
-        for path in files:
-            rows, report = load_rows(path, text)
-            reports.append(report)
-            for row in rows:
-                if row.key not in seen:
-                    seen.add(row.key)
-                    metadata = {k: row.extra[k] for k in EPISODE_KEYS if k in row.extra}
-                    problems.append(Problem(row.prompt, row.answer, metadata or None))
-        parts.append(problems)
-    random.Random(f"dataset-{seed}").shuffle(parts[0])
-    return Splits(train=parts[0], heldout=parts[1]), reports
+    heldout_rows, reports, _ = unique_rows(eval_files, text, set())
+    train_rows, train_reports, overlap = unique_rows(train_files, text, {row.key for row in heldout_rows})
+    reports += train_reports
+    if overlap:
+        reports.append(f"{overlap:,} training prompts are also evaluation prompts: dropped from training")
+    if not train_rows:
+        raise DatasetError(
+            f"task.train_files {train_files}: every training prompt ({overlap:,}) is also in task.eval_files"
+        )
+    problem = lambda row: Problem(  # noqa: E731
+        row.prompt, row.answer, {k: row.extra[k] for k in EPISODE_KEYS if k in row.extra} or None
+    )
+    train = [problem(row) for row in train_rows]
+    random.Random(f"dataset-{seed}").shuffle(train)
+    return Splits(train=train, heldout=[problem(row) for row in heldout_rows]), reports
 
 
 @register_task

@@ -67,7 +67,9 @@ def test_rows_carry_env_kwargs_and_contexts_to_the_problems(tmp_path):
         {"prompt": "Who?", "answer": "Bo", "context": "Bo wrote it."},
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    splits, _ = dataset_splits([str(path)], [str(path)], None, seed=0)
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "Who?", "answer": "Cy", "context": "Cy wrote it."}) + "\n")
+    splits, _ = dataset_splits([str(train)], [str(path)], None, seed=0)
     assert sorted((p.answer, json.dumps(p.metadata)) for p in splits.heldout) == [
         ("12", '{"env_kwargs": {"max_calls": 2}}'),
         ("Ann", '{"context": "Ann wrote it."}'),
@@ -76,6 +78,26 @@ def test_rows_carry_env_kwargs_and_contexts_to_the_problems(tmp_path):
     path.write_text(json.dumps({"prompt": "x", "answer": "y", "env_kwargs": [1]}) + "\n")
     with pytest.raises(DatasetError, match=r"rows\.jsonl:0: env_kwargs must be a mapping"):
         load_rows(path)
+
+
+def test_training_prompts_that_are_evaluation_prompts_are_dropped_and_counted(tmp_path):
+    """Overlapping files: compared by the rendered prompt (after the template), the training rows keep none of the
+    evaluation prompts and the report counts them; training files holding nothing else are refused by name."""
+    from allsync.tasks import dataset_splits
+
+    write = lambda name, numbers: tmp_path.joinpath(name).write_text(  # noqa: E731
+        "".join(json.dumps({"prompt": f"Find {i}.", "answer": i}) + "\n" for i in numbers)
+    )
+    write("train.jsonl", range(10))
+    write("eval.jsonl", [2, 3, 5, 7])
+    files = lambda *names: [str(tmp_path / n) for n in names]  # noqa: E731
+    splits, reports = dataset_splits(files("train.jsonl"), files("eval.jsonl"), "dapo_math", seed=0)
+    assert sorted(int(p.answer) for p in splits.train) == [0, 1, 4, 6, 8, 9]
+    assert sorted(int(p.answer) for p in splits.heldout) == [2, 3, 5, 7]
+    assert not {p.prompt for p in splits.train} & {p.prompt for p in splits.heldout}
+    assert reports[-1] == "4 training prompts are also evaluation prompts: dropped from training"
+    with pytest.raises(DatasetError, match=r"task\.train_files \[.*eval\.jsonl'\]: every training prompt \(4\)"):
+        dataset_splits(files("eval.jsonl"), files("eval.jsonl"), None, seed=0)
 
 
 def test_bad_files_and_rows_name_file_row_and_key(tmp_path):
