@@ -532,7 +532,7 @@ class Learner:
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
             self.stop_counting_routes()  # later minibatches run after an optimizer step
-            if tb is not None and tb.old_logprobs is None:  # one minibatch (reuses_update_forward): all of tb's rows
+            if tb is not None and tb.old_logprobs is None and own_logprobs:  # one minibatch: all of tb's rows
                 tb.old_logprobs = placed_rows(own_logprobs, micro, tb.engine_logprobs)
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
@@ -660,7 +660,11 @@ def placed_rows(parts: list[torch.Tensor], row_groups: list[list[int]], like: to
 
 def segment_gaps(tb: TrainBatch) -> dict:
     """Sum and count of |engine - trainer| logprob per segment kind over every token the engine chose (before the
-    credit mask): logprob_gap_<kind>_sum / logprob_gap_<kind>_tokens, for the per-kind mean."""
+    credit mask): logprob_gap_<kind>_sum / logprob_gap_<kind>_tokens, for the per-kind mean over the workers. A
+    worker whose update computed no logprobs (one minibatch, and no trained token here) adds 0 to both."""
+    if tb.old_logprobs is None:
+        kinds = sorted(set(tb.segment_kinds))
+        return {f"logprob_gap_{kind}_{part}": 0.0 for kind in kinds for part in ("sum", "tokens")}
     full = tb.engine_mask
     diff = (tb.engine_logprobs - tb.old_logprobs).abs() * full
     out = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from allsync.config import ConfigError, parse_config
+from allsync.config import ConfigError, OverlongSection, parse_config
 from allsync.episodes import Episode, Segment, flatten
 from allsync.producers.multiconv import (
     MEMORY_CLOSE,
@@ -151,6 +151,38 @@ def test_episode_batch_spreads_one_advantage_over_the_segments(tiny_bf16, credit
         )
         assert tb.counts(torch.arange(6)).tolist() == [sum(trained), 2.0, 0.0]
         assert [r.tolist() for r in tb.minibatch_rows(2)] == [[0, 1, 2], [3, 4, 5]]  # whole episodes only
+    finally:
+        worker.shutdown()
+
+
+def test_a_worker_with_no_trained_token_computes_no_gap(tiny_bf16):
+    """credit final and every answer cut at the token budget (the overlong filter masks both episodes): one minibatch
+    trains no token, the update computed no logprobs, and the per-kind gaps count no token (not |engine - 0|)."""
+    episodes, group_index = synthetic_episodes()
+    for e in episodes:
+        e.segments[-1].finish_reason = "length"
+    config = memory_config(tiny_bf16, credit="final")
+    config.algorithm.overlong = OverlongSection(max_len=6, cache_len=2, filter_truncated=True)
+    worker = RLWorker(config, [])
+    try:
+        out = worker.learner.train(episodes, group_index, 0)
+        assert out["optimizer_steps"] == 0 and out["empty_minibatches"] == 1 and out["trained_tokens"] == 0
+        assert out["logprob_gap_memory_tokens"] == out["logprob_gap_answer_tokens"] == 0.0
+        assert out["logprob_gap_memory_sum"] == out["logprob_gap_answer_sum"] == 0.0
+        # another worker has 10 trained tokens in its episode (its share of the counts' all-reduce): this one's
+        # minibatch runs no forward, so it has no logprobs to compare (it had |engine - 0| over 15 tokens before)
+        all_reduce, calls = worker.learner.all_reduce, []
+
+        def with_another_workers_counts(tensor, group="world"):
+            calls.append(group)
+            if len(calls) == 1:
+                tensor += torch.tensor([[10.0, 1.0, 0.0]], dtype=tensor.dtype)
+            return all_reduce(tensor, group)
+
+        worker.learner.all_reduce = with_another_workers_counts
+        out = worker.learner.train(episodes, group_index, 0)
+        assert out["optimizer_steps"] == 1 and out["trained_tokens"] == 0
+        assert out["logprob_gap_memory_tokens"] == out["logprob_gap_answer_tokens"] == 0.0
     finally:
         worker.shutdown()
 
