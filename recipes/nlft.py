@@ -5,7 +5,8 @@ task, from the same warm-started base, over the same LoRA-on-MoE stack as RL (is
                            [--base runs/tiny-base] [--out runs/nlft]
 
 Per seed, from the base of recipes/configs/tiny_cpu.yaml (built by its warm start when missing):
-  examples   the first 50 training problems; the base answers each once (temperature 1); a wrong answer gets a
+  examples   the first 50 training problems; the base answers each once (at rollout.temperature, the temperature of
+             every probability below); a wrong answer gets a
              natural-language judgment naming its wrong digit (`judgment`). Written to OUT/seed-S/examples.jsonl
              ({prompt, answer, response, correct, judgment} a line), which is what training reads: judgments written
              offline by people or another model go in the same field.
@@ -36,7 +37,6 @@ from allsync.config import parse_config
 from allsync.engines.torch_engine import Sampling
 from allsync.forward import (
     build_sequences,
-    forward_logprobs,
     response_positions,
     to_response_layout,
     to_sequence_layout,
@@ -78,7 +78,9 @@ def write_examples(worker: RLWorker, problems: list[Problem], path: Path, seed: 
     torch.manual_seed(seed)
     r = worker.config.rollout
     rollout = worker.engine.generate(
-        [worker.encode_prompt(p) for p in problems], 1, Sampling(temperature=1.0, max_new_tokens=r.max_new_tokens)
+        [worker.encode_prompt(p) for p in problems],
+        1,
+        Sampling(temperature=r.temperature, max_new_tokens=r.max_new_tokens),
     )
     rows = []
     for p, response in zip(problems, rollout.response_ids):
@@ -91,21 +93,22 @@ def write_examples(worker: RLWorker, problems: list[Problem], path: Path, seed: 
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def response_logprobs(model, prompts, responses, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p of each response token given its prompt, [B, T] (response-aligned), and its valid mask."""
-    batch = build_sequences(prompts, responses, pad_id)
-    logprobs = forward_logprobs(model, batch)
+def response_probabilities(learner, prompts, responses) -> torch.Tensor:
+    """p of each response token given its prompt, [B, T] (response-aligned), from the learner's own logprob pass:
+    the policy's temperature (rollout.temperature), as p_base's."""
+    batch = build_sequences(prompts, responses, learner.pad_id)
     index, valid = response_positions(batch.response_mask)
-    return to_response_layout(logprobs, index, valid), valid.float()
+    return to_response_layout(learner.current_logprobs(batch), index, valid).exp()
 
 
 def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatch:
     """What the learner trains on for a batch of examples, with the `nlft` policy loss (allsync.algorithms.nlft):
     SFT, the standard answers (`Answer: N` + eos) under the plain prompt, every token's weight 1 (its likelihood);
     NLFT, the sampled responses under the plain prompt, weighted by nlft_signed_weights from p_base (the adapter
-    now), p_std (the prompt carrying the standard answer) and p_judge (the prompt carrying the judgment)."""
+    now), p_std (the prompt carrying the standard answer) and p_judge (the prompt carrying the judgment), all three
+    at the policy's temperature."""
     problems = [Problem(r["prompt"], r["answer"]) for r in rows]
-    learner, model, pad, encode = worker.learner, worker.model, worker.learner.pad_id, worker.encode_prompt
+    learner, pad, encode = worker.learner, worker.learner.pad_id, worker.encode_prompt
     if method == "sft":
         full = answer_examples(worker.tokenizer, problems)
         seqs = build_sequences([f[:s] for f, s in full], [f[s:] for f, s in full], pad)
@@ -114,13 +117,10 @@ def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatc
     seqs = build_sequences([encode(p) for p in problems], responses, pad)
     index, valid = response_positions(seqs.response_mask)
     old_logprobs = learner.current_logprobs(seqs)
-    with torch.no_grad():
-        std = [encode(with_note(p, f"the correct answer is {p.answer}")) for p in problems]
-        judged = [
-            encode(with_note(p, r["judgment"] or f"the answer {p.answer} is right")) for p, r in zip(problems, rows)
-        ]
-        p_std = response_logprobs(model, std, responses, pad)[0].exp()
-        p_judge = response_logprobs(model, judged, responses, pad)[0].exp()
+    std = [encode(with_note(p, f"the correct answer is {p.answer}")) for p in problems]
+    judged = [encode(with_note(p, r["judgment"] or f"the answer {p.answer} is right")) for p, r in zip(problems, rows)]
+    p_std = response_probabilities(learner, std, responses)
+    p_judge = response_probabilities(learner, judged, responses)
     p_base = to_response_layout(old_logprobs, index, valid).exp()
     weights = nlft_signed_weights(p_base, p_std, p_judge, torch.tensor([r["correct"] for r in rows]))
     return TrainBatch(seqs, old_logprobs, to_sequence_layout(weights, index, valid, seqs.response_mask.shape[1]))
@@ -182,12 +182,15 @@ def main(argv: list[str] | None = None) -> dict:
         for method in ("sft", "nlft"):
             torch.manual_seed(seed)
             worker = RLWorker(config, splits.train)
-            if results["base"] is None:
-                results["base"] = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
-            if rows is None:
-                rows = write_examples(worker, problems, Path(args.out) / f"seed-{seed}" / "examples.jsonl", seed)
-            seconds, peak = train(worker, rows, method, args.epochs, seed)
-            accuracy = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
+            try:
+                if results["base"] is None:
+                    results["base"] = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
+                if rows is None:
+                    rows = write_examples(worker, problems, Path(args.out) / f"seed-{seed}" / "examples.jsonl", seed)
+                seconds, peak = train(worker, rows, method, args.epochs, seed)
+                accuracy = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
+            finally:  # each method's worker (its reward processes) ends before the next starts
+                worker.shutdown()
             results[method].append(dict(seed=seed, heldout=accuracy, seconds=seconds, peak_saved_bytes=peak))
             print(
                 f"seed {seed} {method:<4} held-out {accuracy:.1%}  training {seconds:.1f} s  "
@@ -195,8 +198,6 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{len(rows)} answered right by the base)",
                 flush=True,
             )
-
-        worker.shutdown()
     mean = {m: statistics.mean(r["heldout"] for r in results[m]) for m in ("sft", "nlft")}
     out = Path(args.out) / "nlft_vs_sft.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
