@@ -54,11 +54,6 @@ def conversation_messages(question: str | tuple[tuple[str, str], ...], with_chun
     return messages
 
 
-def question_chars(question: str | tuple[tuple[str, str], ...]) -> int:
-    """Characters of a question's text (its messages' contents summed)."""
-    return len(question) if isinstance(question, str) else sum(len(content) for _, content in question)
-
-
 def conversation_ids(
     tokenizer, question: str | tuple[tuple[str, str], ...], chunk: list[int] | None, memory: list[int]
 ) -> list[int]:
@@ -91,20 +86,17 @@ def chunk_ids(tokenizer, problem: Problem, chunk_tokens: int | None) -> list[lis
 def longest_conversation_tokens(
     tokenizer, problems: list[Problem], memory_tokens: int, chunk_tokens: int | None
 ) -> int:
-    """Tokens of the longest conversation prompt: the longest question with a full memory and the longest
-    chunk (the answer's prompt has no chunk, so it is shorter). Chunk texts are measured by characters."""
-    question = max((p.prompt for p in problems), key=question_chars, default="")
+    """Tokens of the longest conversation prompt: the question whose rendered conversation has the most tokens, with
+    a full memory and the chunk with the most tokens (the answer's prompt has no chunk, so it is shorter). Every
+    question and chunk is measured in tokens: a shorter text can have more of them."""
+    questions = list(dict.fromkeys(p.prompt for p in problems)) or [""]
+    longest_question = max(len(conversation_ids(tokenizer, q, [], [])) for q in questions)
     if chunk_tokens:
         longest_chunk = chunk_tokens
     else:
-        longest_chunk = max(
-            (
-                len(tokenizer(c, add_special_tokens=False)["input_ids"])
-                for c in {max(p.metadata["chunks"], key=len) for p in problems}
-            ),
-            default=0,
-        )
-    return len(conversation_ids(tokenizer, question, [], [])) + memory_tokens + longest_chunk
+        chunks = list({c for p in problems for c in p.metadata["chunks"]})
+        longest_chunk = max(map(len, tokenizer(chunks, add_special_tokens=False)["input_ids"]), default=0)
+    return longest_question + memory_tokens + longest_chunk
 
 
 def teacher_examples(tokenizer, problems: list[Problem], decoy_rate: float, seed: int) -> list[tuple[list[int], int]]:

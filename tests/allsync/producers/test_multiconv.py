@@ -303,6 +303,25 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
         config.producer.model_len(config, tokenizer, problems, longest + 39)
 
 
+def test_the_longest_conversation_is_counted_in_tokens_not_characters(tiny_bf16):
+    """A question of fewer characters but more tokens (the tiny tokenizer spends 3 byte tokens on a euro sign, 1 on
+    a letter) and a chunk likewise: the context is sized by the one with the most tokens."""
+    from allsync.producers.multiconv import longest_conversation_tokens
+    from allsync.tasks import Problem
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    wordy, dense = "the " * 10, "€" * 20
+    assert len(wordy) > len(dense) and len(encode(wordy)) < len(encode(dense))
+    problems = [
+        Problem(wordy, "1", {"chunks": [wordy, "a"]}),
+        Problem(dense, "2", {"chunks": ["b", dense]}),
+    ]
+    want = len(conversation_ids(tokenizer, dense, [], [])) + 7 + len(encode(dense))
+    assert longest_conversation_tokens(tokenizer, problems, 7, None) == want
+    assert longest_conversation_tokens(tokenizer, problems, 7, 5) == want - len(encode(dense)) + 5
+
+
 def test_producers_without_a_memory_refuse_the_memory_ablation():
     from allsync.producers.registry import refuse_memory_ablation
     from allsync.producers.single_turn import engine_answers
