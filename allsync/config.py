@@ -694,9 +694,18 @@ def load_config(path: str | os.PathLike) -> RunConfig:
 
 
 def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, ConfigError | None]:
-    """The config built section by section (unknown keys and wrong types still raise), and what the checks refuse
-    in it, if anything, without raising it: `allsync plan` plans configs the loop refuses and says why."""
+    """The config built section by section, and what the checks across sections refuse in it, if anything, without
+    raising it: `allsync plan` plans configs the loop refuses (a layout it has not built yet) and says why. What is
+    wrong in a section itself (an unknown key, a wrong type, a value out of range such as rollout.max_new_tokens 0)
+    has no plan and raises; so does the parallel section's, unless the plan's --gpus / --expert-parallel replace it."""
     config = _build(RunConfig, read_yaml(path), "", str(path))
+
+    def fail(msg: str):
+        raise ConfigError(f"{path}: {msg}")
+
+    for section in own_sections(config):
+        if section is not config.parallel:
+            section.check(fail)
     try:
         validate(config, str(path))
     except ConfigError as exc:
@@ -738,6 +747,12 @@ def check_expert_kernel(lora: LoRASection, compute_dtype: str, device: str, fail
         )
 
 
+def own_sections(c: RunConfig) -> list:
+    """The sections that check their own keys (`check(fail)`), in the order their refusals are named."""
+    sections = (c.model, c.lora, c.rollout, c.algorithm, c.optim, c.parallel, c.task, c.reward, c.run, c.health)
+    return [s for s in (*sections, c.producer) if s is not None]
+
+
 def validate(c: RunConfig, source: str = "<config>") -> None:
     """Every section checks its own keys (its `check`), then `check_across_sections` the rules that tie sections
     together; each refusal names the key(s) involved."""
@@ -745,21 +760,8 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     def fail(msg: str):
         raise ConfigError(f"{source}: {msg}")
 
-    for section in (
-        c.model,
-        c.lora,
-        c.rollout,
-        c.algorithm,
-        c.optim,
-        c.parallel,
-        c.task,
-        c.reward,
-        c.run,
-        c.health,
-        c.producer,
-    ):
-        if section is not None:
-            section.check(fail)
+    for section in own_sections(c):
+        section.check(fail)
     check_across_sections(c, fail)
     check_this_machine(c, fail)
 

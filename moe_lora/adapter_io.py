@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,7 +242,28 @@ def check_vllm_servable(adapter: Adapter) -> None:
         )
 
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def peft_targets(adapter: Adapter) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) that make PEFT on transformers 5 apply every module of the adapter, and
+    nothing it lacks. PEFT (0.21) rewrites a DeepSeek-V3 adapter's `*gate_proj` / `*up_proj` / `*down_proj` targets
+    into the routed experts' fused parameters (and converts their per-expert keys), so
+      - routed experts:            the names gate_proj, up_proj, down_proj (PEFT's own conversion of v4-style keys);
+      - dense MLP, shared experts: their weights as target_parameters (`model.layers.0.mlp.down_proj.weight`), which
+                                   PEFT leaves alone; its wrapper adds s B @ A to the [out, in] weight, keys unchanged;
+      - attention:                 each adapted module's full path, so a layer without it is not targeted (PEFT
+                                   would warn of missing keys and add an adapter of its own there).
+    vLLM reads the tensors' keys, not these lists."""
+    modules = adapter.modules()
+    is_mlp = lambda m: m.rsplit(".", 1)[1] in MLP_PROJECTIONS  # noqa: E731
+    routed = sorted({m.rsplit(".", 1)[1] for m in modules if is_mlp(m) and ".mlp.experts." in m})
+    dense = [f"{m}.weight" for m in modules if is_mlp(m) and ".mlp.experts." not in m]
+    return [m for m in modules if not is_mlp(m)] + routed, dense
+
+
 def adapter_config_json(adapter: Adapter, base_model: str) -> dict:
+    target_modules, target_parameters = peft_targets(adapter)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -251,7 +271,8 @@ def adapter_config_json(adapter: Adapter, base_model: str) -> dict:
         "r": adapter.r,
         "lora_alpha": adapter.lora_alpha,
         "use_rslora": adapter.use_rslora,
-        "target_modules": adapter.target_modules(),
+        "target_modules": target_modules,
+        "target_parameters": target_parameters or None,
         "lora_dropout": 0.0,
         "bias": "none",
         "modules_to_save": None,
@@ -269,30 +290,11 @@ def write_peft_adapter(adapter: Adapter, out: str | os.PathLike, base_model: str
     return Path(out)
 
 
-def peft_loader_caveat(adapter: Adapter) -> str | None:
-    """PEFT (0.21) on transformers 5 maps every `*.gate_proj/up_proj/down_proj` target of a DeepSeek-V3 adapter
-    to the fused routed-expert parameters, so LoRA on the dense MLP or the shared experts is dropped by
-    `PeftModel.from_pretrained` (vLLM and the merged export apply it)."""
-    dense = [
-        m
-        for m in adapter.modules()
-        if m.rsplit(".", 1)[1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in m
-    ]
-    if not dense:
-        return None
-    return (
-        f"{len(dense)} adapted dense-MLP/shared-expert modules (e.g. {dense[0]}): vLLM serves them, but "
-        "PeftModel.from_pretrained on transformers 5 drops them (it maps gate/up/down_proj to the routed experts)"
-    )
-
-
 def export_peft(adapter: Adapter, base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """A PEFT adapter that PEFT loads onto the bf16 base and vLLM serves (checked before anything is written)."""
     config = read_config(base)
     check_fits_base(adapter, config)
     check_vllm_servable(adapter)
-    if (caveat := peft_loader_caveat(adapter)) is not None:
-        warnings.warn(caveat, stacklevel=2)
     return write_peft_adapter(with_all_expert_projections(adapter, config), out, str(Path(base).resolve()), overwrite)
 
 

@@ -126,6 +126,14 @@ def unshared_out_dir(group, out_dir: Path) -> str | None:
     return group.agree(problem)
 
 
+def refuse(problem, rank: int) -> int:
+    """Print the problem that stops the run before any work, on every rank (each finds or agreed on the same one):
+    under torchrun the first rank to exit gets the others killed, so a refusal printed by rank 0 alone could be
+    lost. Returns the exit code, 2."""
+    print(f"error{f' (rank {rank})' if rank else ''}: {problem}", file=sys.stderr, flush=True)
+    return 2
+
+
 def latest_checkpoint(out_dir: Path, among: set[str] | None = None) -> Path | None:
     """The newest checkpoint whose files match its manifest (of the names `among`, when given); a refused newer
     one is named in a warning."""
@@ -215,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(line)
         max_model_len = engine_model_len(config, model_config, splits.train + splits.heldout, args.config)
     except ConfigError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc, rank)
 
     out_dir = Path(config.run.out_dir)
 
@@ -268,9 +274,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     ctl = group.is_controller
     say = print if ctl else (lambda *a, **k: None)
     if (problem := unshared_out_dir(group, out_dir)) is not None:
-        if ctl:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return refuse(problem, getattr(group, "rank", 0))
     start_step, base_accuracy, nan_run = 0, None, 0
     checkpoint = None
     if resume and ctl:  # rank 0 verifies the manifests; every rank loads what it chose, or stops with it
@@ -280,9 +284,7 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
             checkpoint = exc
     checkpoint = group.agree(checkpoint)
     if isinstance(checkpoint, CheckpointStateError):
-        if ctl:
-            print(f"error: {checkpoint}", file=sys.stderr)
-        return 2
+        return refuse(checkpoint, getattr(group, "rank", 0))
     if checkpoint is not None:
         group.call("load_state", str(checkpoint))
         state = json.loads((checkpoint / "controller.json").read_text())

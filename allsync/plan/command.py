@@ -123,9 +123,13 @@ def run_plan(args: argparse.Namespace) -> None:
             raise ValueError(f"--prompts-per-step {args.prompts_per_step}: must be >= 1")
         run = replace(run, rollout=replace(run.rollout, prompts_per_step=args.prompts_per_step))
     model_config = model_config_of(run, args.shape)
-    gpus = args.gpus or run.parallel.workers
-    ep, experts = args.expert_parallel or run.parallel.expert_parallel, model_config["n_routed_experts"]
-    if gpus < 1 or ep < 1 or gpus % ep or experts % ep:
+    gpus = args.gpus if args.gpus is not None else run.parallel.workers
+    ep = args.expert_parallel if args.expert_parallel is not None else run.parallel.expert_parallel
+    experts = model_config["n_routed_experts"]
+    for flag, value in (("--gpus", args.gpus), ("--expert-parallel", args.expert_parallel)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+    if gpus % ep or experts % ep:
         raise ValueError(
             f"--gpus {gpus} / --expert-parallel {ep} (parallel.expert_parallel): the expert-parallel size must divide "
             f"the GPUs and the {experts} routed experts"
@@ -137,6 +141,13 @@ def run_plan(args: argparse.Namespace) -> None:
         )
     if args.prompt_tokens < 1:
         raise ValueError(f"--prompt-tokens {args.prompt_tokens}: must be >= 1")
+    context = model_config.get("max_position_embeddings")
+    if context and args.prompt_tokens + run.rollout.max_new_tokens > context:
+        raise ValueError(
+            f"--prompt-tokens {args.prompt_tokens} + rollout.max_new_tokens {run.rollout.max_new_tokens} = "
+            f"{args.prompt_tokens + run.rollout.max_new_tokens:,} tokens exceed the model's context "
+            f"(max_position_embeddings {context:,})"
+        )
     if not 0 < args.kept_groups <= 1:
         raise ValueError(f"--kept-groups {args.kept_groups}: must be in (0, 1]")
     hw = hardware_of(args)

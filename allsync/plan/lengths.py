@@ -10,6 +10,7 @@ clipped to [1, rollout.max_new_tokens]: a response that reaches the cap is cut t
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def parse_lengths(text: str) -> ResponseLengths:
             median, sigma = float(params.pop("median")), float(params.pop("sigma"))
         except (KeyError, ValueError) as e:
             raise ValueError(f"--response-lengths {text!r}: expected lognormal:median=M,sigma=S") from e
-        if params or median < 1 or sigma < 0:
+        if params or not (math.isfinite(median) and median >= 1 and math.isfinite(sigma) and sigma >= 0):
             raise ValueError(f"--response-lengths {text!r}: expected lognormal:median=M,sigma=S with M >= 1, S >= 0")
         return ResponseLengths(text, median=median, sigma=sigma)
     path = Path(text)
@@ -52,6 +53,6 @@ def parse_lengths(text: str) -> ResponseLengths:
         values = json.loads(raw) if raw.lstrip().startswith("[") else [float(v) for v in raw.split()]
     except ValueError as e:
         raise ValueError(f"--response-lengths {text}: not a JSON list or one number per line ({e})") from e
-    if not values or any(not isinstance(v, (int, float)) or v < 1 for v in values):
-        raise ValueError(f"--response-lengths {text}: needs at least one length, every one a number >= 1")
+    if not values or any(not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1 for v in values):
+        raise ValueError(f"--response-lengths {text}: needs at least one length, every one a finite number >= 1")
     return ResponseLengths(f"{len(values)} lengths from {text}", measured=tuple(int(v) for v in values))

@@ -208,8 +208,42 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         (["--interconnect", "nvlink=fast"], r"--interconnect nvlink 'fast'"),
         (["--host-memory", "much"], r"--host-memory 'much'"),
         (["--prompts-per-step", "500"], r"--gpus 48: rollout.prompts_per_step = 500 does not split"),
+        (["--gpus", "0"], r"--gpus 0: must be >= 1"),
+        (["--expert-parallel", "0"], r"--expert-parallel 0: must be >= 1"),
+        (["--response-lengths", "lognormal:median=nan,sigma=0.6"], r"--response-lengths 'lognormal:median=nan"),
+        (["--response-lengths", "lognormal:median=6000,sigma=nan"], r"--response-lengths 'lognormal:median=6000"),
+        (["--response-lengths", "lognormal:median=inf,sigma=1"], r"--response-lengths 'lognormal:median=inf"),
+        (
+            ["--prompt-tokens", "150000"],
+            r"--prompt-tokens 150000 \+ rollout.max_new_tokens 20480 = 170,480 tokens exceed "
+            r"the model's context \(max_position_embeddings 163,840\)",
+        ),
     ],
 )
 def test_step_time_flags_that_cannot_be_used_are_refused_naming_the_flag(trace_cache, args, message, capsys):
     assert main(["plan", "--config", CONFIG, "--shape", "deepseek-v3", *args]) == 2
-    assert __import__("re").search(message, capsys.readouterr().err)
+    out = capsys.readouterr()
+    assert __import__("re").search(message, out.err) and out.out == ""  # refused before any plan is printed
+
+
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("rollout", "max_new_tokens", 0, r"rollout.max_new_tokens = 0: must be >= 1"),
+        ("rollout", "max_new_tokens", -5, r"rollout.max_new_tokens = -5: must be >= 1"),
+        ("optim", "max_tokens_per_forward", 0, r"optim.max_tokens_per_forward = 0: must be >= 1"),
+        ("optim", "lr", float("nan"), r"optim.lr = nan: must be a finite number"),
+    ],
+)
+def test_a_config_value_out_of_range_has_no_plan(trace_cache, tmp_path, section, key, value, message, capsys):
+    """What the loop refuses across sections is planned and named at the end (a layout not built yet); a value out of
+    range in a section has no plan: refused first, exit code 2, nothing printed."""
+    import yaml
+
+    data = yaml.safe_load(Path(CONFIG).read_text())
+    data[section][key] = value
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3"]) == 2
+    out = capsys.readouterr()
+    assert __import__("re").search(message, out.err) and out.out == ""

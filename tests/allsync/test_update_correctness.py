@@ -319,11 +319,14 @@ def peak_saved_bytes(worker: RLWorker, samples, index) -> int:
         {"activation_offload": True},
     ],
 )
-def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tiny_bf16, optim):
+def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tiny_bf16, optim, monkeypatch):
     """Micro-batches of at most optim.max_tokens_per_forward padded tokens (the logprob passes and each minibatch's
     forward+backward), and decoder layers recomputed in backward: the same old and reference logprobs and the same
-    gradient as one forward over every row (KL to the reference on, per-episode means), with less saved for backward."""
+    gradient as one forward over every row (KL to the reference on, per-episode means), with less saved for backward
+    on the device. Offloaded, what the forward saves goes through save_on_cpu's hooks (counted by CountingSaveOnCpu:
+    an outer hook sees nothing under them) and what stays is only backward's recomputation."""
     samples, index = groups(0, 4)
+    offloaded = counting_save_on_cpu(monkeypatch)
 
     def worker(**extra):
         c = config(tiny_bf16, minibatches=2, kl_coef=0.5, loss_agg="seq-mean-token-mean")
@@ -344,16 +347,18 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
         torch.cat([g.flatten() for g in split.gradient_tensors()]),
     )
     assert float((g_got - g_want).abs().max()) < 1e-4 * float(g_want.abs().max())
-    assert saved[1] < saved[0]  # offloaded: what the forward saves goes to the host copies, not to the counted ones
+    assert saved[1] < saved[0]  # what stays on the device for backward
+    if optim.get("activation_offload"):
+        assert sum(offloaded) > 0
+        if not optim.get("activation_checkpointing"):  # nothing recomputed: what the forward saved went to the host
+            assert saved[1] < 0.01 * saved[0] and sum(offloaded) >= 0.99 * saved[0]  # (the loss's scalars stay)
+    else:
+        assert not offloaded
 
 
-def test_activation_offload_moves_what_the_forward_saves_and_leaves_recomputation_on_the_device(tiny_bf16, monkeypatch):
-    """optim.activation_offload wraps the forward only: with activation checkpointing the host copies are the layers'
-    inputs and the lm_head's input (what the plan counts as offloaded), a small share of what the forward saves
-    without checkpointing; backward's recomputed layers are not offloaded. The hook stands in for save_on_cpu on a GPU:
-    it gives back contiguous copies (on a CPU save_on_cpu gives back the tensor itself), which the recomputation of
-    the chunked logprobs must accept."""
-    samples, index = groups(0, 4)
+def counting_save_on_cpu(monkeypatch) -> list[int]:
+    """torch.autograd.graph.save_on_cpu replaced by hooks that count the bytes of every tensor they take (returned
+    list) and give back contiguous copies, as save_on_cpu does on a GPU (on a CPU it gives back the tensor itself)."""
     packed: list[int] = []
 
     class CountingSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
@@ -365,6 +370,17 @@ def test_activation_offload_moves_what_the_forward_saves_and_leaves_recomputatio
             super().__init__(pack, lambda p: p[1].to(p[0]))
 
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    return packed
+
+
+def test_activation_offload_moves_what_the_forward_saves_and_leaves_recomputation_on_the_device(tiny_bf16, monkeypatch):
+    """optim.activation_offload wraps the forward only: with activation checkpointing the host copies are the layers'
+    inputs and the lm_head's input (what the plan counts as offloaded), a small share of what the forward saves
+    without checkpointing; backward's recomputed layers are not offloaded. The hook stands in for save_on_cpu on a GPU:
+    it gives back contiguous copies (on a CPU save_on_cpu gives back the tensor itself), which the recomputation of
+    the chunked logprobs must accept."""
+    samples, index = groups(0, 4)
+    packed = counting_save_on_cpu(monkeypatch)
     offloaded = {}
     for checkpointing in (False, True):
         c = config(tiny_bf16, minibatches=1)
