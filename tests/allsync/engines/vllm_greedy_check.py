@@ -1,6 +1,6 @@
 """Run by the vLLM tests in a subprocess (vLLM spawns workers, so it needs a __main__ guard).
 
-Usage: python tests/vllm_greedy_check.py CHECKPOINT OUT_JSON [--lora ADAPTER_DIR --max-lora-rank R]
+Usage: python tests/vllm_greedy_check.py CHECKPOINT OUT_JSON [--lora ADAPTER_DIR --max-lora-rank R] [--dtype D]
 Writes vLLM's greedy tokens for fixed prompts and its teacher-forced logprobs of the prompt tokens;
 with --lora the adapter is hot-loaded through a LoRARequest.
 """
@@ -18,6 +18,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--lora")
     parser.add_argument("--max-lora-rank", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", help="bfloat16 for FP8 checkpoints (vLLM's fp8 takes no float32)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -26,7 +27,7 @@ def main() -> None:
     from allsync.engines.vllm_support import vllm_engine_kwargs
 
     extra = {"enable_lora": True, "max_lora_rank": args.max_lora_rank, "max_loras": 1} if args.lora else {}
-    llm = LLM(**vllm_engine_kwargs(args.checkpoint, dtype="float32", max_model_len=256, **extra))
+    llm = LLM(**vllm_engine_kwargs(args.checkpoint, dtype=args.dtype, max_model_len=256, **extra))
     lora = LoRARequest("adapter", 1, args.lora) if args.lora else None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, lora_request=lora)
