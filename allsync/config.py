@@ -132,8 +132,22 @@ class RolloutSection:
     # bf16}; the rest as model.quant), its LoRA tensors the trainer's own: a sampler that is not the trainer, as
     # vLLM serving FP8 beside an NF4 trainer is. None: the engine is the trainer's model
     engine_formats: dict[str, str | bool] | None = None
+    # vllm: after every adapter sync the engine and the trainer score a fixed probe with the adapter and without; if
+    # the adapter's effect differs by more than this (mean abs over the probe's tokens, nats), or the engine received
+    # other bytes than were sent (SHA-256), the run stops naming the version (allsync/engines/sync_check.py).
+    # None: 0.05 with the vllm engine (the torch engine shares the trainer's tensors: nothing to check)
+    sync_probe_tolerance: float | None = None
+
+    @property
+    def sync_tolerance(self) -> float:
+        return 0.05 if self.sync_probe_tolerance is None else self.sync_probe_tolerance
 
     def check(self, fail) -> None:
+        if self.sync_probe_tolerance is not None and self.engine != "vllm":
+            fail(
+                f"rollout.sync_probe_tolerance = {self.sync_probe_tolerance} with rollout.engine {self.engine}: only an "
+                "engine with its own copy of the adapter (vllm) is checked after a sync"
+            )
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             fail(f"rollout.temperature = {self.temperature}: must be > 0 (greedy decoding has no policy to train)")
         if self.top_p != 1.0:

@@ -228,6 +228,9 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
         )
         engine = VLLMEngine(args.base, r, alpha, rslora, dtype=args.compute_dtype, max_model_len=model_len)
         engine.load_adapter(adapter.tensors if adapter is not None else None, 1)
+        from allsync.engines.sync_check import check_sync
+
+        check_sync(1, engine.sent_checksum, engine.received_checksums, 0.0, 0.0)  # the bytes vLLM received
         return engine
     from moe_lora.adapter_io import attach_adapter
     from quant.loader import QuantPlan, load_frozen_model

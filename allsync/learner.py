@@ -153,6 +153,50 @@ def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
     return lr * min(1.0, max(0.0, (step + 1) / warmup_steps)) if warmup_steps > 0 else lr
 
 
+def allocate_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state of every parameter now, as its first step would create it (step 0, zero moments exp_avg and
+    exp_avg_sq shaped like the parameter), which that step then finds and continues: the same updates. The moments
+    (2 x the adapter's bytes; 4 GB per GPU in the 671B config) are held from the start, so a vLLM engine built
+    next sees them gone from the free memory its share is read from (rollout.gpu_memory_utilization None), instead
+    of the first optimizer.step() allocating them after the engine took that memory for its KV cache."""
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=step_dtype)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def load_adamw_state_in_place(optimizer: torch.optim.Optimizer, saved: dict, source: str) -> None:
+    """Optimizer.load_state_dict into the state tensors `allocate_adamw_state` holds, copied in place: a resume
+    never holds two copies of the moments beside a colocated engine (load_state_dict builds new tensors first). A
+    parameter with no saved state (never stepped) gets a fresh one: step 0, zero moments. The saved param groups'
+    options are taken too (the learner then sets the config's: Learner.apply_optim_settings)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_counts = [len(group["params"]) for group in saved["param_groups"]]
+    if saved_counts != [len(group["params"]) for group in optimizer.param_groups]:
+        raise ValueError(
+            f"{source}: the saved optimizer has param groups of {saved_counts} tensors, this run "
+            f"{[len(g['params']) for g in optimizer.param_groups]} (another lora.rank / targets / critic?)"
+        )
+    for index, p in enumerate(params):
+        values = saved["state"].get(index, {})
+        for name, tensor in optimizer.state[p].items():
+            if name not in values:
+                tensor.zero_()
+            elif tuple(values[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{source}: optimizer state {index}.{name} is {list(values[name].shape)}, this run's "
+                    f"{list(tensor.shape)}"
+                )
+            else:
+                tensor.copy_(values[name])
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
 def group_steps(adapter_version: int, algorithm) -> tuple[int, int]:
     """Each param group's own step count from 0, for its warm-up: the policy's (group 0) starts after the critic-only
     steps of value pretraining, the critic's (group 1) at version 0:
@@ -231,6 +275,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             [{"params": self.lora_params}] + ([{"params": self.value_params}] if self.value_params else [])
         )
+        allocate_adamw_state(self.optimizer)  # before a colocated engine measures the memory left free
         self.apply_optim_settings()
         self.loss_settings = loss_settings(config)
         self.consecutive_nan = 0

@@ -84,6 +84,12 @@ def aggregate(per_worker: list[dict]) -> dict:
         "empty_minibatches": per_worker[0]["empty_minibatches"],  # no token on any worker: no optimizer step
         "nan_steps": per_worker[0]["nan_steps"],  # non-finite loss or gradient norm: step skipped on every worker
         "sync_bytes": total("sync_bytes"),
+        # an engine with its own adapter copy (vLLM): the largest gap of the adapter's effect on the sync probe
+        **(
+            {"sync_probe_gap": max(m["sync_probe_gap"] for m in per_worker)}
+            if "sync_probe_gap" in per_worker[0]
+            else {}
+        ),
         "staleness_max": max(m["staleness_max"] for m in per_worker),  # T-PPO: context of continuing responses
         "continuing": total("continuing"),  # T-PPO: responses cut at the window, continued next step
         "step_seconds": wall,

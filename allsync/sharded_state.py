@@ -28,6 +28,7 @@ from allsync.checkpoint import (
     write_state,
 )
 from allsync.config import RunConfig
+from allsync.learner import load_adamw_state_in_place
 from moe_lora.lora import PEFT_PREFIX, LoRAExperts, expert_slots, load_lora_state_dict, lora_state_dict
 
 
@@ -136,7 +137,9 @@ class ShardedTrainingState:
             other_experts=self.layout is not None,
         )
         saved = optimizer_state_from_files(trainer_tensors, trainer["optimizer"])
-        self.learner.optimizer.load_state_dict(self.shard_optimizer_state(saved))
+        load_adamw_state_in_place(
+            self.learner.optimizer, self.shard_optimizer_state(saved), str(directory / "trainer.safetensors")
+        )
         changed = self.learner.apply_optim_settings()
         if changed and self.rank == 0:
             print(f"note: resumed with this config's optim settings: {'; '.join(changed)}", file=sys.stderr)

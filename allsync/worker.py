@@ -35,13 +35,15 @@ from allsync.evaluation import RewardError, heldout_records, score_texts  # noqa
 from allsync.health.faults import FaultInjector, parse_faults
 from allsync.health.monitor import WorkerMonitor
 from allsync.producers.registry import ProducerContext
+from allsync.engines.sync_check import check_sync, effect_gap, probe_ids
 from allsync.engines.torch_engine import TorchEngine
+from allsync.forward import build_sequences, forward_logprobs
 from allsync.sharded_state import ShardedTrainingState
 from allsync.tasks import Problem, encode_prompt
 from allsync.learner import Learner
 from evals.reward_pool import RewardPool
 from moe_lora.expert_parallel import ExpertLayout, shard_experts
-from moe_lora.lora import LoRAConfig, LoRAExperts, attach_lora, load_lora_state_dict, seeded_init_
+from moe_lora.lora import LoRAConfig, LoRAExperts, adapters_disabled, attach_lora, load_lora_state_dict, seeded_init_
 from quant.checkpoint_io import read_config
 from quant.loader import load_frozen_model
 from quant.modules import compute_copy_bytes, keep_compute_copies
@@ -227,6 +229,7 @@ class RLWorker:
         model_len = self.max_model_len or self.config.producer.model_len(
             self.config, self.tokenizer, self.problems, self.model.config.max_position_embeddings
         )
+        model_len = max(model_len, len(probe_ids(self.tokenizer)[0]) + 1)  # the sync probe is scored in it too
         engine = VLLMEngine(
             self.config.model.base,
             lc.rank,
@@ -237,7 +240,7 @@ class RLWorker:
             launcher=self.launcher,
             gpu_memory_utilization=self.config.rollout.gpu_memory_utilization,
         )
-        moved = engine.load_adapter(self.adapter_tensors(), 0)
+        moved, _ = self.sync_engine(engine, 0)
         if self.rank == 0:
             print(
                 f"vLLM engine: adapter-only sync, {moved:,} bytes of LoRA tensors per update, max_model_len {model_len}"
@@ -315,10 +318,9 @@ class RLWorker:
         metrics.update(self.train_phase(episodes, group_index))
         self.producer.trained(self.adapter_version)
         t = time.time()
-        shares_model = isinstance(self.engine, TorchEngine)  # its LoRA tensors are the trainer's: nothing to copy
-        metrics["sync_bytes"] = self.engine.load_adapter(
-            None if shares_model else self.adapter_tensors(), self.adapter_version
-        )
+        metrics["sync_bytes"], gap = self.sync_engine(self.engine, self.adapter_version)
+        if gap is not None:
+            metrics["sync_probe_gap"] = gap
         self.timeline.record("sync", t)
         metrics.update(self.busy_report(wall0))
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
@@ -328,6 +330,25 @@ class RLWorker:
         metrics.update(work)  # the torch engine's decode slots and the tokens they produced (metrics.aggregate)
         metrics.update(self.monitor.report(metrics, positions))
         return metrics
+
+    def sync_engine(self, engine, version: int) -> tuple[int, float | None]:
+        """The adapter of `version` into the engine; returns (bytes moved, the sync probe's gap or None). The torch
+        engine's LoRA tensors are the trainer's own (nothing moves, nothing to check); an engine with its own copy
+        (vLLM) gets this rank's tensors and must show it runs them (allsync/engines/sync_check.py), or the run stops
+        with AdapterSyncError naming the version."""
+        if isinstance(engine, TorchEngine):
+            return engine.load_adapter(None, version), None
+        moved = engine.load_adapter(self.adapter_tensors(), version)
+        ids, start = probe_ids(self.tokenizer)
+        batch = build_sequences([ids[:start]], [ids[start:]], self.learner.pad_id).to(self.device)
+        scored = batch.response_mask > 0
+        with torch.no_grad():
+            trainer_with = forward_logprobs(self.model, batch)[scored]
+            with adapters_disabled(self.model):
+                trainer_without = forward_logprobs(self.model, batch)[scored]
+        gap = effect_gap(engine.score(ids, start), engine.score(ids, start, False), trainer_with, trainer_without)
+        check_sync(version, engine.sent_checksum, engine.received_checksums, gap, self.config.rollout.sync_tolerance)
+        return moved, gap
 
     def take_engine_counters(self) -> dict[str, int]:
         """The engine's work counters (`engine.counters`: token positions; decode slots and the tokens they produced)
@@ -386,7 +407,7 @@ class RLWorker:
         t = time.time()
         load_lora_state_dict(self.model, tensors)
         self.adapter_version = version
-        self.engine.load_adapter(tensors, version)
+        self.sync_engine(self.engine, version)
         self.timeline.record("sync", t)
         return sum(v.numel() * v.element_size() for v in tensors.values())
 
@@ -457,7 +478,7 @@ class RLWorker:
 
     def load_state(self, directory: str) -> None:
         self.adapter_version, mine = self.state.load(directory)
-        self.engine.load_adapter(self.adapter_tensors(), self.adapter_version)
+        self.sync_engine(self.engine, self.adapter_version)
         self.position, self.learner.consecutive_nan = mine["position"], mine["consecutive_nan"]
         self.producer.load_state_dict(mine)
 
@@ -474,7 +495,7 @@ class RLWorker:
 
     def expert_memory(self) -> dict:
         """Resident bytes of this rank's routed experts: frozen weights, their LoRA tensors, and AdamW's state
-        for those tensors (empty before the first optimizer step)."""
+        for those tensors (allocated when the learner is built: allsync.learner.allocate_adamw_state)."""
         from quant.modules import FrozenExperts
 
         frozen = sum(

@@ -43,6 +43,7 @@ import os
 
 import torch
 
+from allsync.engines.sync_check import adapter_checksum
 from allsync.engines.torch_engine import Rollout, Sampling
 from allsync.engines.vllm_support import vllm_engine_kwargs
 from moe_lora.adapter_io import Adapter, adapter_config_json, with_all_expert_projections
@@ -144,6 +145,7 @@ class VLLMEngine:
         self.adapter_version = 0
         self.positions = 0  # prompt + generated tokens, the work a health report divides by
         self.lora_request = None
+        self.sent_checksum, self.received_checksums = None, []  # the latest sync's (allsync/engines/sync_check.py)
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
@@ -178,6 +180,18 @@ class VLLMEngine:
         return Rollout(
             expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))]
         )
+
+    def score(self, ids: list[int], start: int, with_adapter: bool = True) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= start, at temperature 1, with the synced adapter or the base alone (the
+        sync probe: allsync/engines/sync_check.py)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.reclaim_memory()
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, seed=0)
+        lora = self.lora_request if with_adapter else None
+        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, lora_request=lora, use_tqdm=False)
+        return [out.prompt_logprobs[t][ids[t]].logprob for t in range(start, len(ids))]
 
     def agreed_rounds(self, rounds: int) -> int:
         """`rounds`: this engine never runs under expert parallelism (the config refuses it), so no rank waits."""
@@ -216,7 +230,10 @@ class VLLMEngine:
         served = with_all_expert_projections(adapter, read_config(self.checkpoint))  # vLLM wants all three per expert
         lora_id = version + 1  # vLLM's adapter ids start at 1
         config = adapter_config_json(served, self.checkpoint)
-        self.llm.collective_rpc(add_adapter_from_tensors, args=(lora_id, served.tensors, config))
+        self.sent_checksum = adapter_checksum(served.tensors)
+        self.received_checksums = self.llm.collective_rpc(
+            add_adapter_from_tensors, args=(lora_id, served.tensors, config)
+        )
         self.lora_request = LoRARequest(f"allsync-v{version}", lora_id, f"in-memory:allsync-v{version}")
         return sum(t.numel() * t.element_size() for t in adapter.tensors.values())
 
@@ -240,11 +257,15 @@ def pause_engine(llm) -> None:
     llm.sleep(level=0)
 
 
-def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
+def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> str:
     """Runs in the engine's worker (LLM.collective_rpc): the adapter `tensors` (PEFT names, float32) become vLLM's
     adapter `lora_id` the way its loader makes one from a directory (PEFTHelper checks the rank and scaling,
     LoRAModel.from_lora_tensors, the adapter manager packs and registers it), replacing the adapters it holds.
-    Returns how many adapters the worker holds (1)."""
+    Returns the SHA-256 of the tensors as this worker received them (allsync/engines/sync_check.py)."""
+    from allsync.engines.sync_check import adapter_checksum
+
+    received = adapter_checksum(tensors)  # before vLLM folds the scaling into B, in place
+
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
@@ -262,4 +283,4 @@ def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, torch.Tens
     adapters = manager._adapter_manager
     adapters.remove_all_adapters()  # the previous version's
     adapters.add_adapter(lora)
-    return len(adapters)
+    return received

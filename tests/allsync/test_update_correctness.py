@@ -458,3 +458,49 @@ def test_tis_settings_are_checked_naming_the_key(tiny_bf16):
         config(tiny_bf16, tis={"level": "episode"})
     with pytest.raises(ConfigError, match=r"algorithm.tis.cap = 0.5: must be >= 1"):
         config(tiny_bf16, tis={"cap": 0.5})
+
+
+def test_adamw_state_is_held_before_the_engine_is_built_and_a_resume_loads_into_it(tiny_bf16, tmp_path, monkeypatch):
+    """Issue 44 item 2: a colocated vLLM reads the memory left free when it is built; AdamW's moments must be held by
+    then, not allocated by the first optimizer.step() after the engine took that memory for its KV cache. The
+    preallocated state is what AdamW's first step makes (the same update), and a resume copies the saved state into
+    those tensors (no second copy of the moments)."""
+    from allsync.worker import RLWorker as Worker
+
+    seen = {}
+    make_engine = Worker._make_engine
+
+    def spied(self):
+        state = self.learner.optimizer.state
+        seen["moment_bytes"] = sum(
+            state[p][name].numel() * state[p][name].element_size()
+            for p in self.learner.optimized
+            if p in state
+            for name in ("exp_avg", "exp_avg_sq")
+        )
+        return make_engine(self)
+
+    monkeypatch.setattr(Worker, "_make_engine", spied)
+    samples, index = groups(0, 4)
+    fresh = Worker(config(tiny_bf16, minibatches=1), PROBLEMS)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in fresh.learner.optimized)
+    assert seen["moment_bytes"] == 2 * adapter_bytes > 0
+    # the same update as a lazily initialized AdamW: a learner whose state is dropped before its first step
+    lazy = Worker(config(tiny_bf16, minibatches=1), PROBLEMS)
+    lazy.learner.optimizer.state.clear()
+    for w in (fresh, lazy):
+        trained(w, samples, index)
+    for a, b in zip(fresh.learner.optimized, lazy.learner.optimized):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    fresh.save_state(str(tmp_path))
+    resumed = Worker(config(tiny_bf16, minibatches=1), PROBLEMS)
+    held = {
+        id(p): {n: t.data_ptr() for n, t in resumed.learner.optimizer.state[p].items()}
+        for p in resumed.learner.optimized
+    }
+    resumed.load_state(str(tmp_path))
+    for p, q in zip(resumed.learner.optimized, fresh.learner.optimized):
+        state, want = resumed.learner.optimizer.state[p], fresh.learner.optimizer.state[q]
+        assert {n: t.data_ptr() for n, t in state.items()} == held[id(p)]  # loaded in place
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[name], want[name], atol=0, rtol=0)

@@ -235,7 +235,8 @@ def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
     assert same(policy0, learner.lora_params) and m["grad_norm"] == 0.0
     assert not same(critic0, learner.value_params) and m["value_loss_sum"] > 0
     state = learner.optimizer.state
-    assert all(p not in state for p in learner.lora_params)  # AdamW never visited the policy: no moments, no step
+    for p in learner.lora_params:  # AdamW never stepped the policy: its state as allocated (step 0, zero moments)
+        assert int(state[p]["step"]) == 0 and not state[p]["exp_avg"].any() and not state[p]["exp_avg_sq"].any()
     assert all(int(state[p]["step"]) == 3 for p in learner.value_params)
     policy3 = snapshot(learner.lora_params)
     m = worker.step(4)

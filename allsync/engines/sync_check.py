@@ -1,0 +1,74 @@
+"""An adapter sync that proves itself: after every sync to an engine that holds its own copy of the adapter (vLLM),
+the trainer and the engine show that the engine runs the adapter the trainer sent, or the run stops naming the version.
+
+Two checks, both cheap next to a step:
+    checksum   SHA-256 of the adapter's tensors (names in sorted order, then each tensor's bytes), computed by the
+               trainer over what it sends and by the engine's worker over what it received. Equal, or a tensor was
+               dropped, cut or changed on the way.
+    effect     the adapter's effect on a fixed probe (a prompt and a continuation), per continuation token t:
+                   d_engine(t)  = log p_engine(t | adapter) - log p_engine(t | no adapter)
+                   d_trainer(t) = log p_trainer(t | adapter) - log p_trainer(t | adapters off)
+               gap = mean_t |d_engine(t) - d_trainer(t)|. Differences of the two bases (vLLM serving the checkpoint's
+               FP8 beside an NF4 trainer) cancel in each d; an adapter the engine received but does not apply (its
+               tensors under names it ignores, a kernel that drops them) leaves d_engine = 0 while d_trainer moves.
+               A gap above rollout.sync_probe_tolerance stops the run.
+Users of other RL stacks lose weeks to adapters that never reached the engine: a sync that silently failed looks
+like staleness or a bad learning rate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+# the probe's text: the continuation's tokens are scored given the prompt's
+PROBE_PROMPT = "What is 12 + 7?"
+PROBE_CONTINUATION = " Answer: 19"
+
+
+class AdapterSyncError(RuntimeError):
+    """The engine does not run the adapter the trainer sent (names the version and what differs)."""
+
+
+def adapter_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) over the names in sorted order and each tensor's bytes as stored (float32 on the CPU)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def probe_ids(tokenizer) -> tuple[list[int], int]:
+    """The probe's token ids (BOS, prompt, continuation) and where the continuation starts."""
+    prompt = tokenizer(PROBE_PROMPT)["input_ids"]
+    continuation = tokenizer(PROBE_CONTINUATION, add_special_tokens=False)["input_ids"]
+    return prompt + continuation, len(prompt)
+
+
+def effect_gap(engine_with: list[float], engine_without: list[float], trainer_with, trainer_without) -> float:
+    """mean_t |(engine_with - engine_without) - (trainer_with - trainer_without)| over the probe's scored tokens."""
+    engine = torch.tensor(engine_with, dtype=torch.float64) - torch.tensor(engine_without, dtype=torch.float64)
+    trainer = torch.as_tensor(trainer_with, dtype=torch.float64) - torch.as_tensor(trainer_without, dtype=torch.float64)
+    return float((engine - trainer).abs().mean())
+
+
+def check_sync(version: int, sent: str, received: list[str], gap: float, tolerance: float) -> None:
+    """Raise AdapterSyncError when any engine worker received other bytes than were sent, or when the adapter's
+    effect on the probe differs by more than `tolerance` nats (module docstring)."""
+    wrong = [i for i, checksum in enumerate(received) if checksum != sent]
+    if wrong:
+        raise AdapterSyncError(
+            f"adapter version {version}: engine worker {wrong[0]} received tensors with SHA-256 {received[wrong[0]][:16]}, "
+            f"the trainer sent {sent[:16]}: the sync lost or changed tensors on the way; stopping instead of "
+            "training on samples from another adapter"
+        )
+    if not gap <= tolerance:  # NaN too
+        raise AdapterSyncError(
+            f"adapter version {version}: the engine's logprobs of the sync probe move by {gap:.4f} nats per token "
+            f"unlike the trainer's (rollout.sync_probe_tolerance = {tolerance}): the engine does not apply the "
+            "adapter it received; stopping instead of training on samples from another adapter"
+        )
