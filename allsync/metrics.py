@@ -11,7 +11,8 @@ from quant.checkpoint_io import atomic_write_text
 def aggregate(per_worker: list[dict]) -> dict:
     """Worker sums -> run metrics. Means over samples finished this step (reward, accuracy, length) or over
     trained tokens (clip fractions, approx_kl, entropy, kl_ref). utilization = busy / wall per worker, where
-    busy excludes the time a worker waits in collectives for the others (allsync.health.monitor.Timeline)."""
+    busy excludes the time a worker waits in the learner's all-reduces for the others (allsync.health.monitor.Timeline;
+    the MoE all-to-alls of expert parallelism are inside forward and backward and count as busy)."""
     total = lambda key: sum(m[key] for m in per_worker)  # noqa: E731
     samples = total("samples_generated")
     tokens = max(total("trained_tokens"), 1)

@@ -22,7 +22,9 @@ EVENTS_KEPT = 4096  # the most recent phases kept for inspection (benchmarks); b
 @dataclass
 class Timeline:
     """Phases as (phase, start, end) in wall-clock seconds, and busy time: the time inside phases minus
-    the time blocked in collectives (waiting for other workers, plus the transfer itself). A worker that
+    the time blocked in the process groups' collectives (allsync.launch.process_groups.Groups: the learner's
+    all-reduces, waiting for other workers plus the transfer itself; the MoE all-to-alls of expert parallelism run
+    inside forward and backward and stay busy time). A worker that
     finishes its share first and waits in the all-reduce for a slower one is idle for that wait, so
     busy / wall is the worker's real utilization. Per phase, busy seconds and the waits inside the phases
     accumulate until `phase_report` (once per step). O(1) per phase."""

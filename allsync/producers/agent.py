@@ -11,7 +11,7 @@ every reply token of every segment (allsync/learner.py).
 Errors (an environment that raises, takes longer than producer.step_timeout_s or returns a malformed observation)
 are reported with the episode's row; with reward.on_error fail the step stops, with wrong the episode ends
 scored 0. Environment calls run on a daemon thread: a call past its timeout is abandoned there, and the process
-can still exit. An episode still going after producer.max_turns replies is an ordinary outcome: it ends scored 0
+can still exit; more than producer.max_abandoned_calls such calls still running stops the run, naming the environment. An episode still going after producer.max_turns replies is an ordinary outcome: it ends scored 0
 (`max_turns_reached`). An observation longer than producer.max_observation_tokens is cut in its messages' content
 and rendered again, so the row keeps the template's closing tokens and the next assistant header.
 """
@@ -86,16 +86,39 @@ class CallTimeout(Exception):
     """A DaemonCaller call passed its timeout (its own class: a TimeoutError the environment raises is an error)."""
 
 
+class AbandonedCallsError(RuntimeError):
+    """Too many environment calls still running past their timeout: each may hold a core for the rest of the run."""
+
+
 class DaemonCaller:
     """Calls run one at a time on a daemon thread, each with a timeout. A call past it keeps that thread, which is
-    abandoned (a daemon thread never holds the process at exit) and replaced by a fresh one for later calls."""
+    abandoned (a daemon thread never holds the process at exit) and replaced by a fresh one for later calls. An
+    abandoned call that never returns (a spinning environment) burns a core until the process ends, so at most
+    `max_abandoned` may be running at once: one more raises AbandonedCallsError, which stops the run whatever
+    reward.on_error says (`name`: the environment, for the message)."""
 
-    def __init__(self):
+    def __init__(self, name: str = "environment", max_abandoned: int = 4):
+        self.name, self.max_abandoned = name, max_abandoned
+        self.abandoned: list[threading.Thread] = []
         self._start()
 
     def _start(self) -> None:
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(self.requests,), name="agent-env", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, args=(self.requests,), name="agent-env", daemon=True)
+        self.thread.start()
+
+    def _abandon(self) -> None:
+        """The current thread passed its timeout: told to end once its call returns, counted while it runs, and
+        replaced by a fresh one; past the cap, the run stops."""
+        self.requests.put(None)  # its loop ends after the hung call, if that ever returns
+        self.abandoned = [t for t in self.abandoned if t.is_alive()] + [self.thread]
+        if len(self.abandoned) > self.max_abandoned:
+            raise AbandonedCallsError(
+                f"environment {self.name}: {len(self.abandoned)} calls are still running past producer.step_timeout_s "
+                f"(more than producer.max_abandoned_calls = {self.max_abandoned}); each may hold a core for the rest "
+                "of the run, so the run stops: make reset / step return within the timeout"
+            )
+        self._start()
 
     @staticmethod
     def _serve(requests: queue.SimpleQueue) -> None:
@@ -113,7 +136,7 @@ class DaemonCaller:
         try:
             ok, value = reply.get(timeout=timeout)
         except queue.Empty:
-            self._start()
+            self._abandon()
             raise CallTimeout from None
         if not ok:
             raise value
@@ -136,6 +159,7 @@ class ToolAgent:
         max_observation_tokens: int,
         step_timeout_s: float,
         on_error: str,
+        max_abandoned_calls: int = 4,
     ):
         """Under expert parallelism every rank takes a turn while any rank has an active conversation (the
         engine's agreed_rounds)."""
@@ -146,7 +170,7 @@ class ToolAgent:
             step_timeout_s,
             on_error,
         )
-        self.caller = DaemonCaller()
+        self.caller = DaemonCaller(env_class.__name__, max_abandoned_calls)
 
     def render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(
@@ -160,6 +184,8 @@ class ToolAgent:
         """env.<method>(*args) with producer.step_timeout_s; EnvError naming the row when it raises or times out."""
         try:
             return self.caller(getattr(conversation.env, method), args, self.step_timeout_s)
+        except AbandonedCallsError:  # not the row's error: the run's
+            raise
         except CallTimeout:
             raise EnvError(f"{method} took longer than producer.step_timeout_s = {self.step_timeout_s} s") from None
         except Exception as exc:  # noqa: BLE001 - whatever the user's environment raises is reported with its row
@@ -332,6 +358,8 @@ class AgentSettings:
     max_turns: int = 4  # replies per episode; an episode not done by then is an ordinary wrong outcome
     max_observation_tokens: int = 256  # an observation's tokens beyond this are cut (and counted)
     step_timeout_s: float = 10.0  # an env.reset / env.step slower than this is an error (reward.on_error)
+    # calls past step_timeout_s still running at once (each keeps its thread, maybe a core): one more stops the run
+    max_abandoned_calls: int = 4
 
     def check(self, fail) -> None:
         from allsync.envs import load_env_class
@@ -353,6 +381,8 @@ class AgentSettings:
                     f"producer.tools[{i}]: expected an OpenAI function schema {{type: function, function: {{name, description, "
                     f"parameters}}}}, got {tool!r}"
                 )
+        if self.max_abandoned_calls < 0:
+            fail(f"producer.max_abandoned_calls = {self.max_abandoned_calls}: must be >= 0")
         if self.max_turns < 1 or self.max_observation_tokens < 1 or not self.step_timeout_s > 0:
             fail(
                 f"producer.max_turns ({self.max_turns}) and producer.max_observation_tokens ({self.max_observation_tokens}) "
@@ -394,6 +424,7 @@ class AgentSettings:
             self.max_observation_tokens,
             self.step_timeout_s,
             c.reward.on_error,
+            self.max_abandoned_calls,
         )
         return GroupRounds(agent, context)
 

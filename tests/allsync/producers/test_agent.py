@@ -397,3 +397,40 @@ def test_agent_records_report_the_tool_call_rate():
     assert [r.problem_id for r in records] == [0, 0, 1, 1] and [r.answer for r in records] == ["6", "0", "6", "0"]
     summary = summarize_samples(records, 2)
     assert summary["tool_call_rate"] == 0.5 and summary["avg@2"] == 0.5
+
+
+def test_calls_still_running_past_the_cap_stop_the_run_naming_the_environment():
+    """A spinning environment keeps each abandoned thread (and maybe a core) for the rest of the run: at most
+    producer.max_abandoned_calls may run at once; one more stops the run even under reward.on_error wrong. A call
+    that finishes late frees its place."""
+    import threading
+
+    from allsync.producers.agent import AbandonedCallsError, CallTimeout, Conversation, DaemonCaller, ToolAgent
+
+    release = threading.Event()
+    caller = DaemonCaller("Spinning", max_abandoned=2)
+    for _ in range(2):  # two hung calls: abandoned, under the cap
+        with pytest.raises(CallTimeout):
+            caller(release.wait, (), 0.05)
+    with pytest.raises(AbandonedCallsError, match=r"environment Spinning: 3 calls are still running .* = 2"):
+        caller(release.wait, (), 0.05)
+    release.set()  # the hung calls return: their threads end
+    for t in caller.abandoned:
+        t.join(timeout=5)
+    late = DaemonCaller("Late", max_abandoned=1)
+    with pytest.raises(CallTimeout):
+        late(time.sleep, (0.2,), 0.05)  # abandoned, then returns
+    late.abandoned[0].join(timeout=5)
+    with pytest.raises(CallTimeout):
+        late(time.sleep, (0.2,), 0.05)  # the finished one no longer counts: 1 running, at the cap, not past it
+    assert late(lambda: 7, (), 5.0) == 7
+    agent = ToolAgent(None, None, type("Spinning", (), {}), [], None, 1, 1, 1, 0.05, "wrong", max_abandoned_calls=0)
+
+    class Spin:
+        def step(self, text):
+            release.clear()
+            release.wait()
+
+    with pytest.raises(AbandonedCallsError, match="environment Spinning"):  # not turned into the row's EnvError
+        agent.call(Conversation(Spin(), {}, [], ""), "step", "x")
+    release.set()
