@@ -34,7 +34,8 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
         if f.type in ("bool", bool):
             p.add_argument(flag, action="store_true", help=f"(default {getattr(defaults, f.name)})")
         else:
-            p.add_argument(flag, type=int, default=getattr(defaults, f.name), help="(default %(default)s)")
+            said = TinySpec.DEFAULTS_SAID.get(f.name, "%(default)s")
+            p.add_argument(flag, type=int, default=getattr(defaults, f.name), help=f"(default {said})")
     p.add_argument("--overwrite", action="store_true", help="replace OUT once the new checkpoint is complete")
     p.set_defaults(run=_run_make_tiny)
 

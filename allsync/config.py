@@ -286,8 +286,6 @@ class AlgorithmSection:
             fail(
                 f"algorithm.on_sampling_cap = {self.on_sampling_cap!r}: use partial (train on the groups kept) or error"
             )
-        if self.kl_coef < 0:
-            fail(f"algorithm.kl_coef = {self.kl_coef}: must be >= 0")
         for name, kind in (
             ("advantage", "advantage"),
             ("policy_loss", "policy_loss"),
@@ -351,8 +349,8 @@ class OptimSection:
             fail(
                 f"optim.max_tokens_per_forward = {self.max_tokens_per_forward}: must be >= 1 (or null: all rows at once)"
             )
-        if self.lr < 0 or self.value_lr < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
-            fail("optim.lr, optim.value_lr and optim.weight_decay must be >= 0 and optim.grad_clip > 0")
+        if self.grad_clip <= 0:  # (every float setting is finite and >= 0: check_numbers)
+            fail(f"optim.grad_clip = {self.grad_clip}: must be > 0")
         if len(self.betas) != 2:
             fail("optim.betas must have two values")
         if not all(0 <= b < 1 for b in self.betas):
@@ -711,7 +709,8 @@ def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, Config
     """The config built section by section, and what the checks across sections refuse in it, if anything, without
     raising it: `allsync plan` plans configs the loop refuses (a layout it has not built yet) and says why. What is
     wrong in a section itself (an unknown key, a wrong type, a value out of range such as rollout.max_new_tokens 0)
-    has no plan and raises; so does the parallel section's, unless the plan's --gpus / --expert-parallel replace it."""
+    has no plan and raises, but for the parallel section, which the plan's --gpus / --expert-parallel may replace
+    (the plan checks the sizes it uses)."""
     config = _build(RunConfig, read_yaml(path), "", str(path))
 
     def fail(msg: str):

@@ -214,10 +214,8 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
     from quant.checkpoint_io import read_config
 
     if args.engine == "vllm":
-        from allsync.engines.vllm_engine import VLLMEngine, unsupported_here
+        from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 
-        if (reason := unsupported_here(read_config(args.base))) is not None:
-            raise ValueError(f"--engine vllm with --base {args.base}: {reason}")
         model_len = model_len_needed(
             longest_prompt_tokens(tokenizer, problems),
             args.max_new_tokens,
@@ -228,9 +226,9 @@ def make_eval_engine(args: EvalArgs, adapter, tokenizer, problems: list[Problem]
         )
         engine = VLLMEngine(args.base, r, alpha, rslora, dtype=args.compute_dtype, max_model_len=model_len)
         engine.load_adapter(adapter.tensors if adapter is not None else None, 1)
-        from allsync.engines.sync_check import check_sync
+        from allsync.engines.sync_check import check_checksums
 
-        check_sync(1, engine.sent_checksum, engine.received_checksums, 0.0, 0.0)  # the bytes vLLM received
+        check_checksums(1, engine.sent_checksum, engine.received_checksums)  # the bytes vLLM received
         return engine
     from moe_lora.adapter_io import attach_adapter
     from quant.loader import QuantPlan, load_frozen_model

@@ -161,10 +161,12 @@ def allocate_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     of the first optimizer.step() allocating them after the engine took that memory for its KV cache."""
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
     for group in optimizer.param_groups:
+        if group.get("fused") or group.get("capturable") or group.get("amsgrad"):
+            raise ValueError("allocate_adamw_state builds the plain AdamW's state (no fused, capturable or amsgrad)")
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=step_dtype)
+                state["step"] = torch.tensor(0.0, dtype=step_dtype, device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

@@ -85,9 +85,13 @@ def aggregate(per_worker: list[dict]) -> dict:
         "empty_minibatches": per_worker[0]["empty_minibatches"],  # no token on any worker: no optimizer step
         "nan_steps": per_worker[0]["nan_steps"],  # non-finite loss or gradient norm: step skipped on every worker
         "sync_bytes": total("sync_bytes"),
-        # an engine with its own adapter copy (vLLM): the largest gap of the adapter's effect on the sync probe
+        # an engine with its own adapter copy (vLLM): the largest gap of the adapter's effect on the sync probe, and
+        # each worker's synced version's SHA-256 (first 16 hex digits), as both sides computed it
         **(
-            {"sync_probe_gap": max(m["sync_probe_gap"] for m in per_worker)}
+            {
+                "sync_probe_gap": max(m["sync_probe_gap"] for m in per_worker),
+                "sync_sha256": [m["sync_sha256"] for m in per_worker],
+            }
             if "sync_probe_gap" in per_worker[0]
             else {}
         ),

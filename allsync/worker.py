@@ -221,11 +221,9 @@ class RLWorker:
                 lockstep=lockstep,
                 merge_lora=r.merge_lora,
             )
-        from allsync.engines.vllm_engine import VLLMEngine, unsupported_here
+        from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 
         lc = self.config.lora
-        if (reason := unsupported_here(self.model.config.to_dict())) is not None:
-            raise ConfigError(f"rollout.engine vllm with model.base {self.config.model.base}: {reason}")
         model_len = self.max_model_len or self.config.producer.model_len(
             self.config, self.tokenizer, self.problems, self.model.config.max_position_embeddings
         )
@@ -319,8 +317,8 @@ class RLWorker:
         self.producer.trained(self.adapter_version)
         t = time.time()
         metrics["sync_bytes"], gap = self.sync_engine(self.engine, self.adapter_version)
-        if gap is not None:
-            metrics["sync_probe_gap"] = gap
+        if gap is not None:  # the version's SHA-256 as sent and as the engine received it (equal: checked)
+            metrics.update(sync_probe_gap=gap, sync_sha256=self.engine.sent_checksum[:16])
         self.timeline.record("sync", t)
         metrics.update(self.busy_report(wall0))
         if self.dispatch_stats is not None:  # expert parallelism: what this rank's all-to-alls moved this step
@@ -346,8 +344,11 @@ class RLWorker:
             trainer_with = forward_logprobs(self.model, batch)[scored]
             with adapters_disabled(self.model):
                 trainer_without = forward_logprobs(self.model, batch)[scored]
-        gap = effect_gap(engine.score(ids, start), engine.score(ids, start, False), trainer_with, trainer_without)
-        check_sync(version, engine.sent_checksum, engine.received_checksums, gap, self.config.rollout.sync_tolerance)
+        gap, effect = effect_gap(
+            engine.score(ids, start), engine.score(ids, start, False), trainer_with, trainer_without
+        )
+        tolerance = self.config.rollout.sync_tolerance
+        check_sync(version, engine.sent_checksum, engine.received_checksums, gap, effect, tolerance)
         return moved, gap
 
     def take_engine_counters(self) -> dict[str, int]:

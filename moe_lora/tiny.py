@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -93,6 +94,8 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinySpec:
+    DEFAULTS_SAID: ClassVar[dict[str, str]] = {"q_lora_rank": "64, or 128 with --fp8 (whole 128-row scale blocks)"}
+
     layers: int = 3
     dense_layers: int = 1
     experts: int = 8

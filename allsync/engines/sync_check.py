@@ -9,9 +9,11 @@ Two checks, both cheap next to a step:
                    d_engine(t)  = log p_engine(t | adapter) - log p_engine(t | no adapter)
                    d_trainer(t) = log p_trainer(t | adapter) - log p_trainer(t | adapters off)
                gap = mean_t |d_engine(t) - d_trainer(t)|. Differences of the two bases (vLLM serving the checkpoint's
-               FP8 beside an NF4 trainer) cancel in each d; an adapter the engine received but does not apply (its
-               tensors under names it ignores, a kernel that drops them) leaves d_engine = 0 while d_trainer moves.
-               A gap above rollout.sync_probe_tolerance stops the run.
+               FP8 beside an NF4 trainer) cancel in each d to first order; what is left grows with the adapter's
+               effect, so the bound does too:
+                   stop if gap > tolerance x (1 + mean_t |d_trainer(t)|)     (tolerance: rollout.sync_probe_tolerance)
+               An adapter the engine received but does not apply (its tensors under names it ignores, a kernel that
+               drops them) leaves d_engine = 0, so gap = mean |d_trainer|: caught once the effect passes the bound.
 Users of other RL stacks lose weeks to adapters that never reached the engine: a sync that silently failed looks
 like staleness or a bad learning rate.
 """
@@ -35,10 +37,10 @@ def adapter_checksum(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 (hex) over the names in sorted order and each tensor's bytes as stored (float32 on the CPU)."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+        t = tensors[name].detach().to("cpu", torch.float32).contiguous()  # no copy when it is that already
         digest.update(name.encode())
         digest.update(str(tuple(t.shape)).encode())
-        digest.update(t.numpy().tobytes())
+        digest.update(t.numpy())  # its buffer, not a copy
     return digest.hexdigest()
 
 
@@ -49,16 +51,16 @@ def probe_ids(tokenizer) -> tuple[list[int], int]:
     return prompt + continuation, len(prompt)
 
 
-def effect_gap(engine_with: list[float], engine_without: list[float], trainer_with, trainer_without) -> float:
-    """mean_t |(engine_with - engine_without) - (trainer_with - trainer_without)| over the probe's scored tokens."""
+def effect_gap(engine_with: list[float], engine_without: list[float], trainer_with, trainer_without) -> tuple:
+    """(gap, effect): mean_t |(engine_with - engine_without) - (trainer_with - trainer_without)| and the trainer's
+    mean_t |trainer_with - trainer_without| over the probe's scored tokens."""
     engine = torch.tensor(engine_with, dtype=torch.float64) - torch.tensor(engine_without, dtype=torch.float64)
     trainer = torch.as_tensor(trainer_with, dtype=torch.float64) - torch.as_tensor(trainer_without, dtype=torch.float64)
-    return float((engine - trainer).abs().mean())
+    return float((engine - trainer).abs().mean()), float(trainer.abs().mean())
 
 
-def check_sync(version: int, sent: str, received: list[str], gap: float, tolerance: float) -> None:
-    """Raise AdapterSyncError when any engine worker received other bytes than were sent, or when the adapter's
-    effect on the probe differs by more than `tolerance` nats (module docstring)."""
+def check_checksums(version: int, sent: str, received: list[str]) -> None:
+    """Raise AdapterSyncError when any engine worker received other bytes than were sent."""
     wrong = [i for i, checksum in enumerate(received) if checksum != sent]
     if wrong:
         raise AdapterSyncError(
@@ -66,9 +68,16 @@ def check_sync(version: int, sent: str, received: list[str], gap: float, toleran
             f"the trainer sent {sent[:16]}: the sync lost or changed tensors on the way; stopping instead of "
             "training on samples from another adapter"
         )
-    if not gap <= tolerance:  # NaN too
+
+
+def check_sync(version: int, sent: str, received: list[str], gap: float, effect: float, tolerance: float) -> None:
+    """`check_checksums`, then AdapterSyncError when the adapter's effect on the probe differs between engine and
+    trainer by more than tolerance x (1 + effect) nats per token (module docstring)."""
+    check_checksums(version, sent, received)
+    if not gap <= tolerance * (1 + effect):  # NaN too
         raise AdapterSyncError(
             f"adapter version {version}: the engine's logprobs of the sync probe move by {gap:.4f} nats per token "
-            f"unlike the trainer's (rollout.sync_probe_tolerance = {tolerance}): the engine does not apply the "
-            "adapter it received; stopping instead of training on samples from another adapter"
+            f"unlike the trainer's, whose move by {effect:.4f} (bound: rollout.sync_probe_tolerance = {tolerance} x "
+            f"(1 + {effect:.4f})): the engine does not apply the adapter it received; stopping instead of training on "
+            "samples from another adapter"
         )

@@ -126,9 +126,12 @@ def run_plan(args: argparse.Namespace) -> None:
     gpus = args.gpus if args.gpus is not None else run.parallel.workers
     ep = args.expert_parallel if args.expert_parallel is not None else run.parallel.expert_parallel
     experts = model_config["n_routed_experts"]
-    for flag, value in (("--gpus", args.gpus), ("--expert-parallel", args.expert_parallel)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value}: must be >= 1")
+    for value, name in (
+        (gpus, "--gpus" if args.gpus is not None else "parallel.nodes x workers_per_node"),
+        (ep, "--expert-parallel" if args.expert_parallel is not None else "parallel.expert_parallel"),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} {value}: must be >= 1")
     if gpus % ep or experts % ep:
         raise ValueError(
             f"--gpus {gpus} / --expert-parallel {ep} (parallel.expert_parallel): the expert-parallel size must divide "

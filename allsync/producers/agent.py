@@ -97,7 +97,7 @@ class DaemonCaller:
     `max_abandoned` may be running at once: one more raises AbandonedCallsError, which stops the run whatever
     reward.on_error says (`name`: the environment, for the message)."""
 
-    def __init__(self, name: str = "environment", max_abandoned: int = 4):
+    def __init__(self, name: str, max_abandoned: int):
         self.name, self.max_abandoned = name, max_abandoned
         self.abandoned: list[threading.Thread] = []
         self._start()
@@ -159,7 +159,7 @@ class ToolAgent:
         max_observation_tokens: int,
         step_timeout_s: float,
         on_error: str,
-        max_abandoned_calls: int = 4,
+        max_abandoned_calls: int,
     ):
         """Under expert parallelism every rank takes a turn while any rank has an active conversation (the
         engine's agreed_rounds)."""

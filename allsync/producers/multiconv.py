@@ -95,7 +95,8 @@ def longest_conversation_tokens(
         longest_chunk = chunk_tokens
     else:
         chunks = list({c for p in problems for c in p.metadata["chunks"]})
-        longest_chunk = max(map(len, tokenizer(chunks, add_special_tokens=False)["input_ids"]), default=0)
+        ids = tokenizer(chunks, add_special_tokens=False)["input_ids"] if chunks else []  # one batch call
+        longest_chunk = max(map(len, ids), default=0)
     return longest_question + memory_tokens + longest_chunk
 
 

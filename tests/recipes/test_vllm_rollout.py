@@ -84,7 +84,7 @@ def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_up_front(tiny_bf16, tmp_p
 
 
 def test_the_engine_itself_refuses_an_moe_checkpoint_on_cpu(tiny_bf16, warm_dense):
-    """The check reads the checkpoint's config: MoE layers refused (before vLLM is imported), a dense one passes."""
+    """The check reads the checkpoint's config: MoE layers refused before an engine is built, a dense one passes."""
     from allsync.engines.vllm_engine import VLLMEngine, has_moe_layers, unsupported_here
     from quant.checkpoint_io import read_config
 

@@ -20,15 +20,16 @@ def test_checksum_and_probe_verdicts_on_hand_made_values():
     assert sent == adapter_checksum(dict(reversed(tensors.items())))  # names in sorted order
     assert sent != adapter_checksum({**tensors, "b": torch.ones(3, 2)})  # shape counts
     assert sent != adapter_checksum({"a": tensors["a"]})
-    # the adapter moves the trainer's logprobs by +0.3 and -0.1, the engine's not at all: gap 0.2
-    assert effect_gap([-1.0, -2.0], [-1.0, -2.0], [-0.7, -2.1], [-1.0, -2.0]) == pytest.approx(0.2)
-    check_sync(3, sent, [sent, sent], 0.01, 0.05)
+    # the adapter moves the trainer's logprobs by +0.3 and -0.1, the engine's not at all: gap 0.2, effect 0.2
+    assert effect_gap([-1.0, -2.0], [-1.0, -2.0], [-0.7, -2.1], [-1.0, -2.0]) == pytest.approx((0.2, 0.2))
+    check_sync(3, sent, [sent, sent], 0.01, 0.2, 0.05)
+    check_sync(3, sent, [sent], 0.14, 2.0, 0.05)  # a large effect: the bound is 0.05 x 3 = 0.15
     with pytest.raises(AdapterSyncError, match=r"adapter version 3: engine worker 1 received .* lost or changed"):
-        check_sync(3, sent, [sent, "0" * 64], 0.0, 0.05)
-    with pytest.raises(AdapterSyncError, match=r"adapter version 4: .* 0\.2000 nats .*sync_probe_tolerance = 0\.05"):
-        check_sync(4, sent, [sent], 0.2, 0.05)
+        check_sync(3, sent, [sent, "0" * 64], 0.0, 0.0, 0.05)
+    with pytest.raises(AdapterSyncError, match=r"adapter version 4: .* 0\.2000 nats .* 0\.2000 .*tolerance = 0\.05"):
+        check_sync(4, sent, [sent], 0.2, 0.2, 0.05)
     with pytest.raises(AdapterSyncError):
-        check_sync(4, sent, [sent], float("nan"), 0.05)
+        check_sync(4, sent, [sent], float("nan"), 0.0, 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ def test_every_sync_is_checked_and_a_lossy_one_stops_the_step_naming_its_version
         checksums.append(engine.sent_checksum)
     assert checksums[0] != checksums[1]  # each version's own bytes
     assert all(0 <= m["sync_probe_gap"] < 0.05 for m in steps)
+    assert [m["sync_sha256"] for m in steps] == [c[:16] for c in checksums]  # logged per version
     rpc = engine.llm.collective_rpc
 
     def losing(method, args=(), **kwargs):  # the transport drops the attention adapters of every layer

@@ -259,7 +259,7 @@ class Hung:
     def step(self, text):
         threading.Event().wait()  # never returns
 
-agent = ToolAgent(None, None, Hung, [], None, 1, 1, 1, 0.3, "wrong")
+agent = ToolAgent(None, None, Hung, [], None, 1, 1, 1, 0.3, "wrong", 4)
 try:
     agent.call(Conversation(Hung(), {}, [], ""), "step", "x")
 except EnvError as exc:
