@@ -54,8 +54,7 @@ def test_vllm_and_transformers_agree_on_tiny_checkpoint(tiny_bf16, tmp_path):
 
 @pytest.mark.parametrize(
     "flags",
-    [
-        [],  # docs/frozen-models.md and README: allsync make-tiny runs/tiny
+    [  # `allsync make-tiny runs/tiny` (README) is tiny_bf16: test_vllm_and_transformers_agree_on_tiny_checkpoint
         ["--fp8"],
         ["--fp8", "--experts", "16", "--layers", "4", "--dense-layers", "1", "--seed", "3"],  # docs/frozen-models.md
     ],
