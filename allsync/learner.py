@@ -340,8 +340,6 @@ class Learner:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
         old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)
-        if old_logprobs is not None:
-            self.stop_counting_routes()
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
         return TrainBatch(
             batch,
@@ -366,8 +364,6 @@ class Learner:
         engine = scatter_response_values(rows.engine_logprobs, seqs)
         old_values = self.current_values(seqs)
         old_logprobs = None if self.reuses_update_forward else self.current_logprobs(seqs)
-        if old_logprobs is not None:
-            self.stop_counting_routes()
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
         reasons = [s.finish_reason for s in rows.segments]
@@ -446,8 +442,11 @@ class Learner:
 
     @torch.no_grad()
     def current_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        """The current policy's logprobs of the batch, before any update."""
-        return self.policy_logprobs(batch)
+        """The current policy's logprobs of the batch, before any update: the step's first policy pass, after which
+        routing_mismatch stops counting (`stop_counting_routes`)."""
+        logprobs = self.policy_logprobs(batch)
+        self.stop_counting_routes()
+        return logprobs
 
     @torch.no_grad()
     def current_values(self, batch: SequenceBatch) -> torch.Tensor:
@@ -469,9 +468,8 @@ class Learner:
         `live` / `counting` settings."""
         routing = getattr(self.model, "routing_replay", None)
         before = {key: getattr(routing, key) for key in settings} if routing is not None else {}
-        for key, value in settings.items():
-            if routing is not None:
-                setattr(routing, key, value)
+        for key in before:
+            setattr(routing, key, settings[key])
         try:
             yield
         finally:

@@ -63,9 +63,6 @@ class Adapter:
         """Adapted module paths (e.g. model.layers.1.mlp.experts.3.gate_proj), sorted."""
         return sorted({m.group("module") for k in self.tensors if (m := _LORA_KEY.match(k))})
 
-    def target_modules(self) -> list[str]:
-        return sorted({m.rsplit(".", 1)[1] for m in self.modules()})
-
     def pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensors[f"{PREFIX}{module}.lora_A.weight"], self.tensors[f"{PREFIX}{module}.lora_B.weight"]
 
