@@ -20,8 +20,11 @@ engine's KV cache and the verdict are in activations.py and fit.py.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -51,15 +54,51 @@ def weight_bytes(shape: tuple[int, int], fmt: str, double_quant: bool = False) -
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def held(key: str, experts: range | None) -> bool:
-    """Whether a worker holding routed experts `experts` (None: all) holds the tensor `key`."""
-    parsed = parse_expert_key(key)
-    return parsed is None or experts is None or parsed[1] in experts
-
-
 def lora_target(key: str, spec: TensorSpec) -> str:
     """The lora.targets name of a checkpoint weight: attention weights by their projection, the rest by group."""
     return key.rsplit(".", 2)[-2] if spec.group == "attention" else spec.group
+
+
+@dataclass(frozen=True)
+class TensorKind:
+    """What the byte counts need of a checkpoint tensor; tensors alike are counted together."""
+
+    group: str
+    shape: tuple[int, ...]
+    quantizable: bool
+    target: str  # lora_target
+    float32: bool  # kept in float32 whatever the compute dtype (the router's bias)
+    routed: bool  # one of a routed expert's tensors (held only by the workers holding that expert)
+
+
+@functools.lru_cache(maxsize=32)
+def _tensor_kinds(config_json: str) -> tuple[tuple[TensorKind, int], ...]:
+    """Every tensor of expected_tensors(config) by kind, with its count; a routed kind's count is per expert. Cached:
+    the 671B checkpoint has 1.4M tensor keys and a plan search asks for them many times."""
+    config = json.loads(config_json)
+    counts: Counter = Counter()
+    for key, spec in expected_tensors(config).items():
+        kind = TensorKind(
+            spec.group,
+            tuple(spec.shape),
+            spec.quantizable,
+            lora_target(key, spec),
+            key.endswith("e_score_correction_bias"),
+            parse_expert_key(key) is not None,
+        )
+        counts[kind] += 1
+    experts = config.get("n_routed_experts") or 1
+    return tuple((kind, n // experts if kind.routed else n) for kind, n in counts.items())
+
+
+def tensor_kinds(config: dict, experts: range | None = None) -> list[tuple[TensorKind, int]]:
+    """(kind, how many such tensors a worker holding routed experts `experts` (None: all) holds)."""
+    total = config.get("n_routed_experts") or 0
+    held_count = total if experts is None else sum(1 for e in experts if 0 <= e < total)
+    return [
+        (kind, n * held_count if kind.routed else n)
+        for kind, n in _tensor_kinds(json.dumps(config, sort_keys=True, default=str))
+    ]
 
 
 def frozen_bytes(config: dict, plan: QuantPlan, compute_dtype: str = "bfloat16", experts: range | None = None) -> dict:
@@ -67,24 +106,23 @@ def frozen_bytes(config: dict, plan: QuantPlan, compute_dtype: str = "bfloat16",
     (in their formats), embeddings (embed + lm_head) and norms_and_router (compute dtype; the router's bias float32).
     experts: the routed experts this worker holds (None: all)."""
     out: dict[str, int] = defaultdict(int)
-    for key, spec in expected_tensors(config).items():
-        if not held(key, experts):
+    for kind, n in tensor_kinds(config, experts):
+        if not n:
             continue
-        if spec.quantizable:
-            out[spec.group] += weight_bytes(spec.shape, plan.format_of(spec.group), plan.double_quant)
+        if kind.quantizable:
+            out[kind.group] += n * weight_bytes(kind.shape, plan.format_of(kind.group), plan.double_quant)
             continue
-        dtype = torch.float32 if key.endswith("e_score_correction_bias") else getattr(torch, compute_dtype)
-        value_bytes = dtype.itemsize
-        out[KEPT_GROUPS.get(spec.group, "norms_and_router")] += math.prod(spec.shape) * value_bytes
+        value_bytes = (torch.float32 if kind.float32 else getattr(torch, compute_dtype)).itemsize
+        out[KEPT_GROUPS.get(kind.group, "norms_and_router")] += n * math.prod(kind.shape) * value_bytes
     return dict(out)
 
 
 def lora_values(config: dict, rank: int, targets: tuple[str, ...], experts: range | None = None) -> int:
     """LoRA values (A and B) a worker holds: r (in + out) per adapted weight; routed experts only those in `experts`."""
     return sum(
-        rank * (spec.shape[0] + spec.shape[1])
-        for key, spec in expected_tensors(config).items()
-        if spec.quantizable and lora_target(key, spec) in targets and held(key, experts)
+        n * rank * (kind.shape[0] + kind.shape[1])
+        for kind, n in tensor_kinds(config, experts)
+        if kind.quantizable and kind.target in targets
     )
 
 

@@ -153,7 +153,7 @@ def test_fused_peft_adapter_imports_to_per_expert(tiny_bf16, tmp_path, moe_inter
 
 
 def test_peft_loads_our_export_onto_the_bf16_base(tiny_bf16, tmp_path):
-    """Every adapted module, the dense MLP and shared experts included, applies in PeftModel.from_pretrained on the
+    r"""Every adapted module, the dense MLP and shared experts included, applies in PeftModel.from_pretrained on the
     pinned transformers 5: its logits are the merged reference's, and it warns of no missing or unexpected key.
     (PEFT's own note that its `.*\.gate_up_proj` rank pattern matched no module name is about the fusion it does
     itself: the fused experts get rank 2r, as the equality shows.)"""

@@ -43,6 +43,7 @@ def metrics(out_dir: Path) -> dict[int, dict]:
     return merged
 
 
+@pytest.mark.slow  # 27 s; --resume from a checkpoint stays in the default run: test_launchers.py's EP 2 -> EP 1 resume
 def test_sigkill_then_resume_repeats_the_uninterrupted_metrics(warm_tiny, tmp_path):
     straight = tmp_path / "straight"
     done = subprocess.run(

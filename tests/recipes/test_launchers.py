@@ -304,6 +304,7 @@ def test_two_torchrun_nodes_log_the_ray_metrics(warm_tiny, ray_run, tmp_path):
         assert got[step] == want[step], f"step {step} differs between 2 torchrun nodes and Ray"
 
 
+@pytest.mark.slow  # 31 s; multi-node stays in the default run: two torchrun nodes, and the rank-to-node rule below
 def test_a_two_node_ray_cluster_logs_the_single_node_metrics(warm_tiny, ray_run, tmp_path):
     """The Ray mode joining a cluster through RAY_ADDRESS, as after `ray start --head` and `ray start --address`
     on another node: two Ray nodes of 1 CPU each (both on this machine), so each worker lands on its own node, and
