@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from allsync.config import load_config_for_planning
-from allsync.plan.activations import saved_bytes
+from allsync.plan.activations import RunTraces
 from allsync.plan.estimate import Workload
 from allsync.plan.fit import Layout
 from allsync.plan.hardware import hardware
@@ -30,11 +30,11 @@ CONFIG = "recipes/configs/dapo_math_deepseek_v3_671b.yaml"
 DAPO_PROMPTS = 512
 
 
-def plan_gpus(run, gpus: int, hw, saved, work) -> dict:
+def plan_gpus(run, gpus: int, hw, traces, work) -> dict:
     prompts = DAPO_PROMPTS if DAPO_PROMPTS % gpus == 0 else run.rollout.prompts_per_step
     run = replace(run, rollout=replace(run.rollout, prompts_per_step=prompts))
     base = Layout(gpus, 1, hw.memory_bytes, "resident", 1024, hw.host_link_bytes_per_second)
-    ranked, _ = search(run, DEEPSEEK_V3, hw, gpus, saved, work, base)
+    ranked, _ = search(run, DEEPSEEK_V3, hw, gpus, traces, work, base)
     best = {s: next((c for c in ranked if c.step.schedule == s), None) for s in SCHEDULES}
     return {
         "gpus": gpus,
@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run, _ = load_config_for_planning(CONFIG)
     hw = hardware(args.gpu)
-    saved = saved_bytes(DEEPSEEK_V3, run.lora.rank, tuple(run.lora.targets), run.model.compute_dtype)
+    traces = RunTraces.of(run, DEEPSEEK_V3)
     work = Workload(parse_lengths(DEFAULT_LENGTHS), 1024)
     counts = [int(g) for g in args.gpus.split(",")]
-    results = [plan_gpus(run, g, hw, saved, work) for g in tqdm(counts, desc="GPU counts", unit="plan")]
+    results = [plan_gpus(run, g, hw, traces, work) for g in tqdm(counts, desc="GPU counts", unit="plan")]
     print(f"| GPUs | prompts | {' | '.join(SCHEDULES)} | runs in the loop today |")
     print("|---" * (len(SCHEDULES) + 3) + "|")
     for r in results:

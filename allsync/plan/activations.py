@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ import torch
 from allsync.plan.shapes import tiny_spec_fields
 
 TRACE_TOKENS = (32, 64)
-TRACE_VERSION = 1  # bump when the trainer's forward changes what it saves, so that cached traces are redone
+TRACE_VERSION = 2  # bump when the trainer's forward changes what it saves, so that cached traces are redone
 SHAPE_KEYS = (
     "num_experts_per_tok",
     "hidden_size",
@@ -148,9 +148,33 @@ def weight_storages(model) -> set[int]:
     return found
 
 
-def saved_per_layer(model, tokens: int, checkpointing: bool) -> dict[str, int]:
+@contextmanager
+def one_rank_expert_dispatch(model):
+    """Every routed-expert module of `model` sends its tokens through moe_lora.expert_parallel.ExpertDispatch over a
+    one-rank gloo group: the expert-parallel path and what it saves for backward (one row per (token, expert)
+    assignment, dispatched and returned), without a second process. The module's own experts are the whole group's."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moe_lora.expert_parallel import ExpertDispatch
+    from quant.modules import FrozenExperts
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
+    experts = [m for m in model.modules() if isinstance(m, FrozenExperts)]
+    for module in experts:
+        module.dispatch = ExpertDispatch(group, 1, module.num_experts)
+    try:
+        yield
+    finally:
+        for module in experts:
+            module.dispatch = None
+
+
+def saved_per_layer(model, tokens: int, checkpointing: bool, critic: bool = False) -> dict[str, int]:
     """Bytes of the distinct non-weight storages the trainer's forward saves for backward, by where they are saved:
-    layer0, layer1, ..., post (after the last layer)."""
+    layer0, layer1, ..., post (after the last layer). critic: `model` is an allsync.critic.Critic, whose forward (its
+    values) is traced instead of the policy's."""
     from allsync.forward import SequenceBatch, checkpointed_decoder_layers, forward_pass
 
     weights, seen, saved = weight_storages(model), set(), collections.Counter()
@@ -161,10 +185,13 @@ def saved_per_layer(model, tokens: int, checkpointing: bool) -> dict[str, int]:
     ]
     hooks.append(model.model.norm.register_forward_pre_hook(lambda module, args: where.__setitem__(0, "post")))
 
+    held = []  # every storage counted stays alive, so that no later one reuses its address and goes uncounted
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
         if key not in weights and key not in seen:
             seen.add(key)
+            held.append(t)
             saved[where[0]] += t.untyped_storage().nbytes()
         return t
 
@@ -173,7 +200,7 @@ def saved_per_layer(model, tokens: int, checkpointing: bool) -> dict[str, int]:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fused_attention():
             with checkpointed_decoder_layers(model, checkpointing):
-                forward_pass(model, batch)
+                model(batch) if critic else forward_pass(model, batch)
     finally:
         for hook in hooks:
             hook.remove()
@@ -181,10 +208,18 @@ def saved_per_layer(model, tokens: int, checkpointing: bool) -> dict[str, int]:
 
 
 def trace_saved_bytes(
-    config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str = "bfloat16"
+    config: dict,
+    lora_rank: int,
+    targets: tuple[str, ...],
+    compute_dtype: str = "bfloat16",
+    expert_parallel: bool = False,
+    critic: bool = False,
 ) -> SavedBytes:
     """SavedBytes of the run's LoRA on `config`'s shapes, traced (module docstring). Builds the two-layer checkpoint in
-    a temporary directory (DeepSeek-V3's shapes: 2.2 GB, about a minute on 2 cores)."""
+    a temporary directory (DeepSeek-V3's shapes: 2.2 GB, about a minute on 2 cores). expert_parallel: the routed
+    tokens go through the expert-parallel dispatch (`one_rank_expert_dispatch`), as every layout with EP > 1 trains.
+    critic: the PPO / T-PPO critic's forward (allsync.critic.Critic over the policy's frozen weights) instead of the
+    policy's."""
     from moe_lora.lora import LoRAConfig, attach_lora
     from moe_lora.tiny import make_tiny
     from quant.loader import QuantPlan, load_frozen_model
@@ -194,7 +229,12 @@ def trace_saved_bytes(
         base = make_tiny(Path(tmp) / "model", trace_spec(config))
         model = load_frozen_model(str(base), QuantPlan.uniform("bf16"), compute_dtype=dtype, progress=False)
     attach_lora(model, LoRAConfig(lora_rank, 2 * lora_rank, tuple(targets)))
-    first, second = (saved_per_layer(model, t, False) for t in TRACE_TOKENS)
+    if critic:
+        from allsync.critic import Critic
+
+        model = Critic(model, seed=0)
+    with one_rank_expert_dispatch(model) if expert_parallel else nullcontext():
+        first, second = (saved_per_layer(model, t, False, critic) for t in TRACE_TOKENS)
     span = TRACE_TOKENS[1] - TRACE_TOKENS[0]
     slope = {k: (second.get(k, 0) - first.get(k, 0)) / span for k in second}
     const = {k: first.get(k, 0) - TRACE_TOKENS[0] * slope[k] for k in second}
@@ -208,10 +248,18 @@ def trace_saved_bytes(
     )
 
 
-def trace_key(config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str) -> str:
-    """What the trace depends on, hashed: the per-token shapes, the LoRA and the compute dtype."""
+def trace_key(
+    config: dict,
+    lora_rank: int,
+    targets: tuple[str, ...],
+    compute_dtype: str,
+    expert_parallel: bool = False,
+    critic: bool = False,
+) -> str:
+    """What the trace depends on, hashed: the per-token shapes, the LoRA, the compute dtype, the path."""
     shape = {k: config[k] for k in SHAPE_KEYS}
-    text = json.dumps([shape, lora_rank, sorted(targets), compute_dtype, TRACE_VERSION], sort_keys=True)
+    path = [p for p, on in (("expert_parallel", expert_parallel), ("critic", critic)) if on]
+    text = json.dumps([shape, lora_rank, sorted(targets), compute_dtype, TRACE_VERSION, *path], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -219,15 +267,45 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "allsync" / "plan"
 
 
-def saved_bytes(config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str = "bfloat16") -> SavedBytes:
-    """`trace_saved_bytes`, kept in the user's cache (~/.cache/allsync/plan/, a JSON file per shape, rank, targets
-    and dtype) so that only the first plan of a shape traces."""
-    path = cache_dir() / f"saved-{trace_key(config, lora_rank, targets, compute_dtype)}.json"
+def saved_bytes(
+    config: dict,
+    lora_rank: int,
+    targets: tuple[str, ...],
+    compute_dtype: str = "bfloat16",
+    expert_parallel: bool = False,
+    critic: bool = False,
+) -> SavedBytes:
+    """`trace_saved_bytes`, kept in the user's cache (~/.cache/allsync/plan/, a JSON file per shape, rank, targets,
+    dtype and path) so that only the first plan of a shape traces."""
+    key = trace_key(config, lora_rank, targets, compute_dtype, expert_parallel, critic)
+    path = cache_dir() / f"saved-{key}.json"
     if path.exists():
         return SavedBytes(**json.loads(path.read_text()))
-    result = trace_saved_bytes(config, lora_rank, targets, compute_dtype)
+    result = trace_saved_bytes(config, lora_rank, targets, compute_dtype, expert_parallel, critic)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(result)) + "\n")
     tmp.replace(path)
     return result
+
+
+@dataclass(frozen=True)
+class RunTraces:
+    """The traces a run's plans read: the policy's forward, on the expert-parallel path for layouts with EP > 1, and
+    the critic's for runs that have one. Each is traced on first use and then read from the user's cache."""
+
+    config: dict
+    lora_rank: int
+    targets: tuple[str, ...]
+    compute_dtype: str = "bfloat16"
+    critic: bool = False
+
+    @classmethod
+    def of(cls, run, model_config: dict) -> RunTraces:
+        r = run
+        return cls(model_config, r.lora.rank, tuple(r.lora.targets), r.model.compute_dtype, r.algorithm.uses_critic)
+
+    def at(self, expert_parallel: int) -> tuple[SavedBytes, SavedBytes | None]:
+        """(the policy's trace, the critic's or None) for a layout with this expert-parallel size."""
+        args = (self.config, self.lora_rank, self.targets, self.compute_dtype, expert_parallel > 1)
+        return saved_bytes(*args), saved_bytes(*args, critic=True) if self.critic else None

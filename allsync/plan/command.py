@@ -48,7 +48,7 @@ def parse_interconnect(text: str) -> dict[str, float]:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from allsync.plan.fit import COLOCATIONS
+    from allsync.plan.fit import COLOCATIONS, DEFAULT_MARGIN
     from allsync.plan.hardware import GPUS
     from allsync.plan.lengths import DEFAULT_LENGTHS
     from allsync.plan.shapes import SHAPES
@@ -77,6 +77,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interconnect", help="per-GPU all-to-all rates, e.g. nvlink=153GB/s,network=43GB/s (default)")
     p.add_argument("--host-link", help="GPU-host bandwidth for sleep mode (default 25GB/s)")
     p.add_argument("--host-memory", default="2TB", help="host memory of one node (default %(default)s)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="share of each GPU's memory a plan leaves unused (default %(default)s: CUDA context, NCCL, fragmentation)",
+    )
     p.add_argument("--search", action="store_true", help="rank every layout that fits on --gpus by step time")
     p.add_argument("--json", help="write the plan here too")
     p.set_defaults(run=run_plan)
@@ -111,7 +117,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from allsync.config import load_config_for_planning
-    from allsync.plan.activations import saved_bytes
+    from allsync.plan.activations import RunTraces
     from allsync.plan.estimate import Workload, colocated_steps
     from allsync.plan.fit import Layout, format_plan, plan_run
     from allsync.plan.lengths import parse_lengths
@@ -153,6 +159,8 @@ def run_plan(args: argparse.Namespace) -> None:
         )
     if not 0 < args.kept_groups <= 1:
         raise ValueError(f"--kept-groups {args.kept_groups}: must be in (0, 1]")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin {args.margin}: must be in [0, 1)")
     hw = hardware_of(args)
     work = Workload(parse_lengths(args.response_lengths), args.prompt_tokens, args.kept_groups)
     layout = Layout(
@@ -164,11 +172,12 @@ def run_plan(args: argparse.Namespace) -> None:
         hw.host_link_bytes_per_second,
         int(parse_size(args.host_memory, "--host-memory")),
         hw.gpus_per_node,
+        args.margin,
     )
 
     print("tracing the trainer's saved activations for this shape (cached after the first time) ...", flush=True)
-    saved = saved_bytes(model_config, run.lora.rank, tuple(run.lora.targets), run.model.compute_dtype)
-    plan = plan_run(run, model_config, layout, saved)
+    traces = RunTraces.of(run, model_config)
+    plan = plan_run(run, model_config, layout, traces)
     print(format_plan(plan))
     out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
     out["response_lengths"] = work.lengths.description
@@ -183,7 +192,7 @@ def run_plan(args: argparse.Namespace) -> None:
     if refusal is not None:
         print(f"the config checker refuses this config: {refusal}")
     if args.search:
-        ranked, refused = search(run, model_config, hw, gpus, saved, work, layout)
+        ranked, refused = search(run, model_config, hw, gpus, traces, work, layout)
         print(format_search(ranked, refused, gpus))
         out["search"] = [c.to_json() for c in ranked]
         out["search_refused"] = [{"layout": label, "reason": why} for label, why in refused]

@@ -2,33 +2,53 @@
 
 An all-sync worker alternates two phases on the same GPU:
 
-    train      frozen + adapter + activations (+ the engine's weights, colocation resident)
-    generate   adapter + the engine's weights + its KV cache (+ frozen, colocation resident)
-    frozen     the trainer's frozen model (weights.frozen_bytes); adapter: LoRA + its gradients + AdamW's moments
+    train      frozen + adapter (+ critic) + activations (+ the engine's resident parts, colocation resident)
+    generate   adapter + the engine's weights and buffers + its KV cache (+ frozen, colocation resident)
+    frozen     the trainer's frozen model (weights.frozen_bytes); adapter: LoRA + its gradients + AdamW's moments;
+               critic (PPO / T-PPO): its adapter (no routed experts) and head, gradients and moments
 
 The torch engine generates with the trainer's own weights (no engine weights); vLLM serves the checkpoint as stored
-(its FP8 or bf16 tensors, the worker's block of routed experts), a second copy. Colocation `resident` keeps both
-copies on the GPU; `sleep` keeps only the phase's own: vLLM's sleep mode (level 1) moves the engine's weights to host
-memory while the trainer trains, and the trainer's frozen weights go to host memory while vLLM generates. That costs
-both copies' bytes twice over the host link every step, and host memory for the larger of them per GPU. `shared`
-(modelled, not built): vLLM reads the trainer's frozen tensors, one copy; vLLM can only serve what the checkpoint
-stores, so the trainer then freezes every group in the stored formats (FP8 for DeepSeek-V3) instead of model.quant's.
+(its FP8 or bf16 tensors, the worker's block of routed experts), a second copy, and holds beside it
+(`engine_extra_bytes`): the absorbed-MLA copies of W_UK / W_UV its latent decode reads, one LoRA slot for every module
+it adapts, its own buffers (CUDA graphs, sampler, profile-run activations) and the reserve our memory share leaves
+free. Colocation `resident` keeps both copies on the GPU (vLLM's KV cache is released while training); `sleep` keeps
+only the phase's own: vLLM's sleep mode (level 1) moves the engine's weights to host memory while the trainer
+trains, and the trainer's frozen weights go to host memory while vLLM generates. That costs both copies' bytes twice
+over the host link every step, and host memory for the larger of them per GPU. `shared` (modelled, not built): vLLM
+reads the trainer's frozen tensors, one copy; vLLM can only serve what the checkpoint stores, so the trainer then
+freezes every group in the stored formats (FP8 for DeepSeek-V3) instead of model.quant's.
 
 Activations: `activations.SavedBytes.peak` at the tokens of one forward (optim.max_tokens_per_forward, or one
-full-length sequence if that is longer; without a budget a minibatch's sequences at full length) with the run's activation checkpointing. KV cache: what the generate phase
-leaves, in tokens of MLA cache (allsync.engines.vllm_support.mla_kv_bytes_per_token), against what the worker's
-sequences of a step need at full length. The run fits when the train phase fits and the generate phase holds at
-least one full-length sequence; fewer than all of them at once means generation in waves, not a failure.
+full-length sequence if that is longer; without a budget a minibatch's sequences at full length) with the run's
+activation checkpointing, traced on the expert-parallel path when EP > 1, the larger of the policy's and the critic's
+(their graphs are alive one at a time). KV cache: what the generate phase leaves, in tokens of MLA cache
+(allsync.engines.vllm_support.mla_kv_bytes_per_token), against what the worker's sequences of a step need at full
+length.
+
+The margin: a plan fits when each phase fits in the GPU's memory less `Layout.margin` of it (default 10%: the CUDA
+context, NCCL's buffers, the allocator's fragmentation and what this count leaves out); the generate phase must
+hold at least one full-length sequence inside it (fewer than all of them at once means generation in waves). The
+KV room the step time uses is what the engine really gets: everything the generate phase leaves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from allsync.plan.activations import SavedBytes
-from allsync.plan.weights import FROZEN_PARTS, engine_bytes, stored_plan, trainer_bytes
+from allsync.plan.activations import RunTraces
+from allsync.plan.weights import (
+    FROZEN_PARTS,
+    critic_bytes,
+    engine_bytes,
+    held_experts,
+    lora_values,
+    stored_plan,
+    trainer_bytes,
+)
 
 COLOCATIONS = ("resident", "sleep", "shared")
+DEFAULT_MARGIN = 0.10  # share of the GPU's memory a plan leaves unused (module docstring)
+ENGINE_PARTS = ("engine_weights", "engine_mla_absorbed", "engine_lora_slot", "engine_buffers")
 
 
 @dataclass
@@ -41,6 +61,11 @@ class Layout:
     host_link_bytes_per_second: float = 25e9  # GPU <-> host, for sleep mode's transfers (a flag; PCIe 4 x16 ~25 GB/s)
     host_memory_bytes: int = 2 * 10**12  # per node (a flag)
     gpus_per_node: int = 8
+    margin: float = DEFAULT_MARGIN  # share of gpu_memory_bytes left unused (`--margin`)
+
+    @property
+    def usable_bytes(self) -> int:
+        return round(self.gpu_memory_bytes * (1 - self.margin))
 
 
 @dataclass
@@ -58,6 +83,21 @@ class Plan:
     host_bytes_per_gpu: int = 0  # sleep mode's weights and offloaded activations, at the phase that holds most
     offloaded_bytes: int = 0  # optim.activation_offload: one forward's saved tensors in host memory
     problems: list[str] = field(default_factory=list)
+    margin_bytes: int = 0  # what the verdict leaves unused
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.gpu_memory_bytes - self.margin_bytes
+
+    @property
+    def train_room_bytes(self) -> int:
+        """What the train phase leaves inside the margin (negative: over)."""
+        return self.usable_bytes - self.train_bytes
+
+    @property
+    def generate_room_bytes(self) -> int:
+        """What the generate phase with one full-length sequence leaves inside the margin (negative: over)."""
+        return self.usable_bytes - self.generate_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -80,6 +120,9 @@ class Plan:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "fits": self.fits,
             "problems": self.problems,
+            "margin_bytes": self.margin_bytes,
+            "train_room_bytes": self.train_room_bytes,
+            "generate_room_bytes": self.generate_room_bytes,
             "layout": self.layout,
             "kv_cache_tokens": self.kv_cache_tokens,
             "sequences_at_once": self.sequences_at_once,
@@ -97,6 +140,41 @@ def kv_bytes_per_token(model_config: dict) -> int:
     return mla_kv_bytes_per_token(model_config)
 
 
+def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[str, int]:
+    """What vLLM (0.32, on a GPU) holds per GPU beside its weights and KV cache, by part:
+
+    engine_mla_absorbed  W_UK^T and W_UV in the model dtype (bf16), which vLLM's MLA builds from kv_b_proj for its
+                         latent decode and keeps beside it (mla_attention.process_weights_after_loading):
+                         layers x H x (d_nope + d_v) x kv_lora_rank x 2 B (V3: 61 x 128 x 256 x 512 x 2 = 2.05 GB)
+    engine_lora_slot     max_loras (1) x every module vLLM adapts (our engine leaves LoRAConfig.target_modules
+                         unset, so every module it supports gets buffers: attention, dense MLP, shared and the
+                         held routed experts) x max_lora_rank (lora.rank) x (in + out) x 2 B (lora_dtype auto:
+                         the model's bf16)
+    engine_buffers       CUDA graphs, the sampler and the profile run's activations: the estimate
+                         allsync.engines.vllm_support.ENGINE_MARGIN_BYTES that memory_share takes out of the
+                         engine's share for them
+    engine_reserve       the same amount memory_share leaves free outside the engine's share (generate phase)
+    """
+    from allsync.engines.vllm_support import ENGINE_MARGIN_BYTES
+    from moe_lora.lora import DEFAULT_TARGETS
+
+    c = model_config
+    absorbed = (
+        c["num_hidden_layers"]
+        * c["num_attention_heads"]
+        * (c["qk_nope_head_dim"] + c["v_head_dim"])
+        * c["kv_lora_rank"]
+    )
+    experts = held_experts(model_config, expert_parallel)
+    slot = lora_values(model_config, run.lora.rank, DEFAULT_TARGETS, experts)
+    return {
+        "engine_mla_absorbed": absorbed * 2,
+        "engine_lora_slot": slot * 2,
+        "engine_buffers": ENGINE_MARGIN_BYTES,
+        "engine_reserve": ENGINE_MARGIN_BYTES,
+    }
+
+
 def tokens_per_forward(run, sequences: int, sequence_tokens: int) -> int:
     """The tokens of one training forward: optim.max_tokens_per_forward (a longer sequence is a forward of its own),
     or without a budget a minibatch's sequences at full length."""
@@ -106,46 +184,63 @@ def tokens_per_forward(run, sequences: int, sequence_tokens: int) -> int:
     return max(sequences // run.optim.minibatches, 1) * sequence_tokens
 
 
-def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan:
-    """The Plan of `run` (a RunConfig) on `layout` for the checkpoint `model_config`; `saved`: the activation trace."""
+def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan:
+    """The Plan of `run` (a RunConfig) on `layout` for the checkpoint `model_config`; `traces`: the run's activation
+    traces (the expert-parallel path's when layout.expert_parallel > 1, and the critic's)."""
     experts_total = model_config["n_routed_experts"]
     ep = layout.expert_parallel
     r = run.rollout
-    shared = layout.colocation == "shared" and r.engine == "vllm"
+    vllm = r.engine == "vllm"
+    shared = layout.colocation == "shared" and vllm
     per_gpu = trainer_bytes(run, model_config, ep, stored_plan(model_config) if shared else None)
+    per_gpu.update(critic_bytes(run, model_config))
     resident = sum(per_gpu.values())
 
     sequences = r.prompts_per_step // layout.gpus * r.group_size
     sequence_tokens = layout.prompt_tokens + r.max_new_tokens
     tokens = tokens_per_forward(run, sequences, sequence_tokens)
     o = run.optim
-    per_gpu["activations"] = saved.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload)
-    offloaded = saved.offloaded(model_config, tokens, o.activation_checkpointing) if o.activation_offload else 0
-    engine = sum(engine_bytes(model_config, ep).values())
-    per_gpu["engine_weights"] = engine if r.engine == "vllm" and not shared else 0
+    saved = [t for t in traces.at(ep) if t is not None]
+    per_gpu["activations"] = max(
+        t.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload) for t in saved
+    )
+    offloaded = (
+        max(t.offloaded(model_config, tokens, o.activation_checkpointing) for t in saved) if o.activation_offload else 0
+    )
+    engine = {name: 0 for name in ENGINE_PARTS}
+    reserve = 0
+    if vllm:
+        extra = engine_extra_bytes(run, model_config, ep)
+        reserve = extra.pop("engine_reserve")
+        engine.update(extra)
+        engine["engine_weights"] = 0 if shared else sum(engine_bytes(model_config, ep).values())
+    per_gpu.update(engine)
 
     kv_token = kv_bytes_per_token(model_config)
     frozen = sum(per_gpu[name] for name in FROZEN_PARTS)
-    sleeping = layout.colocation == "sleep" and r.engine == "vllm"
-    train = resident + per_gpu["activations"] + (0 if sleeping else per_gpu["engine_weights"])
-    generate_base = resident - (frozen if sleeping else 0) + per_gpu["engine_weights"]
+    engine_total = sum(engine.values())
+    sleeping = layout.colocation == "sleep" and vllm
+    asleep = engine["engine_buffers"]  # what stays of vLLM in sleep mode: its buffers; the rest is in host memory
+    train = resident + per_gpu["activations"] + (asleep if sleeping else engine_total)
+    generate_base = resident - (frozen if sleeping else 0) + engine_total + reserve
     kv_tokens = max(layout.gpu_memory_bytes - generate_base, 0) // kv_token
     per_gpu["kv_cache"] = min(sequences * sequence_tokens, kv_tokens) * kv_token
 
+    usable = layout.usable_bytes
+    margin = f"the GPU's {layout.gpu_memory_bytes / 1e9:.1f} GB less the {layout.margin:.0%} margin"
     problems = []
-    if train > layout.gpu_memory_bytes:
+    if train > usable:
         problems.append(
             f"the train phase needs {train / 1e9:.1f} GB (activations {per_gpu['activations'] / 1e9:.1f} GB at "
-            f"{tokens:,} tokens per forward), {(train - layout.gpu_memory_bytes) / 1e9:.1f} GB more than the GPU's "
-            f"{layout.gpu_memory_bytes / 1e9:.0f} GB"
+            f"{tokens:,} tokens per forward), {(train - usable) / 1e9:.1f} GB more than {margin}"
         )
-    if kv_tokens < sequence_tokens:
-        short = generate_base + sequence_tokens * kv_token - layout.gpu_memory_bytes
+    generate = generate_base + sequence_tokens * kv_token
+    if generate > usable:
         problems.append(
-            f"the generate phase leaves room for {kv_tokens:,} tokens of KV cache, less than one sequence of "
-            f"{sequence_tokens:,} (prompt + rollout.max_new_tokens); it needs {short / 1e9:.1f} GB more"
+            f"the generate phase with one sequence of {sequence_tokens:,} tokens (prompt + rollout.max_new_tokens) "
+            f"needs {generate / 1e9:.1f} GB, {(generate - usable) / 1e9:.1f} GB more than {margin}"
         )
-    host_bytes = max(per_gpu["engine_weights"] + offloaded, frozen) if sleeping else offloaded
+    host_bytes = max(engine_total - asleep + offloaded, frozen) if sleeping else offloaded
     node_gpus = min(layout.gpus, layout.gpus_per_node)
     if host_bytes * node_gpus > layout.host_memory_bytes:
         problems.append(
@@ -155,7 +250,7 @@ def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan
     return Plan(
         per_gpu_bytes=per_gpu,
         train_bytes=train,
-        generate_bytes=generate_base + min(sequence_tokens, kv_tokens) * kv_token,
+        generate_bytes=generate,
         gpu_memory_bytes=layout.gpu_memory_bytes,
         kv_cache_tokens=kv_tokens,
         sequences=sequences,
@@ -171,11 +266,13 @@ def plan_run(run, model_config: dict, layout: Layout, saved: SavedBytes) -> Plan
             "activation_offload": run.optim.activation_offload,
             "prompt_tokens": layout.prompt_tokens,
             "frozen_formats": "as stored (shared with vLLM)" if shared else "model.quant",
+            "margin": layout.margin,
         },
-        sleep_seconds=2 * (per_gpu["engine_weights"] + frozen) / layout.host_link_bytes_per_second if sleeping else 0.0,
+        sleep_seconds=2 * (engine_total - asleep + frozen) / layout.host_link_bytes_per_second if sleeping else 0.0,
         host_bytes_per_gpu=host_bytes,
         offloaded_bytes=offloaded,
         problems=problems,
+        margin_bytes=layout.gpu_memory_bytes - usable,
     )
 
 
@@ -191,7 +288,10 @@ def format_plan(plan: Plan) -> str:
         f"{'train phase':<18}{gb(plan.train_bytes)}  (resident + activations at {plan.tokens_per_forward:,} tokens "
         f"per forward{', checkpointed' if lay['activation_checkpointing'] else ''}"
         f"{', offloaded' if lay['activation_offload'] else ''})",
-        f"{'generate phase':<18}{gb(plan.generate_bytes)}  (with one sequence of KV cache)",
+        f"{'generate phase':<18}{gb(plan.generate_bytes)}  (with one sequence of KV cache"
+        f"{', and the 2 GiB the engine leaves free' if plan.per_gpu_bytes.get('engine_buffers') else ''})",
+        f"room inside the {lay['margin']:.0%} margin ({plan.margin_bytes / 1e9:.1f} GB): train phase "
+        f"{plan.train_room_bytes / 1e9:.1f} GB, generate phase {plan.generate_room_bytes / 1e9:.1f} GB",
         f"KV cache room: {plan.kv_cache_tokens:,} tokens = {plan.sequences_at_once} of this GPU's {plan.sequences} "
         f"sequences of {plan.sequence_tokens:,} tokens at once (prompts assumed {lay['prompt_tokens']:,} tokens)",
     ]
@@ -204,5 +304,8 @@ def format_plan(plan: Plan) -> str:
     if plan.host_bytes_per_gpu:
         lines.append(f"host memory per GPU: {plan.host_bytes_per_gpu / 1e9:.1f} GB")
     verdict = "fits" if plan.fits else "does not fit: " + "; ".join(plan.problems)
-    lines.append(f"verdict: {verdict} ({plan.total_bytes / 1e9:.1f} of {plan.gpu_memory_bytes / 1e9:.0f} GB)")
+    lines.append(
+        f"verdict: {verdict} ({plan.total_bytes / 1e9:.1f} of {plan.usable_bytes / 1e9:.1f} GB: "
+        f"{plan.gpu_memory_bytes / 1e9:.1f} GB less the {lay['margin']:.0%} margin)"
+    )
     return "\n".join(lines)

@@ -19,6 +19,13 @@ Sources:
                                           (hidden 7168, top-8) = 191 us at EP 8, 313 at 16, 428 at 32, 487 at 64,
                                           561 at 128, 554 at 256
     all-reduce bandwidth                  the same RDMA 43 GB/s per GPU once a group spans nodes, NVLink's otherwise
+    memory                                what torch reports as the device's total (torch.cuda.get_device_properties(
+                                          0).total_memory, the total vLLM's and our memory share divide): H100 SXM
+                                          80 GB 81,082-81,090 MiB and H200 143,156 MiB in public torch printouts
+                                          (`_CudaDeviceProperties(..., total_memory=81089MB)`; torch's "MB" is MiB);
+                                          NVML (nvidia-smi) shows more, 81,559 and 143,771 MiB (the lent H200's),
+                                          which includes memory no process can allocate. The CUDA context and NCCL's
+                                          buffers come out of this total too: they are in the plan's margin (fit.py)
 """
 
 from __future__ import annotations
@@ -57,9 +64,10 @@ class Hardware:
         return DECODE_A2A_SECONDS[min((g for g in known if g >= group), default=known[-1])]
 
 
-GPUS = {
-    "h100": Hardware("H100 SXM 80 GB", 80_000_000_000, 989e12, 3.35e12),
-    "h200": Hardware("H200 SXM 141 GB", 141_000_000_000, 989e12, 4.8e12),
+MiB = 1 << 20
+GPUS = {  # memory: torch's total_memory (module docstring)
+    "h100": Hardware("H100 SXM 80 GB", 81_089 * MiB, 989e12, 3.35e12),
+    "h200": Hardware("H200 SXM 141 GB", 143_156 * MiB, 989e12, 4.8e12),
 }
 
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
-from allsync.plan.activations import SavedBytes
+from allsync.plan.activations import RunTraces
 from allsync.plan.estimate import Workload, colocated_steps, generator_bytes, split_steps
-from allsync.plan.fit import COLOCATIONS, Layout, kv_bytes_per_token, plan_run, tokens_per_forward
+from allsync.plan.fit import COLOCATIONS, Layout, engine_extra_bytes, kv_bytes_per_token, plan_run, tokens_per_forward
 from allsync.plan.hardware import Hardware
 from allsync.plan.schedules import StepTime
-from allsync.plan.weights import trainer_bytes
+from allsync.plan.weights import critic_bytes, trainer_bytes
 
 
 COLOCATION_NOT_BUILT = {
@@ -92,14 +92,14 @@ def divisors(n: int, experts: int) -> list[int]:
     return [k for k in range(1, g + 1) if g % k == 0]
 
 
-def colocated(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: Workload, base: Layout):
+def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
     """(candidates, refusals): every expert-parallel size and colocation on `gpus` GPUs."""
     found, refused = [], []
     colocations = COLOCATIONS if run.rollout.engine == "vllm" else ("resident",)
     for ep in divisors(gpus, model_config["n_routed_experts"]):
         for colocation in colocations:
             layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
-            plan = plan_run(run, model_config, layout, saved)
+            plan = plan_run(run, model_config, layout, traces)
             label = f"EP {ep}, colocation {colocation}"
             if not plan.fits:
                 refused.append((label, plan.problems[0]))
@@ -116,9 +116,24 @@ def colocated(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, wor
     return found, refused
 
 
-def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: Workload):
-    """(candidates, refusals): every split of `gpus` into generators and trainers (module docstring)."""
+def trainer_peak(run, model_config, expert_parallel: int, traces: RunTraces, tokens: int) -> tuple[int, int]:
+    """(a training GPU's peak bytes: resident trainer, critic and activations at `tokens` per forward; the
+    activations it offloads to host memory)."""
+    o = run.optim
+    saved = [t for t in traces.at(expert_parallel) if t is not None]
+    activations = max(t.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload) for t in saved)
+    offloaded = (
+        max(t.offloaded(model_config, tokens, o.activation_checkpointing) for t in saved) if o.activation_offload else 0
+    )
+    resident = sum(trainer_bytes(run, model_config, expert_parallel).values())
+    return resident + sum(critic_bytes(run, model_config).values()) + activations, offloaded
+
+
+def split(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
+    """(candidates, refusals): every split of `gpus` into generators and trainers (module docstring), each side's
+    peak inside the GPU's memory less base.margin of it."""
     found, refused = [], []
+    usable = base.usable_bytes
     r, experts = run.rollout, model_config["n_routed_experts"]
     unit = hw.gpus_per_node if gpus >= 2 * hw.gpus_per_node else 1
     sequence_tokens = work.prompt_tokens + r.max_new_tokens
@@ -131,14 +146,13 @@ def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: W
         sequences = r.prompts_per_step * r.group_size // train_gpus + 1
         tokens = tokens_per_forward(run, sequences, sequence_tokens)
         o = run.optim
-        activations = saved.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload)
-        offloaded = saved.offloaded(model_config, tokens, o.activation_checkpointing) if o.activation_offload else 0
         train_fit = (
-            (k, total)
+            (k, total, offloaded)
             for k in divisors(train_gpus, experts)
-            if (total := sum(trainer_bytes(run, model_config, k).values()) + activations) <= hw.memory_bytes
+            for total, offloaded in [trainer_peak(run, model_config, k, traces, tokens)]
+            if total <= usable
         )
-        train_ep, train_total = next(train_fit, (None, None))  # the smallest expert-parallel size that fits
+        train_ep, train_total, offloaded = next(train_fit, (None, None, 0))  # the smallest EP size that fits
         if train_ep is None:
             refused.append((f"{train_gpus} train", "the train phase does not fit at any expert-parallel size"))
             continue
@@ -147,9 +161,11 @@ def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: W
             parts = None if own_copy else trainer_bytes(run, model_config, gen_ep)
             generator = generator_bytes(model_config, gen_ep, own_copy, parts)
             weights = sum(generator.values()) + (0 if own_copy else parts["lora"])  # the torch engine's LoRA too
+            if own_copy:  # vLLM's absorbed-MLA copies, LoRA slot, buffers and the reserve it leaves free
+                weights += sum(engine_extra_bytes(run, model_config, gen_ep).values())
             kv_tokens = (hw.memory_bytes - weights) // kv_token
             label = f"{gen_gpus} generate (EP {gen_ep}) + {train_gpus} train"
-            if kv_tokens < sequence_tokens:
+            if weights + sequence_tokens * kv_token > usable:
                 refused.append((label, f"the generators' weights leave KV room for {max(kv_tokens, 0):,} tokens"))
                 continue
             layout = {
@@ -183,15 +199,14 @@ def split(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: W
     return found, refused
 
 
-def search(run, model_config, hw: Hardware, gpus: int, saved: SavedBytes, work: Workload, base: Layout):
+def search(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
     """(every feasible candidate, fastest first; the refusals (label, reason)), with and without activation
     offload."""
     found, refused = [], []
     kinds = [(offload, kind) for offload in (False, True) for kind in (colocated, split)]
     for offload, kind in tqdm(kinds, desc="layouts", unit="kind"):
         variant = replace(run, optim=replace(run.optim, activation_offload=offload))
-        extra = (base,) if kind is colocated else ()
-        f, r = kind(variant, model_config, hw, gpus, saved, work, *extra)
+        f, r = kind(variant, model_config, hw, gpus, traces, work, base)
         found += f
         refused += [(label + (", activations offloaded" if offload else ""), why) for label, why in r]
     # ties (e.g. training hidden behind generation either way) go to the simpler layout: no offload

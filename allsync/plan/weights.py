@@ -149,6 +149,17 @@ def trainer_bytes(run, model_config: dict, expert_parallel: int, quant: QuantPla
     return per_gpu
 
 
+def critic_bytes(run, model_config: dict) -> dict[str, int]:
+    """PPO / T-PPO's critic (allsync/critic.py) per GPU: its adapter (the policy's rank and targets but the routed
+    experts, replicated) and its value head (hidden + 1), with gradients and AdamW's two moments, all float32:
+    4 x values x 4 B. {} without a critic."""
+    if not run.algorithm.uses_critic:
+        return {}
+    targets = tuple(t for t in run.lora.targets if t != "routed_experts")
+    values = lora_values(model_config, run.lora.rank, targets) + model_config["hidden_size"] + 1
+    return {"critic": 4 * values * LORA_VALUE_BYTES}
+
+
 def engine_bytes(model_config: dict, expert_parallel: int) -> dict[str, int]:
     """vLLM's own copy of the base per GPU, by group: the checkpoint's tensors as stored, n_routed_experts / EP
     experts."""

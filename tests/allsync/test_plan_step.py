@@ -164,6 +164,8 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         "deepseek-v3",
         "--colocation",
         "sleep",
+        "--margin",
+        "0.05",  # at the default 10% the config's own layout misses by 0.4 GB (test_plan_fit.py)
         "--search",
         "--json",
         str(out),
@@ -180,7 +182,7 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         assert sum(c["parts"].values()) == pytest.approx(c["step_seconds"])
         assert 0 <= c["idle_fraction"] < 1
         peaks = [v for k, v in c["memory"].items() if k.endswith("peak_bytes")]
-        assert all(p <= 80e9 for p in peaks)
+        assert all(p <= 0.95 * 81089 * 2**20 for p in peaks)
         assert c["not_built"]  # no 671B layout runs in the loop today: vLLM's expert parallelism is not wired in
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
