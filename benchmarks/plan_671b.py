@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from allsync.config import load_config_for_planning
 from allsync.plan.activations import RunTraces
+from allsync.plan.command import kept_share
 from allsync.plan.estimate import Workload
 from allsync.plan.fit import Layout
 from allsync.plan.hardware import hardware
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     run, _ = load_config_for_planning(CONFIG)
     hw = hardware(args.gpu)
     traces = RunTraces.of(run, DEEPSEEK_V3)
-    work = Workload(parse_lengths(DEFAULT_LENGTHS), 1024)
+    work = Workload(parse_lengths(DEFAULT_LENGTHS), 1024, kept_share(run, None))
     counts = [int(g) for g in args.gpus.split(",")]
     results = [plan_gpus(run, g, hw, traces, work) for g in tqdm(counts, desc="GPU counts", unit="plan")]
     print(f"| GPUs | prompts | {' | '.join(SCHEDULES)} | runs in the loop today |")

@@ -72,7 +72,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--response-lengths", default=DEFAULT_LENGTHS, help="a file of lengths, or %(default)s (the default, assumed)"
     )
     p.add_argument("--prompts-per-step", type=int, help="plan this batch instead of rollout.prompts_per_step")
-    p.add_argument("--kept-groups", type=float, default=1.0, help="share of groups dynamic sampling keeps (default 1)")
+    p.add_argument(
+        "--kept-groups",
+        type=float,
+        help=f"share of generated groups dynamic sampling keeps (default {ASSUMED_KEPT} with algorithm.dynamic_sampling, "
+        "assumed; 1 without)",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        help="conversations per episode of a multi-conversation producer (ceil(document / producer.chunk_tokens) + 1;"
+        " required for one); --prompt-tokens is then each conversation's prompt",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink (default %(default)s)")
     p.add_argument("--interconnect", help="per-GPU all-to-all rates, e.g. nvlink=153GB/s,network=43GB/s (default)")
     p.add_argument("--host-link", help="GPU-host bandwidth for sleep mode (default 25GB/s)")
@@ -86,6 +97,40 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--search", action="store_true", help="rank every layout that fits on --gpus by step time")
     p.add_argument("--json", help="write the plan here too")
     p.set_defaults(run=run_plan)
+
+
+ASSUMED_KEPT = 0.5  # DAPO-style runs keep about half their groups once the policy solves some prompts every time
+
+
+def kept_share(run, given: float | None) -> float:
+    """--kept-groups, or its default: ASSUMED_KEPT with algorithm.dynamic_sampling, 1 without. ValueError naming the
+    flag when it is outside (0, 1] or below 1 for a run that keeps every group."""
+    if given is None:
+        return ASSUMED_KEPT if run.algorithm.dynamic_sampling else 1.0
+    if not 0 < given <= 1:
+        raise ValueError(f"--kept-groups {given}: must be in (0, 1]")
+    if given < 1 and not run.algorithm.dynamic_sampling:
+        raise ValueError(f"--kept-groups {given}: the config has no algorithm.dynamic_sampling, so every group is kept")
+    return given
+
+
+def conversations_of(run, given: int | None) -> int:
+    """--conversations: required (>= 2) for a multi-conversation producer, refused for any other."""
+    multiconv = run.producer.kind == "multiconv"
+    if given is None:
+        if multiconv:
+            raise ValueError(
+                "producer.kind multiconv: give --conversations N, the conversations of an episode "
+                "(ceil(document tokens / producer.chunk_tokens) + 1), and --prompt-tokens, each one's prompt"
+            )
+        return 1
+    if not multiconv:
+        raise ValueError(
+            f"--conversations {given}: only for producer.kind multiconv (this config's is {run.producer.kind})"
+        )
+    if given < 2:
+        raise ValueError(f"--conversations {given}: a multi-conversation episode has at least 2 (memory, answer)")
+    return given
 
 
 def hardware_of(args: argparse.Namespace):
@@ -157,12 +202,12 @@ def run_plan(args: argparse.Namespace) -> None:
             f"{args.prompt_tokens + run.rollout.max_new_tokens:,} tokens exceed the model's context "
             f"(max_position_embeddings {context:,})"
         )
-    if not 0 < args.kept_groups <= 1:
-        raise ValueError(f"--kept-groups {args.kept_groups}: must be in (0, 1]")
+    kept_groups = kept_share(run, args.kept_groups)
+    conversations = conversations_of(run, args.conversations)
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: must be in [0, 1)")
     hw = hardware_of(args)
-    work = Workload(parse_lengths(args.response_lengths), args.prompt_tokens, args.kept_groups)
+    work = Workload(parse_lengths(args.response_lengths), args.prompt_tokens, kept_groups, conversations=conversations)
     layout = Layout(
         gpus,
         ep,

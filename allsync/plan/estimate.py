@@ -3,10 +3,15 @@ continuous-batching engine, trained by the roofline of step_time.py, and put tog
 schedules.py.
 
 Per step and GPU (all-sync, colocated):
-    sequences      rollout.prompts_per_step / GPUs prompts x rollout.group_size, divided by --kept-groups (dynamic
-                   sampling generates until that share of groups has a reward spread; 1: every group kept)
-    generate       generation_timeline with the generator's weights (vLLM's own copy, or the trainer's frozen model
-                   for the torch engine and for colocation `shared`) and the plan's KV room
+    sequences      q = rollout.prompts_per_step / GPUs prompts x rollout.group_size per sampling round
+    rounds         dynamic sampling (`sampling_rounds`): each round generates q groups, each kept (a reward spread)
+                   with probability --kept-groups, until the worker has kept q (algorithm.sampling_fill worker) or
+                   the workers together have kept all (global), at most algorithm.max_sampling_rounds; the q first
+                   kept groups train. Rounds run one after another, each to its own longest response; under expert
+                   parallelism the ranks of an EP group decode in lockstep, so a round lasts as long as the group's
+                   slowest rank, and with global filling every worker waits for every round
+    generate       generation_timeline of each round with the generator's weights (vLLM's own copy, or the trainer's
+                   frozen model for the torch engine and for colocation `shared`) and the plan's KV room
     train          step_time.train_seconds of the kept sequences (prompt + response tokens), plus one all-reduce of
                    the LoRA gradients (float32) per minibatch: the routed experts' over their GPUS / EP replicas,
                    the rest over all GPUs
@@ -41,21 +46,79 @@ class Workload:
     prompt_tokens: int
     kept_groups: float = 1.0  # share of generated groups dynamic sampling keeps
     seed: int = 0
+    conversations: int = 1  # per episode (multi-conversation producers; their prompts are prompt_tokens each)
 
 
-def draw_groups(run, gpus: int, work: Workload) -> list[np.ndarray]:
-    """Each GPU's generated response lengths, [groups, group_size]; the first kept_groups share of them is trained."""
+@dataclass
+class Sampling:
+    """One step's dynamic sampling over every GPU: the groups each GPU generates in each round it runs, as one
+    [groups, group_size] array of response lengths per conversation (one for single-turn episodes; multi-
+    conversation episodes generate their conversations one after another), and the sequences it trains."""
+
+    rounds: list[list[list[np.ndarray]]]  # per GPU, per round it generates in, per conversation
+    trained: list[np.ndarray]  # per GPU: response lengths of every trained sequence
+    fill: str  # algorithm.sampling_fill
+
+    @property
+    def round_count(self) -> int:
+        return max(len(r) for r in self.rounds)
+
+
+def conversation_caps(run, conversations: int) -> list[int]:
+    """Each conversation's response cap: producer.memory_tokens for the memory conversations of a multi-conversation
+    episode, rollout.max_new_tokens for its last (the answer) and for single-turn episodes."""
+    memory = getattr(run.producer, "memory_tokens", run.rollout.max_new_tokens)
+    return [memory] * (conversations - 1) + [run.rollout.max_new_tokens]
+
+
+def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
+    """Each GPU's rounds and trained sequences (module docstring): response lengths from work.lengths (cut at each
+    conversation's cap), each group kept with probability work.kept_groups (numpy's generator seeded with
+    work.seed, so a plan is reproducible)."""
     rng = np.random.default_rng(work.seed)
-    r = run.rollout
-    groups = int(np.ceil(r.prompts_per_step // gpus / work.kept_groups))
-    return [
-        work.lengths.draw(groups * r.group_size, r.max_new_tokens, rng).reshape(groups, r.group_size)
+    r, a = run.rollout, run.algorithm
+    quota = r.prompts_per_step // gpus
+    dynamic = a.dynamic_sampling and work.kept_groups < 1
+    max_rounds = a.max_sampling_rounds if dynamic else 1
+    caps = conversation_caps(run, work.conversations)
+    drawn = [
+        [
+            [work.lengths.draw(quota * r.group_size, cap, rng).reshape(quota, r.group_size) for cap in caps]
+            for _ in range(max_rounds)
+        ]
         for _ in range(gpus)
     ]
+    kept = rng.random((gpus, max_rounds, quota)) < work.kept_groups if dynamic else np.ones((gpus, 1, quota), bool)
+    cumulative = kept.sum(axis=2).cumsum(axis=1)  # [gpus, rounds]: groups kept after each round
+    if a.sampling_fill == "global":
+        enough = cumulative.sum(axis=0) >= quota * gpus
+        runs = np.full(gpus, int(np.argmax(enough)) + 1 if enough.any() else max_rounds)
+    else:
+        done = cumulative >= quota
+        runs = np.where(done.any(axis=1), done.argmax(axis=1) + 1, max_rounds)
+    trained = []
+    for i in range(gpus):
+        episodes = np.concatenate(  # [kept groups, conversations x group_size]
+            [np.concatenate(drawn[i][j], axis=1)[kept[i, j]] for j in range(runs[i])]
+        )
+        trained.append(episodes[:quota].ravel())
+    return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill)
 
 
-def kept(run, gpus: int, groups: np.ndarray) -> np.ndarray:
-    return groups[: run.rollout.prompts_per_step // gpus]
+def generation_seconds(sampling: Sampling, round_seconds: list[list[float]], expert_parallel: int) -> np.ndarray:
+    """Each GPU's generate seconds from each round's seconds on it (module docstring): its own rounds one after
+    another; with global filling every round waits for the slowest GPU; under expert parallelism for the slowest
+    rank of the GPU's EP group (a rank whose quota is full keeps serving its group's rounds)."""
+    gpus, count = len(round_seconds), sampling.round_count
+    table = np.zeros((gpus, count))
+    for i, seconds in enumerate(round_seconds):
+        table[i, : len(seconds)] = seconds
+    if sampling.fill == "global":
+        return np.full(gpus, table.max(axis=0).sum())
+    if expert_parallel > 1:
+        groups = table.reshape(gpus // expert_parallel, expert_parallel, count).max(axis=1).sum(axis=1)
+        return np.repeat(groups, expert_parallel)
+    return table.sum(axis=1)
 
 
 def generator_bytes(model_config: dict, ep: int, own_copy: bool, trainer_parts: dict | None) -> dict[str, int]:
@@ -113,7 +176,10 @@ def train_each(
     """Each GPU's training seconds for its sequences (arrays of response lengths), one array of per-sequence seconds
     per GPU. offloaded_per_token: activation offload's host bytes per token, copied out in the forward and back in
     backward over the host link."""
-    passes = train_passes(run.optim.activation_checkpointing, run.optim.minibatches, run.algorithm.kl_coef > 0)
+    o = run.optim
+    passes = train_passes(
+        o.activation_checkpointing, o.minibatches, run.algorithm.kl_coef > 0, run.algorithm.uses_critic
+    )
     out = []
     for s in sequences:
         tokens = s + prompt_tokens
@@ -133,21 +199,26 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
         routed_format = stored_plan(model_config).format_of("routed_experts")
     else:
         routed_format = run.model.quant.plan().format_of("routed_experts")
-    drawn = draw_groups(run, gpus, work)
+    sampling = sampling_rounds(run, gpus, work)
     per_token = plan.offloaded_bytes / plan.tokens_per_forward
-    sequences = [kept(run, gpus, g).ravel() for g in drawn]
+    sequences = sampling.trained
     trained = train_each(run, model_config, hw, ep, routed_format, sequences, work.prompt_tokens, per_token)
     grad_sync = run.optim.minibatches * grad_sync_seconds(run, model_config, hw, gpus, ep)
     train = np.array([t.sum() for t in trained]) + grad_sync
     fixed = {"sleep transfers": plan.sleep_seconds} if plan.sleep_seconds else {}
     if run.rollout.engine == "vllm":
         fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
-    gen = np.array([generate(g, work.prompt_tokens, plan.kv_cache_tokens, cost)[0] for g in drawn])
+    round_seconds = [
+        [sum(generate(c, work.prompt_tokens, plan.kv_cache_tokens, cost)[0] for c in waves) for waves in rounds]
+        for rounds in sampling.rounds
+    ]
+    gen = generation_seconds(sampling, round_seconds, ep)
     out = [schedules.all_sync(gen, train, fixed)]
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config)
-    if layout.colocation != "sleep" and overlap_kv >= plan.sequence_tokens:
-        runs = [generate(g, work.prompt_tokens, overlap_kv, cost) for g in drawn]
+    one_wave = sampling.round_count == 1 and work.conversations == 1  # overlap is modelled for one wave of groups
+    if layout.colocation != "sleep" and overlap_kv >= plan.sequence_tokens and one_wave:
+        runs = [generate(g[0][0], work.prompt_tokens, overlap_kv, cost) for g in sampling.rounds]
         group_train = [t.reshape(-1, run.rollout.group_size).sum(axis=1) for t in trained]
         ready = [finish[: len(t)] for (_, finish), t in zip(runs, group_train)]  # the kept groups: the first to finish
         out.append(
@@ -175,9 +246,13 @@ def split_steps(
     (generator_bytes) and `kv_tokens` of KV room each) and `train_gpus` trainers (train_ep): [StepTime, StepTime]."""
     own_copy = run.rollout.engine == "vllm"
     cost = generator_cost(run, model_config, hw, gen_ep, generator, own_copy)
-    drawn = draw_groups(run, gen_gpus, work)
-    gen = np.array([generate(g, work.prompt_tokens, kv_tokens, cost)[0] for g in drawn])
-    batch = np.concatenate([kept(run, gen_gpus, g).ravel() for g in drawn])
+    sampling = sampling_rounds(run, gen_gpus, work)
+    round_seconds = [
+        [sum(generate(c, work.prompt_tokens, kv_tokens, cost)[0] for c in waves) for waves in rounds]
+        for rounds in sampling.rounds
+    ]
+    gen = generation_seconds(sampling, round_seconds, gen_ep)
+    batch = np.concatenate(sampling.trained)
     per_trainer = [batch[i::train_gpus] for i in range(train_gpus)]
     routed_format = run.model.quant.plan().format_of("routed_experts")
     trained = train_each(

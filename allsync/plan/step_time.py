@@ -11,7 +11,8 @@ Forward FLOPs of one token that attends to c earlier tokens (h hidden, H heads, 
 so a sequence of S tokens costs S x F(c = S / 2) (F is linear in c). Training a sequence runs it through the frozen
 model `passes` times: forward 1, backward 2 (input gradients only: the base is frozen; LoRA's share is < 1%), the
 recomputed forward of activation checkpointing 1, the old-logprob forward of a step with several minibatches 1, the
-reference forward of a KL penalty 1. Seconds = FLOPs / (peak x hardware.train_efficiency), the efficiency measured on
+reference forward of a KL penalty 1; a critic's value forward 1, its forward 1 and backward 2 (recompute 1).
+Seconds = FLOPs / (peak x hardware.train_efficiency), the efficiency measured on
 the real layers (hardware.py), plus the MoE all-to-all: per routed token and MoE layer, k copies of the hidden
 state (bf16) leave and come back, the share (EP - 1) / EP of them to other GPUs, once per forward-like pass and once
 in backward, at the group's per-GPU all-to-all bandwidth.
@@ -82,12 +83,17 @@ def sequence_forward_flops(config: dict, tokens) -> np.ndarray:
     return tokens * (f0 + slope * tokens / 2)
 
 
-def train_passes(checkpointing: bool, minibatches: int, kl: bool) -> tuple[int, int]:
+def train_passes(checkpointing: bool, minibatches: int, kl: bool, critic: bool = False) -> tuple[int, int]:
     """(FLOP passes, all-to-all passes) of training one sequence: forward 1 + backward 2 (+ recompute, + old-logprob
     forward when a step has several minibatches, + reference forward with a KL penalty); the backward moves the
-    all-to-all's bytes once."""
+    all-to-all's bytes once. A critic (PPO / T-PPO, allsync/critic.py) runs the frozen model again: its values before
+    the update (a forward), then its own forward and backward (+ recompute)."""
     forwards = 1 + int(checkpointing) + int(minibatches > 1) + int(kl)
-    return forwards + 2, forwards + 1
+    flops, a2a = forwards + 2, forwards + 1
+    if critic:
+        flops += 1 + 3 + int(checkpointing)
+        a2a += 1 + 2 + int(checkpointing)
+    return flops, a2a
 
 
 def a2a_bytes_per_token(config: dict, expert_parallel: int) -> float:

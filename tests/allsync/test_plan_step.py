@@ -154,6 +154,81 @@ def test_response_lengths_from_a_file_or_a_lognormal_and_refusals_naming_the_fla
         hardware("a100")
 
 
+def sampling_run(
+    fill: str = "worker",
+    dynamic: bool = True,
+    max_rounds: int = 4,
+    producer: dict | None = None,
+    task: dict | None = None,
+):
+    from allsync.config import parse_config
+
+    config = {
+        "model": {"base": "/nonexistent"},
+        "rollout": {"prompts_per_step": 64, "group_size": 4, "max_new_tokens": 100},
+        "algorithm": {"dynamic_sampling": dynamic, "max_sampling_rounds": max_rounds}
+        | ({"sampling_fill": fill} if dynamic else {}),
+        "parallel": {"workers_per_node": 8},
+    }
+    if producer:
+        config["producer"] = producer
+    if task:
+        config["task"] = task
+    return parse_config(config)
+
+
+def test_dynamic_sampling_runs_rounds_until_the_quota_is_kept():
+    """Each round generates the worker's quota of groups; a worker stops once it has kept its quota (worker fill),
+    or all stop once the workers together have (global); at most max_sampling_rounds; the quota's first kept groups
+    train."""
+    from allsync.plan.estimate import Workload, sampling_rounds
+
+    lengths = parse_lengths("lognormal:median=50,sigma=0.5")
+    every = sampling_rounds(sampling_run(dynamic=False), 8, Workload(lengths, 10, kept_groups=1.0))
+    assert every.round_count == 1 and all(len(t) == 8 * 4 for t in every.trained)
+    worker = sampling_rounds(sampling_run("worker"), 8, Workload(lengths, 10, kept_groups=0.5))
+    runs = [len(r) for r in worker.rounds]
+    assert 2 <= min(runs) and max(runs) <= 4 and len(set(runs)) > 1  # half kept: 2 rounds at least, some need more
+    assert all(len(t) <= 8 * 4 for t in worker.trained)
+    assert sum(len(t) == 8 * 4 for t in worker.trained) >= 6  # the cap leaves a few short
+    glob = sampling_rounds(sampling_run("global"), 8, Workload(lengths, 10, kept_groups=0.5))
+    assert len({len(r) for r in glob.rounds}) == 1 and glob.round_count <= max(runs)
+    one = sampling_rounds(sampling_run("worker", max_rounds=1), 8, Workload(lengths, 10, kept_groups=0.5))
+    assert one.round_count == 1 and all(len(t) < 8 * 4 for t in one.trained)  # the cap: fewer groups train
+
+
+def test_rounds_wait_for_the_slowest_rank_of_an_expert_parallel_group_or_of_all_with_global_filling():
+    from allsync.plan.estimate import Sampling, generation_seconds
+
+    seconds = [[1.0, 5.0], [2.0], [3.0, 1.0, 1.0], [4.0]]  # GPUs 0-3: each round's seconds
+    rounds = [[[np.zeros((1, 1))]] * len(r) for r in seconds]
+    worker = Sampling(rounds, [np.zeros(1)] * 4, "worker")
+    assert generation_seconds(worker, seconds, 1).tolist() == [6.0, 2.0, 5.0, 4.0]
+    assert generation_seconds(worker, seconds, 2).tolist() == [7.0, 7.0, 6.0, 6.0]  # max per round in {0,1}, {2,3}
+    glob = Sampling(rounds, [np.zeros(1)] * 4, "global")
+    assert generation_seconds(glob, seconds, 1).tolist() == [10.0] * 4  # 4 + 5 + 1
+
+
+def test_a_multi_conversation_episode_generates_its_conversations_in_turn_and_trains_them_all():
+    from allsync.plan.estimate import Workload, conversation_caps, sampling_rounds
+
+    run = sampling_run(
+        dynamic=False, producer={"kind": "multiconv", "memory_tokens": 30}, task={"name": "memory_recall", "chunks": 2}
+    )
+    assert conversation_caps(run, 3) == [30, 30, 100]
+    work = Workload(parse_lengths("lognormal:median=50,sigma=0.5"), 10, conversations=3)
+    sampling = sampling_rounds(run, 8, work)
+    waves = sampling.rounds[0][0]
+    assert len(waves) == 3 and waves[0].max() <= 30 and waves[2].max() <= 100 and waves[2].max() > 30
+    assert all(len(t) == 3 * 8 * 4 for t in sampling.trained)
+
+
+def test_the_671b_plan_needs_the_conversations_of_a_memory_agent(trace_cache, capsys):
+    config = "recipes/configs/memory_agent_deepseek_v3_671b_48xh100.yaml"
+    assert main(["plan", "--config", config, "--shape", "deepseek-v3"]) == 2
+    assert "producer.kind multiconv: give --conversations N" in capsys.readouterr().err
+
+
 def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(trace_cache, tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = [
@@ -205,6 +280,11 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     "args, message",
     [
         (["--kept-groups", "0"], r"--kept-groups 0.0: must be in \(0, 1\]"),
+        (
+            ["--conversations", "3"],
+            r"--conversations 3: only for producer.kind multiconv \(this config's is single_turn\)",
+        ),
+        (["--margin", "1"], r"--margin 1.0: must be in \[0, 1\)"),
         (["--response-lengths", "lognormal:mean=3"], r"--response-lengths 'lognormal:mean=3'"),
         (["--interconnect", "pcie=10GB/s"], r"--interconnect 'pcie=10GB/s': unknown link 'pcie'"),
         (["--interconnect", "nvlink=fast"], r"--interconnect nvlink 'fast'"),
