@@ -119,7 +119,9 @@ def test_the_cheap_readme_commands_run(tmp_path):
     assert (cwd / "runs" / "tiny" / "model.safetensors.index.json").exists()
     assert "routed_experts" in outputs[2] and "nf4" in outputs[2]
     assert "wrote runs/data/arithmetic-train.parquet: 20,000 rows" in outputs[3]
-    assert "verdict: fits (69.5 of 80 GB)" in outputs[4] and "layouts of this config on 48 GPUs that fit" in outputs[4]
+    assert "verdict: does not fit: the generate phase with one sequence of 21,504 tokens" in outputs[4]
+    assert "(77.0 of 76.5 GB: 85.0 GB less the 10% margin)" in outputs[4]
+    assert "layouts of this config on 48 GPUs that fit" in outputs[4]
 
 
 @pytest.mark.slow
