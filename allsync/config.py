@@ -123,7 +123,8 @@ class RolloutSection:
     # call. The same policy in another rounding order (default run: logprob_gap 5e-7 -> 6e-7 nats)
     merge_lora: bool = False
     # torch engine: samples decoded together (one forward per token for all of them; its KV cache holds decode_batch x
-    # (prompt + max_new_tokens) positions). None: 64. The default run sets a worker's whole round (32 prompts x 4)
+    # (prompt + max_new_tokens) positions). None: allsync.engines.torch_engine.DEFAULT_DECODE_BATCH (64). The default
+    # run sets a worker's whole round (32 prompts x 4)
     decode_batch: int | None = None
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
@@ -137,6 +138,13 @@ class RolloutSection:
     # other bytes than were sent (SHA-256), the run stops naming the version (allsync/engines/sync_check.py).
     # None: 0.05 with the vllm engine (the torch engine shares the trainer's tensors: nothing to check)
     sync_probe_tolerance: float | None = None
+
+    @property
+    def decode_batch_size(self) -> int:
+        """The torch engine's decode batch: rollout.decode_batch, or the engine's default."""
+        from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
+
+        return self.decode_batch or DEFAULT_DECODE_BATCH
 
     @property
     def sync_tolerance(self) -> float:

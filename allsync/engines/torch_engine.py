@@ -40,6 +40,9 @@ from moe_lora.mla_decode import ExpandedKVCache, expanded_cache_fits, install_ex
 from moe_lora.routing import moe_layers, recording
 
 
+DEFAULT_DECODE_BATCH = 64  # rows decoded together when rollout.decode_batch is not set
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 1.0
@@ -83,9 +86,10 @@ class TorchEngine:
     def __init__(
         self, model, eos_id: int, pad_id: int, batch_size: int | None = None, lockstep=None, merge_lora: bool = False
     ):
-        """batch_size (rollout.decode_batch): samples decoded together (None: 64). merge_lora (rollout.merge_lora):
-        generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
-        self.model, self.eos_id, self.pad_id, self.batch_size = model, eos_id, pad_id, batch_size or 64
+        """batch_size (rollout.decode_batch): samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
+        (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.batch_size = batch_size or DEFAULT_DECODE_BATCH
         self.lockstep = lockstep
         self.merge_lora = merge_lora
         self.adapter_version = 0

@@ -12,7 +12,8 @@ Per step and GPU (all-sync, colocated):
                    slowest rank, and with global filling every worker waits for every round
     generate       generation_timeline of each round with the generator's weights (vLLM's own copy, or the trainer's
                    frozen model for the torch engine and for colocation `shared`) and the plan's KV room
-    train          step_time.train_seconds of the kept sequences (prompt + response tokens), plus one all-reduce of
+    train          train_phase: the kept sequences (prompt + response tokens) packed into forwards as the learner packs
+                   them, at step_time.forward_seconds each, expert-parallel ranks in lockstep, plus one all-reduce of
                    the LoRA gradients (float32) per minibatch: the routed experts' over their GPUS / EP replicas,
                    the rest over all GPUs
     adapter sync   vLLM's load of the updated adapter, at the host-side rate measured by
@@ -29,10 +30,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from allsync.plan import schedules
-from allsync.plan.fit import Layout, Plan, kv_bytes_per_token
+from allsync.plan.fit import Layout, Plan, kv_bytes_per_token, torch_engine_reexpands
 from allsync.plan.hardware import Hardware
 from allsync.plan.lengths import ResponseLengths
-from allsync.plan.step_time import DecodeCost, allreduce_seconds, generation_timeline, train_passes, train_seconds
+from allsync.plan.step_time import (
+    DecodeCost,
+    allreduce_seconds,
+    forward_seconds,
+    generation_timeline,
+    reexpansion_flops_per_token,
+    static_batches,
+    train_passes,
+)
 from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, held_experts, lora_values, stored_plan
 
 ADAPTER_LOAD_SECONDS_PER_BYTE = 0.055 / 199.0e6  # benchmarks/vllm_adapter_sync.py, in memory (BENCHMARKS.md)
@@ -105,20 +114,24 @@ def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
     return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill)
 
 
-def generation_seconds(sampling: Sampling, round_seconds: list[list[float]], expert_parallel: int) -> np.ndarray:
-    """Each GPU's generate seconds from each round's seconds on it (module docstring): its own rounds one after
-    another; with global filling every round waits for the slowest GPU; under expert parallelism for the slowest
-    rank of the GPU's EP group (a rank whose quota is full keeps serving its group's rounds)."""
-    gpus, count = len(round_seconds), sampling.round_count
-    table = np.zeros((gpus, count))
-    for i, seconds in enumerate(round_seconds):
-        table[i, : len(seconds)] = seconds
+def generation_seconds(sampling: Sampling, round_chunks: list[list[list[float]]], expert_parallel: int) -> np.ndarray:
+    """Each GPU's generate seconds from the seconds of each decode batch of each round on it (`generate_chunks`;
+    vLLM's continuous batching is one per round and conversation): its own rounds one after another; the ranks of
+    an EP group run their j-th batches together (a rank whose quota is full keeps serving its group's rounds), so
+    each costs the group's slowest; with global filling every round waits for every GPU:
+        round(g, r) = sum over batches j of max over ranks i in g of t[i, r, j]
+        worker fill: sum over r of round(g, r);   global: sum over r of max over g of round(g, r)"""
+    gpus, count, group = len(round_chunks), sampling.round_count, max(expert_parallel, 1)
+    per_round = np.zeros((gpus // group, count))
+    for g in range(gpus // group):
+        members = round_chunks[g * group : (g + 1) * group]
+        for r in range(count):
+            ranks = [rounds[r] if r < len(rounds) else [] for rounds in members]
+            batches = max(len(c) for c in ranks)
+            per_round[g, r] = sum(max(c[j] if j < len(c) else 0.0 for c in ranks) for j in range(batches))
     if sampling.fill == "global":
-        return np.full(gpus, table.max(axis=0).sum())
-    if expert_parallel > 1:
-        groups = table.reshape(gpus // expert_parallel, expert_parallel, count).max(axis=1).sum(axis=1)
-        return np.repeat(groups, expert_parallel)
-    return table.sum(axis=1)
+        return np.full(gpus, per_round.max(axis=0).sum())
+    return np.repeat(per_round.sum(axis=1), group)
 
 
 def generator_bytes(model_config: dict, ep: int, own_copy: bool, trainer_parts: dict | None) -> dict[str, int]:
@@ -139,9 +152,26 @@ def generator_cost(
         else run.model.quant.plan().format_of("routed_experts")
     )
     routed = weights.get("routed_experts", 0)
-    return DecodeCost(
-        model_config, hw, routed, sum(weights.values()) - routed, kv_bytes_per_token(model_config), ep, fmt
-    )
+    engine = run.rollout.engine
+    reexpand = reexpansion_flops_per_token(model_config) if torch_engine_reexpands(model_config, engine) else 0.0
+    kv = kv_bytes_per_token(model_config, engine)
+    return DecodeCost(model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, reexpand)
+
+
+def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:
+    """Seconds of each decode batch generating `groups` ([groups, group_size] response lengths): vLLM's continuous
+    batching as one, the torch engine's static batches of rollout.decode_batch rows (step_time.static_batches)."""
+    if run.rollout.engine == "torch":
+        return static_batches(groups.ravel(), prompt_tokens, run.rollout.decode_batch_size, groups.shape[1], cost)
+    return [generate(groups, prompt_tokens, kv_tokens, cost)[0]]
+
+
+def round_chunks(run, sampling: Sampling, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list:
+    """[gpu][round] -> the seconds of every decode batch of the round, its conversations one after another."""
+    return [
+        [[t for wave in waves for t in generate_chunks(run, wave, prompt_tokens, kv_tokens, cost)] for waves in rounds]
+        for rounds in sampling.rounds
+    ]
 
 
 def generate(groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> tuple[float, np.ndarray]:
@@ -163,7 +193,17 @@ def grad_sync_seconds(run, model_config: dict, hw: Hardware, gpus: int, ep: int)
     )
 
 
-def train_each(
+@dataclass
+class Training:
+    """A train phase: each GPU's busy seconds, the phase's wall seconds (waits included), each GPU's seconds per
+    trained sequence (its share of its forwards)."""
+
+    busy: np.ndarray
+    wall: float
+    per_sequence: list[np.ndarray]
+
+
+def train_phase(
     run,
     model_config,
     hw,
@@ -172,20 +212,48 @@ def train_each(
     sequences: list[np.ndarray],
     prompt_tokens: int,
     offloaded_per_token: float = 0.0,
-):
-    """Each GPU's training seconds for its sequences (arrays of response lengths), one array of per-sequence seconds
-    per GPU. offloaded_per_token: activation offload's host bytes per token, copied out in the forward and back in
-    backward over the host link."""
+) -> Training:
+    """The train phase of GPUs holding `sequences` (each GPU's response lengths, in the order it trains them), as
+    the learner runs it: optim.minibatches contiguous parts, each packed into forwards of consecutive rows whose
+    padded size (rows x longest) stays within optim.max_tokens_per_forward (allsync.forward.token_budget_chunks; one
+    forward of the part without a budget). Expert-parallel ranks run their j-th forwards together (a rank with fewer
+    runs idle ones), so each costs the group's slowest; every minibatch ends in a gradient all-reduce over all GPUs:
+        wall = sum over minibatches m of max over EP groups g of sum over forwards j of max over ranks r in g t[r,m,j]
+    (EP 1: groups of one). Activation offload copies each forward's saved bytes out and back over the host link."""
+    from allsync.forward import token_budget_chunks
+
     o = run.optim
     passes = train_passes(
         o.activation_checkpointing, o.minibatches, run.algorithm.kl_coef > 0, run.algorithm.uses_critic
     )
-    out = []
-    for s in sequences:
-        tokens = s + prompt_tokens
-        offload = 2 * tokens * offloaded_per_token / hw.host_link_bytes_per_second
-        out.append(train_seconds(model_config, tokens, hw, routed_format, passes, ep) + offload)
-    return out
+    gpus = len(sequences)
+    times = [[[] for _ in range(o.minibatches)] for _ in range(gpus)]  # [gpu][minibatch] -> seconds per forward
+    per_sequence = []
+    for i, responses in enumerate(sequences):
+        tokens = np.asarray(responses, dtype=np.int64) + prompt_tokens
+        seconds = np.zeros(len(tokens))
+        start = 0
+        for m, part in enumerate(np.array_split(tokens, o.minibatches)):
+            for rows in token_budget_chunks(part.tolist(), o.max_tokens_per_forward):
+                longest = int(part[rows].max())
+                t = forward_seconds(model_config, hw, routed_format, passes, ep, len(rows), longest)
+                t += 2 * len(rows) * longest * offloaded_per_token / hw.host_link_bytes_per_second
+                times[i][m].append(t)
+                seconds[start + np.asarray(rows)] = t / len(rows)
+            start += len(part)
+        per_sequence.append(seconds)
+    busy = np.array([sum(sum(m) for m in gpu) for gpu in times])
+    group = max(ep, 1)
+    wall = 0.0
+    for m in range(o.minibatches):
+        slowest = 0.0
+        for g in range(0, gpus, group):
+            ranks = [times[r][m] for r in range(g, min(g + group, gpus))]
+            count = max(len(t) for t in ranks)
+            lockstep = sum(max(t[j] if j < len(t) else 0.0 for t in ranks) for j in range(count))
+            slowest = max(slowest, lockstep)
+        wall += slowest
+    return Training(busy, wall, per_sequence)
 
 
 def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Hardware, work: Workload) -> list:
@@ -201,22 +269,19 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
         routed_format = run.model.quant.plan().format_of("routed_experts")
     sampling = sampling_rounds(run, gpus, work)
     per_token = plan.offloaded_bytes / plan.tokens_per_forward
-    sequences = sampling.trained
-    trained = train_each(run, model_config, hw, ep, routed_format, sequences, work.prompt_tokens, per_token)
+    training = train_phase(run, model_config, hw, ep, routed_format, sampling.trained, work.prompt_tokens, per_token)
     grad_sync = run.optim.minibatches * grad_sync_seconds(run, model_config, hw, gpus, ep)
-    train = np.array([t.sum() for t in trained]) + grad_sync
+    train = training.busy + grad_sync
+    trained = training.per_sequence
     fixed = {"sleep transfers": plan.sleep_seconds} if plan.sleep_seconds else {}
     if run.rollout.engine == "vllm":
         fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
-    round_seconds = [
-        [sum(generate(c, work.prompt_tokens, plan.kv_cache_tokens, cost)[0] for c in waves) for waves in rounds]
-        for rounds in sampling.rounds
-    ]
-    gen = generation_seconds(sampling, round_seconds, ep)
-    out = [schedules.all_sync(gen, train, fixed)]
+    gen = generation_seconds(sampling, round_chunks(run, sampling, work.prompt_tokens, plan.kv_cache_tokens, cost), ep)
+    out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
-    overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config)
-    one_wave = sampling.round_count == 1 and work.conversations == 1  # overlap is modelled for one wave of groups
+    overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config, run.rollout.engine)
+    # overlap is modelled for vLLM's continuous batching over one wave of groups
+    one_wave = sampling.round_count == 1 and work.conversations == 1 and run.rollout.engine == "vllm"
     if layout.colocation != "sleep" and overlap_kv >= plan.sequence_tokens and one_wave:
         runs = [generate(g[0][0], work.prompt_tokens, overlap_kv, cost) for g in sampling.rounds]
         group_train = [t.reshape(-1, run.rollout.group_size).sum(axis=1) for t in trained]
@@ -247,21 +312,19 @@ def split_steps(
     own_copy = run.rollout.engine == "vllm"
     cost = generator_cost(run, model_config, hw, gen_ep, generator, own_copy)
     sampling = sampling_rounds(run, gen_gpus, work)
-    round_seconds = [
-        [sum(generate(c, work.prompt_tokens, kv_tokens, cost)[0] for c in waves) for waves in rounds]
-        for rounds in sampling.rounds
-    ]
-    gen = generation_seconds(sampling, round_seconds, gen_ep)
+    gen = generation_seconds(sampling, round_chunks(run, sampling, work.prompt_tokens, kv_tokens, cost), gen_ep)
     batch = np.concatenate(sampling.trained)
     per_trainer = [batch[i::train_gpus] for i in range(train_gpus)]
     routed_format = run.model.quant.plan().format_of("routed_experts")
-    trained = train_each(
+    training = train_phase(
         run, model_config, hw, train_ep, routed_format, per_trainer, work.prompt_tokens, offloaded_per_token
     )
-    train = np.array([t.sum() for t in trained]) + run.optim.minibatches * grad_sync_seconds(
-        run, model_config, hw, train_gpus, train_ep
-    )
+    grad_sync = run.optim.minibatches * grad_sync_seconds(run, model_config, hw, train_gpus, train_ep)
+    train, train_wall = training.busy + grad_sync, training.wall + grad_sync
     experts = held_experts(model_config, gen_ep)
     adapter = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts) * LORA_VALUE_BYTES
     transfer = adapter / hw.network_bytes_per_second + (adapter * ADAPTER_LOAD_SECONDS_PER_BYTE if own_copy else 0.0)
-    return [schedules.disaggregated(gen, train, transfer), schedules.one_step_off(gen, train, transfer)]
+    return [
+        schedules.disaggregated(gen, train, transfer, train_wall),
+        schedules.one_step_off(gen, train, transfer, train_wall),
+    ]

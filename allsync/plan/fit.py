@@ -134,10 +134,23 @@ class Plan:
         }
 
 
-def kv_bytes_per_token(model_config: dict) -> int:
+def kv_bytes_per_token(model_config: dict, engine: str = "vllm") -> int:
+    """KV-cache bytes per token: MLA's latent (allsync.engines.vllm_support.mla_kv_bytes_per_token), or for the
+    torch engine its keys and values expanded, H x (d_nope + d_rope + d_v) per layer, where that is no larger
+    (moe_lora.mla_decode.expanded_cache_fits; bf16)."""
     from allsync.engines.vllm_support import mla_kv_bytes_per_token
 
+    c = model_config
+    expanded = c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
+    if engine == "torch" and expanded <= c["kv_lora_rank"] + c["qk_rope_head_dim"]:
+        return c["num_hidden_layers"] * expanded * 2
     return mla_kv_bytes_per_token(model_config)
+
+
+def torch_engine_reexpands(model_config: dict, engine: str) -> bool:
+    """The torch engine keeps transformers' latent cache (and re-expands it every step) where the expanded cache
+    would be larger: DeepSeek-V3's 128 heads."""
+    return engine == "torch" and kv_bytes_per_token(model_config, engine) == kv_bytes_per_token(model_config)
 
 
 def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[str, int]:
@@ -216,7 +229,7 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
         engine["engine_weights"] = 0 if shared else sum(engine_bytes(model_config, ep).values())
     per_gpu.update(engine)
 
-    kv_token = kv_bytes_per_token(model_config)
+    kv_token = kv_bytes_per_token(model_config, r.engine)
     frozen = sum(per_gpu[name] for name in FROZEN_PARTS)
     engine_total = sum(engine.values())
     sleeping = layout.colocation == "sleep" and vllm
@@ -239,6 +252,12 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
         problems.append(
             f"the generate phase with one sequence of {sequence_tokens:,} tokens (prompt + rollout.max_new_tokens) "
             f"needs {generate / 1e9:.1f} GB, {(generate - usable) / 1e9:.1f} GB more than {margin}"
+        )
+    if not vllm and r.decode_batch_size * sequence_tokens > kv_tokens:
+        problems.append(
+            f"rollout.decode_batch {r.decode_batch_size} x {sequence_tokens:,} tokens of KV cache (the torch engine's "
+            f"static batch at full length) need {r.decode_batch_size * sequence_tokens * kv_token / 1e9:.1f} GB; the "
+            f"generate phase leaves room for {kv_tokens:,} tokens ({kv_tokens // sequence_tokens} sequences)"
         )
     host_bytes = max(engine_total - asleep + offloaded, frozen) if sleeping else offloaded
     node_gpus = min(layout.gpus, layout.gpus_per_node)

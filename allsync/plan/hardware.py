@@ -3,13 +3,15 @@ those peaks our code reaches (measured where we have measured them, named as ass
 
 Sources:
     peak bf16 dense FLOP/s, HBM bandwidth   NVIDIA's H100 SXM5 and H200 SXM datasheets (989 TFLOP/s; 3.35 / 4.8 TB/s)
-    train_efficiency                      measured: the trainer's forward + backward of one 21,504-token sequence
-                                          through DeepSeek-V3's real layers on an H200 reaches 26.4% (NF4 routed
-                                          experts) and 29.8% (FP8) of the peak by `step_time.sequence_forward_flops`
-                                          without activation checkpointing (benchmarks/measured/
-                                          v3_layer_memory_h200.json; tests/allsync/test_plan_step.py recomputes them
-                                          and checks the checkpointed runs against them); bf16 and int8 were not
-                                          measured and are taken as FP8's and NF4's
+    train_efficiency                      measured: the trainer's forward + backward of one sequence through
+                                          DeepSeek-V3's real layers on an H200, without activation checkpointing, by
+                                          `step_time.sequence_forward_flops`: 21,504 tokens reach 26.4% (NF4 routed
+                                          experts) and 29.8% (FP8) of the peak, 4,096 tokens 11.7% and 11.9%
+                                          (benchmarks/measured/v3_layer_memory_h200.json; tests/allsync/
+                                          test_plan_step.py recomputes them). Between the points it is interpolated
+                                          in log(tokens per forward), beyond them the nearest is taken (`--json`
+                                          shows the points); bf16 and int8 were not measured and are taken as FP8's
+                                          and NF4's
     decode_bandwidth_efficiency           assumed 0.7 of HBM bandwidth for a decode step's weight and KV reads (not
                                           measured here: the lent GPUs have no vLLM)
     a2a bandwidth (training, prefill)     DeepEP's normal kernels as its README reports them on H800 + 400 Gb/s
@@ -32,7 +34,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-TRAIN_EFFICIENCY = {"nf4": 0.264, "fp8": 0.298, "bf16": 0.298, "int8": 0.264}  # by the routed experts' format
+import numpy as np
+
+# (tokens per forward, share of the peak) by the routed experts' format (module docstring)
+TRAIN_EFFICIENCY_POINTS = {
+    "nf4": ((4096, 0.117), (21504, 0.264)),
+    "fp8": ((4096, 0.119), (21504, 0.298)),
+}
+TRAIN_EFFICIENCY_POINTS.update(bf16=TRAIN_EFFICIENCY_POINTS["fp8"], int8=TRAIN_EFFICIENCY_POINTS["nf4"])
+TRAIN_EFFICIENCY = {fmt: points[-1][1] for fmt, points in TRAIN_EFFICIENCY_POINTS.items()}  # at the largest forward
 DECODE_A2A_SECONDS = {8: 191e-6, 16: 313e-6, 32: 428e-6, 64: 487e-6, 128: 561e-6, 256: 554e-6}
 
 
@@ -48,8 +58,14 @@ class Hardware:
     host_link_bytes_per_second: float = 25e9  # GPU <-> host (sleep mode's transfers)
     decode_bandwidth_efficiency: float = 0.7  # assumed
 
-    def train_efficiency(self, routed_format: str) -> float:
-        return TRAIN_EFFICIENCY[routed_format]
+    def train_efficiency(self, routed_format: str, tokens: float | None = None) -> float:
+        """The share of the peak a training forward of `tokens` (padded) tokens reaches (None: the largest measured
+        forward's): the measured points interpolated in log(tokens), the nearest beyond them."""
+        points = TRAIN_EFFICIENCY_POINTS[routed_format]
+        if tokens is None:
+            return points[-1][1]
+        sizes, shares = zip(*points)
+        return float(np.interp(np.log(tokens), np.log(sizes), shares))
 
     def link_bytes_per_second(self, group: int) -> float:
         """Per-GPU bandwidth of a collective over `group` GPUs: NVLink inside a node, the network once it spans

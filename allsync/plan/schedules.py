@@ -49,9 +49,11 @@ def idle(busy_gpu_seconds: float, gpus: int, seconds: float) -> float:
     return 1.0 - busy_gpu_seconds / (gpus * seconds) if seconds > 0 else 0.0
 
 
-def all_sync(gen: np.ndarray, train: np.ndarray, fixed: dict[str, float]) -> StepTime:
-    """gen, train: each GPU's seconds; fixed: seconds every GPU spends outside both (syncs, sleep transfers)."""
-    parts = {"generate": float(gen.max()), "train": float(train.max()), **fixed}
+def all_sync(gen: np.ndarray, train: np.ndarray, fixed: dict[str, float], train_wall: float | None = None) -> StepTime:
+    """gen, train: each GPU's busy seconds; fixed: seconds every GPU spends outside both (syncs, sleep transfers);
+    train_wall: the train phase's wall seconds when GPUs wait for each other inside it (lockstep; default the
+    slowest GPU's)."""
+    parts = {"generate": float(gen.max()), "train": float(train.max()) if train_wall is None else train_wall, **fixed}
     seconds = sum(parts.values())
     return StepTime("all-sync", seconds, idle(float(gen.sum() + train.sum()), len(gen), seconds), parts)
 
@@ -78,18 +80,21 @@ def all_sync_overlap(
     return StepTime("all-sync + overlap", seconds, idle(busy, len(gen), seconds), parts, built=False)
 
 
-def disaggregated(gen: np.ndarray, train: np.ndarray, transfer: float) -> StepTime:
-    """gen: each generating GPU's seconds, train: each training GPU's; transfer: the adapter to the generators."""
-    parts = {"generate": float(gen.max()), "adapter transfer": transfer, "train": float(train.max())}
+def disaggregated(gen: np.ndarray, train: np.ndarray, transfer: float, train_wall: float | None = None) -> StepTime:
+    """gen: each generating GPU's seconds, train: each training GPU's busy seconds; transfer: the adapter to the
+    generators; train_wall as in all_sync."""
+    wall = float(train.max()) if train_wall is None else train_wall
+    parts = {"generate": float(gen.max()), "adapter transfer": transfer, "train": wall}
     seconds = sum(parts.values())
     busy = float(gen.sum() + train.sum())
     return StepTime("disaggregated", seconds, idle(busy, len(gen) + len(train), seconds), parts)
 
 
-def one_step_off(gen: np.ndarray, train: np.ndarray, transfer: float) -> StepTime:
+def one_step_off(gen: np.ndarray, train: np.ndarray, transfer: float, train_wall: float | None = None) -> StepTime:
+    wall = float(train.max()) if train_wall is None else train_wall
     parts = {  # train: what is left of it beyond the generation it runs beside
         "generate": float(gen.max()),
-        "train": max(float(train.max()) - float(gen.max()), 0.0),
+        "train": max(wall - float(gen.max()), 0.0),
         "adapter transfer": transfer,
     }
     seconds = sum(parts.values())

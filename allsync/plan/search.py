@@ -137,7 +137,7 @@ def split(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: W
     r, experts = run.rollout, model_config["n_routed_experts"]
     unit = hw.gpus_per_node if gpus >= 2 * hw.gpus_per_node else 1
     sequence_tokens = work.prompt_tokens + r.max_new_tokens
-    kv_token = kv_bytes_per_token(model_config)
+    kv_token = kv_bytes_per_token(model_config, r.engine)
     for gen_gpus in range(unit, gpus, unit):
         train_gpus = gpus - gen_gpus
         if r.prompts_per_step % gen_gpus:

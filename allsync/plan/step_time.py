@@ -12,8 +12,9 @@ so a sequence of S tokens costs S x F(c = S / 2) (F is linear in c). Training a 
 model `passes` times: forward 1, backward 2 (input gradients only: the base is frozen; LoRA's share is < 1%), the
 recomputed forward of activation checkpointing 1, the old-logprob forward of a step with several minibatches 1, the
 reference forward of a KL penalty 1; a critic's value forward 1, its forward 1 and backward 2 (recompute 1).
-Seconds = FLOPs / (peak x hardware.train_efficiency), the efficiency measured on
-the real layers (hardware.py), plus the MoE all-to-all: per routed token and MoE layer, k copies of the hidden
+The learner trains rows packed into forwards padded to their longest row (`forward_seconds`; estimate.train_phase
+packs them): seconds = FLOPs / (peak x hardware.train_efficiency at the forward's padded tokens), the efficiency
+measured on the real layers (hardware.py), plus the MoE all-to-all: per routed token and MoE layer, k copies of the hidden
 state (bf16) leave and come back, the share (EP - 1) / EP of them to other GPUs, once per forward-like pass and once
 in backward, at the group's per-GPU all-to-all bandwidth.
 
@@ -24,7 +25,8 @@ experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens
 
 Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
 sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
-cache is full.
+cache is full. The torch engine decodes static batches instead (`static_batches`), and for DeepSeek-V3's shape
+re-expands its latent cache through kv_b_proj at every step (`reexpansion_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -105,19 +107,15 @@ def a2a_bytes_per_token(config: dict, expert_parallel: int) -> float:
     return moe_layers(config) * per_layer * (expert_parallel - 1) / expert_parallel
 
 
-def train_seconds(
-    config: dict, tokens, hw: Hardware, routed_format: str, passes: tuple[int, int], ep: int
-) -> np.ndarray:
-    """Seconds to train sequences of `tokens` tokens (one per entry) on one GPU (module docstring)."""
-    flop_passes, a2a_passes = passes
-    compute = flop_passes * sequence_forward_flops(config, tokens) / (hw.flops * hw.train_efficiency(routed_format))
-    a2a = (
-        a2a_passes
-        * np.asarray(tokens, dtype=np.float64)
-        * a2a_bytes_per_token(config, ep)
-        / hw.link_bytes_per_second(ep)
-    )
-    return compute + a2a
+def forward_seconds(config: dict, hw: Hardware, fmt: str, passes: tuple[int, int], ep: int, rows, longest) -> float:
+    """One training forward (with its backward) of `rows` rows padded to `longest` tokens on one GPU: every padded
+    position computes and is routed. FLOPs passes x rows x sequence_forward_flops(longest) at the efficiency of
+    rows x longest tokens per forward (hardware.train_efficiency), plus each position's all-to-all (module
+    docstring)."""
+    tokens = rows * longest
+    flops = passes[0] * rows * float(sequence_forward_flops(config, longest))
+    a2a = passes[1] * tokens * a2a_bytes_per_token(config, ep) / hw.link_bytes_per_second(ep)
+    return flops / (hw.flops * hw.train_efficiency(fmt, tokens)) + a2a
 
 
 def allreduce_seconds(nbytes: float, group: int, bytes_per_second: float) -> float:
@@ -139,6 +137,7 @@ class DecodeCost:
     kv_bytes_per_token: int
     expert_parallel: int
     routed_format: str
+    reexpand_flops_per_token: float = 0.0  # the torch engine on transformers' latent cache: per cached token a step
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -149,7 +148,7 @@ class DecodeCost:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
         nbytes = self.routed_bytes * self.touched(batch) + self.other_bytes + context * self.kv_bytes_per_token
         f0 = forward_flops_per_token(self.config, 0.0)
-        flops = batch * f0 + (forward_flops_per_token(self.config, 1.0) - f0) * context
+        flops = batch * f0 + (forward_flops_per_token(self.config, 1.0) - f0 + self.reexpand_flops_per_token) * context
         roofline = max(
             nbytes / (self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency),
             flops / (self.hw.flops * self.hw.train_efficiency(self.routed_format)),
@@ -162,6 +161,32 @@ class DecodeCost:
         return flops / (
             self.hw.flops * self.hw.train_efficiency(self.routed_format)
         ) + a2a / self.hw.link_bytes_per_second(self.expert_parallel)
+
+
+def reexpansion_flops_per_token(config: dict) -> float:
+    """FLOPs a decode step spends per cached token when attention re-expands transformers' latent MLA cache through
+    kv_b_proj (the torch engine for DeepSeek-V3's 128 heads, moe_lora/mla_decode.py): every layer,
+    2 x kv_lora_rank x H x (d_nope + d_v); V3: 2.0 GFLOP per cached token and step."""
+    heads, kv = config["num_attention_heads"], config["kv_lora_rank"]
+    return config["num_hidden_layers"] * 2 * kv * heads * (config["qk_nope_head_dim"] + config["v_head_dim"])
+
+
+def static_batches(lengths, prompt_tokens: int, batch: int, group_size: int, cost: DecodeCost) -> list[float]:
+    """Seconds of each decode batch of the torch engine (rollout.decode_batch rows, in order): the batch's distinct
+    prompts prefilled once each, then every row decoded at every step until the batch's longest response ends
+    (finished rows keep their slot), the context growing by one token per row and step:
+        t = prompts x prefill + L x decode_step(rows, rows x (prompt + L / 2)),  L the longest response."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    out = []
+    for start in range(0, len(lengths), batch):
+        rows = lengths[start : start + batch]
+        longest = int(rows.max())
+        prompts = -(-len(rows) // group_size)
+        context = len(rows) * (prompt_tokens + longest / 2)
+        out.append(
+            prompts * cost.prefill_seconds(prompt_tokens) + longest * cost.decode_step_seconds(len(rows), context)
+        )
+    return out
 
 
 def generation_timeline(

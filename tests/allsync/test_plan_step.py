@@ -63,6 +63,49 @@ def test_train_efficiency_is_the_h200_measurement_and_predicts_the_checkpointed_
             assert predicted == pytest.approx(step["seconds"], rel=0.10)
 
 
+def test_the_efficiency_of_a_forward_follows_its_size_between_the_measured_points():
+    """4,096-token forwards ran at 0.44 (NF4) and 0.40 (FP8) of the 21,504-token ones on the H200: the two points,
+    interpolated in log(tokens) between them, the nearest beyond."""
+    h200 = GPUS["h200"]
+    measured = {
+        (fmt, step["seq"]): flops / step["seconds"] / h200.flops
+        for fmt, step, flops in two_layer_runs()
+        if not step["checkpointing"]
+    }
+    for fmt in ("nf4", "fp8"):
+        for tokens in (4096, 21504):
+            assert h200.train_efficiency(fmt, tokens) == pytest.approx(measured[fmt, tokens], abs=0.001)
+        assert h200.train_efficiency(fmt, 1000) == h200.train_efficiency(fmt, 4096)
+        assert h200.train_efficiency(fmt, 10**6) == h200.train_efficiency(fmt) == TRAIN_EFFICIENCY[fmt]
+        middle = h200.train_efficiency(fmt, (4096 * 21504) ** 0.5)  # halfway in log(tokens)
+        assert middle == pytest.approx((measured[fmt, 4096] + measured[fmt, 21504]) / 2, abs=0.001)
+
+
+def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_rank():
+    """Rows packed into forwards of at most optim.max_tokens_per_forward padded tokens (the learner's
+    token_budget_chunks), each priced by forward_seconds at its padded size; expert-parallel ranks run their j-th
+    forwards together, so the phase is the sum over j of the slowest; without expert parallelism each GPU runs on
+    and the minibatch's all-reduce waits for the slowest GPU."""
+    from allsync.config import parse_config
+    from allsync.plan.estimate import train_phase
+    from allsync.plan.step_time import forward_seconds
+
+    run = parse_config({"model": {"base": "/nonexistent"}, "optim": {"max_tokens_per_forward": 4096, "minibatches": 1}})
+    hw = GPUS["h100"]
+    passes = train_passes(False, 1, False)
+    gpu0 = np.array([1000, 1500, 3000])  # with 100-token prompts: 1100 + 1600 pack (3,200 padded), 3100 alone
+    gpu1 = np.array([3900])
+    t = lambda rows, longest, ep: forward_seconds(DEEPSEEK_V3, hw, "nf4", passes, ep, rows, longest)  # noqa: E731
+    solo = train_phase(run, DEEPSEEK_V3, hw, 1, "nf4", [gpu0, gpu1], 100)
+    first, second, other = t(2, 1600, 1), t(1, 3100, 1), t(1, 4000, 1)
+    assert solo.busy.tolist() == pytest.approx([first + second, other])
+    assert solo.wall == pytest.approx(max(first + second, other))
+    assert solo.per_sequence[0].tolist() == pytest.approx([first / 2, first / 2, second])
+    lockstep = train_phase(run, DEEPSEEK_V3, hw, 2, "nf4", [gpu0, gpu1], 100)
+    assert lockstep.wall == pytest.approx(max(t(2, 1600, 2), t(1, 4000, 2)) + t(1, 3100, 2))
+    assert lockstep.wall > lockstep.busy.max()
+
+
 @dataclass(frozen=True)
 class FixedCost(DecodeCost):
     """The scheduler under test with fixed prices: a decode step 1 s whatever the batch, a prefill 0.001 s per token."""
@@ -101,6 +144,37 @@ def test_a_full_cache_preempts_the_latest_sequence_which_recomputes_its_context(
     assert finish[1] == pytest.approx(first + 0.001 * 40 + 10)
     with pytest.raises(ValueError, match="a sequence of 51 tokens does not fit a KV cache of 50"):
         generation_timeline([41], 10, 50, fixed_cost())
+
+
+def test_the_torch_engine_decodes_static_batches_to_their_longest_row():
+    """rollout.decode_batch rows at a time, each batch's distinct prompts prefilled once, then every row decoded until
+    the batch's longest response ends."""
+    from allsync.plan.step_time import static_batches
+
+    assert static_batches([5, 2, 7, 1], 10, 2, 1, fixed_cost()) == pytest.approx([0.02 + 5, 0.02 + 7])
+    assert static_batches([5, 2, 7, 1], 10, 4, 2, fixed_cost()) == pytest.approx([0.02 + 7])  # 2 prompts of 2 rows
+
+
+def test_the_torch_engine_on_deepseek_v3_re_expands_its_latent_cache_and_must_hold_a_static_batch(trace_cache, capsys):
+    """DeepSeek-V3's 128 heads: the torch engine keeps transformers' latent cache (70,272 B per token) and re-expands
+    every cached token through kv_b_proj at every step, 2 x 512 x 128 x 256 FLOPs per layer; a tiny model's expanded
+    cache is no larger, so it keeps that. The plan refuses a decode batch whose full-length KV cache does not fit."""
+    import yaml
+
+    from allsync.plan.fit import kv_bytes_per_token, torch_engine_reexpands
+    from allsync.plan.step_time import reexpansion_flops_per_token
+
+    assert reexpansion_flops_per_token(DEEPSEEK_V3) == 61 * 2 * 512 * 128 * 256
+    assert kv_bytes_per_token(DEEPSEEK_V3, "torch") == kv_bytes_per_token(DEEPSEEK_V3) == 61 * 576 * 2
+    assert torch_engine_reexpands(DEEPSEEK_V3, "torch") and not torch_engine_reexpands(DEEPSEEK_V3, "vllm")
+    tiny = dict(DEEPSEEK_V3, num_attention_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    assert kv_bytes_per_token(tiny, "torch") == 61 * 2 * 80 * 2 and not torch_engine_reexpands(tiny, "torch")
+    data = yaml.safe_load(Path(CONFIG).read_text())
+    data["rollout"]["engine"] = "torch"
+    config = Path(trace_cache) / "torch.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3"]) == 0
+    assert "does not fit: rollout.decode_batch 64 x 21,504 tokens of KV cache" in capsys.readouterr().out
 
 
 def test_a_decode_step_is_bound_by_the_weights_it_reads():
@@ -200,13 +274,17 @@ def test_dynamic_sampling_runs_rounds_until_the_quota_is_kept():
 def test_rounds_wait_for_the_slowest_rank_of_an_expert_parallel_group_or_of_all_with_global_filling():
     from allsync.plan.estimate import Sampling, generation_seconds
 
-    seconds = [[1.0, 5.0], [2.0], [3.0, 1.0, 1.0], [4.0]]  # GPUs 0-3: each round's seconds
+    seconds = [[[1.0], [5.0]], [[2.0]], [[3.0], [1.0], [1.0]], [[4.0]]]  # GPUs 0-3: each round's decode batches
     rounds = [[[np.zeros((1, 1))]] * len(r) for r in seconds]
     worker = Sampling(rounds, [np.zeros(1)] * 4, "worker")
     assert generation_seconds(worker, seconds, 1).tolist() == [6.0, 2.0, 5.0, 4.0]
     assert generation_seconds(worker, seconds, 2).tolist() == [7.0, 7.0, 6.0, 6.0]  # max per round in {0,1}, {2,3}
     glob = Sampling(rounds, [np.zeros(1)] * 4, "global")
     assert generation_seconds(glob, seconds, 1).tolist() == [10.0] * 4  # 4 + 5 + 1
+    static = [[[1.0, 3.0]], [[2.0, 1.0, 1.0]]]  # the torch engine: two GPUs' decode batches of one round
+    one_round = Sampling([[[np.zeros((1, 1))]]] * 2, [np.zeros(1)] * 2, "worker")
+    assert generation_seconds(one_round, static, 1).tolist() == [4.0, 4.0]
+    assert generation_seconds(one_round, static, 2).tolist() == [6.0, 6.0]  # batch by batch: 2 + 3 + 1
 
 
 def test_a_multi_conversation_episode_generates_its_conversations_in_turn_and_trains_them_all():
