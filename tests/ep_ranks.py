@@ -166,3 +166,32 @@ def run_model_rank(
         if p.requires_grad:
             groups.all_reduce(p.grad, "edp" if id(p) in sharded else "world")
     results[rank] = {"logits": logits.detach(), "grads": model_lora_grads(model)}
+
+
+def run_saved_bytes_rank(
+    rank: int, world_size: int, ep_size: int, address: str, checkpoint: str, tokens: int, results
+) -> None:
+    """Rank `rank` of the tiny model under EP, bf16 compute, LoRA on every default target: the bytes the trainer's
+    forward of `tokens` tokens saves for backward on this rank (allsync.plan.activations.saved_per_layer), routed
+    tokens dispatched to the ranks holding their experts."""
+    from allsync.launch.process_groups import connect
+    from allsync.plan.activations import saved_per_layer
+    from moe_lora.expert_parallel import ExpertLayout, shard_experts
+    from moe_lora.lora import LoRAConfig, attach_lora
+    from quant.checkpoint_io import read_config
+    from quant.loader import QuantPlan, load_frozen_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    layout = ExpertLayout(world_size, ep_size, read_config(checkpoint)["n_routed_experts"])
+    groups = connect(rank, world_size, address, "gloo", layout)
+    model = load_frozen_model(
+        checkpoint,
+        QuantPlan.uniform("bf16"),
+        compute_dtype=torch.bfloat16,
+        progress=False,
+        experts=layout.experts_of(rank),
+    )
+    attach_lora(model, LoRAConfig(rank=4, alpha=8))
+    shard_experts(model, groups.ep, layout, rank)
+    results[rank] = sum(saved_per_layer(model, tokens, checkpointing=False).values())

@@ -50,6 +50,37 @@ def test_the_expert_parallel_trace_counts_the_dispatched_rows(tmp_path):
     assert (ep.dense, ep.post, ep.layer_input) == (single.dense, single.post, single.layer_input)
 
 
+@pytest.mark.parametrize("world_size, ep_size", [(2, 2), (4, 4)])
+def test_the_expert_parallel_trace_predicts_what_real_ranks_save(tiny_bf16, world_size, ep_size):
+    """The tiny model (8 routed experts, top-2) trained at EP 2 and 4 in real processes (gloo): what each rank's
+    forward of 96 tokens saves for backward, summed over the EP group (a rank's share of the dispatched rows depends
+    on the routing; the group's total does not), against the expert-parallel trace's prediction per rank x ranks:
+    within 5% (the plan's CPU rows in BENCHMARKS.md); the single-rank trace undercounts it."""
+    import torch.multiprocessing as mp
+
+    from allsync.launch.group import free_port
+    from moe_lora.lora import DEFAULT_TARGETS
+    from tests.ep_ranks import run_saved_bytes_rank
+
+    tokens = 96
+    config = json.loads((tiny_bf16 / "config.json").read_text())
+    with mp.Manager() as manager:
+        results = manager.dict()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        mp.spawn(
+            run_saved_bytes_rank,
+            args=(world_size, ep_size, address, str(tiny_bf16), tokens, results),
+            nprocs=world_size,
+        )
+        measured = sum(dict(results).values())
+    ep = trace_saved_bytes(config, 4, DEFAULT_TARGETS, "bfloat16", expert_parallel=True)
+    single = trace_saved_bytes(config, 4, DEFAULT_TARGETS, "bfloat16")
+    predicted = world_size * ep.peak(config, tokens, checkpointing=False)
+    print(f"EP {ep_size}: measured {measured:,} B, predicted {predicted:,} B ({predicted / measured:.3f})")
+    assert predicted == pytest.approx(measured, rel=0.05)
+    assert world_size * single.peak(config, tokens, checkpointing=False) < 0.95 * measured
+
+
 def test_the_critic_is_traced_and_counted(trace_cache, tmp_path):
     """PPO / T-PPO: the critic's adapter (every target but the routed experts) and head with gradients and AdamW's
     moments are the trainable tensors allsync.critic.Critic really holds, x 4; its forward is traced too, and the
@@ -73,12 +104,16 @@ def test_the_critic_is_traced_and_counted(trace_cache, tmp_path):
     )
     model = load_frozen_model(str(base), QuantPlan.uniform("bf16"), compute_dtype=torch.bfloat16, progress=False)
     attach_lora(model, LoRAConfig(8, 16, TARGETS))
-    held = sum(t.numel() for t in Critic(model, 0).trainable_tensors().values())
+    critic_model = Critic(model, 0)
+    held = sum(t.numel() for t in critic_model.trainable_tensors().values())
     assert critic_bytes(run, config) == {"critic": 4 * held * 4}
     assert critic_bytes(parse_config({"model": {"base": str(base)}}), config) == {}
     critic = trace_saved_bytes(config, 8, TARGETS, "bfloat16", critic=True)
     policy = trace_saved_bytes(config, 8, TARGETS, "bfloat16")
     assert critic != policy and critic.post > policy.post  # its head reads the float32 hidden state
+    # the critic's real forward on this deeper model (2 dense + 3 MoE layers, 8 experts) saves what its trace predicts
+    measured = sum(saved_per_layer(critic_model, 48, checkpointing=False, critic=True).values())
+    assert critic.peak(config, 48, checkpointing=False) == pytest.approx(measured, rel=0.02)
     traces = RunTraces.of(run, config)
     assert traces.critic and traces.at(1)[1] == critic
     plan = plan_run(run, config, Layout(1, 1, 10**10), traces)
