@@ -165,6 +165,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from allsync.plan.activations import RunTraces
     from allsync.plan.estimate import Workload, colocated_steps
     from allsync.plan.fit import Layout, format_plan, plan_run
+    from allsync.plan.hardware import TRAIN_EFFICIENCY_POINTS
     from allsync.plan.lengths import parse_lengths
     from allsync.plan.search import format_search, search
 
@@ -226,6 +227,10 @@ def run_plan(args: argparse.Namespace) -> None:
     print(format_plan(plan))
     out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
     out["response_lengths"] = work.lengths.description
+    out["kept_groups"], out["conversations"] = work.kept_groups, work.conversations
+    out["train_efficiency_points"] = {  # (tokens per forward, share of the peak), measured (hardware.py)
+        fmt: [list(point) for point in points] for fmt, points in TRAIN_EFFICIENCY_POINTS.items()
+    }
     if plan.kv_cache_tokens >= plan.sequence_tokens:
         steps = colocated_steps(run, model_config, layout, plan, hw, work)
         print(format_steps(steps, work, hw, plan.fits))

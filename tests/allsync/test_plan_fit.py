@@ -170,6 +170,7 @@ def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
     )
     assert plan["train_room_bytes"] > 4e9 and -1e9 < plan["generate_room_bytes"] < 0
     assert not plan["fits"] and "verdict: does not fit: the generate phase with one sequence" in text
+    assert plan["train_efficiency_points"]["nf4"] == [[4096, 0.117], [21504, 0.264]] and plan["kept_groups"] == 0.5
     assert plan["layout"] == {
         "gpus": 48,
         "expert_parallel": 16,
