@@ -32,6 +32,7 @@ re-expands its latent cache through kv_b_proj at every step (`reexpansion_flops_
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,11 +78,41 @@ def forward_flops_per_token(config: dict, context: float) -> float:
     )
 
 
+FLOP_KEYS = (
+    "hidden_size",
+    "num_attention_heads",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "n_routed_experts",
+    "first_k_dense_replace",
+    "num_hidden_layers",
+    "vocab_size",
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _coefficients(values: tuple) -> tuple[float, float]:
+    config = {k: v for k, v in zip(FLOP_KEYS, values) if v is not None}
+    f0 = forward_flops_per_token(config, 0.0)
+    return f0, forward_flops_per_token(config, 1.0) - f0
+
+
+def flop_coefficients(config: dict) -> tuple[float, float]:
+    """(F(0), dF/dc): F(c) = F(0) + c dF/dc (module docstring), cached per shape (the plan asks millions of times)."""
+    return _coefficients(tuple(config.get(k) for k in FLOP_KEYS))
+
+
 def sequence_forward_flops(config: dict, tokens) -> np.ndarray:
     """Forward FLOPs of whole sequences of `tokens` tokens (causal: S x F(S / 2))."""
     tokens = np.asarray(tokens, dtype=np.float64)
-    f0 = forward_flops_per_token(config, 0.0)
-    slope = forward_flops_per_token(config, 1.0) - f0
+    f0, slope = flop_coefficients(config)
     return tokens * (f0 + slope * tokens / 2)
 
 
@@ -147,8 +178,8 @@ class DecodeCost:
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
         nbytes = self.routed_bytes * self.touched(batch) + self.other_bytes + context * self.kv_bytes_per_token
-        f0 = forward_flops_per_token(self.config, 0.0)
-        flops = batch * f0 + (forward_flops_per_token(self.config, 1.0) - f0 + self.reexpand_flops_per_token) * context
+        f0, slope = flop_coefficients(self.config)
+        flops = batch * f0 + (slope + self.reexpand_flops_per_token) * context
         roofline = max(
             nbytes / (self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency),
             flops / (self.hw.flops * self.hw.train_efficiency(self.routed_format)),

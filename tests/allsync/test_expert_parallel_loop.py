@@ -164,6 +164,7 @@ def test_multiconv_at_ep2_logs_the_ep1_steps(warm_tiny):
     )
 
 
+@pytest.mark.slow  # 14 s; agreed_rounds under EP stays in the default run: test_multiconv_at_ep2_logs_the_ep1_steps
 def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
     """Tool-agent episodes of 2 turns (rank 0) and 3 (rank 1, an environment that never ends): under EP rank 0
     takes rank 1's third turn with nothing of its own."""

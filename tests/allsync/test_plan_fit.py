@@ -50,7 +50,9 @@ def test_the_expert_parallel_trace_counts_the_dispatched_rows(tmp_path):
     assert (ep.dense, ep.post, ep.layer_input) == (single.dense, single.post, single.layer_input)
 
 
-@pytest.mark.parametrize("world_size, ep_size", [(2, 2), (4, 4)])
+@pytest.mark.parametrize(
+    "world_size, ep_size", [pytest.param(2, 2, marks=pytest.mark.slow), (4, 4)]
+)  # EP 2: 0.995 as EP 4 (BENCHMARKS.md); the slow run keeps it
 def test_the_expert_parallel_trace_predicts_what_real_ranks_save(tiny_bf16, world_size, ep_size):
     """The tiny model (8 routed experts, top-2) trained at EP 2 and 4 in real processes (gloo): what each rank's
     forward of 96 tokens saves for backward, summed over the EP group (a rank's share of the dispatched rows depends

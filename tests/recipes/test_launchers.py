@@ -185,6 +185,7 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted
             assert 0 < w["cpu_percent"] < 400 and math.isfinite(w["local_grad_norm"]) and w["probe_seconds"] < 0.05
 
 
+@pytest.mark.slow  # 13 s; restarts stay in the default run: test_a_worker_killed_mid_step_is_replaced_...
 def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, ray_cluster, tmp_path):
     config = with_drill(
         write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), {"kind": "kill", "rank": 0, "step": 1}
