@@ -94,6 +94,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_MARGIN,
         help="share of each GPU's memory a plan leaves unused (default %(default)s: CUDA context, NCCL, fragmentation)",
     )
+    p.add_argument(
+        "--turns",
+        type=int,
+        help="replies per episode of a tool agent (default producer.max_turns, the most); each reply's row grows by "
+        "the reply and an observation of producer.max_observation_tokens",
+    )
     p.add_argument("--search", action="store_true", help="rank every layout that fits on --gpus by step time")
     p.add_argument("--json", help="write the plan here too")
     p.set_defaults(run=run_plan)
@@ -130,6 +136,18 @@ def conversations_of(run, given: int | None) -> int:
         )
     if given < 2:
         raise ValueError(f"--conversations {given}: a multi-conversation episode has at least 2 (memory, answer)")
+    return given
+
+
+def turns_of(run, given: int | None) -> int:
+    """--turns: for a tool agent (default producer.max_turns), refused for any other producer."""
+    agent = run.producer.kind == "agent"
+    if given is None:
+        return run.producer.max_turns if agent else 1
+    if not agent:
+        raise ValueError(f"--turns {given}: only for producer.kind agent (this config's is {run.producer.kind})")
+    if not 1 <= given <= run.producer.max_turns:
+        raise ValueError(f"--turns {given}: must be in [1, producer.max_turns = {run.producer.max_turns}]")
     return given
 
 
@@ -205,10 +223,25 @@ def run_plan(args: argparse.Namespace) -> None:
         )
     kept_groups = kept_share(run, args.kept_groups)
     conversations = conversations_of(run, args.conversations)
+    turns = turns_of(run, args.turns)
+    observation = run.producer.max_observation_tokens if turns > 1 else 0
+    row_tokens = args.prompt_tokens + turns * run.rollout.max_new_tokens + (turns - 1) * observation
+    if context and row_tokens > context:
+        raise ValueError(
+            f"--turns {turns}: an agent row of --prompt-tokens + {turns} x rollout.max_new_tokens + {turns - 1} x "
+            f"producer.max_observation_tokens = {row_tokens:,} tokens exceeds the model's context ({context:,})"
+        )
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: must be in [0, 1)")
     hw = hardware_of(args)
-    work = Workload(parse_lengths(args.response_lengths), args.prompt_tokens, kept_groups, conversations=conversations)
+    work = Workload(
+        parse_lengths(args.response_lengths),
+        args.prompt_tokens,
+        kept_groups,
+        conversations=conversations,
+        turns=turns,
+        observation_tokens=observation,
+    )
     layout = Layout(
         gpus,
         ep,
@@ -219,6 +252,7 @@ def run_plan(args: argparse.Namespace) -> None:
         int(parse_size(args.host_memory, "--host-memory")),
         hw.gpus_per_node,
         args.margin,
+        row_tokens if turns > 1 else None,
     )
 
     print("tracing the trainer's saved activations for this shape (cached after the first time) ...", flush=True)
@@ -227,7 +261,7 @@ def run_plan(args: argparse.Namespace) -> None:
     print(format_plan(plan))
     out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
     out["response_lengths"] = work.lengths.description
-    out["kept_groups"], out["conversations"] = work.kept_groups, work.conversations
+    out["kept_groups"], out["conversations"], out["turns"] = work.kept_groups, work.conversations, work.turns
     out["train_efficiency_points"] = {  # (tokens per forward, share of the peak), measured (hardware.py)
         fmt: [list(point) for point in points] for fmt, points in TRAIN_EFFICIENCY_POINTS.items()
     }

@@ -56,6 +56,20 @@ class Workload:
     kept_groups: float = 1.0  # share of generated groups dynamic sampling keeps
     seed: int = 0
     conversations: int = 1  # per episode (multi-conversation producers; their prompts are prompt_tokens each)
+    turns: int = 1  # per episode of a tool agent: replies appended to one row, observations between them
+    observation_tokens: int = 0  # per observation (an agent's producer.max_observation_tokens)
+
+    @property
+    def waves(self) -> int:
+        """Generate calls an episode makes one after another: its conversations or its turns."""
+        return max(self.conversations, self.turns)
+
+    def wave_prompt_tokens(self, previous: list[float]) -> int:
+        """The prompt of a wave whose episode's earlier replies average `previous` tokens each: an agent's row grows
+        by each reply and observation; a conversation starts from its own prompt."""
+        if self.turns == 1:
+            return self.prompt_tokens
+        return round(self.prompt_tokens + sum(previous) + len(previous) * self.observation_tokens)
 
 
 @dataclass
@@ -89,7 +103,7 @@ def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
     quota = r.prompts_per_step // gpus
     dynamic = a.dynamic_sampling and work.kept_groups < 1
     max_rounds = a.max_sampling_rounds if dynamic else 1
-    caps = conversation_caps(run, work.conversations)
+    caps = conversation_caps(run, work.conversations) if work.turns == 1 else [r.max_new_tokens] * work.turns
     drawn = [
         [
             [work.lengths.draw(quota * r.group_size, cap, rng).reshape(quota, r.group_size) for cap in caps]
@@ -107,9 +121,11 @@ def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
         runs = np.where(done.any(axis=1), done.argmax(axis=1) + 1, max_rounds)
     trained = []
     for i in range(gpus):
-        episodes = np.concatenate(  # [kept groups, conversations x group_size]
-            [np.concatenate(drawn[i][j], axis=1)[kept[i, j]] for j in range(runs[i])]
-        )
+        if work.turns > 1:  # one row per episode: every reply and the observations between them
+            rows = [sum(drawn[i][j]) + (work.turns - 1) * work.observation_tokens for j in range(runs[i])]
+        else:  # one row per conversation
+            rows = [np.concatenate(drawn[i][j], axis=1) for j in range(runs[i])]
+        episodes = np.concatenate([rows[j][kept[i, j]] for j in range(runs[i])])  # [kept groups, rows of a group]
         trained.append(episodes[:quota].ravel())
     return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill)
 
@@ -166,12 +182,18 @@ def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int,
     return [generate(groups, prompt_tokens, kv_tokens, cost)[0]]
 
 
-def round_chunks(run, sampling: Sampling, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list:
-    """[gpu][round] -> the seconds of every decode batch of the round, its conversations one after another."""
-    return [
-        [[t for wave in waves for t in generate_chunks(run, wave, prompt_tokens, kv_tokens, cost)] for waves in rounds]
-        for rounds in sampling.rounds
-    ]
+def round_chunks(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: DecodeCost) -> list:
+    """[gpu][round] -> the seconds of every decode batch of the round, its conversations (or an agent's turns, each
+    prompted with the row so far: Workload.wave_prompt_tokens) one after another."""
+
+    def batches(waves: list[np.ndarray]) -> list[float]:
+        out = []
+        for w, wave in enumerate(waves):
+            prompt = work.wave_prompt_tokens([float(v.mean()) for v in waves[:w]])
+            out += generate_chunks(run, wave, prompt, kv_tokens, cost)
+        return out
+
+    return [[batches(waves) for waves in rounds] for rounds in sampling.rounds]
 
 
 def generate(groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> tuple[float, np.ndarray]:
@@ -276,12 +298,12 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     fixed = {"sleep transfers": plan.sleep_seconds} if plan.sleep_seconds else {}
     if run.rollout.engine == "vllm":
         fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
-    gen = generation_seconds(sampling, round_chunks(run, sampling, work.prompt_tokens, plan.kv_cache_tokens, cost), ep)
+    gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, cost), ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config, run.rollout.engine)
     # overlap is modelled for vLLM's continuous batching over one wave of groups
-    one_wave = sampling.round_count == 1 and work.conversations == 1 and run.rollout.engine == "vllm"
+    one_wave = sampling.round_count == 1 and work.waves == 1 and run.rollout.engine == "vllm"
     if layout.colocation != "sleep" and overlap_kv >= plan.sequence_tokens and one_wave:
         runs = [generate(g[0][0], work.prompt_tokens, overlap_kv, cost) for g in sampling.rounds]
         group_train = [t.reshape(-1, run.rollout.group_size).sum(axis=1) for t in trained]
@@ -312,7 +334,7 @@ def split_steps(
     own_copy = run.rollout.engine == "vllm"
     cost = generator_cost(run, model_config, hw, gen_ep, generator, own_copy)
     sampling = sampling_rounds(run, gen_gpus, work)
-    gen = generation_seconds(sampling, round_chunks(run, sampling, work.prompt_tokens, kv_tokens, cost), gen_ep)
+    gen = generation_seconds(sampling, round_chunks(run, sampling, work, kv_tokens, cost), gen_ep)
     batch = np.concatenate(sampling.trained)
     per_trainer = [batch[i::train_gpus] for i in range(train_gpus)]
     routed_format = run.model.quant.plan().format_of("routed_experts")

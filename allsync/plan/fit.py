@@ -62,6 +62,7 @@ class Layout:
     host_memory_bytes: int = 2 * 10**12  # per node (a flag)
     gpus_per_node: int = 8
     margin: float = DEFAULT_MARGIN  # share of gpu_memory_bytes left unused (`--margin`)
+    row_tokens: int | None = None  # a trained row at full length when it is not prompt + max_new_tokens (agent turns)
 
     @property
     def usable_bytes(self) -> int:
@@ -127,6 +128,7 @@ class Plan:
             "kv_cache_tokens": self.kv_cache_tokens,
             "sequences_at_once": self.sequences_at_once,
             "sequences": self.sequences,
+            "sequence_tokens": self.sequence_tokens,
             "tokens_per_forward": self.tokens_per_forward,
             "sleep_seconds_per_step": self.sleep_seconds,
             "host_bytes_per_gpu": self.host_bytes_per_gpu,
@@ -210,7 +212,7 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     resident = sum(per_gpu.values())
 
     sequences = r.prompts_per_step // layout.gpus * r.group_size
-    sequence_tokens = layout.prompt_tokens + r.max_new_tokens
+    sequence_tokens = layout.row_tokens or layout.prompt_tokens + r.max_new_tokens
     tokens = tokens_per_forward(run, sequences, sequence_tokens)
     o = run.optim
     saved = [t for t in traces.at(ep) if t is not None]
@@ -250,7 +252,8 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     generate = generate_base + sequence_tokens * kv_token
     if generate > usable:
         problems.append(
-            f"the generate phase with one sequence of {sequence_tokens:,} tokens (prompt + rollout.max_new_tokens) "
+            f"the generate phase with one sequence of {sequence_tokens:,} tokens "
+            f"({'an agent row at full length' if layout.row_tokens else 'prompt + rollout.max_new_tokens'}) "
             f"needs {generate / 1e9:.1f} GB, {(generate - usable) / 1e9:.1f} GB more than {margin}"
         )
     if not vllm and r.decode_batch_size * sequence_tokens > kv_tokens:

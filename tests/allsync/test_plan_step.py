@@ -301,6 +301,47 @@ def test_a_multi_conversation_episode_generates_its_conversations_in_turn_and_tr
     assert all(len(t) == 3 * 8 * 4 for t in sampling.trained)
 
 
+def test_a_tool_agents_turns_grow_one_row_that_trains_once():
+    """An agent episode: each turn a generate call prompted with the row so far (the replies before it and an
+    observation after each), the whole row trained as one sequence."""
+    from allsync.plan.estimate import Workload, sampling_rounds
+
+    run = sampling_run(
+        dynamic=False,
+        producer={"kind": "agent", "env": "allsync.envs.calculator:Calculator", "max_turns": 3},
+        task={"name": "calculator"},
+    )
+    work = Workload(parse_lengths("lognormal:median=50,sigma=0.5"), 10, turns=3, observation_tokens=20)
+    sampling = sampling_rounds(run, 8, work)
+    waves = sampling.rounds[0][0]
+    assert len(waves) == 3 and all(len(t) == 8 * 4 for t in sampling.trained)
+    assert sampling.trained[0][:4].tolist() == (waves[0] + waves[1] + waves[2] + 2 * 20)[0].tolist()
+    assert work.wave_prompt_tokens([]) == 10 and work.wave_prompt_tokens([40.0, 60.0]) == 10 + 100 + 2 * 20
+
+
+def test_the_agent_plan_counts_a_row_of_every_turn(trace_cache, capsys, tmp_path):
+    import yaml
+
+    data = yaml.safe_load(Path(CONFIG).read_text())
+    data["producer"] = {
+        "kind": "agent",
+        "env": "allsync.envs.calculator:Calculator",
+        "max_turns": 3,
+        "max_observation_tokens": 256,
+    }
+    data["task"] = {"name": "calculator"}
+    data["rollout"]["max_new_tokens"] = 4096
+    config = tmp_path / "agent.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3", "--turns", "2", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["turns"] == 2 and plan["sequence_tokens"] == 1024 + 2 * 4096 + 256
+    assert "sequences of 9,472 tokens" in capsys.readouterr().out
+    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3", "--turns", "4"]) == 2
+    assert "--turns 4: must be in [1, producer.max_turns = 3]" in capsys.readouterr().err
+
+
 def test_the_671b_plan_needs_the_conversations_of_a_memory_agent(trace_cache, capsys):
     config = "recipes/configs/memory_agent_deepseek_v3_671b_48xh100.yaml"
     assert main(["plan", "--config", config, "--shape", "deepseek-v3"]) == 2
