@@ -248,18 +248,12 @@ def trace_saved_bytes(
     )
 
 
-def trace_key(
-    config: dict,
-    lora_rank: int,
-    targets: tuple[str, ...],
-    compute_dtype: str,
-    expert_parallel: bool = False,
-    critic: bool = False,
-) -> str:
-    """What the trace depends on, hashed: the per-token shapes, the LoRA, the compute dtype, the path."""
+def trace_key(config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str, **path: bool) -> str:
+    """What the trace depends on, hashed: the per-token shapes, the LoRA, the compute dtype, the path taken
+    (trace_saved_bytes' expert_parallel and critic)."""
     shape = {k: config[k] for k in SHAPE_KEYS}
-    path = [p for p, on in (("expert_parallel", expert_parallel), ("critic", critic)) if on]
-    text = json.dumps([shape, lora_rank, sorted(targets), compute_dtype, TRACE_VERSION, *path], sort_keys=True)
+    taken = sorted(name for name, on in path.items() if on)
+    text = json.dumps([shape, lora_rank, sorted(targets), compute_dtype, TRACE_VERSION, *taken], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -268,20 +262,15 @@ def cache_dir() -> Path:
 
 
 def saved_bytes(
-    config: dict,
-    lora_rank: int,
-    targets: tuple[str, ...],
-    compute_dtype: str = "bfloat16",
-    expert_parallel: bool = False,
-    critic: bool = False,
+    config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str = "bfloat16", **taken: bool
 ) -> SavedBytes:
-    """`trace_saved_bytes`, kept in the user's cache (~/.cache/allsync/plan/, a JSON file per shape, rank, targets,
-    dtype and path) so that only the first plan of a shape traces."""
-    key = trace_key(config, lora_rank, targets, compute_dtype, expert_parallel, critic)
+    """`trace_saved_bytes` (taken: the path, its expert_parallel and critic), kept in the user's cache (~/.cache/allsync/plan/, a
+    JSON file per shape, rank, targets, dtype and path) so that only the first plan of a shape traces."""
+    key = trace_key(config, lora_rank, targets, compute_dtype, **taken)
     path = cache_dir() / f"saved-{key}.json"
     if path.exists():
         return SavedBytes(**json.loads(path.read_text()))
-    result = trace_saved_bytes(config, lora_rank, targets, compute_dtype, expert_parallel, critic)
+    result = trace_saved_bytes(config, lora_rank, targets, compute_dtype, **taken)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(result)) + "\n")
@@ -307,5 +296,7 @@ class RunTraces:
 
     def at(self, expert_parallel: int) -> tuple[SavedBytes, SavedBytes | None]:
         """(the policy's trace, the critic's or None) for a layout with this expert-parallel size."""
-        args = (self.config, self.lora_rank, self.targets, self.compute_dtype, expert_parallel > 1)
-        return saved_bytes(*args), saved_bytes(*args, critic=True) if self.critic else None
+        args = (self.config, self.lora_rank, self.targets, self.compute_dtype)
+        ep = expert_parallel > 1
+        policy = saved_bytes(*args, expert_parallel=ep)
+        return policy, saved_bytes(*args, expert_parallel=ep, critic=True) if self.critic else None
