@@ -294,6 +294,16 @@ class RunTraces:
         r = run
         return cls(model_config, r.lora.rank, tuple(r.lora.targets), r.model.compute_dtype, r.algorithm.uses_critic)
 
+    def activations(self, config: dict, tokens: int, optim, expert_parallel: int) -> tuple[int, int]:
+        """(bytes above the resident model for one forward + backward of `tokens` tokens under `optim`'s
+        checkpointing and offload, the bytes offload keeps in host memory): the larger of the policy's and the
+        critic's (their graphs are alive one at a time)."""
+        saved = [t for t in self.at(expert_parallel) if t is not None]
+        checkpointing, offload = optim.activation_checkpointing, optim.activation_offload
+        peak = max(t.peak(config, tokens, checkpointing, offload) for t in saved)
+        offloaded = max(t.offloaded(config, tokens, checkpointing) for t in saved) if offload else 0
+        return peak, offloaded
+
     def at(self, expert_parallel: int) -> tuple[SavedBytes, SavedBytes | None]:
         """(the policy's trace, the critic's or None) for a layout with this expert-parallel size."""
         args = (self.config, self.lora_rank, self.targets, self.compute_dtype)

@@ -130,6 +130,13 @@ def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
     return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill)
 
 
+def lockstep_seconds(ranks: list[list[float]]) -> float:
+    """Seconds of ranks that run their j-th pieces of work together (an expert-parallel group's forwards or decode
+    batches; a rank with fewer runs idle ones): sum over j of max over ranks of t[r, j], a missing piece 0."""
+    pieces = max((len(t) for t in ranks), default=0)
+    return sum(max(t[j] if j < len(t) else 0.0 for t in ranks) for j in range(pieces))
+
+
 def generation_seconds(sampling: Sampling, round_chunks: list[list[list[float]]], expert_parallel: int) -> np.ndarray:
     """Each GPU's generate seconds from the seconds of each decode batch of each round on it (`generate_chunks`;
     vLLM's continuous batching is one per round and conversation): its own rounds one after another; the ranks of
@@ -142,9 +149,7 @@ def generation_seconds(sampling: Sampling, round_chunks: list[list[list[float]]]
     for g in range(gpus // group):
         members = round_chunks[g * group : (g + 1) * group]
         for r in range(count):
-            ranks = [rounds[r] if r < len(rounds) else [] for rounds in members]
-            batches = max(len(c) for c in ranks)
-            per_round[g, r] = sum(max(c[j] if j < len(c) else 0.0 for c in ranks) for j in range(batches))
+            per_round[g, r] = lockstep_seconds([rounds[r] if r < len(rounds) else [] for rounds in members])
     if sampling.fill == "global":
         return np.full(gpus, per_round.max(axis=0).sum())
     return np.repeat(per_round.sum(axis=1), group)
@@ -266,15 +271,10 @@ def train_phase(
         per_sequence.append(seconds)
     busy = np.array([sum(sum(m) for m in gpu) for gpu in times])
     group = max(ep, 1)
-    wall = 0.0
-    for m in range(o.minibatches):
-        slowest = 0.0
-        for g in range(0, gpus, group):
-            ranks = [times[r][m] for r in range(g, min(g + group, gpus))]
-            count = max(len(t) for t in ranks)
-            lockstep = sum(max(t[j] if j < len(t) else 0.0 for t in ranks) for j in range(count))
-            slowest = max(slowest, lockstep)
-        wall += slowest
+    wall = sum(
+        max(lockstep_seconds([times[r][m] for r in range(g, min(g + group, gpus))]) for g in range(0, gpus, group))
+        for m in range(o.minibatches)
+    )
     return Training(busy, wall, per_sequence)
 
 

@@ -136,23 +136,28 @@ class Plan:
         }
 
 
+def torch_engine_reexpands(model_config: dict, engine: str) -> bool:
+    """The torch engine keeps transformers' latent cache (and re-expands it every step) where the expanded cache
+    would be larger than it (moe_lora.mla_decode.expanded_cache_fits, the engine's own rule): DeepSeek-V3's 128
+    heads."""
+    from types import SimpleNamespace
+
+    from moe_lora.mla_decode import expanded_cache_fits
+
+    return engine == "torch" and not expanded_cache_fits(SimpleNamespace(**model_config))
+
+
 def kv_bytes_per_token(model_config: dict, engine: str = "vllm") -> int:
     """KV-cache bytes per token: MLA's latent (allsync.engines.vllm_support.mla_kv_bytes_per_token), or for the
-    torch engine its keys and values expanded, H x (d_nope + d_rope + d_v) per layer, where that is no larger
-    (moe_lora.mla_decode.expanded_cache_fits; bf16)."""
+    torch engine where it keeps them expanded (`torch_engine_reexpands` false) its keys and values,
+    H x (d_nope + d_rope + d_v) per layer (bf16)."""
     from allsync.engines.vllm_support import mla_kv_bytes_per_token
 
     c = model_config
-    expanded = c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
-    if engine == "torch" and expanded <= c["kv_lora_rank"] + c["qk_rope_head_dim"]:
-        return c["num_hidden_layers"] * expanded * 2
+    if engine == "torch" and not torch_engine_reexpands(model_config, engine):
+        per_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]
+        return c["num_hidden_layers"] * c["num_attention_heads"] * per_head * 2
     return mla_kv_bytes_per_token(model_config)
-
-
-def torch_engine_reexpands(model_config: dict, engine: str) -> bool:
-    """The torch engine keeps transformers' latent cache (and re-expands it every step) where the expanded cache
-    would be larger: DeepSeek-V3's 128 heads."""
-    return engine == "torch" and kv_bytes_per_token(model_config, engine) == kv_bytes_per_token(model_config)
 
 
 def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[str, int]:
@@ -214,14 +219,7 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     sequences = r.prompts_per_step // layout.gpus * r.group_size
     sequence_tokens = layout.row_tokens or layout.prompt_tokens + r.max_new_tokens
     tokens = tokens_per_forward(run, sequences, sequence_tokens)
-    o = run.optim
-    saved = [t for t in traces.at(ep) if t is not None]
-    per_gpu["activations"] = max(
-        t.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload) for t in saved
-    )
-    offloaded = (
-        max(t.offloaded(model_config, tokens, o.activation_checkpointing) for t in saved) if o.activation_offload else 0
-    )
+    per_gpu["activations"], offloaded = traces.activations(model_config, tokens, run.optim, ep)
     engine = {name: 0 for name in ENGINE_PARTS}
     reserve = 0
     if vllm:

@@ -119,12 +119,7 @@ def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, wor
 def trainer_peak(run, model_config, expert_parallel: int, traces: RunTraces, tokens: int) -> tuple[int, int]:
     """(a training GPU's peak bytes: resident trainer, critic and activations at `tokens` per forward; the
     activations it offloads to host memory)."""
-    o = run.optim
-    saved = [t for t in traces.at(expert_parallel) if t is not None]
-    activations = max(t.peak(model_config, tokens, o.activation_checkpointing, o.activation_offload) for t in saved)
-    offloaded = (
-        max(t.offloaded(model_config, tokens, o.activation_checkpointing) for t in saved) if o.activation_offload else 0
-    )
+    activations, offloaded = traces.activations(model_config, tokens, run.optim, expert_parallel)
     resident = sum(trainer_bytes(run, model_config, expert_parallel).values())
     return resident + sum(critic_bytes(run, model_config).values()) + activations, offloaded
 
