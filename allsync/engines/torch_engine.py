@@ -11,8 +11,9 @@ chosen token (top_p = 1), the quantity the trainer recomputes to check engine/tr
 
 The torch engine decodes with its own loop (`sample_from_cache`), which samples exactly as transformers'
 `generate` does (same ops, same random draws, so a seed gives generate's tokens; tests/allsync/engines/test_rollout_trainer.py)
-but prefills each distinct prompt once for its n samples, skips generate's per-step bookkeeping and, on models
-where it is no larger, caches MLA keys/values expanded (moe_lora/mla_decode.py). It keeps one step's [B, V]
+but prefills each distinct prompt once for its n samples, skips generate's per-step bookkeeping and never
+re-expands MLA's cache: it keeps keys/values expanded where that is no larger (the tiny models), else the latent
+and attends in latent space (DeepSeek-V3's 128 heads; moe_lora/mla_decode.py). It keeps one step's [B, V]
 scores at a time and gathers the chosen tokens' logprobs as it goes, where keeping every step's logits would
 hold [B, L, V] (about 10 GB per sequence at V = 129,280 and 20k tokens).
 
@@ -32,11 +33,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, TopPLogitsWarper
+from transformers import TopPLogitsWarper
 
 from evals.generation import cut_at_eos, left_pad
 from moe_lora.lora import lora_merged
-from moe_lora.mla_decode import ExpandedKVCache, expanded_cache_fits, install_expanded_cache
+from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, expanded_cache_fits, install_mla_decode
 from moe_lora.routing import moe_layers, recording
 
 
@@ -99,9 +100,10 @@ class TorchEngine:
         self.decoded_tokens = 0  # the response tokens those slots produced (eos included): fill = tokens / slots
         if getattr(model, "generation_config", None) is not None:
             check_plain_logits(model.generation_config)
-        # MLA keys/values expanded once per token where that costs no more memory than the latent cache
-        # (moe_lora/mla_decode.py); otherwise transformers' latent cache, re-expanded at every step
-        self.expanded_kv = expanded_cache_fits(model.config) and install_expanded_cache(model) > 0
+        # MLA keys/values expanded once per token where that costs no more memory than the latent cache, otherwise
+        # the latent cache read in latent space (moe_lora/mla_decode.py): never re-expanded at every step
+        mla_layers = install_mla_decode(model)
+        self.expanded_kv = not mla_layers or expanded_cache_fits(model.config)  # no MLA: a plain (reserved) cache
         # the experts each generated token went to, for routing replay and the routing_mismatch metric
         self.record_routing = bool(moe_layers(model))
 
@@ -155,9 +157,7 @@ class TorchEngine:
 
     def _generate_batch(self, prompts: list[list[int]], s: Sampling):
         distinct, repeats = runs_of_equal(prompts)
-        cache = (
-            ExpandedKVCache(reserve=s.max_new_tokens) if self.expanded_kv else DynamicCache(config=self.model.config)
-        )
+        cache = (ExpandedKVCache if self.expanded_kv else LatentKVCache)(reserve=s.max_new_tokens)
         with recording(self.model) if self.record_routing else contextlib.nullcontext() as record:
             tokens, chosen = sample_from_cache(
                 self.model, distinct, repeats, s, self.eos_id, self.pad_id, cache, self.lockstep

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from allsync.plan import schedules
-from allsync.plan.fit import Layout, Plan, kv_bytes_per_token, torch_engine_reexpands
+from allsync.plan.fit import Layout, Plan, decode_cache_is_expanded, kv_bytes_per_token
 from allsync.plan.hardware import Hardware
 from allsync.plan.lengths import ResponseLengths
 from allsync.plan.step_time import (
@@ -38,7 +38,7 @@ from allsync.plan.step_time import (
     allreduce_seconds,
     forward_seconds,
     generation_timeline,
-    reexpansion_flops_per_token,
+    decode_attention_flops_per_token,
     static_batches,
     train_passes,
 )
@@ -174,9 +174,10 @@ def generator_cost(
     )
     routed = weights.get("routed_experts", 0)
     engine = run.rollout.engine
-    reexpand = reexpansion_flops_per_token(model_config) if torch_engine_reexpands(model_config, engine) else 0.0
+    expanded = decode_cache_is_expanded(model_config, engine)
     kv = kv_bytes_per_token(model_config, engine)
-    return DecodeCost(model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, reexpand)
+    attention = decode_attention_flops_per_token(model_config, latent=not expanded)
+    return DecodeCost(model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, attention)
 
 
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:

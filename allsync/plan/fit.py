@@ -136,25 +136,25 @@ class Plan:
         }
 
 
-def torch_engine_reexpands(model_config: dict, engine: str) -> bool:
-    """The torch engine keeps transformers' latent cache (and re-expands it every step) where the expanded cache
-    would be larger than it (moe_lora.mla_decode.expanded_cache_fits, the engine's own rule): DeepSeek-V3's 128
-    heads."""
+def decode_cache_is_expanded(model_config: dict, engine: str) -> bool:
+    """The decoder keeps MLA's keys and values expanded: the torch engine where that is no larger than the latent
+    (moe_lora.mla_decode.expanded_cache_fits, the engine's own rule: the tiny models). Otherwise (vLLM always, the
+    torch engine at DeepSeek-V3's 128 heads) it keeps the latent and attends in latent space."""
     from types import SimpleNamespace
 
     from moe_lora.mla_decode import expanded_cache_fits
 
-    return engine == "torch" and not expanded_cache_fits(SimpleNamespace(**model_config))
+    return engine == "torch" and expanded_cache_fits(SimpleNamespace(**model_config))
 
 
 def kv_bytes_per_token(model_config: dict, engine: str = "vllm") -> int:
-    """KV-cache bytes per token: MLA's latent (allsync.engines.vllm_support.mla_kv_bytes_per_token), or for the
-    torch engine where it keeps them expanded (`torch_engine_reexpands` false) its keys and values,
-    H x (d_nope + d_rope + d_v) per layer (bf16)."""
+    """KV-cache bytes per token: MLA's latent (allsync.engines.vllm_support.mla_kv_bytes_per_token), or where the
+    decoder keeps them expanded (`decode_cache_is_expanded`) its keys and values, H x (d_nope + d_rope + d_v) per
+    layer (bf16)."""
     from allsync.engines.vllm_support import mla_kv_bytes_per_token
 
     c = model_config
-    if engine == "torch" and not torch_engine_reexpands(model_config, engine):
+    if decode_cache_is_expanded(model_config, engine):
         per_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]
         return c["num_hidden_layers"] * c["num_attention_heads"] * per_head * 2
     return mla_kv_bytes_per_token(model_config)

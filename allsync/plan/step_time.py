@@ -25,8 +25,9 @@ experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens
 
 Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
 sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
-cache is full. The torch engine decodes static batches instead (`static_batches`), and for DeepSeek-V3's shape
-re-expands its latent cache through kv_b_proj at every step (`reexpansion_flops_per_token`).
+cache is full. The torch engine decodes static batches instead (`static_batches`). Attention reads each cached
+token once per step: in latent space (vLLM, and the torch engine at DeepSeek-V3's shape) it costs more FLOPs per
+cached token than expanded keys and values would (`decode_attention_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class DecodeCost:
     kv_bytes_per_token: int
     expert_parallel: int
     routed_format: str
-    reexpand_flops_per_token: float = 0.0  # the torch engine on transformers' latent cache: per cached token a step
+    attention_flops_per_cached_token: float | None = None  # decode_attention_flops_per_token; None: the expanded count
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -177,29 +178,45 @@ class DecodeCost:
 
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
+        f0, slope, flops_per_second, bytes_per_second, a2a_seconds, _ = self._rates
+        per_cached = slope if self.attention_flops_per_cached_token is None else self.attention_flops_per_cached_token
         nbytes = self.routed_bytes * self.touched(batch) + self.other_bytes + context * self.kv_bytes_per_token
-        f0, slope = flop_coefficients(self.config)
-        flops = batch * f0 + (slope + self.reexpand_flops_per_token) * context
-        roofline = max(
-            nbytes / (self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency),
-            flops / (self.hw.flops * self.hw.train_efficiency(self.routed_format)),
-        )
-        return roofline + moe_layers(self.config) * self.hw.decode_a2a_seconds(self.expert_parallel)
+        return max(nbytes / bytes_per_second, (batch * f0 + per_cached * context) / flops_per_second) + a2a_seconds
 
     def prefill_seconds(self, prompt_tokens: float) -> float:
-        flops = float(sequence_forward_flops(self.config, prompt_tokens))
-        a2a = prompt_tokens * a2a_bytes_per_token(self.config, self.expert_parallel)
-        return flops / (
-            self.hw.flops * self.hw.train_efficiency(self.routed_format)
-        ) + a2a / self.hw.link_bytes_per_second(self.expert_parallel)
+        """A forward of the prompt: prompt x F(prompt / 2) FLOPs (causal) plus its all-to-all."""
+        f0, slope, flops_per_second, _, _, a2a_seconds_per_token = self._rates
+        return (
+            prompt_tokens * (f0 + slope * prompt_tokens / 2) / flops_per_second + prompt_tokens * a2a_seconds_per_token
+        )
+
+    @functools.cached_property
+    def _rates(self) -> tuple[float, ...]:
+        """What every step reads (the plan asks millions of times): F(0), dF/dc, FLOP/s at the training efficiency,
+        decode's HBM bytes/s, a decode step's all-to-all latency, a prefilled token's all-to-all seconds."""
+        f0, slope = flop_coefficients(self.config)
+        return (
+            f0,
+            slope,
+            self.hw.flops * self.hw.train_efficiency(self.routed_format),
+            self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency,
+            moe_layers(self.config) * self.hw.decode_a2a_seconds(self.expert_parallel),
+            a2a_bytes_per_token(self.config, self.expert_parallel)
+            / self.hw.link_bytes_per_second(self.expert_parallel),
+        )
 
 
-def reexpansion_flops_per_token(config: dict) -> float:
-    """FLOPs a decode step spends per cached token when attention re-expands transformers' latent MLA cache through
-    kv_b_proj (the torch engine for DeepSeek-V3's 128 heads, moe_lora/mla_decode.py): every layer,
-    2 x kv_lora_rank x H x (d_nope + d_v); V3: 2.0 GFLOP per cached token and step."""
-    heads, kv = config["num_attention_heads"], config["kv_lora_rank"]
-    return config["num_hidden_layers"] * 2 * kv * heads * (config["qk_nope_head_dim"] + config["v_head_dim"])
+def decode_attention_flops_per_token(config: dict, latent: bool) -> float:
+    """FLOPs a decode step spends per cached token, every layer. In latent space (absorbed MLA: the query [q_nope W_UK ;
+    q_rope] against [c_s ; k_rope_s], then the weights against c_s) 2 H (kv_lora_rank + d_rope) + 2 H kv_lora_rank;
+    on expanded keys and values 2 H (d_nope + d_rope + d_v), the count `forward_flops_per_token` holds.
+    DeepSeek-V3: 61 x 278,528 = 17.0 MFLOP latent against 61 x 81,920 = 5.0 MFLOP expanded."""
+    heads, rank, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    if latent:
+        per_layer = 2 * heads * (rank + rope) + 2 * heads * rank
+    else:
+        per_layer = 2 * heads * (config["qk_nope_head_dim"] + rope + config["v_head_dim"])
+    return float(config["num_hidden_layers"] * per_layer)
 
 
 def static_batches(lengths, prompt_tokens: int, batch: int, group_size: int, cost: DecodeCost) -> list[float]:

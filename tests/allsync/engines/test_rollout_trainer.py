@@ -143,23 +143,109 @@ def test_generation_configs_that_change_the_sampled_distribution_are_refused():
             check_plain_logits(GenerationConfig(**setting))
 
 
-def test_the_expanded_kv_cache_samples_what_the_latent_cache_samples(model):
-    """Issue 24: MLA keys/values expanded once per token (moe_lora/mla_decode.py) against transformers' latent
-    cache re-expanded at every step: the same tokens, and logprobs within float32 noise (each row's expansion is the
-    same product, but the matmul over a few new rows may sum in another order than over the whole cache: measured up
-    to 4.5e-6 nats here with padded prompts, 0 on the default run's task)."""
+def sample_with_caches(model, prompts, n, sampling, seed=3):
+    """{cache: (tokens, logprobs)} of sample_from_cache from the same seed with transformers' latent cache
+    (re-expanded at every step: the reference), the expanded cache and the latent cache read in latent space."""
+    from transformers import DynamicCache
+
+    from allsync.engines.torch_engine import runs_of_equal, sample_from_cache
+    from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, install_mla_decode
+
+    install_mla_decode(model)
+    expanded = [p for p in prompts for _ in range(n)]
+    distinct, repeats = runs_of_equal(expanded)
+    caches = {
+        "transformers": lambda: DynamicCache(config=model.config),
+        "expanded": lambda: ExpandedKVCache(reserve=sampling.max_new_tokens),
+        "latent": lambda: LatentKVCache(reserve=sampling.max_new_tokens),
+    }
+    out = {}
+    for name, cache in caches.items():
+        torch.manual_seed(seed)
+        out[name] = sample_from_cache(model, distinct, repeats, sampling, 1, 2, cache())
+    return out
+
+
+def assert_same_samples(got, want, atol):
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=atol, rtol=0)
+
+
+def test_the_expanded_and_the_latent_caches_sample_what_transformers_cache_samples(model):
+    """Issues 24 and 46: MLA keys/values expanded once per token, and the latent cache read in latent space (q
+    absorbed through W_UK, output through W_UV), against transformers' latent cache re-expanded at every step: the
+    same tokens, and logprobs within float32 noise (measured: up to 8.8e-6 nats expanded, 8.1e-6 latent, with
+    padded prompts). The tiny model's engine keeps the expanded cache (4 heads x (32 + 64 + 32) = 512 <= 576)."""
     prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
-    sampling = Sampling(temperature=1.0, max_new_tokens=8)
-    engine = TorchEngine(model, eos_id=1, pad_id=2)
-    assert engine.expanded_kv  # the tiny model: 4 heads x (32 + 64 + 32) = 512 <= 512 + 64 latent values
-    rollouts = []
-    for expanded in (True, False):
-        engine.expanded_kv = expanded
-        torch.manual_seed(3)
-        rollouts.append(engine.generate(prompts, n=3, sampling=sampling))
-    assert rollouts[0].response_ids == rollouts[1].response_ids
-    for a, b in zip(rollouts[0].logprobs, rollouts[1].logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
+    assert TorchEngine(model, eos_id=1, pad_id=2).expanded_kv
+    runs = sample_with_caches(model, prompts, 3, Sampling(temperature=1.0, max_new_tokens=8))
+    assert runs["transformers"][0].shape == (6, 8)
+    for name in ("expanded", "latent"):
+        assert_same_samples(runs[name], runs["transformers"], atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def v3_heads_model(tmp_path_factory):
+    """Two layers (one dense, one MoE) with DeepSeek-V3's head dims (q_lora_rank 1536, kv_lora_rank 512, d_nope 128,
+    d_rope 64, d_v 128; 16 heads, not 128, to stay small), random weights, LoRA on every attention projection with
+    random B (kv_b_proj's and q_b_proj's included)."""
+    from moe_lora.lora import LoRAConfig, attach_lora
+    from moe_lora.lora_layers import LoRALinear
+    from moe_lora.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(layers=2, heads=16, q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128, seed=1)
+    path = make_tiny(tmp_path_factory.mktemp("ckpt") / "v3-heads", spec)
+    model = load_frozen_model(path, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32, progress=False)
+    attach_lora(model, LoRAConfig(rank=8, alpha=16))
+    gen = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_B.data.normal_(0, 0.02, generator=gen)
+    return model
+
+
+def test_the_latent_cache_samples_what_transformers_samples_at_deepseek_v3_head_dims(v3_heads_model):
+    """Issue 46: at V3's head dims the engine keeps the latent cache (16 x 320 = 5,120 expanded values per token
+    against 576) and attends in latent space, LoRA on kv_b_proj in factored form: the tokens of transformers' path
+    and logprobs within float32 noise (measured: 9.1e-6 nats), with padded prompts."""
+    from moe_lora.lora import adapters_disabled
+
+    model = v3_heads_model
+    assert not TorchEngine(model, eos_id=1, pad_id=2).expanded_kv
+    prompts = [[0, 95, 80, 73, 11], [0, 41, 86]]
+    sampling = Sampling(temperature=1.0, max_new_tokens=10)
+    runs = sample_with_caches(model, prompts, 2, sampling)
+    assert_same_samples(runs["latent"], runs["transformers"], atol=2e-5)
+    with adapters_disabled(model):  # the reference policy: kv_b_proj's base alone
+        base = sample_with_caches(model, prompts, 2, sampling)
+    assert_same_samples(base["latent"], base["transformers"], atol=2e-5)
+    assert not torch.equal(base["latent"][1], runs["latent"][1])  # the LoRA was applied
+
+
+def test_a_latent_cache_continues_a_sequence_with_several_new_tokens(v3_heads_model):
+    """A forward of 3 new tokens onto a latent cache of 5 (the causal offset mask of `absorbed_attention`, no
+    attention mask given) gives the logits of one forward of all 8 tokens."""
+    from moe_lora.mla_decode import LatentKVCache
+
+    model = v3_heads_model
+    ids = torch.tensor([[0, 95, 80, 73, 11, 41, 86, 7]])
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        cache = LatentKVCache(reserve=4)
+        first = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
+        rest = model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
+    assert cache.get_seq_length() == 8 and cache.layers[0].keys.shape[-1] == 512 + 64  # the latent, nothing else
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, atol=2e-5, rtol=0)
+
+
+def test_the_latent_path_refuses_a_kv_b_proj_it_cannot_apply(v3_heads_model):
+    from types import SimpleNamespace
+
+    from moe_lora.mla_decode import kv_b_weight
+
+    attn = SimpleNamespace(kv_b_proj=torch.nn.Conv1d(1, 1, 1), layer_idx=1)
+    with pytest.raises(TypeError, match=r"model.layers.1.self_attn.kv_b_proj is a Conv1d"):
+        kv_b_weight(attn, torch.float32)
 
 
 def test_merged_lora_generates_the_unmerged_policy(tiny_bf16):
