@@ -118,6 +118,89 @@ def _with_room(cached: torch.Tensor, new_states: torch.Tensor, capacity: int) ->
     return buffer
 
 
+class SlotKVCache(DynamicCache):
+    """A fixed pool of `slots` rows for continuous batching, each with room for `capacity` positions: a row's cache
+    lives in a slot from its prefill until it ends, and the next row's prefill then takes the slot. Per layer the
+    buffers hold what the two caches above hold (expanded keys and values, or the latent with an empty value),
+    [slots, H, capacity, d]; `lengths` [slots] counts each slot's cached positions. The live rows occupy the first
+    slots (`live`); a decode step writes each live slot's new position at its own length (`SlotLayer.update`) and
+    attends under `mask`: position p of slot s is seen when p <= lengths[s], up to `span` positions (the longest
+    live row's, so that attention reads no more than it needs). The engine fills slots from a prefill's cache
+    (`fill`), moves the last live slots into the holes of finished rows (`move`) and advances the lengths after
+    every decode forward (`advance`)."""
+
+    def __init__(self, slots: int, capacity: int):
+        super().__init__()
+        self.slots, self.capacity = slots, capacity
+        self.lengths: torch.Tensor | None = None
+        self.live, self.span = 0, 0
+        self.mask: torch.Tensor | None = None
+        self.latent = False  # the buffers hold the latent (filled from a LatentKVCache)
+
+    def fill(self, start: int, source: DynamicCache, which: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Slots start, start + 1, ... get rows `which` of a prefill's cache (ExpandedKVCache or LatentKVCache of
+        right-padded prompts: a row's positions [0, lengths) are its own) and those lengths."""
+        self.latent = isinstance(source, LatentKVCache)
+        width = source.get_seq_length()
+        end = start + len(which)
+        for index, layer in enumerate(source.layers):
+            if index == len(self.layers):
+                self.layers.append(SlotLayer(self, layer.keys, layer.values))
+            self.layers[index].keys_buffer[start:end, :, :width] = layer.keys[which]
+            self.layers[index].values_buffer[start:end, :, :width] = layer.values[which]
+        if self.lengths is None:
+            self.lengths = torch.zeros(self.slots, dtype=torch.long, device=lengths.device)
+        self.lengths[start:end] = lengths
+
+    def move(self, sources: list[int], targets: list[int], span: int) -> None:
+        """Slot targets[i] takes slot sources[i]'s first `span` positions (at least what they hold) and length."""
+        if not sources:
+            return
+        src = torch.tensor(sources, device=self.lengths.device)
+        dst = torch.tensor(targets, device=self.lengths.device)
+        for layer in self.layers:
+            for buffer in (layer.keys_buffer, layer.values_buffer):
+                buffer[dst, :, :span] = buffer[src, :, :span]
+        self.lengths[dst] = self.lengths[src]
+
+    def begin_step(self, live: int, span: int) -> None:
+        """A decode forward of the first `live` slots, the longest holding span - 1 positions."""
+        self.live, self.span = live, span
+        positions = torch.arange(span, device=self.lengths.device)
+        self.mask = (positions[None, :] <= self.lengths[:live, None])[:, None, None, :]
+
+    def advance(self) -> None:
+        self.lengths[: self.live] += 1
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.span - 1, 0)
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of a SlotKVCache: buffers [slots, H, capacity, d] shaped like a prefill layer's keys and values."""
+
+    def __init__(self, pool: SlotKVCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.pool = pool
+        self.keys_buffer = keys.new_zeros(pool.slots, keys.shape[1], pool.capacity, keys.shape[-1])
+        self.values_buffer = values.new_zeros(pool.slots, values.shape[1], pool.capacity, values.shape[-1])
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = self.keys_buffer, self.values_buffer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Each live slot's one new position (key_states [live, H, 1, d]) written at its own length; returns the
+        live slots' buffers up to the span."""
+        pool = self.pool
+        slots = torch.arange(pool.live, device=key_states.device)
+        at = pool.lengths[: pool.live]
+        self.keys_buffer[slots, :, at] = key_states[:, :, 0]
+        self.values_buffer[slots, :, at] = value_states[:, :, 0]
+        return self.keys_buffer[: pool.live, :, : pool.span], self.values_buffer[: pool.live, :, : pool.span]
+
+    def get_seq_length(self) -> int:
+        return self.pool.get_seq_length()
+
+
 def expanded_cache_fits(config) -> bool:
     """True when the expanded cache takes no more memory per token than the latent one:
     H (d_nope + d_rope + d_v) <= kv_lora_rank + d_rope."""
@@ -130,7 +213,7 @@ def mla_decode_forward(
 ):
     """DeepseekV3Attention.forward for the two decode caches (module docstring); any other cache (or none:
     training) goes to transformers' own forward unchanged."""
-    if not isinstance(past_key_values, (ExpandedKVCache, LatentKVCache)):
+    if not isinstance(past_key_values, (ExpandedKVCache, LatentKVCache, SlotKVCache)):
         return DeepseekV3Attention.forward(
             attn, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
         )
@@ -151,18 +234,22 @@ def mla_decode_forward(
     rotate = apply_rotary_pos_emb_interleave if attn.config.rope_interleave else apply_rotary_pos_emb
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
 
-    if isinstance(past_key_values, LatentKVCache):
+    slots = isinstance(past_key_values, SlotKVCache)  # a decode step of the live slots, each at its own length
+    if isinstance(past_key_values, LatentKVCache) or (slots and past_key_values.latent):
         cached = past_key_values.get_seq_length(attn.layer_idx)
         latent = torch.cat((kv_nope, k_rot), dim=-1)
         latent, _ = past_key_values.update(latent, latent[..., :0], attn.layer_idx)
-        if cached:
-            attn_output = absorbed_attention(attn, q_pass, q_rot, latent, attention_mask, cached)
+        if cached or slots:  # attend to the cache in latent space
+            mask = past_key_values.mask if slots else attention_mask
+            attn_output = absorbed_attention(attn, q_pass, q_rot, latent, mask, cached)
             attn_output = attn_output.transpose(1, 2).reshape(batch_size, seq_length, -1)
             return attn.o_proj(attn_output), None
         key_states, value_states = attn.expand_kv(kv_nope, k_rot)  # a prefill: its own tokens, expanded
     else:
         key_states, value_states = attn.expand_kv(kv_nope, k_rot)  # the new tokens only
         key_states, value_states = past_key_values.update(key_states, value_states, attn.layer_idx)
+        if slots:
+            attention_mask = past_key_values.mask
 
     query_states = torch.cat((q_pass, q_rot), dim=-1)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)

@@ -34,12 +34,12 @@ from allsync.plan.fit import Layout, Plan, decode_cache_is_expanded, kv_bytes_pe
 from allsync.plan.hardware import Hardware
 from allsync.plan.lengths import ResponseLengths
 from allsync.plan.step_time import (
+    ADMISSION_HEADROOM_TOKENS,
     DecodeCost,
     allreduce_seconds,
     forward_seconds,
     generation_timeline,
     decode_attention_flops_per_token,
-    static_batches,
     train_passes,
 )
 from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, held_experts, lora_values, stored_plan
@@ -181,10 +181,13 @@ def generator_cost(
 
 
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:
-    """Seconds of each decode batch generating `groups` ([groups, group_size] response lengths): vLLM's continuous
-    batching as one, the torch engine's static batches of rollout.decode_batch rows (step_time.static_batches)."""
+    """Seconds of generating `groups` ([groups, group_size] response lengths), continuous batching: vLLM's within
+    its KV room, the torch engine's over rollout.decode_batch slots that each hold a sequence at full length (the
+    plan refuses a batch that does not fit), so it admits a row whenever a slot frees and never preempts."""
     if run.rollout.engine == "torch":
-        return static_batches(groups.ravel(), prompt_tokens, run.rollout.decode_batch_size, groups.shape[1], cost)
+        slots = run.rollout.decode_batch_size
+        room = (slots + 1) * (prompt_tokens + int(groups.max(initial=0)) + ADMISSION_HEADROOM_TOKENS)
+        return [generate(groups, prompt_tokens, room, cost, max_sequences=slots)[0]]
     return [generate(groups, prompt_tokens, kv_tokens, cost)[0]]
 
 
@@ -202,9 +205,12 @@ def round_chunks(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: 
     return [[batches(waves) for waves in rounds] for rounds in sampling.rounds]
 
 
-def generate(groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> tuple[float, np.ndarray]:
+def generate(
+    groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost, max_sequences: int = 1024
+) -> tuple[float, np.ndarray]:
     """(seconds until the GPU's last response, each group's finish seconds sorted)."""
-    finish = generation_timeline(groups.ravel(), prompt_tokens, kv_tokens, cost).reshape(groups.shape).max(axis=1)
+    finish = generation_timeline(groups.ravel(), prompt_tokens, kv_tokens, cost, max_sequences)
+    finish = finish.reshape(groups.shape).max(axis=1)
     return float(finish.max()), np.sort(finish)
 
 

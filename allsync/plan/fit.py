@@ -257,7 +257,7 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     if not vllm and r.decode_batch_size * sequence_tokens > kv_tokens:
         problems.append(
             f"rollout.decode_batch {r.decode_batch_size} x {sequence_tokens:,} tokens of KV cache (the torch engine's "
-            f"static batch at full length) need {r.decode_batch_size * sequence_tokens * kv_token / 1e9:.1f} GB; the "
+            f"KV slots at full length) need {r.decode_batch_size * sequence_tokens * kv_token / 1e9:.1f} GB; the "
             f"generate phase leaves room for {kv_tokens:,} tokens ({kv_tokens // sequence_tokens} sequences)"
         )
     host_bytes = max(engine_total - asleep + offloaded, frozen) if sleeping else offloaded

@@ -25,7 +25,8 @@ experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens
 
 Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
 sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
-cache is full. The torch engine decodes static batches instead (`static_batches`). Attention reads each cached
+cache is full. The torch engine batches continuously too, over rollout.decode_batch slots preallocated at full length
+(so it never preempts). Attention reads each cached
 token once per step: in latent space (vLLM, and the torch engine at DeepSeek-V3's shape) it costs more FLOPs per
 cached token than expanded keys and values would (`decode_attention_flops_per_token`).
 """
@@ -217,24 +218,6 @@ def decode_attention_flops_per_token(config: dict, latent: bool) -> float:
     else:
         per_layer = 2 * heads * (config["qk_nope_head_dim"] + rope + config["v_head_dim"])
     return float(config["num_hidden_layers"] * per_layer)
-
-
-def static_batches(lengths, prompt_tokens: int, batch: int, group_size: int, cost: DecodeCost) -> list[float]:
-    """Seconds of each decode batch of the torch engine (rollout.decode_batch rows, in order): the batch's distinct
-    prompts prefilled once each, then every row decoded at every step until the batch's longest response ends
-    (finished rows keep their slot), the context growing by one token per row and step:
-        t = prompts x prefill + L x decode_step(rows, rows x (prompt + L / 2)),  L the longest response."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    out = []
-    for start in range(0, len(lengths), batch):
-        rows = lengths[start : start + batch]
-        longest = int(rows.max())
-        prompts = -(-len(rows) // group_size)
-        context = len(rows) * (prompt_tokens + longest / 2)
-        out.append(
-            prompts * cost.prefill_seconds(prompt_tokens) + longest * cost.decode_step_seconds(len(rows), context)
-        )
-    return out
 
 
 def generation_timeline(

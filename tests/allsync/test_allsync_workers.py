@@ -116,9 +116,11 @@ def test_held_out_evaluation_is_not_counted_as_the_next_steps_generation_work(ti
         w.shutdown()
 
 
-def test_decode_fill_is_the_response_tokens_over_the_static_batches_slots(warm_tiny):
-    """The torch engine decodes a batch until its longest response ends: decode_slots = rows x steps of each batch,
-    decoded_tokens = the responses' tokens (eos included); a step reports both and aggregate their ratio."""
+def test_decode_fill_is_the_decode_tokens_over_the_slots_of_the_decode_forwards(warm_tiny):
+    """Continuous batching (issue 46): every decode forward runs the pool's live rows, so decode_slots = slots x
+    decode forwards, decoded_tokens = the tokens those forwards produced (each response's tokens but the first, which
+    its prefill samples); fewer slot-steps than static batches of the same rows, each decoded to its longest
+    response. A step reports both and aggregate their ratio."""
     from allsync.engines.torch_engine import Sampling
 
     w = RLWorker(config(warm_tiny, 1), PROBLEMS)
@@ -129,9 +131,9 @@ def test_decode_fill_is_the_response_tokens_over_the_static_batches_slots(warm_t
         prompts = [prompt[:k] for k in range(2, len(prompt) + 1)]  # cut prompts: responses of many lengths
         rollout = engine.generate(prompts, 1, Sampling(temperature=1.0, max_new_tokens=12))
         lengths = [len(r) for r in rollout.response_ids]
-        batches = [lengths[i : i + 4] for i in range(0, len(lengths), 4)]
-        assert engine.decoded_tokens == sum(lengths) and len(set(lengths)) > 1
-        assert engine.decode_slots == sum(len(b) * max(b) for b in batches) > engine.decoded_tokens
+        static = sum(4 * max(lengths[i : i + 4]) for i in range(0, len(lengths), 4))
+        assert engine.decoded_tokens == sum(lengths) - len(lengths) and len(set(lengths)) > 1
+        assert engine.decode_slots % 4 == 0 and engine.decoded_tokens <= engine.decode_slots < static
         assert w.take_engine_counters()["decode_slots"] > 0 and engine.decode_slots == 0
         engine.batch_size = 64
         metrics = w.step(1)

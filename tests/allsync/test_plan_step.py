@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -146,13 +148,17 @@ def test_a_full_cache_preempts_the_latest_sequence_which_recomputes_its_context(
         generation_timeline([41], 10, 50, fixed_cost())
 
 
-def test_the_torch_engine_decodes_static_batches_to_their_longest_row():
-    """rollout.decode_batch rows at a time, each batch's distinct prompts prefilled once, then every row decoded until
-    the batch's longest response ends."""
-    from allsync.plan.step_time import static_batches
+def test_the_torch_engine_admits_a_row_whenever_one_of_its_slots_frees():
+    """Continuous batching over rollout.decode_batch slots (issue 46): with 2 slots, rows of 5, 2, 7, 1 tokens
+    (prompts of 10) finish at 5, 2 + 7 (row 2 took row 1's slot at step 2) and 5 + 1 (row 3 took row 0's), each
+    admission a prefill; static batches of 2 would have taken 5 + 7 steps."""
+    from allsync.plan.estimate import generate_chunks
 
-    assert static_batches([5, 2, 7, 1], 10, 2, 1, fixed_cost()) == pytest.approx([0.02 + 5, 0.02 + 7])
-    assert static_batches([5, 2, 7, 1], 10, 4, 2, fixed_cost()) == pytest.approx([0.02 + 7])  # 2 prompts of 2 rows
+    run = SimpleNamespace(rollout=SimpleNamespace(engine="torch", decode_batch_size=2))
+    lengths = np.array([[5], [2], [7], [1]])
+    seconds = generate_chunks(run, lengths, 10, 0, fixed_cost())
+    prefill = 0.01
+    assert seconds == pytest.approx([4 * prefill + 2 + 7])  # the last row ends at step 9, not 12
 
 
 def test_the_torch_engine_on_deepseek_v3_keeps_the_latent_cache_and_must_hold_a_static_batch(trace_cache, capsys):

@@ -195,6 +195,7 @@ def test_a_lost_worker_beyond_max_restarts_ends_the_run(warm_tiny, ray_cluster, 
     assert "error: worker 0 failed in step" in done.stderr and "every worker was stopped" in done.stderr
 
 
+@pytest.mark.slow  # 28 s, 12 of them waiting for run.step_timeout; a lost worker's restart stays in the default run
 def test_a_hung_spmd_process_exits_for_the_elastic_launcher_which_restarts_and_resumes(warm_tiny, ray_run, tmp_path):
     """torchrun --max-restarts 1: rank 1 hangs in step 3; past run.step_timeout both processes exit with code 75,
     torchrun starts them again, and they resume from the step-2 checkpoint by themselves."""

@@ -59,29 +59,6 @@ def test_greedy_generation_is_the_argmax_path(model):
     assert rollout.response_ids[0] == seq[4:]
 
 
-def old_generate_batch(model, prompts, s: Sampling, eos_id: int, pad_id: int):
-    """The torch engine before issue 9 item 13: every step's logits kept (output_logits), then stacked."""
-    ids, mask = left_pad(prompts, pad_id)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=s.max_new_tokens,
-        do_sample=True,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    new_tokens = out.sequences[:, ids.shape[1] :]
-    step_logprobs = torch.stack([torch.log_softmax(l.float() / s.temperature, -1) for l in out.logits], dim=1)
-    chosen = step_logprobs.gather(-1, new_tokens[:, : step_logprobs.shape[1], None]).squeeze(-1)
-    cut = [cut_at_eos(row, eos_id) for row in new_tokens.tolist()]
-    return [t for t, _ in cut], [lp[: len(t)] for (t, _), lp in zip(cut, chosen.tolist())], [r for _, r in cut]
-
-
 def frequent_stop_token(model, prompts, n, sampling, seed) -> int:
     """A token whose first occurrence falls at the most different positions of these samples: used as eos,
     the same seed then gives responses that stop at different lengths (a random tiny model rarely says eos)."""
@@ -92,22 +69,60 @@ def frequent_stop_token(model, prompts, n, sampling, seed) -> int:
     return max(positions, key=lambda t: (len(positions[t]) if counts[t] < len(rows) else 0, counts[t]))
 
 
+def reference_samples(model, rows, seeds, sampling, eos_id):
+    """Each row decoded alone by plain forwards of the whole sequence (transformers' attention, no cache), its draws
+    the engine's for its seed (allsync.engines.slots.sample_rows): (tokens, logprobs, finish reasons)."""
+    from allsync.engines.slots import sample_rows
+
+    tokens, logprobs, reasons = [], [], []
+    for prompt, seed in zip(rows, seeds):
+        seq, lps, reason = list(prompt), [], "length"
+        for step in range(sampling.max_new_tokens):
+            with torch.no_grad():
+                scores = model(torch.tensor([seq])).logits[:, -1].float()
+            chosen, lp = sample_rows(scores, seed[None], torch.tensor([step]), sampling)
+            seq.append(int(chosen))
+            lps.append(float(lp))
+            if seq[-1] == eos_id:
+                reason = "stop"
+                break
+        tokens.append(seq[len(prompt) :])
+        logprobs.append(lps)
+        reasons.append(reason)
+    return tokens, logprobs, reasons
+
+
+def assert_same_rows(got, want, atol):
+    """Decoded rows (tokens, logprobs, reasons) equal: the same tokens and reasons, logprobs within atol."""
+    assert got[0] == want[0] and got[2] == want[2]
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
+
+
+def decode(model, rows, seeds, sampling, eos_id, slots, expanded):
+    from allsync.engines.slots import decode_in_slots
+    from moe_lora.mla_decode import install_mla_decode
+
+    install_mla_decode(model)
+    out = decode_in_slots(model, rows, seeds, sampling, eos_id, 2, slots, expanded)
+    return out.tokens, out.logprobs, out.reasons
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_are_computed_per_step_and_equal_a_plain_forward(model, temperature):
     """Issue 9 item 13: the engine gathers each step's chosen-token logprob as it generates (no [B, L, V]
     of kept logits); they equal log softmax(logits / T) of a teacher-forced forward of each sample alone
-    (no padding), rows stop at eos at different lengths, and the samples are transformers' `generate`'s for the
-    seed (issue 24: the engine's own decode loop prefills each prompt once and samples as `_sample` does)."""
+    (no padding), and rows stop at eos at different lengths."""
     prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
     sampling = Sampling(temperature=temperature, max_new_tokens=10)
     eos = frequent_stop_token(model, prompts, 4, sampling, seed=0)
-    engine = TorchEngine(model, eos_id=eos, pad_id=2)
+    engine = TorchEngine(model, eos_id=eos, pad_id=2, batch_size=3)  # 8 samples through 3 slots
 
     torch.manual_seed(0)
     rollout = engine.generate(prompts, n=4, sampling=sampling)
 
     stopped = {len(r) for r, f in zip(rollout.response_ids, rollout.finish_reasons) if f == "stop"}
-    assert len(stopped) >= 2 and "length" in rollout.finish_reasons  # eos at different lengths, padding after it
+    assert len(stopped) >= 2 and "length" in rollout.finish_reasons  # eos at different lengths
     assert all(len(lp) == len(r) for lp, r in zip(rollout.logprobs, rollout.response_ids))
 
     for prompt, response, engine_lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs):
@@ -116,17 +131,49 @@ def test_engine_logprobs_are_computed_per_step_and_equal_a_plain_forward(model, 
         reference = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1].gather(
             -1, torch.tensor(response)[:, None]
         )
-        # float32 noise of the cached, left-padded batch against one uncached row: measured up to 1.7e-5 at
-        # |logprob| ~ 3, the same with the old code's kept logits
+        # float32 noise of the cached batch against one uncached row (measured up to 1.7e-5 at |logprob| ~ 3)
         torch.testing.assert_close(torch.tensor(engine_lp), reference.squeeze(-1), atol=1e-5, rtol=1e-5)
 
-    torch.manual_seed(0)
-    old = old_generate_batch(model, [p for p in prompts for _ in range(4)], sampling, eos, 2)
-    assert old[0] == rollout.response_ids and old[2] == rollout.finish_reasons
-    # the engine prefills each distinct prompt once: its rows go through smaller matmuls than generate's, whose float32
-    # sums may round differently (measured: up to 1e-5 nats after 10 steps with padded prompts; 0 on the default task)
-    for engine_lp, old_lp in zip(rollout.logprobs, old[1]):
-        torch.testing.assert_close(torch.tensor(engine_lp), torch.tensor(old_lp), atol=5e-5, rtol=0)
+
+def test_no_prompts_give_an_empty_rollout(model):
+    """A rank with nothing to generate (expert parallelism's lockstep calls generate with no prompts)."""
+    rollout = TorchEngine(model, eos_id=1, pad_id=2).generate([], 4, Sampling(max_new_tokens=5))
+    assert len(rollout) == 0 and rollout.response_ids == [] and rollout.routing == []
+
+
+def test_gumbel_max_draws_sample_the_softmax():
+    """argmax(scores / T + Gumbel noise) over 40,000 seeds: every token's frequency within 4 standard errors of
+    softmax(scores / T); a row's draws depend on its seed and token index only."""
+    from allsync.engines.slots import gumbel_noise, sample_rows
+
+    rows = 40_000
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).expand(rows, -1)
+    seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(0))
+    for temperature in (1.0, 0.7):
+        chosen, _ = sample_rows(scores, seeds, torch.zeros(rows, dtype=torch.long), Sampling(temperature=temperature))
+        p = torch.softmax(scores[0] / temperature, -1)
+        freq = torch.bincount(chosen, minlength=5).float() / rows
+        assert ((freq - p).abs() <= 4 * (p * (1 - p) / rows).sqrt()).all(), (freq, p)
+    noise = gumbel_noise(seeds[:3], torch.tensor([0, 1, 2]), 7)
+    again = gumbel_noise(seeds[[2, 0]], torch.tensor([2, 0]), 7)
+    assert torch.equal(noise[[2, 0]], again) and noise.isfinite().all()
+    assert not torch.equal(gumbel_noise(seeds[:1], torch.tensor([1]), 7), noise[:1])  # another token index
+
+
+def test_each_row_samples_what_it_samples_alone(model):
+    """Issue 46: continuous batching over 3 slots, 12 rows of 3 prompts stopping at different lengths (slots freed
+    and refilled): each row's tokens, logprobs and finish reason equal that row decoded alone (one slot) with its
+    seed, and a plain forward of the whole sequence, draw for draw."""
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
+    rows = [p for p in prompts for _ in range(4)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    eos = frequent_stop_token(model, prompts, 4, sampling, seed=1)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
+    pooled = decode(model, rows, seeds, sampling, eos, slots=3, expanded=True)
+    assert len({len(t) for t in pooled[0]}) >= 3  # rows end at different steps
+    alone = [decode(model, [r], seeds[i : i + 1], sampling, eos, slots=1, expanded=True) for i, r in enumerate(rows)]
+    assert_same_rows(pooled, tuple([x for a in alone for x in a[k]] for k in range(3)), atol=2e-5)
+    assert_same_rows(pooled, reference_samples(model, rows, seeds, sampling, eos), atol=2e-5)
 
 
 def test_generation_configs_that_change_the_sampled_distribution_are_refused():
@@ -143,45 +190,19 @@ def test_generation_configs_that_change_the_sampled_distribution_are_refused():
             check_plain_logits(GenerationConfig(**setting))
 
 
-def sample_with_caches(model, prompts, n, sampling, seed=3):
-    """{cache: (tokens, logprobs)} of sample_from_cache from the same seed with transformers' latent cache
-    (re-expanded at every step: the reference), the expanded cache and the latent cache read in latent space."""
-    from transformers import DynamicCache
-
-    from allsync.engines.torch_engine import runs_of_equal, sample_from_cache
-    from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, install_mla_decode
-
-    install_mla_decode(model)
-    expanded = [p for p in prompts for _ in range(n)]
-    distinct, repeats = runs_of_equal(expanded)
-    caches = {
-        "transformers": lambda: DynamicCache(config=model.config),
-        "expanded": lambda: ExpandedKVCache(reserve=sampling.max_new_tokens),
-        "latent": lambda: LatentKVCache(reserve=sampling.max_new_tokens),
-    }
-    out = {}
-    for name, cache in caches.items():
-        torch.manual_seed(seed)
-        out[name] = sample_from_cache(model, distinct, repeats, sampling, 1, 2, cache())
-    return out
-
-
-def assert_same_samples(got, want, atol):
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1], atol=atol, rtol=0)
-
-
-def test_the_expanded_and_the_latent_caches_sample_what_transformers_cache_samples(model):
-    """Issues 24 and 46: MLA keys/values expanded once per token, and the latent cache read in latent space (q
-    absorbed through W_UK, output through W_UV), against transformers' latent cache re-expanded at every step: the
-    same tokens, and logprobs within float32 noise (measured: up to 8.8e-6 nats expanded, 8.1e-6 latent, with
-    padded prompts). The tiny model's engine keeps the expanded cache (4 heads x (32 + 64 + 32) = 512 <= 576)."""
+def test_the_expanded_and_the_latent_slots_sample_what_transformers_samples(model):
+    """Issues 24 and 46: slots holding MLA keys/values expanded once per token, and slots holding the latent read in
+    latent space (q absorbed through W_UK, output through W_UV), against plain forwards of the whole sequence
+    (transformers' attention): the same tokens, and logprobs within float32 noise. The tiny model's engine keeps the
+    expanded cache (4 heads x (32 + 64 + 32) = 512 <= 576)."""
     prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
+    rows = [p for p in prompts for _ in range(3)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(3))
     assert TorchEngine(model, eos_id=1, pad_id=2).expanded_kv
-    runs = sample_with_caches(model, prompts, 3, Sampling(temperature=1.0, max_new_tokens=8))
-    assert runs["transformers"][0].shape == (6, 8)
-    for name in ("expanded", "latent"):
-        assert_same_samples(runs[name], runs["transformers"], atol=2e-5)
+    want = reference_samples(model, rows, seeds, sampling, eos_id=1)
+    for expanded in (True, False):
+        assert_same_rows(decode(model, rows, seeds, sampling, 1, slots=4, expanded=expanded), want, atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -206,20 +227,22 @@ def v3_heads_model(tmp_path_factory):
 
 def test_the_latent_cache_samples_what_transformers_samples_at_deepseek_v3_head_dims(v3_heads_model):
     """Issue 46: at V3's head dims the engine keeps the latent cache (16 x 320 = 5,120 expanded values per token
-    against 576) and attends in latent space, LoRA on kv_b_proj in factored form: the tokens of transformers' path
-    and logprobs within float32 noise (measured: 9.1e-6 nats), with padded prompts."""
+    against 576) and attends in latent space, LoRA on kv_b_proj in factored form: the tokens of plain forwards of
+    the whole sequence and logprobs within float32 noise, rows of different lengths in 3 slots; with the adapters
+    off (the reference policy) too."""
     from moe_lora.lora import adapters_disabled
 
     model = v3_heads_model
     assert not TorchEngine(model, eos_id=1, pad_id=2).expanded_kv
-    prompts = [[0, 95, 80, 73, 11], [0, 41, 86]]
+    rows = [p for p in ([0, 95, 80, 73, 11], [0, 41, 86]) for _ in range(2)]
     sampling = Sampling(temperature=1.0, max_new_tokens=10)
-    runs = sample_with_caches(model, prompts, 2, sampling)
-    assert_same_samples(runs["latent"], runs["transformers"], atol=2e-5)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(4))
+    latent = decode(model, rows, seeds, sampling, 1, slots=3, expanded=False)
+    assert_same_rows(latent, reference_samples(model, rows, seeds, sampling, 1), atol=2e-5)
     with adapters_disabled(model):  # the reference policy: kv_b_proj's base alone
-        base = sample_with_caches(model, prompts, 2, sampling)
-    assert_same_samples(base["latent"], base["transformers"], atol=2e-5)
-    assert not torch.equal(base["latent"][1], runs["latent"][1])  # the LoRA was applied
+        base = decode(model, rows, seeds, sampling, 1, slots=3, expanded=False)
+        assert_same_rows(base, reference_samples(model, rows, seeds, sampling, 1), atol=2e-5)
+    assert base[1] != latent[1]  # the LoRA was applied
 
 
 def test_a_latent_cache_continues_a_sequence_with_several_new_tokens(v3_heads_model):
@@ -326,7 +349,7 @@ def test_the_reserved_cache_layer_holds_what_concatenation_holds():
 
 
 def test_prompts_are_prefilled_once_per_run_of_equal_rows():
-    from allsync.engines.torch_engine import runs_of_equal
+    from allsync.engines.slots import runs_of_equal
 
     assert runs_of_equal([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
     assert runs_of_equal([]) == ([], [])

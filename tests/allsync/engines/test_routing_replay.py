@@ -84,7 +84,9 @@ def test_routing_mismatch_is_logged_every_step_and_replay_lowers_the_logprob_gap
     torch.manual_seed(0)
     replayed = gaps(RLWorker(config(tiny_bf16, {"routed_experts": "bf16"}, replay=True), PROBLEMS))
     matched = gaps(RLWorker(config(tiny_bf16), PROBLEMS))
-    assert all(0 < m["routing_mismatch"] < 0.5 for m in plain + replayed)
+    # logged every step; a step of 8 short samples may route every (token, layer) pair alike, the steps together not
+    assert all(0 <= m["routing_mismatch"] < 0.5 for m in plain + replayed)
+    assert sum(m["routing_mismatch"] for m in plain) > 0 and sum(m["routing_mismatch"] for m in replayed) > 0
     assert all(m["routing_mismatch"] == 0 for m in matched)
     # the first step samples the same tokens (same seed, same engine): only the trainer's routing differs
     assert replayed[0]["logprob_gap"] < plain[0]["logprob_gap"]

@@ -1,0 +1,231 @@
+"""Continuous batching over KV slots: the torch engine's decode loop.
+
+A fixed pool of slots (moe_lora.mla_decode.SlotKVCache: each slot a row's cache, preallocated) and a queue of rows
+(prompt, seed). Every iteration:
+    admission  while slots are free and rows wait, the next rows are prefilled (each distinct prompt of a run of
+               equal ones once, right-padded: a row attends only to its own earlier tokens, so no mask) and their
+               caches copied into the free slots; each samples its first token from its prompt's last logits;
+    decode     one forward of every live slot (each at its own length), one token each;
+    finish     a row that sampled eos or its max_new_tokens-th token frees its slot: the last live slots move into
+               the holes, so the live rows are always the first slots and a decode step computes no finished row.
+A row's tokens depend on its prompt, its seed and the weights only, not on its neighbours or its slot: its
+sampling draws are counter-based (`gumbel_noise`: a hash of the row's seed, its token index and the vocabulary
+index), and argmax(log p + Gumbel noise) samples from p exactly (the Gumbel-max trick).
+
+Under expert parallelism (`lockstep`) every rank's MoE layers exchange tokens, so every rank makes every forward:
+at each iteration the ranks agree (one all-reduce) whether any of them admits rows (then every rank runs a
+prefill forward, a one-token dummy where it has none) and whether any has live rows (then every rank runs a
+decode forward, a dummy where it has none); the loop ends when no rank has rows left.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+from transformers import TopPLogitsWarper
+
+from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, SlotKVCache
+
+_HASH = 0x45D9F3B  # the multiplier of a well-mixing 32-bit integer hash; < 2^27, so int64 products never overflow
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of x in [0, 2^32) (int64): x = ((x >> 16) ^ x) * m twice, then (x >> 16) ^ x."""
+    x = (((x >> 16) ^ x) * _HASH) & _MASK32
+    x = (((x >> 16) ^ x) * _HASH) & _MASK32
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) draws [rows, vocab] for each row's token index `steps` under its seed (int64, [rows]):
+    g = -log(-log u), u = (24 bits of hash(seed, step, token) + 1/2) / 2^24. The draws of a row depend on
+    (seed, step, token) only (counter-based: no generator state shared between rows)."""
+    low, high = seeds & 0x7FFFFFFF, (seeds >> 31) & 0x7FFFFFFF
+    key = _mix32(_mix32(_mix32(high) ^ low) ^ (steps & _MASK32))
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(_mix32(key[:, None] ^ tokens[None, :]) ^ key[:, None])
+    u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def sample_rows(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampling) -> tuple:
+    """(tokens, logprobs) [rows] from float32 scores [rows, V]: argmax when greedy, else the Gumbel-max sample of
+    softmax(scores / T) (after top_p when set, transformers' TopPLogitsWarper); the logprob of each chosen token is
+    log softmax(scores / T)[token] (T = 1 when greedy)."""
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    if sampling.greedy:
+        chosen = scores.argmax(-1)
+    else:
+        warped = scores / temperature
+        if sampling.top_p < 1.0:
+            warped = TopPLogitsWarper(sampling.top_p)(None, warped)
+        chosen = (warped + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(-1)
+    logprobs = torch.log_softmax(scores / temperature, dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+    return chosen, logprobs
+
+
+@dataclass
+class Decoded:
+    """What `decode_in_slots` returns: per row its tokens (eos included) and their logprobs, its finish reason
+    ("stop" or "length"); the work done (positions computed, slot-steps of decode forwards and the tokens they
+    produced); for routing replay the record's call index and rows of every forward."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    reasons: list[str]
+    positions: int
+    decode_slots: int
+    decoded_tokens: int
+    prefills: list[tuple[int, list[int], list[int], int]]  # (record call, rows, distinct prompt of each row, width)
+    decodes: list[tuple[int, list[int]]]  # (record call, the row in each live slot)
+
+
+def runs_of_equal(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Consecutive equal rows collapsed: (distinct rows, how many times each repeats), in order."""
+    distinct, repeats = [], []
+    for row in rows:
+        if distinct and distinct[-1] == row:
+            repeats[-1] += 1
+        else:
+            distinct.append(row)
+            repeats.append(1)
+    return distinct, repeats
+
+
+def right_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, width] ids padded on the right, and each row's length."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return ids.to(device), torch.tensor([len(p) for p in prompts], device=device)
+
+
+@torch.no_grad()
+def decode_in_slots(
+    model,
+    rows: list[list[int]],
+    seeds: torch.Tensor,
+    sampling,
+    eos_id: int,
+    pad_id: int,
+    slots: int,
+    expanded: bool,
+    lockstep=None,
+    calls=lambda: 0,
+) -> Decoded:
+    """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
+    (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
+    and values (else the latent). calls(): how many forwards the routing record holds so far (0 when none)."""
+    device = model.device
+    total, limit = len(rows), sampling.max_new_tokens
+    if limit < 1:
+        return Decoded([[] for _ in rows], [[] for _ in rows], ["length"] * total, 0, 0, 0, [], [])
+    tokens = torch.full((max(total, 1), limit), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(tokens.shape, device=device)
+    counts = torch.zeros(max(total, 1), dtype=torch.long, device=device)  # tokens each row has so far
+    seeds = seeds.to(device)
+    reasons = [""] * total
+    queue = collections.deque(range(total))
+    pool = SlotKVCache(max(min(slots, total), 1), max(map(len, rows), default=1) + limit)
+    live: list[int] = []  # live[i]: the row in slot i (on the device: live_rows)
+    live_rows = torch.zeros(0, dtype=torch.long, device=device)
+    last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token
+    longest = 0  # the most positions a live slot holds
+    out = Decoded([], [], [], 0, 0, 0, [], [])
+
+    def take(index: torch.Tensor, chosen: torch.Tensor, chosen_lp: torch.Tensor) -> torch.Tensor:
+        """Rows `index` get their next token; returns [2, rows]: sampled eos, reached the limit."""
+        tokens[index, counts[index]] = chosen
+        logprobs[index, counts[index]] = chosen_lp.float()
+        counts[index] += 1
+        return torch.stack([chosen == eos_id, counts[index] >= limit])
+
+    def finish(ended: list[list[int]]) -> None:
+        """Free the slots of the live rows that ended (ended: [eos, limit, positions held] per live slot); the last
+        live slots move into the holes, so the live rows stay the first slots."""
+        nonlocal live, live_rows, last, longest
+        eos, full, held = ended
+        gone = [i for i in range(len(live)) if eos[i] or full[i]]
+        for i in gone:
+            reasons[live[i]] = "stop" if eos[i] else "length"
+        keep = len(live) - len(gone)
+        gone_set = set(gone)
+        holes = [i for i in gone if i < keep]
+        movers = [i for i in range(keep, len(live)) if i not in gone_set]
+        if holes:
+            pool.move(movers, holes, max(held[m] for m in movers))
+            src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
+            last[dst], live_rows[dst] = last[src], live_rows[src]
+            for h, m in zip(holes, movers):
+                live[h], held[h] = live[m], held[m]
+        live, live_rows, last = live[:keep], live_rows[:keep], last[:keep]
+        longest = max(held[:keep], default=0)
+
+    while True:
+        admit = min(len(queue), pool.slots - len(live))
+        if lockstep is not None:
+            agreed = lockstep.max_over_ranks(2 * int(admit > 0) + int(admit > 0 or bool(live)))
+            any_admit, any_live = agreed >= 2, agreed >= 1
+        else:
+            any_admit, any_live = admit > 0, admit > 0 or bool(live)
+        if not any_live:
+            break
+        if admit:
+            new = [queue.popleft() for _ in range(admit)]
+            distinct, repeats = runs_of_equal([rows[r] for r in new])
+            ids, lengths = right_pad(distinct, pad_id, device)
+            cache = (ExpandedKVCache if expanded else LatentKVCache)(reserve=0)
+            call = calls()
+            hidden = model.model(
+                input_ids=ids,
+                position_ids=torch.arange(ids.shape[1], device=device)[None].expand_as(ids),
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
+            scores = model.lm_head(hidden[torch.arange(len(distinct), device=device), lengths - 1]).float()
+            which = torch.repeat_interleave(
+                torch.arange(len(distinct), device=device), torch.tensor(repeats, device=device)
+            )
+            pool.fill(len(live), cache, which, lengths[which])
+            index = torch.tensor(new, device=device)
+            chosen, chosen_lp = sample_rows(scores[which], seeds[index], counts[index], sampling)
+            ended = take(index, chosen, chosen_lp)
+            out.prefills.append((call, new, which.tolist(), ids.shape[1]))
+            out.positions += ids.numel()
+            held = [longest] * len(live) + [len(rows[r]) for r in new]
+            flags = [[False] * len(live) + f for f in ended.tolist()]
+            live, live_rows, last = live + new, torch.cat([live_rows, index]), torch.cat([last, chosen])
+            longest = max(held)
+            finish([*flags, held])  # rows whose first token ended them
+        elif any_admit:  # lockstep: serve the other ranks' prefill
+            model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False)
+        if live:
+            pool.begin_step(len(live), longest + 1)
+            call = calls()
+            scores = model(
+                input_ids=last[:, None],
+                position_ids=pool.lengths[: len(live), None],
+                past_key_values=pool,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            pool.advance()
+            chosen, chosen_lp = sample_rows(scores.float(), seeds[live_rows], counts[live_rows], sampling)
+            ended = take(live_rows, chosen, chosen_lp)
+            out.decodes.append((call, list(live)))
+            out.positions += len(live)
+            out.decode_slots += pool.slots
+            out.decoded_tokens += len(live)
+            last = chosen
+            finish(torch.cat([ended.long(), pool.lengths[None, : len(live)]]).tolist())
+        elif any_live and lockstep is not None:  # lockstep: serve the other ranks' decode step
+            model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False)
+    lengths = counts[:total].tolist()
+    out.tokens = [t[:n] for t, n in zip(tokens[:total].tolist(), lengths)]
+    out.logprobs = [lp[:n] for lp, n in zip(logprobs[:total].tolist(), lengths)]
+    out.reasons = reasons
+    return out
