@@ -100,8 +100,8 @@ def aggregate(per_worker: list[dict]) -> dict:
         "step_seconds": wall,
         "samples_per_second": total("samples_generated") / wall,
         "utilization": sum(m["busy_seconds"] for m in per_worker) / (wall * len(per_worker)),
-        # the torch engine: response tokens / (rows x decode steps) of its static batches, where a row that ended
-        # keeps its slot until the batch's longest response ends (T-PPO's windows bound that wait)
+        # the torch engine: the tokens of its decode forwards / (KV slots x decode forwards), the pool's occupancy
+        # (below 1 while no queued row is left to take a freed slot: allsync/engines/slots.py)
         **(
             {"decode_fill": total("decoded_tokens") / slots}
             if (slots := sum(m.get("decode_slots", 0) for m in per_worker))

@@ -17,8 +17,8 @@ Each arm evaluates held-out avg@4 about every `--eval-minutes` (its eval_every f
 2-core Xeon), so that evaluation costs each arm about the same share of its minutes.
 
 Reported per arm: held-out accuracy against training minutes (the sum of step_seconds: evaluation excluded), steps,
-mean step time, its generate / train split (worker 0), utilization (busy / wall) and decode fill (response tokens
-over the slots of the engine's static decode batches, where a finished row waits for its batch's longest), responses
+mean step time, its generate / train split (worker 0), utilization (busy / wall) and decode fill (the tokens of the
+engine's decode forwards over their KV slots; until issue 46, over its static batches' rows x steps), responses
 finished and tokens trained per minute. Writes OUT/tppo_windows.json and OUT/tppo_windows.png. Last line:
 `T-PPO reached PPO's final held-out accuracy (X%) in A min of PPO's B min: R x (goal 1.5)`, or that it did not.
 Measured (BENCHMARKS.md, 2026-11-26): DAPO 24.0% -> 34.6%, PPO -> 34.0%, T-PPO collapsed to 0%.
