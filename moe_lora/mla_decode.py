@@ -47,23 +47,23 @@ from moe_lora.lora_layers import LoRALinear
 from quant.modules import FrozenLinear
 
 
-class ExpandedKVCache(DynamicCache):
-    """A DynamicCache whose layers hold expanded MLA keys [B, H, S, d_nope + d_rope] and values [B, H, S, d_v],
-    each in a buffer with room for `reserve` more positions (`ReservedLayer`)."""
+class ReservedKVCache(DynamicCache):
+    """A DynamicCache whose layers keep their positions in buffers with room for `reserve` more (`ReservedLayer`).
+    What they hold, and so how attention reads them, is the subclass's."""
 
     def __init__(self, reserve: int = 0):
         super().__init__()
         self.layer_class_to_replicate = functools.partial(ReservedLayer, reserve)
 
 
-class LatentKVCache(DynamicCache):
-    """A DynamicCache whose layers hold MLA's latent keys [B, 1, S, kv_lora_rank + d_rope] ([c_s ; k_rope_s], the
-    value c_s being their first kv_lora_rank values, so the value slot holds nothing: [B, 1, S, 0]), in buffers with
-    room for `reserve` more positions (`ReservedLayer`). Attention reads it in latent space (`absorbed_attention`)."""
+class ExpandedKVCache(ReservedKVCache):
+    """Layers holding expanded MLA keys [B, H, S, d_nope + d_rope] and values [B, H, S, d_v]."""
 
-    def __init__(self, reserve: int = 0):
-        super().__init__()
-        self.layer_class_to_replicate = functools.partial(ReservedLayer, reserve)
+
+class LatentKVCache(ReservedKVCache):
+    """Layers holding MLA's latent keys [B, 1, S, kv_lora_rank + d_rope] ([c_s ; k_rope_s], the value c_s being their
+    first kv_lora_rank values, so the value slot holds nothing: [B, 1, S, 0]). Attention reads it in latent space
+    (`absorbed_attention`)."""
 
 
 class ReservedLayer(DynamicLayer):

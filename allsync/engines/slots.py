@@ -165,6 +165,10 @@ def decode_in_slots(
         live, live_rows, last = live[:keep], live_rows[:keep], last[:keep]
         longest = max(held[:keep], default=0)
 
+    def serve_other_ranks() -> None:
+        """A one-token forward, so that this rank's MoE layers take part in the other ranks' all-to-alls."""
+        model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False)
+
     while True:
         admit = min(len(queue), pool.slots - len(live))
         if lockstep is not None:
@@ -202,7 +206,7 @@ def decode_in_slots(
             longest = max(held)
             finish([*flags, held])  # rows whose first token ended them
         elif any_admit:  # lockstep: serve the other ranks' prefill
-            model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False)
+            serve_other_ranks()
         if live:
             pool.begin_step(len(live), longest + 1)
             call = calls()
@@ -223,7 +227,7 @@ def decode_in_slots(
             last = chosen
             finish(torch.cat([ended.long(), pool.lengths[None, : len(live)]]).tolist())
         elif any_live and lockstep is not None:  # lockstep: serve the other ranks' decode step
-            model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False)
+            serve_other_ranks()
     lengths = counts[:total].tolist()
     out.tokens = [t[:n] for t, n in zip(tokens[:total].tolist(), lengths)]
     out.logprobs = [lp[:n] for lp, n in zip(logprobs[:total].tolist(), lengths)]
