@@ -17,6 +17,7 @@ process under torchrun / accelerate launch (allsync/launch/).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import asdict
@@ -47,6 +48,8 @@ from moe_lora.lora import LoRAConfig, LoRAExperts, adapters_disabled, attach_lor
 from quant.checkpoint_io import read_config
 from quant.loader import load_frozen_model
 from quant.modules import compute_copy_bytes, keep_compute_copies
+
+EVAL_SEED = 10**6  # evaluations draw from seed EVAL_SEED + run.seed * 1000 + rank, apart from training's
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -130,7 +133,7 @@ class RLWorker:
         base = config.model.base
         self.device = worker_device(config.parallel.resolved_device(), launcher)
         if self.device.type == "cpu":  # activations live in host memory: reuse it (10% of the default step)
-            keep_freed_host_memory()
+            keep_freed_host_memory(config.parallel.workers_per_node)
         k = config.parallel.expert_parallel
         self.layout = ExpertLayout(world_size, k, read_config(base)["n_routed_experts"]) if k > 1 else None
         self.groups = Groups(rank, 1, self.layout)
@@ -264,6 +267,21 @@ class RLWorker:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
+
+    @contextlib.contextmanager
+    def own_random_stream(self, seed: int):
+        """Draws inside come from `seed` (python, numpy, torch on this worker's devices), and the run's generators
+        are as they were afterwards: what runs inside (an evaluation) never moves the training samples, so a run
+        stopped with --steps N (evaluated at N) and resumed samples what a run that never stopped samples."""
+        python, numpy = random.getstate(), np.random.get_state()
+        devices = [self.device.index] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self._seed_everything(seed)
+            try:
+                yield
+            finally:
+                random.setstate(python)
+                np.random.set_state(numpy)
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return encode_prompt(self.tokenizer, problem)
@@ -425,7 +443,8 @@ class RLWorker:
         task's gold memory instead of the episode's own (the memory ablation)."""
         work = self.take_engine_counters()
         try:
-            return self._evaluate(problems, samples, memory)
+            with self.own_random_stream(EVAL_SEED + self.config.run.seed * 1000 + self.rank):
+                return self._evaluate(problems, samples, memory)
         finally:  # evaluation's work is not the next step's: its health signals divide the step's work by its time
             for name, count in work.items():
                 setattr(self.engine, name, count)

@@ -234,18 +234,56 @@ def _init_tensor(key: str, shape: tuple[int, ...], group: str, gen: torch.Genera
     return (std * torch.randn(shape, generator=gen)).to(torch.bfloat16)
 
 
+def stored(key: str, tensor: torch.Tensor, quantizable: bool, fp8: bool) -> dict[str, torch.Tensor]:
+    """One tensor as the release stores it: with fp8, a quantizable weight as e4m3 plus its 128x128 block scales
+    (`weight_scale_inv`); anything else as given."""
+    if fp8 and quantizable:
+        q, scale_inv = fp8_block_quantize(tensor.float())
+        return {key: q, scale_key(key): scale_inv}
+    return {key: tensor}
+
+
 def tiny_tensors(config: dict, fp8: bool, seed: int) -> dict[str, torch.Tensor]:
     """All checkpoint tensors in on-disk order; with fp8, quantizable weights as e4m3 + block scales."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for key, spec in expected_tensors(config).items():
-        t = _init_tensor(key, spec.shape, spec.group, gen)
-        if fp8 and spec.quantizable:
-            q, scale_inv = fp8_block_quantize(t.float())
-            tensors[key], tensors[scale_key(key)] = q, scale_inv
-        else:
-            tensors[key] = t
+        tensors |= stored(key, _init_tensor(key, spec.shape, spec.group, gen), spec.quantizable, fp8)
     return tensors
+
+
+def write_fp8_copy(src: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The bf16 checkpoint `src` (a tiny model, e.g. a warm-started base) written to `out` in DeepSeek-V3's FP8
+    release format: every quantizable weight as e4m3 with block scales, config.json with its quantization_config,
+    as many shards; the other files (tokenizer, reports) copied. Atomic: `out` appears whole or not at all."""
+    from safetensors import safe_open
+
+    from quant.checkpoint_io import read_config, read_weight_map
+
+    src = Path(src)
+    config = read_config(src)
+    if "quantization_config" in config:
+        raise ValueError(
+            f"{src / 'config.json'}: already quantized ({config['quantization_config'].get('quant_method')})"
+        )
+    specs = expected_tensors(config)
+    weight_map = read_weight_map(src)
+    if unknown := [key for key in weight_map if key not in specs]:
+        raise ValueError(f"{src}: tensor {unknown[0]!r} is not a DeepSeek-V3 tensor of this config")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        with safe_open(str(src / shard), framework="pt") as f:
+            for key in f.keys():
+                tensors |= stored(key, f.get_tensor(key), specs[key].quantizable, fp8=True)
+    skip = {"config.json", *weight_map.values(), "model.safetensors.index.json"}
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        for path in src.iterdir():
+            if path.is_file() and path.name not in skip:
+                (tmp / path.name).write_bytes(path.read_bytes())
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_shards(tmp, split_into_shards(tensors, len(set(weight_map.values()))))
+    return Path(out)
 
 
 def make_tiny(out: str | os.PathLike, spec: TinySpec = TinySpec(), overwrite: bool = False) -> Path:

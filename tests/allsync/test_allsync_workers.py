@@ -116,6 +116,25 @@ def test_held_out_evaluation_is_not_counted_as_the_next_steps_generation_work(ti
         w.shutdown()
 
 
+def test_an_evaluation_moves_neither_the_next_steps_samples_nor_its_own(tiny_bf16):
+    """Evaluation draws from its own random stream (RLWorker.own_random_stream): a run evaluated after step 1 (as one
+    stopped with --steps 1 is, before its checkpoint) samples at step 2 what a run that never evaluated samples, and
+    the same adapter evaluated twice answers alike. Before, the evaluation drew from the run's stream, so the
+    671B rehearsal's resumed step 2 sampled other responses than the run that never stopped."""
+    straight, evaluated = RLWorker(config(tiny_bf16, 1), PROBLEMS), RLWorker(config(tiny_bf16, 1), PROBLEMS)
+    sampled = ("reward_sum", "correct_sum", "response_tokens", "truncated", "entropy_sum", "loss_sum", "grad_norm")
+    try:
+        for step in (1, 2):
+            if step == 2:
+                first = evaluated.evaluate(PROBLEMS[:8], 2)
+                assert len(first) == 16 and evaluated.evaluate(PROBLEMS[:8], 2) == first
+            want, got = straight.step(step), evaluated.step(step)
+            assert {k: got[k] for k in sampled} == {k: want[k] for k in sampled}, step
+    finally:
+        straight.shutdown()
+        evaluated.shutdown()
+
+
 def test_decode_fill_is_the_decode_tokens_over_the_slots_of_the_decode_forwards(warm_tiny):
     """Continuous batching (issue 46): every decode forward runs the pool's live rows, so decode_slots = slots x
     decode forwards, decoded_tokens = the tokens those forwards produced (each response's tokens but the first, which

@@ -214,6 +214,21 @@ def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
     assert "rollout.prompts_per_step = 480 does not split" in capsys.readouterr().err
 
 
+def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache, tmp_path, capsys):
+    """The shipped torch-engine variant: the checker accepts it (nothing refused) and the plan fits it with one copy
+    of the base, 16 KV slots of 21,504 tokens of MLA latent beside training, and the step its header states."""
+    config = "recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml"
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", config, "--shape", "deepseek-v3", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    parts = plan["per_gpu_bytes"]
+    assert plan["fits"] and plan["refused"] is None and plan["layout"]["engine"] == "torch"
+    assert parts["engine_weights"] == parts["engine_mla_absorbed"] == parts["engine_lora_slot"] == 0
+    assert plan["train_bytes"] / 1e9 == pytest.approx(69.14, abs=0.01)
+    assert plan["sequences_at_once"] >= 16  # room for rollout.decode_batch's slots
+    assert plan["step_seconds"] / 3600 == pytest.approx(5.03, abs=0.01)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -64,6 +64,22 @@ def test_fp8_layout_block_scales(tiny_fp8, tiny_bf16):
     assert tensors[scale_key(kv_a)].shape == (5, 1)
 
 
+def test_a_bf16_checkpoint_rewritten_in_fp8_is_the_fp8_checkpoint(tiny_fp8, tiny_bf16, tmp_path):
+    """write_fp8_copy (a warm-started bf16 base in the release's format) gives what make-tiny writes with fp8 from
+    the same weights: every tensor equal, the same config, the tokenizer beside it; an FP8 source is refused."""
+    copy = tiny_module.write_fp8_copy(tiny_bf16, tmp_path / "copy")
+    _, got = _all_tensors(copy)
+    _, want = _all_tensors(tiny_fp8)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key].float(), want[key].float()), key
+    assert json.loads((copy / "config.json").read_text()) == json.loads((tiny_fp8 / "config.json").read_text())
+    assert (copy / "tokenizer.json").read_bytes() == (tiny_bf16 / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match=r"copy/config.json: already quantized \(fp8\)"):
+        tiny_module.write_fp8_copy(copy, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
 def test_tokenizer_covers_task_text_and_special_tokens(tiny_bf16):
     from transformers import AutoTokenizer
 

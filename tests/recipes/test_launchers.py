@@ -111,7 +111,11 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
     assert "(step 2)" in done.stdout
     got, want = metrics(out), metrics(ray_run)
     assert sorted(got) == [0, 1, 2, 3]
-    for step in (1, 2):  # at EP 2: the samples and updates of the EP 1 run
+    # steps 1-2 at EP 2, step 3 at EP 1 from the EP 2 checkpoint: the samples and updates of the run that never
+    # stopped. The EP 2 run evaluated at its last step before its checkpoint; evaluation draws from its own random
+    # stream, so step 3 samples what the uninterrupted run samples (before, it drew from the run's, and one token of
+    # 48 differed at step 3)
+    for step in (1, 2, 3):
         for key, value in want[step].items():
             if key in EXACT:
                 assert got[step][key] == value, (step, key)
@@ -122,11 +126,7 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
                     got[step][key],
                     value,
                 )
-    # step 3 at EP 1 from the EP 2 checkpoint: every rank loaded the adapter its engine samples with (the trainer
-    # recomputes the engine's logprobs), for the same prompts. Its samples are not compared: the EP 2 adapter is
-    # ~1e-7 from the EP 1 run's (another summation order), and a token whose two best Gumbel-perturbed scores are
-    # closer than that flips (measured: one token of 48 here, which changed a kept group)
-    assert got[3]["groups_wanted"] == want[3]["groups_wanted"] and got[3]["logprob_gap"] < 1e-4
+    assert got[3]["logprob_gap"] < 1e-4  # every rank loaded the adapter its engine samples with
 
 
 def test_launcher_world_size_must_match_the_config(warm_tiny, tmp_path):
@@ -373,6 +373,7 @@ def test_each_nodes_ranks_are_consecutive_whatever_bundles_ray_gave_it():
         ("cpu_2proc.yaml", "tiny_cpu.yaml", 1, 2),
         ("gpu_1node_8.yaml", None, 1, 8),
         ("h100_6x8.yaml", "dapo_math_deepseek_v3_671b.yaml", 6, 8),
+        ("h100_6x8.yaml", "dapo_math_deepseek_v3_671b_torch_engine.yaml", 6, 8),
         ("h100_6x8.yaml", "memory_agent_deepseek_v3_671b_48xh100.yaml", 6, 8),
     ],
 )
