@@ -14,12 +14,15 @@ What shrinks (SHRUNK_MODEL, shrunk_config): the widths (hidden 64, experts' 16, 
 (1-digit addition, a base warm-started on it for 60 steps, then written in the FP8 format), the batch (2 prompts of
 4 samples a worker, replies of at most 12 tokens, 2 updates a step), the worker count and the reward's processes.
 
-Runs:
-  A  expert_parallel = --workers: step 1, then --resume for step 2 (the checkpoint of step 1), export at the end
-  B  expert_parallel = --compare-expert-parallel, the same workers: steps 1-2 uninterrupted
-and compares their metrics (the counts exactly, the rest to 1e-4) and their exported adapters. Every worker holds
-1/expert_parallel of the experts, so B's memory grows as its expert-parallel size shrinks: 16 workers of 16 experts
-each did not fit this 2-core, 24 GiB machine (BENCHMARKS.md).
+Runs (torchrun, --workers processes each):
+  resumed   expert_parallel = --workers: step 1, then --resume for step 2 from step 1's checkpoint; the PEFT export
+  straight  the same, steps 1-2 without stopping
+  other_ep  expert_parallel = --compare-expert-parallel: step 1
+Passes when the resumed run logs every metric of the straight one and exports the same adapter bit for bit, and when
+other_ep's step 1 draws the same samples (SAMPLED's metrics equal) with an adapter within ADAPTER_TOLERANCE (bf16 sums
+in another order move the update's statistics). Every worker holds 1/expert_parallel of the experts, so memory grows
+as the expert-parallel size shrinks; 16 workers of 16 experts each did not fit this 2-core, 24 GiB machine
+(BENCHMARKS.md). A launch whose record (LOG.json beside its log) exists is not run again.
 
 Records each launch's wall time and the machine's peak memory in use during it (MemTotal - MemAvailable, sampled every
 0.5 s, less what was in use before it) in --json (default benchmarks/measured/rehearsal_671b_cpu.json).
