@@ -46,6 +46,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from allsync.metrics import read_records
 from allsync.tasks import ArithmeticSpec, make_splits
 from benchmarks.trl_side_by_side import cpu_model
 from moe_lora.tiny import TinySpec, write_fp8_copy
@@ -191,7 +192,7 @@ class Launch:
 
 def launch(name: str, config: Path, workers: int, log: Path, *extra: str) -> Launch:
     """recipes/dapo.py under torchrun, `workers` processes; its wall time and peak memory, kept beside the log
-    (LOG.json): a launch whose record is there is not run again (delete the run's directory and LOG.json to)."""
+    (LOG.json): a launch whose record is there is not run again (delete the run's directory and LOG.json to run it again)."""
     record = log.with_suffix(".json")
     if record.exists():
         result = Launch(**json.loads(record.read_text()))
@@ -212,9 +213,9 @@ def launch(name: str, config: Path, workers: int, log: Path, *extra: str) -> Lau
 
 
 def read_metrics(out_dir: Path) -> dict[int, dict]:
+    """A run's metrics.jsonl (allsync.metrics.read_records) by step, a step's records (its evaluation) merged."""
     merged: dict[int, dict] = {}
-    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_records(out_dir / "metrics.jsonl"):
         merged.setdefault(record["step"], {}).update(record)
     return merged
 

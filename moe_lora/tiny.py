@@ -258,7 +258,7 @@ def write_fp8_copy(src: str | os.PathLike, out: str | os.PathLike, overwrite: bo
     as many shards; the other files (tokenizer, reports) copied. Atomic: `out` appears whole or not at all."""
     from safetensors import safe_open
 
-    from quant.checkpoint_io import read_config, read_weight_map
+    from quant.checkpoint_io import INDEX_NAME, read_config, read_weight_map
 
     src = Path(src)
     config = read_config(src)
@@ -270,19 +270,20 @@ def write_fp8_copy(src: str | os.PathLike, out: str | os.PathLike, overwrite: bo
     weight_map = read_weight_map(src)
     if unknown := [key for key in weight_map if key not in specs]:
         raise ValueError(f"{src}: tensor {unknown[0]!r} is not a DeepSeek-V3 tensor of this config")
+    shards = list(dict.fromkeys(weight_map.values()))
     tensors: dict[str, torch.Tensor] = {}
-    for shard in dict.fromkeys(weight_map.values()):
+    for shard in shards:
         with safe_open(str(src / shard), framework="pt") as f:
             for key in f.keys():
                 tensors |= stored(key, f.get_tensor(key), specs[key].quantizable, fp8=True)
-    skip = {"config.json", *weight_map.values(), "model.safetensors.index.json"}
+    skip = {"config.json", INDEX_NAME, *shards}
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         for path in src.iterdir():
             if path.is_file() and path.name not in skip:
                 (tmp / path.name).write_bytes(path.read_bytes())
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_shards(tmp, split_into_shards(tensors, len(set(weight_map.values()))))
+        write_shards(tmp, split_into_shards(tensors, len(shards)))
     return Path(out)
 
 

@@ -20,10 +20,9 @@ def test_the_kept_heap_shrinks_with_the_workers_on_the_machine():
 def test_a_worker_process_hands_back_what_it_does_not_keep():
     """A process that frees 600 MiB of 4 MiB blocks keeps at most what it may (plus slack) when it shares the
     machine with enough workers that this is under 300 MiB (16 on 24 GiB)."""
-    code = f"""
-import ctypes, sys
-from allsync.launch.devices import keep_freed_host_memory, kept_free_bytes
+    code = """
 import os
+from allsync.launch.devices import keep_freed_host_memory, kept_free_bytes
 host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 workers = host // (8 * 300 * 2**20) + 1
 assert keep_freed_host_memory(workers)
