@@ -177,17 +177,20 @@ def sorted_tokens(call: ExpertsCall, top_k_weights: torch.Tensor) -> tuple[torch
     return call.routing.order // call.routing.top_k, top_k_weights.reshape(-1)[call.routing.order]
 
 
-def call_chunks(call: ExpertsCall, x: torch.Tensor) -> list[Chunk]:
-    """The call's chunks of at most `chunk_rows` rows."""
+def call_chunks(call: ExpertsCall, x: torch.Tensor, keep_saved: bool = True) -> list[Chunk]:
+    """The call's chunks: of at most `chunk_rows` rows when the forward keeps its tensors for backward, else of at
+    most T rows (nothing outlives a chunk, so its temporaries stay near the size of the layer's [T, hidden] input,
+    and a decode step of T rows over E experts makes about k chunks, not E / 4)."""
     counts = call.routing.counts
-    return chunks(counts, chunk_rows(x.shape[0], sum(counts), len(counts)), x.device)
+    most = chunk_rows(x.shape[0], sum(counts), len(counts)) if keep_saved else max(1, x.shape[0])
+    return chunks(counts, most, x.device)
 
 
 def gmm_forward(x, top_k_weights, lora, call: ExpertsCall, keep_saved: bool):
     """(out [T, H], the chunks, and when keep_saved the five tensors per chunk that backward needs)."""
     if call.dropout:
         raise ValueError("the grouped_mm expert kernel has no dropout; the loop kernel (grouped_lora) has")
-    (tokens, flat_w), parts = sorted_tokens(call, top_k_weights), call_chunks(call, x)
+    (tokens, flat_w), parts = sorted_tokens(call, top_k_weights), call_chunks(call, x, keep_saved)
     out, saved = torch.zeros_like(x), []
     for c in parts:
         rows = slice(c.start, c.stop)

@@ -50,13 +50,26 @@ def _bnb_functional():
 
 
 # ----------------------------------------------------------------------------------------- fp8 blocks
-def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """W[i, j] = float(Q[i, j]) * scale_inv[i // block, j // block]   (float32 result).
+EXACT_FP8_DTYPES = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+)  # hold every e4m3 value, and a float32 product rounds to them
+
+
+def fp8_block_dequantize(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """W[i, j] = float(Q[i, j]) * scale_inv[i // block, j // block], computed in float32 and rounded once to `dtype`.
 
     Partial edge blocks use their own scale; scale_inv has shape (ceil(out/block), ceil(in/block)).
     Computed blockwise, without a full-size scale tensor: Q [R, C] (zero-padded to whole blocks) is
-    viewed as [R/b, b, C/b, b] and multiplied in place by scale_inv[:, None, :, None], then cropped.
+    converted to `dtype` (exact: e4m3's values are bf16/fp16/fp32 values), viewed as [R/b, b, C/b, b] and
+    multiplied in place by the float32 scale_inv[:, None, :, None] (the product in float32, stored in `dtype`):
+    the same values as the float32 result converted to `dtype`, with no float32 copy of W in between.
     """
+    if dtype not in EXACT_FP8_DTYPES:
+        return fp8_block_dequantize(q, scale_inv, block).to(dtype)
     out_dim, in_dim = q.shape
     rows, cols = fp8_scale_shape((out_dim, in_dim), block)
     if tuple(scale_inv.shape) != (rows, cols):
@@ -64,9 +77,9 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
             f"scale_inv has shape {list(scale_inv.shape)}, a [{out_dim}, {in_dim}] weight in {block}x{block} blocks needs [{rows}, {cols}]"
         )
     if out_dim == rows * block and in_dim == cols * block:
-        w = q.to(torch.float32, copy=True)  # a copy of our own, so scaling it in place is safe
+        w = q.to(dtype, copy=True)  # a copy of our own, so scaling it in place is safe
     else:
-        w = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=q.device)
+        w = torch.zeros(rows * block, cols * block, dtype=dtype, device=q.device)
         w[:out_dim, :in_dim] = q
     w.view(rows, block, cols, block).mul_(scale_inv.float()[:, None, :, None])
     return w[:out_dim, :in_dim].contiguous()
@@ -126,7 +139,7 @@ class QuantizedWeight:
         if self.fmt == "bf16":
             return self.data.to(dtype)
         if self.fmt == "fp8":
-            return fp8_block_dequantize(self.data, self.scale).to(dtype)
+            return fp8_block_dequantize(self.data, self.scale, dtype=dtype)
         if self.fmt == "nf4":
             return _bnb_functional().dequantize_4bit(self.data, self.nf4_state).to(dtype)
         if self.fmt == "int8":

@@ -104,6 +104,21 @@ def right_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     return ids.to(device), torch.tensor([len(p) for p in prompts], device=device)
 
 
+def decode_forward(model, pool: SlotKVCache, last: torch.Tensor, longest: int) -> torch.Tensor:
+    """One decode forward of the first len(last) slots of `pool` (each fed its last token at its own length, the
+    longest holding `longest` positions): their next-token scores [live, V]; the slots' lengths advance by one."""
+    pool.begin_step(len(last), longest + 1)
+    scores = model(
+        input_ids=last[:, None],
+        position_ids=pool.lengths[: len(last), None],
+        past_key_values=pool,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    pool.advance()
+    return scores
+
+
 @torch.no_grad()
 def decode_in_slots(
     model,
@@ -208,16 +223,8 @@ def decode_in_slots(
         elif any_admit:  # lockstep: serve the other ranks' prefill
             serve_other_ranks()
         if live:
-            pool.begin_step(len(live), longest + 1)
             call = calls()
-            scores = model(
-                input_ids=last[:, None],
-                position_ids=pool.lengths[: len(live), None],
-                past_key_values=pool,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
-            pool.advance()
+            scores = decode_forward(model, pool, last, longest)
             chosen, chosen_lp = sample_rows(scores.float(), seeds[live_rows], counts[live_rows], sampling)
             ended = take(live_rows, chosen, chosen_lp)
             out.decodes.append((call, list(live)))

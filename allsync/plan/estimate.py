@@ -42,6 +42,7 @@ from allsync.plan.step_time import (
     decode_attention_flops_per_token,
     train_passes,
 )
+from allsync.plan.torch_decode import EAGER_H200
 from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, held_experts, lora_values, stored_plan
 
 ADAPTER_LOAD_SECONDS_PER_BYTE = 0.055 / 199.0e6  # benchmarks/vllm_adapter_sync.py, in memory (BENCHMARKS.md)
@@ -177,7 +178,8 @@ def generator_cost(
     expanded = decode_cache_is_expanded(model_config, engine)
     kv = kv_bytes_per_token(model_config, engine)
     attention = decode_attention_flops_per_token(model_config, latent=not expanded)
-    return DecodeCost(model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, attention)
+    measured = EAGER_H200 if engine == "torch" else None  # the torch engine as measured (eager), torch_decode.py
+    return DecodeCost(model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, attention, measured)
 
 
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:

@@ -23,6 +23,9 @@ experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens
 
     t = max(bytes / (HBM x decode_bandwidth_efficiency), FLOPs / (peak x train_efficiency)) + MoE layers x a2a latency
 
+The torch engine's step is not near that roofline: measured eager on the real layers it is host-bound, 25-44x the
+copy-bandwidth roofline (torch_decode.py), so its `measured` step is the floor: t = max(roofline, measured) + a2a.
+
 Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
 sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
 cache is full. The torch engine batches continuously too, over rollout.decode_batch slots preallocated at full length
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from allsync.plan.hardware import Hardware
+from allsync.plan.torch_decode import TorchDecodeRates
 
 BF16 = 2
 ADMISSION_HEADROOM_TOKENS = 16
@@ -171,6 +175,9 @@ class DecodeCost:
     expert_parallel: int
     routed_format: str
     attention_flops_per_cached_token: float | None = None  # decode_attention_flops_per_token; None: the expanded count
+    measured: TorchDecodeRates | None = (
+        None  # the torch engine's measured step (torch_decode.py), a floor under the roofline
+    )
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -182,7 +189,11 @@ class DecodeCost:
         f0, slope, flops_per_second, bytes_per_second, a2a_seconds, _ = self._rates
         per_cached = slope if self.attention_flops_per_cached_token is None else self.attention_flops_per_cached_token
         nbytes = self.routed_bytes * self.touched(batch) + self.other_bytes + context * self.kv_bytes_per_token
-        return max(nbytes / bytes_per_second, (batch * f0 + per_cached * context) / flops_per_second) + a2a_seconds
+        roofline = max(nbytes / bytes_per_second, (batch * f0 + per_cached * context) / flops_per_second)
+        if self.measured is not None:
+            measured = self.measured.step_seconds(self.config, batch, context, self.expert_parallel, self.routed_format)
+            roofline = max(roofline, measured)
+        return roofline + a2a_seconds
 
     def prefill_seconds(self, prompt_tokens: float) -> float:
         """A forward of the prompt: prompt x F(prompt / 2) FLOPs (causal) plus its all-to-all."""

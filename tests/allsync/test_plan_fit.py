@@ -216,7 +216,8 @@ def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
 
 def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache, tmp_path, capsys):
     """The shipped torch-engine variant: the checker accepts it (nothing refused) and the plan fits it with one copy
-    of the base, 16 KV slots of 21,504 tokens of MLA latent beside training, and the step its header states."""
+    of the base, 16 KV slots of 21,504 tokens of MLA latent beside training, and the step its header states (with the
+    engine's decode as measured on an H200)."""
     config = "recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml"
     out = tmp_path / "plan.json"
     assert main(["plan", "--config", config, "--shape", "deepseek-v3", "--json", str(out)]) == 0
@@ -226,7 +227,9 @@ def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache,
     assert parts["engine_weights"] == parts["engine_mla_absorbed"] == parts["engine_lora_slot"] == 0
     assert plan["train_bytes"] / 1e9 == pytest.approx(69.14, abs=0.01)
     assert plan["sequences_at_once"] >= 16  # room for rollout.decode_batch's slots
-    assert plan["step_seconds"] / 3600 == pytest.approx(5.03, abs=0.01)
+    # the eager torch engine's measured decode (allsync.plan.torch_decode, H200 2026-11-27): 42.96 h, not the 5.03 h of
+    # the bandwidth roofline; generation is 93% of it
+    assert plan["step_seconds"] / 3600 == pytest.approx(42.96, abs=0.01)
 
 
 @pytest.mark.parametrize(

@@ -187,6 +187,42 @@ def test_the_torch_engine_on_deepseek_v3_keeps_the_latent_cache_and_must_hold_a_
     assert "does not fit: rollout.decode_batch 64 x 21,504 tokens of KV cache" in capsys.readouterr().out
 
 
+ENGINE_DECODE = MEASURED.parent / "engine_decode_h200.json"
+
+
+def test_the_torch_engines_decode_rates_are_the_h200_measurement_refitted():
+    """allsync.plan.torch_decode.EAGER_H200 is fit_torch_decode of benchmarks/engine_decode.py's H200 run (3 digits),
+    and the fitted model gives every measured step of the two real-width layers within 10%."""
+    from allsync.plan.torch_decode import EAGER_H200, load_measured
+
+    measured = json.loads(ENGINE_DECODE.read_text())
+    refit = load_measured(ENGINE_DECODE)
+    assert refit.fixed == EAGER_H200.fixed and refit.kv == EAGER_H200.kv and refit.rest == EAGER_H200.rest
+    assert refit.per_expert == {f: EAGER_H200.per_expert[f] for f in ("fp8", "nf4")}
+    two_layers = dict(DEEPSEEK_V3, num_hidden_layers=2, first_k_dense_replace=1)
+    for plan in measured["plans"]:
+        for case in plan["cases"]:
+            seconds = EAGER_H200.step_seconds(two_layers, case["rows"], case["rows"] * case["context"], 1, plan["plan"])
+            assert seconds * 1000 == pytest.approx(case["step_ms"], rel=0.1), case
+
+
+def test_the_torch_engines_step_is_its_measured_time_where_that_is_above_the_roofline():
+    """A DecodeCost with the measured rates takes max(roofline, measured) + all-to-all latency: at DeepSeek-V3's 61
+    layers, 16 rows per GPU at EP 16 (16 experts held, all of them touched), the eager engine's step is 61 x 7.19 ms
+    of layers + 58 x 16 x 0.17 ms of NF4 experts + the rest, far above what its 40 GB of weights take to read."""
+    from allsync.plan.torch_decode import EAGER_H200
+
+    hw = GPUS["h100"]
+    args = (DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 16, "nf4")
+    roofline, measured = DecodeCost(*args), DecodeCost(*args, measured=EAGER_H200)
+    a2a = 58 * hw.decode_a2a_seconds(16)
+    assert roofline.decode_step_seconds(16, 0) < 0.05
+    touched = 256 * (1 - (1 - 8 / 256) ** 256) / 16
+    expected = 61 * 0.00719 + 58 * touched * 0.000292 + 0.0028 + a2a  # 256 rows in the group: NF4's 256-row rate
+    assert measured.decode_step_seconds(16, 0) == pytest.approx(expected, rel=1e-6)
+    assert measured.decode_step_seconds(16, 1000) - measured.decode_step_seconds(16, 0) == pytest.approx(61 * 3.42e-6)
+
+
 def test_a_decode_step_is_bound_by_the_weights_it_reads():
     """Small batches read every held weight once per step: t = bytes / (HBM x efficiency) + MoE layers x a2a latency."""
     hw = GPUS["h100"]

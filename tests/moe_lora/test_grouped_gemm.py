@@ -58,6 +58,39 @@ def test_grouped_mm_chunk_with_several_experts_and_an_idle_one():
         assert grad[1].abs().max() == 0
 
 
+def test_a_decode_shaped_call_without_backward_makes_chunks_of_t_rows_and_the_same_output():
+    """4 tokens to 2 of 16 experts (a decode step's shape: few rows per expert): the forward that keeps tensors for
+    backward makes chunks of min(T, 4 N / E) = 2 rows, the no-grad forward chunks of T = 4 rows (fewer calls), and
+    both give the loop's output."""
+    from moe_lora.lora_layers import LoRAExperts, expert_shapes
+    from quant.modules import FrozenExperts
+
+    experts, tokens, k, hidden, inter = 16, 4, 2, 128, 64
+    gen = torch.Generator().manual_seed(3)
+    base = FrozenExperts(experts, hidden, inter)
+    for e in range(experts):
+        for p, (o, n) in expert_shapes(base).items():
+            base.set_weight(e, p, quantize_weight(torch.randn(o, n, generator=gen) / n**0.5, "fp8"))
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    x, w = torch.randn(tokens, hidden, generator=gen), torch.rand(tokens, k, generator=gen)
+    _, counts = group_tokens_by_expert(idx, experts)
+    call = ExpertsCall(None, Routing(None, counts, k), 2.0, 0.0, 0)
+    training, inference = call_chunks(call, x), call_chunks(call, x, keep_saved=False)
+    assert max(c.stop - c.start for c in training) == 2 and max(c.stop - c.start for c in inference) <= tokens
+    assert len(inference) < len(training)
+    outputs = {}
+    for kernel in ("loop", "grouped_mm"):
+        torch.manual_seed(0)  # the same A factors for both kernels
+        lora = LoRAExperts(base, 4, 2.0, kernel=kernel)
+        for b in lora.lora_B.values():
+            b.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            outputs[kernel] = lora(x, idx, w)
+        outputs[kernel + " with grad"] = lora(x.requires_grad_(), idx, w).detach()
+    assert rel(outputs["grouped_mm"], outputs["loop"]) < 1e-6
+    assert rel(outputs["grouped_mm"], outputs["grouped_mm with grad"]) < 1e-6
+
+
 def test_grouped_mm_in_bfloat16_matches_loop():
     """bf16 activations, float32 adapters (rank 4 here: 8 bytes, not aligned in bf16 -> use a rank-8 copy)."""
     results = []

@@ -43,6 +43,23 @@ def test_fp8_blocked_dequantize_equals_full_size_scale_formula(shape):
     assert q.dtype == torch.float8_e4m3fn  # the input is left alone (scaling works on a copy)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(256, 384), (130, 260)])
+def test_fp8_dequantize_in_a_compute_dtype_is_the_float32_result_rounded_once(shape, dtype, device):
+    """W made directly in bf16/fp16 (no float32 copy of W) equals the float32 W converted: bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    q, scale_inv = fp8_block_quantize(torch.randn(*shape, generator=gen) * 3)
+    scale_inv = scale_inv * (torch.rand(scale_inv.shape, generator=gen) * 1e3 + 1e-3)  # products far from 1
+    q, scale_inv = q.to(device), scale_inv.to(device)
+    direct = fp8_block_dequantize(q, scale_inv, dtype=dtype)
+    assert direct.dtype == dtype and direct.shape == shape and direct.is_contiguous()
+    assert torch.equal(direct, fp8_block_dequantize(q, scale_inv).to(dtype))
+
+
 def test_fp8_dequantize_refuses_scales_of_the_wrong_shape():
     q, scale_inv = fp8_block_quantize(torch.randn(130, 260))
     with pytest.raises(ValueError, match=r"scale_inv has shape \[2, 2\], a \[130, 260\] weight .* needs \[2, 3\]"):

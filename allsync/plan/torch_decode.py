@@ -1,0 +1,129 @@
+"""The torch engine's decode step as measured, eager, on DeepSeek-V3's real layers (issue 46).
+
+`benchmarks/engine_decode.py` timed the engine's decode step (allsync.engines.slots.decode_forward, sampling, the
+host read of the finish flags) on two real-width layers, one dense and one MoE with all 256 routed experts, at R
+live rows and C cached positions per row, each layer and the rest of the step apart. Those times fit
+
+    layer(R, C)     = fixed(R) + kv x R C                      every decoder layer (attention, the dense MLP or
+                                                                 the shared expert, LoRA, norms)
+    MoE extra(R)    = touched(R) x per_expert(format, R)        a MoE layer's time above the dense layer's: the
+                                                                 routed experts, touched(R) = E (1 - (1 - k/E)^R)
+    rest(R)                                                     embedding, final norm, lm_head, sampling, host read
+
+with fixed, per_expert and rest measured at two row counts and interpolated linearly in R between them (the
+nearest beyond), kv one number (the mean over the cases). A plan's decode step of B rows on a GPU of an
+expert-parallel group of EP, holding E / EP experts per MoE layer, over C cached tokens in all, is then
+
+    t = L fixed(B) + L kv C + MoE layers x (E / EP) (1 - (1 - k/E)^(B EP)) x per_expert(format, B EP) + rest(B)
+
+(the held experts see the whole group's B EP tokens). The step is host-bound (about 40 kernel launches and their
+Python per routed expert, hundreds per layer; BENCHMARKS.md has the profile), so the H200's numbers are used for the
+H100 too. bf16 and int8 experts were not measured and take FP8's and NF4's rates.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def expected_touched(experts: int, top_k: int, tokens: float) -> float:
+    """E (1 - (1 - k/E)^T): distinct experts T tokens each routed to k of E uniformly at random reach."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear through `points` (sorted by x), the nearest point's value beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+@dataclass(frozen=True)
+class TorchDecodeRates:
+    """The fitted rates (module docstring), seconds."""
+
+    fixed: tuple[tuple[float, float], ...]  # (rows, a layer's time without its cache)
+    kv: float  # per cached position, row and layer
+    per_expert: dict[str, tuple[tuple[float, float], ...]]  # format -> (rows, per touched routed expert)
+    rest: tuple[tuple[float, float], ...]  # (rows, the step outside the decoder layers)
+
+    def step_seconds(self, config: dict, rows: float, context: float, expert_parallel: int, fmt: str) -> float:
+        """One decode step of `rows` rows on a GPU holding n_routed_experts / expert_parallel experts per MoE layer,
+        `context` cached positions in all (module docstring)."""
+        ep = max(expert_parallel, 1)
+        experts, k = config["n_routed_experts"], config["num_experts_per_tok"]
+        layers, moe = config["num_hidden_layers"], config["num_hidden_layers"] - config["first_k_dense_replace"]
+        group_rows = rows * ep
+        routed = moe * expected_touched(experts, k, group_rows) / ep * interpolate(self.per_expert[fmt], group_rows)
+        return (
+            layers * interpolate(self.fixed, rows) + layers * self.kv * context + routed + interpolate(self.rest, rows)
+        )
+
+
+def fit_torch_decode(measured: dict) -> TorchDecodeRates:
+    """The rates from benchmarks/engine_decode.py's JSON (two layers: [dense, MoE]; at least two contexts and two
+    row counts per plan; shape["experts"] and shape["experts_per_token"] as run)."""
+    experts, k = measured["shape"]["experts"], measured["shape"]["experts_per_token"]
+    cases = [(p["plan"], c) for p in measured["plans"] for c in p["cases"] if "oom" not in c]
+    by = {}
+    for plan, c in cases:
+        by.setdefault((plan, c["rows"]), []).append(c)
+    kv_slopes = []
+    for group in by.values():
+        short, long = min(group, key=lambda c: c["context"]), max(group, key=lambda c: c["context"])
+        kv_slopes.append(
+            (long["layer_ms"][0] - short["layer_ms"][0]) / (short["rows"] * (long["context"] - short["context"]))
+        )
+    kv = statistics.mean(kv_slopes) / 1000
+    rows = sorted({r for _, r in by})
+    fixed, rest, per_expert = [], [], {}
+    for r in rows:
+        here = [c for (_, rr), group in by.items() if rr == r for c in group]
+        fixed.append((r, statistics.mean(c["layer_ms"][0] / 1000 - kv * r * c["context"] for c in here)))
+        rest.append((r, statistics.mean(c["rest_ms"] / 1000 for c in here)))
+    for plan in sorted({p for p, _ in by}):
+        per_expert[plan] = tuple(
+            (
+                r,
+                statistics.mean((c["layer_ms"][1] - c["layer_ms"][0]) / 1000 for c in by[(plan, r)])
+                / expected_touched(experts, k, r),
+            )
+            for r in rows
+            if (plan, r) in by
+        )
+    return TorchDecodeRates(tuple(fixed), kv, per_expert, tuple(rest))
+
+
+def rounded(rates: TorchDecodeRates, digits: int = 3) -> TorchDecodeRates:
+    """The rates to `digits` significant digits (what the constant below holds)."""
+
+    def r(x: float) -> float:
+        return float(f"{x:.{digits}g}")
+
+    def points(ps):
+        return tuple((x, r(y)) for x, y in ps)
+
+    return TorchDecodeRates(
+        points(rates.fixed), r(rates.kv), {f: points(p) for f, p in rates.per_expert.items()}, points(rates.rest)
+    )
+
+
+def load_measured(path: str | Path) -> TorchDecodeRates:
+    return rounded(fit_torch_decode(json.loads(Path(path).read_text())))
+
+
+# benchmarks/measured/engine_decode_h200.json (the lent H200, torch 2.11.0+cu130, 2026-11-27), fit_torch_decode rounded
+# to 3 digits (tests/allsync/test_plan_step.py refits it); bf16 takes FP8's rates and int8 NF4's (not measured)
+EAGER_H200 = TorchDecodeRates(
+    fixed=((32, 0.00719), (256, 0.00722)),
+    kv=3.42e-09,
+    per_expert={"fp8": ((32, 0.000386), (256, 0.000398)), "nf4": ((32, 0.00017), (256, 0.000292))},
+    rest=((32, 0.0028), (256, 0.00629)),
+)
+EAGER_H200.per_expert.update(bf16=EAGER_H200.per_expert["fp8"], int8=EAGER_H200.per_expert["nf4"])

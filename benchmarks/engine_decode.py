@@ -1,0 +1,261 @@
+"""The torch engine's decode step at DeepSeek-V3's real width, against the memory-bandwidth roofline (issue 46).
+
+    python -m benchmarks.engine_decode [--plans nf4,fp8] [--rows 32,64,128,256] [--contexts 1024,8192,20480]
+                                       [--steps 8] [--device cuda] [--json out.json]
+
+The checkpoint of benchmarks/v3_layer_memory.py (real shapes, two decoder layers: one dense, one MoE with 256
+routed experts; random weights in the real FP8 format) is loaded by the trainer's loader in each plan (nf4: routed
+experts NF4, the rest FP8; fp8: all FP8), with LoRA rank 16 on the 671B config's targets (grouped_mm on CUDA), and
+decoded as the engine decodes (allsync.engines.slots.decode_forward on a SlotKVCache holding the MLA latent,
+attention in latent space, then sample_rows and the host read of the finish flags that the engine's loop makes).
+
+For each R live rows and context C: the R slots are filled with random latents of C positions (a prefill of R x C
+tokens would cost far more than the decode it sets up, and decode time does not depend on the cached values), then
+--steps decode steps are timed one by one (after two to warm up); reported: the median step, its dense layer, MoE
+layer and the rest (embedding, final norm, lm_head over the vocabulary, sampling, the host read), and R / step
+tokens per second.
+
+Roofline: a decode step must read at least the weights it uses and the cache it attends over,
+
+    bytes = frozen weights (routed experts: only the expected distinct experts of R x top-k draws,
+            E (1 - (1 - k/E)^R)) + LoRA tensors + R C (kv_lora_rank + d_rope) x 2 bytes per MLA layer
+
+    roofline seconds = bytes / B,   B = 2 n / t of a device-to-device copy of n bytes (measured in the same run)
+
+so measured / roofline says how far the step is from bandwidth-bound (the embedding's rows are not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from allsync.engines.slots import decode_forward, sample_rows
+from allsync.engines.torch_engine import Sampling
+from allsync.plan.torch_decode import expected_touched
+from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, TARGETS, Memory, free, v3_config, write_checkpoint
+from moe_lora.mla_decode import LatentKVCache, SlotKVCache, install_mla_decode
+from quant.checkpoint_io import atomic_write_text
+from quant.loader import byte_report, load_frozen_model
+
+
+class Clock:
+    """Elapsed seconds between marks: CUDA events on a GPU (read after one synchronize), perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks; the marks are cleared."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            out = [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            out = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.marks = []
+        return out
+
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of a device-to-device copy of `nbytes` (each byte read once and written once: 2 n / t),
+    the best of `repeats` after one to warm up."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    clock, best = Clock(device), float("inf")
+    for _ in range(repeats + 1):
+        clock.mark()
+        target.copy_(source)
+        clock.mark()
+        best = min(best, clock.spans()[0])
+    del source, target
+    return 2 * nbytes / best
+
+
+def weight_bytes_touched(model, rows: int) -> int:
+    """Frozen bytes a decode step of `rows` rows reads (module docstring) plus every LoRA tensor's."""
+    config = model.config
+    touched = expected_touched(config.n_routed_experts, config.num_experts_per_tok, rows)
+    total = 0
+    for row in byte_report(model):
+        if row.group == "embed":
+            continue
+        total += row.bytes * (touched / config.n_routed_experts if row.group == "routed_experts" else 1)
+    lora = sum(p.nbytes for name, p in model.named_parameters() if "lora_" in name)
+    return int(total) + lora
+
+
+def kv_bytes_read(config, rows: int, context: int, element_bytes: int) -> int:
+    """R C (kv_lora_rank + d_rope) x element bytes per MLA layer: the latent each step attends over."""
+    return rows * context * (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes * config.num_hidden_layers
+
+
+def random_latent_pool(model, rows: int, context: int, capacity: int) -> SlotKVCache:
+    """A SlotKVCache of `rows` slots with room for `capacity` positions, each slot holding `context` random latent
+    positions (shaped by a one-token prefill's LatentKVCache)."""
+    device = model.device
+    probe = LatentKVCache(reserve=0)
+    model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
+    pool = SlotKVCache(rows, capacity)
+    pool.fill(0, probe, torch.zeros(rows, dtype=torch.long, device=device), torch.ones(rows, device=device).long())
+    for layer in pool.layers:
+        layer.keys_buffer[:, :, :context].normal_()
+    pool.lengths.fill_(context)
+    return pool
+
+
+def layer_clock(model, clock: Clock) -> list:
+    """Marks before and after every decoder layer's forward (hooks; remove them with .remove())."""
+    handles = []
+    for layer in model.model.layers:
+        handles.append(layer.register_forward_pre_hook(lambda *_: clock.mark()))
+        handles.append(layer.register_forward_hook(lambda *_: clock.mark()))
+    return handles
+
+
+@torch.no_grad()
+def decode_steps(model, rows: int, context: int, steps: int, warmup: int = 2) -> dict:
+    """Median seconds of a decode step of `rows` live rows over `context` cached positions, split into the layers
+    and the rest (module docstring)."""
+    device = str(model.device)
+    sampling = Sampling(max_new_tokens=steps + warmup, temperature=1.0, top_p=1.0)
+    pool = random_latent_pool(model, rows, context, context + steps + warmup + 1)
+    last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
+    seeds = torch.arange(rows, device=model.device)
+    counts = torch.zeros(rows, dtype=torch.long, device=model.device)
+    clock = Clock(device)
+    hooks = layer_clock(model, clock)
+    step_seconds, layer_seconds = [], []
+    try:
+        for step in range(steps + warmup):
+            clock.mark()
+            scores = decode_forward(model, pool, last, context + step)
+            last, _ = sample_rows(scores.float(), seeds, counts, sampling)
+            counts += 1
+            (last == 0).tolist()  # the engine's loop reads the finish flags on the host every step
+            clock.mark()
+            spans = clock.spans()  # [pre, layer 0, between, layer 1, ..., post]
+            if step >= warmup:
+                step_seconds.append(sum(spans))
+                layer_seconds.append(spans[1::2])
+    finally:
+        for h in hooks:
+            h.remove()
+    median = statistics.median(step_seconds)
+    per_layer = [statistics.median(column) for column in zip(*layer_seconds)]
+    return {
+        "rows": rows,
+        "context": context,
+        "step_ms": round(1000 * median, 3),
+        "layer_ms": [round(1000 * s, 3) for s in per_layer],
+        "rest_ms": round(1000 * (median - sum(per_layer)), 3),
+        "tokens_per_s": round(rows / median, 1),
+    }
+
+
+def measure_plan(ckpt: Path, name: str, rows: list[int], contexts: list[int], steps: int, device: str, bandwidth):
+    from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
+
+    memory = Memory(device)
+    free(memory)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = load_frozen_model(ckpt, PLANS[name], progress=False, device=device, compute_dtype=dtype)
+    kernel = "grouped_mm" if device.startswith("cuda") else "loop"
+    attach_lora(model, LoRAConfig(16, 32.0, TARGETS, expert_kernel=kernel))
+    seeded_init_(model, 0)
+    model.eval()
+    install_mla_decode(model)
+    element = torch.tensor([], dtype=dtype).element_size()
+    cases = []
+    for r in rows:
+        for c in contexts:
+            free(memory)
+            try:
+                case = decode_steps(model, r, c, steps)
+            except torch.OutOfMemoryError as e:
+                cases.append({"rows": r, "context": c, "oom": str(e).split("\n")[0][:200]})
+                continue
+            touched = weight_bytes_touched(model, r) + kv_bytes_read(model.config, r, c, element)
+            case["bytes_read"] = touched
+            case["roofline_ms"] = round(1000 * touched / bandwidth, 3)
+            case["over_roofline"] = round(case["step_ms"] / case["roofline_ms"], 2)
+            cases.append(case)
+            print(format_case(name, case), flush=True)
+    del model
+    free(memory)
+    return {"plan": name, "compute_dtype": str(dtype).replace("torch.", ""), "cases": cases}
+
+
+def format_case(plan: str, case: dict) -> str:
+    if "oom" in case:
+        return f"{plan:4} rows {case['rows']:4} context {case['context']:6}: out of memory"
+    layers = " + ".join(f"{ms:.2f}" for ms in case["layer_ms"])
+    return (
+        f"{plan:4} rows {case['rows']:4} context {case['context']:6}: step {case['step_ms']:8.2f} ms "
+        f"(layers {layers}, rest {case['rest_ms']:.2f}), {case['tokens_per_s']:9.1f} tok/s, "
+        f"roofline {case['roofline_ms']:7.2f} ms ({case['over_roofline']}x)"
+    )
+
+
+def ints(text: str, flag: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if min(values) < 1:
+        raise SystemExit(f"{flag}: every value must be at least 1, got {text!r}")
+    return values
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plans", default="nf4,fp8")
+    ap.add_argument("--rows", default="32,64,128,256")
+    ap.add_argument("--contexts", default="1024,8192,20480")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--ckpt", default="/tmp/v3-two-layers-decode")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth-measuring copy")
+    ap.add_argument("--shape", default=None, help="JSON overrides of the shape (a small one for a CPU run)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows, contexts = ints(args.rows, "--rows"), ints(args.contexts, "--contexts")
+    if args.steps < 1:
+        raise SystemExit(f"--steps: must be at least 1, got {args.steps}")
+    unknown = [p for p in args.plans.split(",") if p not in PLANS]
+    if unknown:
+        raise SystemExit(f"--plans: unknown plan {unknown[0]!r}; known: {', '.join(PLANS)}")
+    shape = {**REAL_V3_TWO_LAYERS, **(json.loads(args.shape) if args.shape else {})}
+    config = v3_config(shape, max(contexts) + args.steps + 3)
+    t0 = time.perf_counter()
+    ckpt = write_checkpoint(Path(args.ckpt), config, args.device)
+    bandwidth = copy_bandwidth(args.device, args.copy_bytes)
+    out = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "shape": shape,
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "write_seconds": round(time.perf_counter() - t0, 1),
+        "plans": [],
+    }
+    print(f"checkpoint {ckpt}; copy bandwidth {out['copy_bandwidth_GBps']} GB/s", flush=True)
+    for name in args.plans.split(","):
+        out["plans"].append(measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth))
+        if args.json:
+            atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

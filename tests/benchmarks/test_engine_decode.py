@@ -1,0 +1,48 @@
+"""benchmarks/engine_decode.py on the CPU with the real layout and small widths: it runs end to end, its JSON is what
+the plan's fit reads, and its roofline counts the latent a step reads."""
+
+import json
+
+from types import SimpleNamespace
+
+import pytest
+
+from allsync.plan.torch_decode import expected_touched, fit_torch_decode
+from benchmarks.engine_decode import kv_bytes_read, main
+
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "experts": 16,
+    "n_group": 4,
+    "topk_group": 2,
+}
+
+
+def test_the_benchmark_runs_on_the_cpu_and_its_json_fits_the_plans_model(tmp_path):
+    out = tmp_path / "decode.json"
+    result = main(
+        ["--device", "cpu", "--ckpt", str(tmp_path / "ckpt"), "--rows", "2,4", "--contexts", "8,32", "--steps", "2"]
+        + ["--copy-bytes", str(10**7), "--shape", json.dumps(SMALL), "--json", str(out)]
+    )
+    assert json.loads(out.read_text()) == result
+    assert [p["plan"] for p in result["plans"]] == ["nf4", "fp8"]
+    for plan in result["plans"]:
+        assert [(c["rows"], c["context"]) for c in plan["cases"]] == [(2, 8), (2, 32), (4, 8), (4, 32)]
+        for case in plan["cases"]:
+            assert len(case["layer_ms"]) == 2 and case["step_ms"] >= sum(case["layer_ms"]) > 0
+            assert case["tokens_per_s"] == pytest.approx(case["rows"] / case["step_ms"] * 1000, rel=1e-2)
+            assert case["roofline_ms"] > 0 and case["over_roofline"] > 0
+    rates = fit_torch_decode(result)
+    assert [r for r, _ in rates.fixed] == [2, 4] and set(rates.per_expert) == {"nf4", "fp8"}
+
+
+def test_the_expected_distinct_experts_and_the_latent_bytes_a_step_reads():
+    assert expected_touched(256, 8, 1) == pytest.approx(8)
+    assert expected_touched(256, 8, 256) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 256))
+    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
+    assert kv_bytes_read(config, 4, 100, 2) == 4 * 100 * 576 * 2 * 2
