@@ -187,7 +187,11 @@ def measure_plan(
     }
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     variants = [(True, False), (False, False)] + ([(True, True)] if offload else [])  # (checkpointing, offload)
-    steps = [train_step_bytes(model, optimizer, s, c, device, memory, o) for s in seqs for c, o in variants]
+    steps = []
+    for s, (c, o) in ((s, v) for s in seqs for v in variants):
+        print(f"  {name}: a {s:,}-token step, checkpointing {c}, offload {o} ...", end=" ", flush=True)
+        steps.append(train_step_bytes(model, optimizer, s, c, device, memory, o))
+        print(steps[-1].get("seconds", "out of memory"), "s", flush=True)
     done = [s for s in steps if "oom" not in s]
     before = memory.allocated()
     if done:  # gradients are present from the last step that ran: one AdamW step makes its state
