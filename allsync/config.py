@@ -93,13 +93,21 @@ class LoRASection:
     dropout: float = 0.0
     use_rslora: bool = False
     expert_kernel: str = "auto"  # routed experts: loop | grouped_mm | auto (grouped_mm on GPUs where the rank allows)
+    # routed experts: per_expert (A_e, B_e for every projection) | shared_outer (A of gate/up and B of down shared by
+    # the layer's experts: moe_lora/lora_layers.py)
+    expert_layout: str = "per_expert"
 
     def check(self, fail) -> None:
         from moe_lora.lora import TARGETS
+        from moe_lora.lora_layers import LoRAExperts
 
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown:
             fail(f"lora.targets: unknown target {unknown[0]!r} (valid: {', '.join(TARGETS)})")
+        if self.expert_layout not in LoRAExperts.layouts:
+            fail(f"lora.expert_layout = {self.expert_layout!r}: use {' or '.join(LoRAExperts.layouts)}")
+        if self.expert_layout == "shared_outer" and "routed_experts" not in self.targets:
+            fail("lora.expert_layout = shared_outer: lora.targets has no routed_experts, the only module it lays out")
         if self.rank < 1:
             fail(f"lora.rank = {self.rank}: must be >= 1")
         if self.dropout != 0:

@@ -76,7 +76,15 @@ def keep_compute_copies_within(model, dtype: torch.dtype, device: torch.device) 
 def lora_config(config: RunConfig) -> LoRAConfig:
     """The lora section as moe_lora.lora's LoRAConfig."""
     lc = config.lora
-    return LoRAConfig(lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.use_rslora, expert_kernel=lc.expert_kernel)
+    return LoRAConfig(
+        lc.rank,
+        lc.alpha,
+        tuple(lc.targets),
+        lc.dropout,
+        lc.use_rslora,
+        expert_kernel=lc.expert_kernel,
+        expert_layout=lc.expert_layout,
+    )
 
 
 def tie_lora(copy: torch.nn.Module, model: torch.nn.Module) -> int:
@@ -525,7 +533,7 @@ class RLWorker:
             for ws in m.weights.values()
             for w in ws
         )
-        adapters = [p for m in self.model.modules() if isinstance(m, LoRAExperts) for p in m.factors()]
+        adapters = [p for m in self.model.modules() if isinstance(m, LoRAExperts) for p in m.adapter_parameters()]
         state = [
             t
             for p in adapters

@@ -185,7 +185,8 @@ def shard_experts(model: nn.Module, group, layout: ExpertLayout, rank: int) -> D
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The routed-expert LoRA tensors (their gradients are summed over the EDP group, not over all ranks)."""
+    """The routed-expert LoRA tensors held per expert (their gradients are summed over the EDP group, not over all
+    ranks); the factors a shared_outer layer's experts share are replicated like attention's."""
     from moe_lora.lora_layers import LoRAExperts
 
-    return [p for m in model.modules() if isinstance(m, LoRAExperts) for p in m.factors()]
+    return [p for m in model.modules() if isinstance(m, LoRAExperts) for p in m.per_expert_parameters()]

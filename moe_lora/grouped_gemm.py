@@ -131,8 +131,9 @@ class _Adapters:
         (a_g, b_g), (a_u, b_u), (a_d, b_d) = (factor_map(lora)[p] for p in EXPERT_PROJECTIONS)
         part = slice(chunk.first, chunk.end)
         self.a_gate_up = torch.cat([a_g[part], a_u[part]], dim=1).to(dtype)
-        self.b_gate, self.b_up = b_g[part].to(dtype), b_u[part].to(dtype)
-        self.a_down, self.b_down = a_d[part].to(dtype), b_d[part].to(dtype)
+        # contiguous: a shared_outer factor arrives expanded over the experts (stride 0), which grouped_mm refuses
+        self.b_gate, self.b_up = b_g[part].to(dtype).contiguous(), b_u[part].to(dtype).contiguous()
+        self.a_down, self.b_down = a_d[part].to(dtype).contiguous(), b_d[part].to(dtype).contiguous()
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

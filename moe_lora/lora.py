@@ -55,6 +55,7 @@ class LoRAConfig:
     use_rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     dtype: torch.dtype = torch.float32  # of A and B (what the optimizer updates)
     expert_kernel: str = "auto"  # routed experts: loop | grouped_mm | auto (grouped_mm on GPUs when the rank allows)
+    expert_layout: str = "per_expert"  # routed experts: per_expert | shared_outer (moe_lora.lora_layers)
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -68,6 +69,10 @@ class LoRAConfig:
         if self.expert_kernel not in LoRAExperts.kernels:
             raise ValueError(
                 f"unknown routed-expert kernel {self.expert_kernel!r}; valid: {', '.join(LoRAExperts.kernels)}"
+            )
+        if self.expert_layout not in LoRAExperts.layouts:
+            raise ValueError(
+                f"unknown routed-expert LoRA layout {self.expert_layout!r}; valid: {', '.join(LoRAExperts.layouts)}"
             )
         if self.expert_kernel == "grouped_mm" and self.dropout > 0:
             raise ValueError(
@@ -101,7 +106,7 @@ def attach_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     args = (config.rank, config.scale, config.dropout, config.dtype)
     for name, module in chosen:
         if isinstance(module, FrozenExperts):
-            wrapper = LoRAExperts(module, *args, kernel=config.expert_kernel)
+            wrapper = LoRAExperts(module, *args, kernel=config.expert_kernel, layout=config.expert_layout)
         else:
             wrapper = LoRALinear(module, *args)
         model.set_submodule(name, wrapper)
@@ -125,16 +130,31 @@ def adapter_copy(model: nn.Module, routed_experts: bool = True) -> nn.Module:
 def seeded_init_(model: nn.Module, seed: int) -> None:
     """Re-draw every A (PEFT's init, see init_lora_a_) from a generator seeded by (seed, PEFT key), and zero
     every B: each tensor's start depends only on the seed and its name, not on the process's RNG or on which
-    experts this process holds, so every expert-parallel layout starts from the same adapter."""
+    experts this process holds, so every expert-parallel layout starts from the same adapter. A factor the
+    layer's experts share (shared_outer) is drawn once, under its layer's key (`shared_slots`), not an expert's."""
     from moe_lora.lora_layers import init_lora_a_
 
     with torch.no_grad():
-        for key, slot in _adapter_slots(model).items():
+        shared = shared_slots(model)
+        aliases = {t.data_ptr() for t in shared.values()}
+        slots = {k: t for k, t in _adapter_slots(model).items() if t.data_ptr() not in aliases}
+        for key, slot in {**slots, **shared}.items():
             if ".lora_B." in key:
                 slot.zero_()
                 continue
             gen = torch.Generator(device=slot.device).manual_seed(seed * 2**32 + zlib.crc32(key.encode()))
             init_lora_a_(slot, generator=gen)
+
+
+def shared_slots(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`<PEFT prefix of the experts>.shared.<p>_proj.lora_<A|B>.weight` -> the [r, in] / [out, r] factor a
+    shared_outer layer's experts share (PEFT's format has no such key: its export repeats it for every expert)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAExperts):
+            for (p, side), t in module.shared_parameters().items():
+                out[f"{PEFT_PREFIX}{name}.shared.{p}_proj.lora_{side}.weight"] = t[0]
+    return out
 
 
 def expert_slots(prefix: str, factors: list[torch.Tensor], first_expert: int = 0) -> dict[str, torch.Tensor]:
@@ -190,8 +210,22 @@ def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], oth
                 raise ValueError(
                     f"adapter tensor {key!r}: state dict shape {list(tensors[key].shape)}, model expects {list(slot.shape)}"
                 )
+        check_shared_copies_agree(slots, tensors)
         for key, slot in slots.items():
             slot.copy_(tensors[key])
+
+
+def check_shared_copies_agree(slots: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Every expert's copy of a factor that the model's experts share (shared_outer: the slots alias one tensor)
+    must hold the same values in `tensors`; a per-expert adapter cannot load into a shared_outer model."""
+    first: dict[int, str] = {}
+    for key, slot in slots.items():
+        seen = first.setdefault(slot.data_ptr(), key)
+        if seen != key and not torch.equal(tensors[seen], tensors[key]):
+            raise ValueError(
+                f"adapter tensor {key!r} differs from {seen!r}, but the model's lora.expert_layout shared_outer "
+                "shares that factor between the layer's experts: this adapter was trained per_expert"
+            )
 
 
 @contextlib.contextmanager

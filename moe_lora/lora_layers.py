@@ -1,9 +1,15 @@
 """LoRA modules around the frozen quantized modules of `quant.modules`.
 
     LoRALinear:  y = frozen_linear(x, W) + s * (dropout(x) A^T) B^T
-    LoRAExperts: every routed expert e gets its own A_e, B_e for gate, up and down, computed per group of
-                 routed tokens: one loop step per expert (grouped_lora, the reference) or grouped GEMMs
-                 (grouped_gemm, the default on GPUs)
+    LoRAExperts: every routed expert e gets its own A_e, B_e for gate, up and down (layout per_expert), or
+                 (layout shared_outer) the input side is shared by the layer's experts for gate and up and the
+                 output side for down: A_gate, A_up [r, in] and B_down [hidden, r] once a layer, B_gate_e,
+                 B_up_e and A_down_e per expert,
+                     gate_e(x) = W_gate_e x + s B_gate_e (A_gate x),  down_e(h) = W_down_e h + s B_down (A_down_e h);
+                 computed per group of routed tokens: one loop step per expert (grouped_lora, the reference) or
+                 grouped GEMMs (grouped_gemm, the default on GPUs). The shared factors are the same on every
+                 expert-parallel rank (replicated, their gradients summed over all ranks like attention's), so what
+                 is trained does not depend on how the experts are split.
 
 A [r, in] starts kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))) and B [out, r] at zero,
 as in PEFT, so a fresh adapter leaves the model unchanged. Adapters are kept in `dtype` (float32 by
@@ -21,6 +27,9 @@ from torch import nn
 from moe_lora.grouped_gemm import GroupedGemmLoRAExperts, gmm_forward, grouped_mm_supported
 from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing, factor_map, grouped_forward
 from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, group_tokens_by_expert
+
+
+SHARED_OUTER = {("gate", "A"), ("up", "A"), ("down", "B")}  # the factors a shared_outer layer's experts share
 
 
 def init_lora_a_(a: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -70,11 +79,14 @@ class LoRAExperts(nn.Module):
     transformers' DeepseekV3MoE).
 
     lora_A[p]: [E, r, in], lora_B[p]: [E, out, r]: one 3-D parameter per projection, so the optimizer
-    sees 6 tensors per layer instead of 6 * E.
+    sees 6 tensors per layer instead of 6 * E. Under layout shared_outer the shared factors (SHARED_OUTER) are
+    [1, r, in] / [1, out, r]; `factors()` hands the kernels every factor as [E, ...], a shared one as a view of its
+    one copy expanded over the experts (no copy), and autograd sums the experts' gradients into it.
     """
 
     group = "routed_experts"
     kernels = ("auto", "loop", "grouped_mm")
+    layouts = ("per_expert", "shared_outer")
 
     def __init__(
         self,
@@ -84,27 +96,64 @@ class LoRAExperts(nn.Module):
         dropout: float = 0.0,
         dtype=torch.float32,
         kernel: str = "auto",
+        layout: str = "per_expert",
     ):
         super().__init__()
         if kernel not in self.kernels:
             raise ValueError(f"unknown routed-expert kernel {kernel!r}; valid: {', '.join(self.kernels)}")
+        if layout not in self.layouts:
+            raise ValueError(f"unknown routed-expert LoRA layout {layout!r}; valid: {', '.join(self.layouts)}")
         self.base, self.rank, self.scale, self.dropout, self.kernel = base, rank, scale, dropout, kernel
+        self.layout = layout
         device = base.weights["gate"][0].data.device
-        n = base.num_experts
         self.enabled = True  # False: the frozen experts alone (see moe_lora.lora.adapters_disabled)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         for p, (out_f, in_f) in expert_shapes(base).items():
-            self.lora_A[p] = nn.Parameter(torch.empty(n, rank, in_f, dtype=dtype, device=device))
-            self.lora_B[p] = nn.Parameter(torch.zeros(n, out_f, rank, dtype=dtype, device=device))
+            a_count, b_count = (self.copies(p, side) for side in "AB")
+            self.lora_A[p] = nn.Parameter(torch.empty(a_count, rank, in_f, dtype=dtype, device=device))
+            self.lora_B[p] = nn.Parameter(torch.zeros(b_count, out_f, rank, dtype=dtype, device=device))
             for a in self.lora_A[p].data:  # per expert: kaiming on the 3-D tensor would use fan_in = r * in
                 init_lora_a_(a)
+
+    def shared(self, projection: str, side: str) -> bool:
+        """Whether `side` (A or B) of `projection` is one tensor for all the layer's experts."""
+        return self.layout == "shared_outer" and (projection, side) in SHARED_OUTER
+
+    def copies(self, projection: str, side: str) -> int:
+        """How many copies of the factor the module holds: 1 if shared, else one per expert held."""
+        return 1 if self.shared(projection, side) else self.base.num_experts
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """[A_gate, B_gate, A_up, B_up, A_down, B_down] as held (a shared factor's leading size is 1)."""
+        return [t for p in EXPERT_PROJECTIONS for t in (self.lora_A[p], self.lora_B[p])]
+
+    def per_expert_parameters(self) -> list[nn.Parameter]:
+        """The factors held per expert (under expert parallelism: this rank's experts' only)."""
+        return [
+            t
+            for p in EXPERT_PROJECTIONS
+            for side, t in zip("AB", (self.lora_A[p], self.lora_B[p]))
+            if not self.shared(p, side)
+        ]
+
+    def shared_parameters(self) -> dict[tuple[str, str], nn.Parameter]:
+        """(projection, side) -> the factor the layer's experts share (empty for per_expert)."""
+        return {
+            (p, side): getattr(self, f"lora_{side}")[p]
+            for p in EXPERT_PROJECTIONS
+            for side in "AB"
+            if self.shared(p, side)
+        }
 
     @property
     def num_experts(self) -> int:
         return self.base.num_experts
 
     def factors(self) -> list[torch.Tensor]:
-        return [t for p in EXPERT_PROJECTIONS for t in (self.lora_A[p], self.lora_B[p])]
+        """[A_gate, B_gate, A_up, B_up, A_down, B_down], each [E, ...] (E: the experts held): a shared factor
+        expanded over the experts (a view)."""
+        n = self.num_experts
+        return [t.expand(n, *t.shape[1:]) for t in self.adapter_parameters()]
 
     @property
     def first_expert(self) -> int:
@@ -159,5 +208,5 @@ class LoRAExperts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.num_experts} experts, rank={self.rank}, scale={self.scale:g}, dropout={self.dropout:g}, "
-            f"kernel={self.kernel}"
+            f"kernel={self.kernel}, layout={self.layout}"
         )

@@ -88,7 +88,7 @@ def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case,
     weights.requires_grad_(True)
     out = module(x, index, weights)
     (out * grad_out).sum().backward()
-    for p in module.factors():
+    for p in module.adapter_parameters():
         if reduce_edp:
             groups.all_reduce(p.grad, "edp")
     results[rank] = {"out": out.detach(), "dx": x.grad, "dw": weights.grad, "lora": lora_grads(module)}
@@ -139,7 +139,7 @@ def model_lora_grads(model) -> dict[str, torch.Tensor]:
             out.update(
                 {
                     k: v.clone()
-                    for k, v in expert_slots(PEFT_PREFIX + name, [p.grad for p in m.factors()], m.first_expert).items()
+                    for k, v in expert_slots(PEFT_PREFIX + name, [p.grad for p in m.adapter_parameters()], m.first_expert).items()
                 }
             )
     return out

@@ -23,7 +23,7 @@ def run(fmt, kernel, dtype=torch.float32, rank_seed=0, idx=None):
     (out.float() * torch.randn(T, H, generator=torch.Generator().manual_seed(2))).sum().backward()
     with torch.no_grad():
         inference = lora(x, idx, w)
-    return lora, [out.detach(), x.grad, w.grad] + [p.grad for p in lora.factors()], inference
+    return lora, [out.detach(), x.grad, w.grad] + [p.grad for p in lora.adapter_parameters()], inference
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -106,7 +106,7 @@ def test_grouped_mm_in_bfloat16_matches_loop():
         xb = x.detach().to(torch.bfloat16).requires_grad_()
         out = lora(xb, idx, w.detach())
         out.float().square().sum().backward()
-        results.append([out.float(), xb.grad.float()] + [p.grad for p in lora.factors()])
+        results.append([out.float(), xb.grad.float()] + [p.grad for p in lora.adapter_parameters()])
     for g, r in zip(*results):
         assert rel(g, r) < 2e-2
 
@@ -193,7 +193,7 @@ def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
             xd, wd = x.to(dtype).requires_grad_(), w.clone().requires_grad_()
             out = lora(xd, idx, wd)
             (out.float() * grad_out).sum().backward()
-            results.append([out.float(), xd.grad.float(), wd.grad] + [q.grad for q in lora.factors()])
-            assert all(q.grad[idle].abs().max() == 0 for q in lora.factors())
+            results.append([out.float(), xd.grad.float(), wd.grad] + [q.grad for q in lora.adapter_parameters()])
+            assert all(q.grad[idle].abs().max() == 0 for q in lora.adapter_parameters())
         for got, want in zip(results[1], results[0]):
             assert rel(got, want) < tol, (fmt, dtype, rel(got, want))
