@@ -23,9 +23,10 @@ from allsync.launch.ray_actors import RayGroup
 from allsync.tasks import ArithmeticSpec, make_splits
 
 
-def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = None):
+def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = None, lora: dict | None = None):
     data = run_config(base, Path("unused"), expert_parallel)
     data["optim"].update(optim or {})
+    data.setdefault("lora", {}).update(lora or {})
     if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a critic, EGAE
         data["producer"] = {"kind": "windows", "window": 4}
         data["algorithm"] = {"advantage": "egae", "dynamic_sampling": False}
@@ -33,9 +34,17 @@ def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = 
     return parse_config(data)
 
 
-def run_steps(base, expert_parallel: int, steps: int, checkpoint=None, tppo: bool = False, optim: dict | None = None):
+def run_steps(
+    base,
+    expert_parallel: int,
+    steps: int,
+    checkpoint=None,
+    tppo: bool = False,
+    optim: dict | None = None,
+    lora: dict | None = None,
+):
     problems = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train
-    group = RayGroup(config(base, expert_parallel, tppo, optim), problems)
+    group = RayGroup(config(base, expert_parallel, tppo, optim, lora), problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]
         adapter = group.call("full_adapter_tensors")
@@ -76,6 +85,31 @@ def test_three_steps_at_ep2_give_the_ep1_adapter(warm_tiny, replicated, tmp_path
     assert all(torch.equal(on_disk[k], full2[k]) for k in full2)
 
 
+def test_shared_outer_expert_lora_trains_the_same_adapter_at_ep2_as_at_ep1(warm_tiny, replicated):
+    """lora.expert_layout shared_outer (issue 47): the factors a layer's experts share are replicated over the
+    expert-parallel ranks and their gradients summed over all of them, so EP 2 trains the adapter EP 1 trains (1e-5
+    of its norm, as for per-expert factors); the export repeats each shared factor for every expert, and the
+    adapter differs from the per-expert layout's."""
+    shared = {"expert_layout": "shared_outer"}
+    metrics1, adapter1, _ = run_steps(warm_tiny, 1, 3, lora=shared)
+    metrics2, adapter2, _ = run_steps(warm_tiny, 2, 3, lora=shared)
+    full1, full2 = adapter1[0], adapter2[0]
+    assert sorted(full1) == sorted(full2) == sorted(replicated[1][0])
+    flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731
+    start, ep1, ep2 = flat(seeded_start(warm_tiny, shared)), flat(full1), flat(full2)
+    assert float((ep1 - start).norm() / start.norm()) > 1e-3
+    assert float((ep2 - ep1).norm() / ep1.norm()) < 1e-5
+    assert float((ep1 - flat(replicated[1][0])).norm() / ep1.norm()) > 1e-3  # not the per-expert adapter
+    firsts = [k for k in full2 if ".mlp.experts.0.gate_proj.lora_A." in k or ".mlp.experts.0.down_proj.lora_B." in k]
+    assert firsts  # one A of gate (and B of down) for each MoE layer, repeated for its 4 experts
+    for key in firsts:
+        assert all(torch.equal(full2[key.replace(".experts.0.", f".experts.{e}.")], full2[key]) for e in range(4))
+    for step1, step2 in zip(metrics1, metrics2):
+        for rank in range(2):
+            for key in ("samples_generated", "correct_sum", "response_tokens", "groups_kept", "trained_tokens"):
+                assert step1[rank][key] == step2[rank][key], (key, rank)
+
+
 def test_a_token_budget_and_activation_checkpointing_at_ep2_give_the_ep1_adapter(warm_tiny, replicated):
     """Under expert parallelism every rank runs as many forwards as the rank with the most row groups (idle rows
     for the rest), and recomputed decoder layers redo their all-to-alls in backward in the same order on every
@@ -92,12 +126,12 @@ def test_a_token_budget_and_activation_checkpointing_at_ep2_give_the_ep1_adapter
     ]
 
 
-def seeded_start(base) -> dict[str, torch.Tensor]:
+def seeded_start(base, lora: dict | None = None) -> dict[str, torch.Tensor]:
     from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict, seeded_init_
     from quant.loader import QuantPlan, load_frozen_model
 
     model = load_frozen_model(base, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32, progress=False)
-    attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=tuple(config(base, 1).lora.targets)))
+    attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=tuple(config(base, 1).lora.targets), **(lora or {})))
     seeded_init_(model, 0)
     return lora_state_dict(model)
 
