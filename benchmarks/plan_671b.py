@@ -1,7 +1,10 @@
 """DeepSeek-V3 671B with the DAPO config on 16, 32, 48 and 64 H100s: `allsync plan --search` for each, as a table
 and a plot of the estimated step time per schedule (computed, nothing runs on GPUs).
 
-    python -m benchmarks.plan_671b [--gpus 16,32,48,64] [--gpu h100] [--png docs/plan_671b.png] [--json FILE]
+    python -m benchmarks.plan_671b [--gpus 16,32,48,64] [--gpu h100] [--expert-layout per_expert]
+                                   [--png docs/plan_671b.png] [--json FILE]
+
+--expert-layout shared_outer plans the config with lora.expert_layout shared_outer (its smaller routed adapter).
 
 DAPO's batch is 512 prompts x 16 samples; 512 prompts do not split over 48 GPUs, so 48 GPUs plan the config's 480.
 Per GPU count it prints the fastest layout of each schedule, and the fastest all-sync layout the loop runs today.
@@ -76,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--png", default="docs/plan_671b.png")
     parser.add_argument("--json")
+    parser.add_argument("--expert-layout", choices=("per_expert", "shared_outer"), default="per_expert")
     args = parser.parse_args(argv)
     run, _ = load_config_for_planning(CONFIG)
+    run = replace(run, lora=replace(run.lora, expert_layout=args.expert_layout))
     hw = hardware(args.gpu)
     traces = RunTraces.of(run, DEEPSEEK_V3)
     work = Workload(parse_lengths(DEFAULT_LENGTHS), 1024, kept_share(run, None))

@@ -139,7 +139,9 @@ def model_lora_grads(model) -> dict[str, torch.Tensor]:
             out.update(
                 {
                     k: v.clone()
-                    for k, v in expert_slots(PEFT_PREFIX + name, [p.grad for p in m.adapter_parameters()], m.first_expert).items()
+                    for k, v in expert_slots(
+                        PEFT_PREFIX + name, [p.grad for p in m.adapter_parameters()], m.first_expert
+                    ).items()
                 }
             )
     return out

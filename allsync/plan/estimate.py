@@ -43,7 +43,15 @@ from allsync.plan.step_time import (
     train_passes,
 )
 from allsync.plan.torch_decode import EAGER_H200
-from allsync.plan.weights import FROZEN_PARTS, LORA_VALUE_BYTES, engine_bytes, held_experts, lora_values, stored_plan
+from allsync.plan.weights import (
+    FROZEN_PARTS,
+    LORA_VALUE_BYTES,
+    engine_bytes,
+    held_experts,
+    lora_values,
+    routed_lora_values,
+    stored_plan,
+)
 
 ADAPTER_LOAD_SECONDS_PER_BYTE = 0.055 / 199.0e6  # benchmarks/vllm_adapter_sync.py, in memory (BENCHMARKS.md)
 
@@ -217,11 +225,14 @@ def generate(
 
 
 def grad_sync_seconds(run, model_config: dict, hw: Hardware, gpus: int, ep: int) -> float:
-    """One all-reduce of the LoRA gradients: routed experts' over gpus / ep replicas, the rest over all GPUs."""
+    """One all-reduce of the LoRA gradients: the per-expert routed factors' over gpus / ep replicas, the rest (the
+    factors a shared_outer layer's experts share included) over all GPUs."""
     targets = tuple(run.lora.targets)
     experts = held_experts(model_config, ep)
-    held = lora_values(model_config, run.lora.rank, targets, experts)
-    routed = lora_values(model_config, run.lora.rank, tuple(t for t in targets if t == "routed_experts"), experts)
+    held = lora_values(model_config, run.lora.rank, targets, experts, run.lora.expert_layout)
+    routed = 0
+    if "routed_experts" in targets:
+        routed = routed_lora_values(model_config, run.lora.rank, experts, run.lora.expert_layout)[0]
     replicas = gpus // ep
     link = hw.network_bytes_per_second if gpus > hw.gpus_per_node else hw.nvlink_bytes_per_second
     return allreduce_seconds((held - routed) * LORA_VALUE_BYTES, gpus, link) + allreduce_seconds(
@@ -353,6 +364,7 @@ def split_steps(
     grad_sync = run.optim.minibatches * grad_sync_seconds(run, model_config, hw, train_gpus, train_ep)
     train, train_wall = training.busy + grad_sync, training.wall + grad_sync
     experts = held_experts(model_config, gen_ep)
+    # what generators receive: per expert, shared_outer's shared factors repeated for each (the form vLLM loads)
     adapter = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts) * LORA_VALUE_BYTES
     transfer = adapter / hw.network_bytes_per_second + (adapter * ADAPTER_LOAD_SECONDS_PER_BYTE if own_copy else 0.0)
     return [

@@ -69,6 +69,7 @@ class TensorKind:
     target: str  # lora_target
     float32: bool  # kept in float32 whatever the compute dtype (the router's bias)
     routed: bool  # one of a routed expert's tensors (held only by the workers holding that expert)
+    projection: str | None = None  # a routed expert's gate, up or down
 
 
 @functools.lru_cache(maxsize=32)
@@ -78,13 +79,15 @@ def _tensor_kinds(config_json: str) -> tuple[tuple[TensorKind, int], ...]:
     config = json.loads(config_json)
     counts: Counter = Counter()
     for key, spec in expected_tensors(config).items():
+        expert = parse_expert_key(key)
         kind = TensorKind(
             spec.group,
             tuple(spec.shape),
             spec.quantizable,
             lora_target(key, spec),
             key.endswith("e_score_correction_bias"),
-            parse_expert_key(key) is not None,
+            expert is not None,
+            expert[2] if expert is not None else None,
         )
         counts[kind] += 1
     experts = config.get("n_routed_experts") or 1
@@ -117,13 +120,41 @@ def frozen_bytes(config: dict, plan: QuantPlan, compute_dtype: str = "bfloat16",
     return dict(out)
 
 
-def lora_values(config: dict, rank: int, targets: tuple[str, ...], experts: range | None = None) -> int:
-    """LoRA values (A and B) a worker holds: r (in + out) per adapted weight; routed experts only those in `experts`."""
-    return sum(
+def lora_values(
+    config: dict, rank: int, targets: tuple[str, ...], experts: range | None = None, expert_layout: str = "per_expert"
+) -> int:
+    """LoRA values (A and B) a worker holds: r (in + out) per adapted weight; routed experts only those in `experts`,
+    in `expert_layout` (routed_lora_values)."""
+    plain = sum(
         n * rank * (kind.shape[0] + kind.shape[1])
         for kind, n in tensor_kinds(config, experts)
-        if kind.quantizable and kind.target in targets
+        if kind.quantizable and kind.target in targets and not kind.routed
     )
+    if "routed_experts" not in targets:
+        return plain
+    return plain + sum(routed_lora_values(config, rank, experts, expert_layout))
+
+
+def routed_lora_values(config: dict, rank: int, experts: range | None, expert_layout: str) -> tuple[int, int]:
+    """(values held per expert, values the layer's experts share) of the routed-expert LoRA of a worker holding
+    `experts` (None: all). per_expert: r (in + out) per expert and projection, nothing shared. shared_outer
+    (moe_lora.lora_layers): per expert B of gate and up (r x moe_inter each) and A of down (r x moe_inter); once per
+    MoE layer, on every worker holding any of its experts, A of gate and up (r x hidden each) and B of down
+    (r x hidden)."""
+    per_expert = shared = 0
+    total = config.get("n_routed_experts") or 0
+    held = total if experts is None else sum(1 for e in experts if 0 <= e < total)
+    for kind, n in tensor_kinds(config, experts):
+        if not (kind.routed and kind.quantizable) or not n:
+            continue
+        out_f, in_f = kind.shape
+        if expert_layout == "per_expert":
+            per_expert += n * rank * (out_f + in_f)
+            continue
+        own, common = (out_f, in_f) if kind.projection in ("gate", "up") else (in_f, out_f)
+        per_expert += n * rank * own
+        shared += n // held * rank * common
+    return per_expert, shared
 
 
 def held_experts(model_config: dict, expert_parallel: int) -> range | None:
@@ -141,7 +172,7 @@ def trainer_bytes(run, model_config: dict, expert_parallel: int, quant: QuantPla
     LoRA, its gradients and AdamW's two moments, with n_routed_experts / expert_parallel experts per GPU."""
     experts = held_experts(model_config, expert_parallel)
     parts = frozen_bytes(model_config, quant or run.model.quant.plan(), run.model.compute_dtype, experts)
-    values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts)
+    values = lora_values(model_config, run.lora.rank, tuple(run.lora.targets), experts, run.lora.expert_layout)
     per_gpu = {name: parts.get(name, 0) for name in FROZEN_PARTS}
     per_gpu.update(
         lora=values * LORA_VALUE_BYTES, lora_grads=values * LORA_VALUE_BYTES, optimizer=2 * values * LORA_VALUE_BYTES

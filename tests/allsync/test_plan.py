@@ -51,6 +51,26 @@ def test_predicted_bytes_are_the_loaded_models(tiny_fp8, plan_name, ep):
     assert lora_values(config, 4, TARGETS, experts) == made
 
 
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_predicted_lora_values_of_shared_outer_are_the_models(tiny_fp8, ep):
+    """lora.expert_layout shared_outer: the values attach_lora makes (per expert: B of gate/up, A of down; once a
+    layer: A of gate/up and B of down) are the plan's, fewer than per_expert's, split as routed_lora_values says."""
+    from allsync.plan.weights import routed_lora_values
+    from moe_lora.lora_layers import LoRAExperts
+
+    config = read_config(tiny_fp8)
+    held = config["n_routed_experts"] // ep
+    experts = range(held, 2 * held) if ep > 1 else None
+    model = load_frozen_model(tiny_fp8, PLANS["bf16"], compute_dtype=torch.float32, progress=False, experts=experts)
+    attach_lora(model, LoRAConfig(4, 8.0, TARGETS, expert_layout="shared_outer"))
+    made = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_values(config, 4, TARGETS, experts, "shared_outer") == made < lora_values(config, 4, TARGETS, experts)
+    per_expert, shared = routed_lora_values(config, 4, experts, "shared_outer")
+    modules = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    assert per_expert == sum(p.numel() for m in modules for p in m.per_expert_parameters())
+    assert shared == sum(p.numel() for m in modules for p in m.shared_parameters().values())
+
+
 def test_weight_bytes_by_format():
     assert weight_bytes((256, 128), "bf16") == 65536
     assert weight_bytes((256, 130), "fp8") == 256 * 130 + 4 * 2 * 2  # partial edge tiles have their own scale

@@ -25,16 +25,17 @@ from allsync.engines.vllm_lora_check import (  # noqa: E402
 TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "routed_experts")
 
 
-def random_adapter(base, targets=TARGETS, rank=8) -> Adapter:
+def random_adapter(base, targets=TARGETS, rank=8, expert_layout="per_expert") -> Adapter:
     """Our LoRA on the tiny model, every B random (a trained adapter's B is not zero), rsLoRA on."""
     model = load_frozen_model(str(base), QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
-    attach_lora(model, LoRAConfig(rank=rank, alpha=16, targets=targets, use_rslora=True))
+    attach_lora(model, LoRAConfig(rank=rank, alpha=16, targets=targets, use_rslora=True, expert_layout=expert_layout))
     seeded_init_(model, 0)
     gen = torch.Generator().manual_seed(0)
-    tensors = {
-        k: (torch.randn(v.shape, generator=gen) if "lora_B" in k else v) for k, v in lora_state_dict(model).items()
-    }
-    return Adapter(tensors, rank, 16, True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    return Adapter(lora_state_dict(model), rank, 16, True)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,21 @@ def test_vllm_stacks_each_of_our_experts_in_its_slot_on_the_trainers_rank(export
     assert (report.moe_layers, report.experts) == (2, 8)
     assert report.modules == 3 * 7 * expert_parallel + 2 * 8 * 3
     assert report.max_error == 0.0  # float32 in both, s folded into B by vLLM as by us
+
+
+@pytest.mark.parametrize("expert_parallel", [1, 2])
+def test_a_shared_outer_adapter_exported_per_expert_lands_in_vllms_slots(exported, expert_parallel, tmp_path):
+    """lora.expert_layout shared_outer (issue 47): the PEFT export repeats each shared factor for every expert, and
+    vLLM's loader stacks those copies like any per-expert adapter's, every value where its kernels read it."""
+    base, _ = exported
+    adapter = export_peft(random_adapter(base, expert_layout="shared_outer"), base, tmp_path / "adapter")
+    tensors = load_file(adapter / ADAPTER_WEIGHTS)
+    gate_a = [tensors[f"{PREFIX}model.layers.1.mlp.experts.{e}.gate_proj.lora_A.weight"] for e in range(8)]
+    assert all(torch.equal(a, gate_a[0]) for a in gate_a)
+    down_b = [tensors[f"{PREFIX}model.layers.1.mlp.experts.{e}.down_proj.lora_B.weight"] for e in range(8)]
+    assert all(torch.equal(b, down_b[0]) for b in down_b)
+    report = check_adapter(adapter, base, expert_parallel, log=lambda line: None)
+    assert (report.moe_layers, report.experts) == (2, 8) and report.max_error == 0.0
 
 
 def test_the_comparison_sees_an_expert_in_another_slot(exported):
