@@ -4,7 +4,9 @@ forward + backward time and peak memory of
     base  FrozenExperts alone, backward to the input activations
     ours  LoRAExperts (per-expert LoRA on gate/up/down), backward to the input and to A, B, with the
           routed-expert kernel a user gets (`auto`); `--kernels loop,grouped_mm` adds a row per named kernel
-          (ours:loop = one step per expert, ours:grouped_mm = torch grouped GEMMs for the adapter matmuls)
+          (ours:loop = one step per expert, ours:grouped_mm = torch grouped GEMMs for the adapter matmuls);
+          `--layouts per_expert,shared_outer` adds the shared-outer layout's rows (ours[shared_outer]: A of gate/up
+          and B of down shared by the layer's experts)
     peft  PEFT `target_parameters` LoRA on transformers' DeepseekV3Experts (fused gate_up_proj [E,2I,H],
           down_proj [E,H,I]); bf16 only, since PEFT wraps plain tensors, not quantized weights
 
@@ -55,6 +57,7 @@ class BenchSpec:
     experts: tuple[int, ...] = DEFAULT_EXPERTS
     formats: tuple[str, ...] = ("bf16", "nf4", "fp8")
     kernels: tuple[str, ...] = ("auto",)  # LoRAExperts kernels: auto (row "ours"), loop, grouped_mm ("ours:<kernel>")
+    layouts: tuple[str, ...] = ("per_expert",)  # LoRAExperts layouts; shared_outer rows are "ours[shared_outer]..."
     device: str = "cpu"
     repeats: int = 3
     threads: int = 1  # torch intra-op threads on CPU; 1 makes the step's CPU time a fair clock (see cpu_clock)
@@ -135,13 +138,16 @@ def frozen_bytes(experts: FrozenExperts) -> int:
     return sum(w.nbytes for ws in experts.weights.values() for w in ws)
 
 
-def ours_variant(spec: BenchSpec, frozen: FrozenExperts, gen: torch.Generator, kernel: str = "auto") -> Variant:
+def ours_variant(
+    spec: BenchSpec, frozen: FrozenExperts, gen: torch.Generator, kernel: str = "auto", layout: str = "per_expert"
+) -> Variant:
     """LoRAExperts around the same frozen stack the base row runs."""
-    experts = LoRAExperts(frozen, spec.rank, scale=2.0, kernel=kernel)  # float32 adapters, as LoRAConfig defaults to
+    # float32 adapters, as LoRAConfig defaults to
+    experts = LoRAExperts(frozen, spec.rank, scale=2.0, kernel=kernel, layout=layout)
     for b in experts.lora_B.values():  # nonzero B: the same work as in training, not a shortcut
         b.data.copy_(torch.randn(b.shape, generator=gen) * 0.01)
     params = list(experts.parameters())
-    name = "ours" if kernel == "auto" else f"ours:{kernel}"
+    name = ("ours" if layout == "per_expert" else f"ours[{layout}]") + ("" if kernel == "auto" else f":{kernel}")
     return Variant(name, experts, params, frozen_bytes(frozen) + sum(p.nbytes for p in params))
 
 
@@ -274,7 +280,11 @@ def bench_one(spec: BenchSpec, num_experts: int, fmt: str) -> list[Row]:
     peft_dense = dense if fmt == "bf16" else None  # PEFT runs on plain bf16 tensors only
     del dense  # at real-V3 sizes the bf16 stack is 22 GB; quantized runs do not need it
     base = Variant("base", frozen, [], frozen_bytes(frozen))
-    ours = [ours_variant(spec, frozen, torch.Generator().manual_seed(spec.seed), k) for k in spec.kernels]
+    ours = [
+        ours_variant(spec, frozen, torch.Generator().manual_seed(spec.seed), k, layout)
+        for layout in spec.layouts
+        for k in spec.kernels
+    ]
     rows = measure_variants(spec, num_experts, fmt, [base, *ours], router, x, grad_out)
     del frozen, base, ours
     if peft_dense is not None:
@@ -310,11 +320,11 @@ def format_table(spec: BenchSpec, rows: list[Row]) -> str:
         f"time = best of {spec.repeats} ({'process CPU time' if cpu_clock(spec) else 'wall clock'})",
         "base = FrozenExperts (grad to input); ours = LoRAExperts (grad to input + A/B; ours:K with kernel K); "
         "peft = PEFT target_parameters on DeepseekV3Experts (bf16 only: PEFT needs plain tensors)",
-        f"{'experts':>7}  {'format':<6}  {'variant':<16}{'time ms':>10}{'tokens/s':>10}{'peak MiB':>11}{'time/base':>11}{'mem/base':>10}  note",
+        f"{'experts':>7}  {'format':<6}  {'variant':<30}{'time ms':>10}{'tokens/s':>10}{'peak MiB':>11}{'time/base':>11}{'mem/base':>10}  note",
     ]
     for r in rows:
         lines.append(
-            f"{r.experts:>7}  {r.format:<6}  {r.variant:<16}{fmt_num(r.time_ms, '.1f'):>10}{fmt_num(r.tokens_per_s, '.0f'):>10}{fmt_num(r.peak_mib, '.1f'):>11}"
+            f"{r.experts:>7}  {r.format:<6}  {r.variant:<30}{fmt_num(r.time_ms, '.1f'):>10}{fmt_num(r.tokens_per_s, '.0f'):>10}{fmt_num(r.peak_mib, '.1f'):>11}"
             f"{fmt_num(r.time_vs_base, '.2f'):>11}{fmt_num(r.mem_vs_base, '.2f'):>10}  {r.note}".rstrip()
         )
     t, m = worst_ours(rows)
@@ -332,6 +342,7 @@ def parse_args(argv=None) -> tuple[BenchSpec, str | None]:
     ap.add_argument("--experts", help="comma list, e.g. 8,32,64")
     ap.add_argument("--formats", help="comma list of bf16,nf4,fp8,int8")
     ap.add_argument("--kernels", help="comma list of auto,loop,grouped_mm (routed-expert LoRA kernels to time)")
+    ap.add_argument("--layouts", help="comma list of per_expert,shared_outer (routed-expert LoRA layouts to time)")
     ap.add_argument("--device", choices=["cpu", "cuda"])
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--threads", type=int, help="torch intra-op threads")
@@ -349,6 +360,8 @@ def parse_args(argv=None) -> tuple[BenchSpec, str | None]:
         values["formats"] = tuple(args.formats.split(","))
     if args.kernels:
         values["kernels"] = tuple(args.kernels.split(","))
+    if args.layouts:
+        values["layouts"] = tuple(args.layouts.split(","))
     return BenchSpec(**values), args.json
 
 

@@ -48,3 +48,13 @@ def test_cpu_peak_probe_counts_live_bytes():
         del c
 
     assert bench.cpu_step_peak_bytes(run) == 12 << 20
+
+
+def test_the_shared_outer_rows_hold_less_than_the_per_expert_ones(capsys):
+    """--layouts per_expert,shared_outer: a row per layout; shared_outer's adapter and its gradients are smaller, so
+    its peak is below per_expert's at the same frozen experts."""
+    rows = bench.main(["--quick", "--formats", "nf4", "--experts", "16", "--layouts", "per_expert,shared_outer"])
+    by_variant = {r.variant: r for r in rows}
+    assert set(by_variant) == {"base", "ours", "ours[shared_outer]"}
+    assert by_variant["ours[shared_outer]"].peak_mib < by_variant["ours"].peak_mib
+    assert "ours[shared_outer]" in capsys.readouterr().out

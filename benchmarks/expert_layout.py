@@ -1,0 +1,147 @@
+"""Per-expert against shared-outer routed-expert LoRA on the default job (issue 47): held-out accuracy over seeds.
+
+    python -m benchmarks.expert_layout [--steps 600] [--seeds 0,1,2] [--arms per_expert,shared_outer,shared_outer_same_count]
+                                       [--out runs/expert-layout]
+
+Each arm is `python recipes/dapo.py` on recipes/configs/tiny_cpu.yaml (the default model: one MoE layer of 4 routed
+experts, NF4; its warm-started base, built once) with only lora changed:
+
+    per_expert               lora.expert_layout per_expert, rank 8 (the default)
+    shared_outer             lora.expert_layout shared_outer, rank 8: A of gate/up and B of down shared by the experts
+    shared_outer_same_count  shared_outer at the rank whose whole adapter comes nearest the per-expert rank-8 one's
+                             parameter count (allsync.plan.weights.lora_values; run.export merged when vLLM would
+                             not serve that rank)
+
+run.seed takes each --seeds value (the adapter's start and the sampling). Runs go seed by seed, every arm of a seed
+before the next seed, and OUT/expert_layout.json is rewritten after each, so a cut-off benchmark keeps whole seeds.
+Reported per run: held-out avg@4 at every evaluation, the adapter's parameter count, the median s/step; per arm the
+mean and spread of the final held-out accuracy. OUT/expert_layout.png: held-out accuracy over steps, every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import yaml
+
+from benchmarks.dapo_runs import run_dapo
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
+ARMS = ("per_expert", "shared_outer", "shared_outer_same_count")
+
+
+def adapter_values(config: dict, rank: int, layout: str) -> int:
+    """The whole adapter's parameters for the default model (its base's config.json) at `rank` in `layout`."""
+    from allsync.plan.weights import lora_values
+
+    model_config = json.loads((ROOT / config["model"]["base"] / "config.json").read_text())
+    return lora_values(model_config, rank, tuple(config["lora"]["targets"]), None, layout)
+
+
+def same_count_rank(config: dict) -> int:
+    """The shared_outer rank whose adapter's parameter count is nearest the per-expert default's."""
+    target = adapter_values(config, config["lora"]["rank"], "per_expert")
+    return min(range(1, 65), key=lambda r: abs(adapter_values(config, r, "shared_outer") - target))
+
+
+def arm_config(arm: str, steps: int, seed: int) -> dict:
+    from allsync.config import VLLM_LORA_RANKS
+
+    config = yaml.safe_load(CONFIG.read_text())
+    layout = "per_expert" if arm == "per_expert" else "shared_outer"
+    config["lora"]["expert_layout"] = layout
+    if arm == "shared_outer_same_count":
+        config["lora"]["rank"] = same_count_rank(config)
+        config["lora"]["alpha"] = 2 * config["lora"]["rank"]  # the default's alpha / rank = 2
+        if config["lora"]["rank"] not in VLLM_LORA_RANKS:
+            config["run"]["export"] = "merged"
+    config["model"]["base"] = str(ROOT / config["model"]["base"])
+    config["run"].update(steps=steps, seed=seed, checkpoint_every=steps, time_limit_minutes=None)
+    return config
+
+
+def summarize(rows: list[dict], config: dict) -> dict:
+    steps = [r for r in rows if "step_seconds" in r]
+    return {
+        "rank": config["lora"]["rank"],
+        "adapter_values": adapter_values(config, config["lora"]["rank"], config["lora"]["expert_layout"]),
+        "heldout": {r["step"]: r["heldout_accuracy"] for r in rows if "heldout_accuracy" in r},
+        "seconds_per_step": statistics.median(r["step_seconds"] for r in steps[1:]) if len(steps) > 1 else None,
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green")))
+    labelled: set[str] = set()
+    for name, run in results["runs"].items():
+        arm = name.rsplit(" seed ", 1)[0]
+        steps = sorted(run["heldout"], key=int)
+        label = None if arm in labelled else arm
+        labelled.add(arm)
+        ax.plot(
+            [int(s) for s in steps], [100 * run["heldout"][s] for s in steps], color=colors[arm], alpha=0.7, label=label
+        )
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out accuracy, avg@4 (%)")
+    ax.set_title("Routed-expert LoRA layout on the default job (each line a seed)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--out", default="runs/expert-layout")
+    args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; known: {', '.join(ARMS)}")
+    if args.steps < 1:
+        raise SystemExit(f"--steps: must be at least 1, got {args.steps}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"steps": args.steps, "runs": {}}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for arm in arms:
+            name = f"{arm} seed {seed}"
+            config = arm_config(arm, args.steps, seed)
+            print(f"{name}: rank {config['lora']['rank']}, {args.steps} steps ...", flush=True)
+            rows, last = run_dapo(name, config, out / f"{arm}-s{seed}")
+            results["runs"][name] = summarize(rows, config)
+            print(f"  {last}", flush=True)
+            (out / "expert_layout.json").write_text(json.dumps(results, indent=2) + "\n")
+    results["arms"] = {}
+    for arm in arms:
+        finals = [
+            r["heldout"][max(r["heldout"], key=int)] for n, r in results["runs"].items() if n.startswith(arm + " seed")
+        ]
+        results["arms"][arm] = {
+            "final_mean": statistics.mean(finals),
+            "final_min": min(finals),
+            "final_max": max(finals),
+        }
+        print(
+            f"{arm}: held-out {100 * statistics.mean(finals):.1f}% (seeds {', '.join(f'{100 * f:.1f}' for f in finals)})"
+        )
+    (out / "expert_layout.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out / "expert_layout.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()
