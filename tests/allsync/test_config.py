@@ -29,6 +29,14 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"model": {"quant": {"routed_experts": "nf5"}}}, r"model\.quant\.routed_experts = 'nf5': unknown format"),
         ({"lora": {"targets": ["q_a_proj", "lm_head"]}}, r"lora\.targets: unknown target 'lm_head'"),
         (
+            {"lora": {"expert_layout": "rank_shared"}},
+            r"lora\.expert_layout = 'rank_shared': use per_expert or shared_outer",
+        ),
+        (
+            {"lora": {"expert_layout": "shared_outer", "targets": ["q_a_proj"]}},
+            r"lora\.expert_layout = shared_outer: lora\.targets has no routed_experts",
+        ),
+        (
             {"rollout": {"engine": "vllm"}, "lora": {"rank": 4}, "run": {"export": "merged"}},
             r"lora\.rank = 4 with rollout\.engine vllm",
         ),
