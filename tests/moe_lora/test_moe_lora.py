@@ -58,15 +58,16 @@ def leaf(t):
     return t.detach().clone().requires_grad_()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_lora_experts_equal_dense_reference(fmt):
-    lora = make_experts(fmt)
+def check_against_dense(lora) -> tuple:
+    """lora's output and its input, routing-weight and factor gradients within 1e-5 of dense_experts with the same
+    factors (a factor held once, shared_outer's, expanded over the experts); returns (x, idx, w, out)."""
     x, idx, w = routing()
     out = lora(x, idx, w)
     xr, wr = leaf(x), leaf(w)
     a = {p: leaf(t) for p, t in lora.lora_A.items()}
     b = {p: leaf(t) for p, t in lora.lora_B.items()}
-    ref = dense_experts(lora, xr, idx, wr, a, b)
+    expand = lambda d: {p: t.expand(E, *t.shape[1:]) for p, t in d.items()}  # noqa: E731
+    ref = dense_experts(lora, xr, idx, wr, expand(a), expand(b))
     grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     (out * grad_out).sum().backward()
     (ref * grad_out).sum().backward()
@@ -75,6 +76,14 @@ def test_lora_experts_equal_dense_reference(fmt):
     for p in a:
         assert rel(lora.lora_A[p].grad, a[p].grad) < 1e-5, p
         assert rel(lora.lora_B[p].grad, b[p].grad) < 1e-5, p
+    return x, idx, w, out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lora_experts_equal_dense_reference(fmt):
+    lora = make_experts(fmt)
+    x, idx, w, out = check_against_dense(lora)
+    for p in lora.lora_A:
         assert lora.lora_A[p].grad[ROUTED].abs().max() == 0 and lora.lora_B[p].grad[ROUTED].abs().max() == 0
     with torch.no_grad():  # the inference path (nothing saved) gives the same output
         assert torch.equal(lora(x, idx, w), out)

@@ -10,7 +10,7 @@ from moe_lora.lora import LoRAConfig, load_lora_state_dict, lora_state_dict, see
 from moe_lora.lora_layers import LoRAExperts
 from quant.formats import quantize_weight
 from quant.modules import FrozenExperts
-from tests.moe_lora.test_moe_lora import E, H, I, R, ROUTED, SCALE, T, dense_experts, leaf, make_experts, rel, routing
+from tests.moe_lora.test_moe_lora import ROUTED, SCALE, E, H, I, R, check_against_dense, make_experts, rel
 
 
 def shared_outer(fmt: str, kernel: str, seed: int = 0) -> LoRAExperts:
@@ -37,7 +37,7 @@ def test_the_shared_factors_are_one_tensor_a_layer_and_the_others_one_per_expert
         "B_down": (1, H, R),
     }
     per_expert = LoRAExperts(lora.base, R, SCALE)
-    count = lambda m: sum(p.numel() for p in m.adapter_parameters())  # noqa: E731
+    count = lambda m: sum(p.numel() for p in m.adapter_parameters())
     assert count(per_expert) - count(lora) == (E - 1) * (2 * R * H + H * R)
     assert [tuple(t.shape) for t in lora.factors()] == [tuple(t.shape) for t in per_expert.factors()]
     assert len(lora.per_expert_parameters()) == 3 and set(lora.shared_parameters()) == {
@@ -57,21 +57,7 @@ def test_shared_outer_equals_the_dense_reference_forward_and_backward(fmt, kerne
     """Output, input and routing-weight gradients and every factor's gradient (a shared one: summed over the
     experts) within 1e-5 of every expert run densely with W_e + s B_e A_e, the shared factors tied."""
     lora = shared_outer(fmt, kernel)
-    x, idx, w = routing()
-    out = lora(x, idx, w)
-    xr, wr = leaf(x), leaf(w)
-    a = {p: leaf(t) for p, t in lora.lora_A.items()}
-    b = {p: leaf(t) for p, t in lora.lora_B.items()}
-    expand = lambda d: {p: t.expand(E, *t.shape[1:]) for p, t in d.items()}  # noqa: E731
-    ref = dense_experts(lora, xr, idx, wr, expand(a), expand(b))
-    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
-    (out * grad_out).sum().backward()
-    (ref * grad_out).sum().backward()
-    assert rel(out, ref) < 1e-5
-    assert rel(x.grad, xr.grad) < 1e-5 and rel(w.grad, wr.grad) < 1e-5
-    for p in a:
-        assert rel(lora.lora_A[p].grad, a[p].grad) < 1e-5, p
-        assert rel(lora.lora_B[p].grad, b[p].grad) < 1e-5, p
+    x, idx, w, out = check_against_dense(lora)
     assert lora.lora_B["gate"].grad[ROUTED].abs().max() == 0 and lora.lora_A["down"].grad[ROUTED].abs().max() == 0
     assert lora.lora_A["gate"].grad.abs().max() > 0  # the shared A learns from every routed expert's tokens
     with torch.no_grad():
