@@ -46,6 +46,13 @@ def aggregate(per_worker: list[dict]) -> dict:
                 if any("tis_sum" in m for m in per_worker)
                 else {}
             ),
+            # the torch engine: positions its forwards computed (prefills' padded rows, decode steps' live rows) per
+            # trained token; T-PPO's windows re-prefill the prompt and the reply so far once a step
+            **(
+                {"positions_per_trained_token": sum(m.get("engine_positions", 0) for m in per_worker) / tokens}
+                if any("engine_positions" in m for m in per_worker)
+                else {}
+            ),
             # the torch engine's recorded experts against the trainer's own choice, per (trained token, MoE layer)
             **(
                 {"routing_mismatch": sum(m.get("routing_mismatched", 0) for m in per_worker) / counted}

@@ -116,6 +116,10 @@ def test_windows_continue_responses_train_each_token_once_and_report_staleness(w
     assert "reward" not in aggregate([first])  # no response finished: no mean reward, rather than a false 0
     done = next(m for m in history if m["samples_generated"])
     assert aggregate([done])["reward"] == pytest.approx(done["reward_sum"] / done["samples_generated"])
+    # every step re-prefills each response's prompt and reply so far: more positions computed than tokens trained
+    per_token = [aggregate([m])["positions_per_trained_token"] for m in history]
+    assert per_token == pytest.approx([m["engine_positions"] / m["trained_tokens"] for m in history])
+    assert min(per_token) > 1
     finished = sum(m["samples_generated"] for m in history)
     assert finished >= pool_size and sum(m["response_tokens"] for m in history) >= finished * 5
     assert worker.adapter_version == 4
