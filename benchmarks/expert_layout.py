@@ -13,7 +13,8 @@ experts, NF4; its warm-started base, built once) with only lora changed:
                              not serve that rank)
 
 run.seed takes each --seeds value (the adapter's start and the sampling). Runs go seed by seed, every arm of a seed
-before the next seed, and OUT/expert_layout.json is rewritten after each, so a cut-off benchmark keeps whole seeds.
+before the next seed, and OUT/expert_layout.json is rewritten after each; a run whose folder already holds its
+final evaluation (an earlier, cut-off invocation's) is read back, not run again.
 Reported per run: held-out avg@4 at every evaluation, the adapter's parameter count, the median s/step; per arm the
 mean and spread of the final held-out accuracy. OUT/expert_layout.png: held-out accuracy over steps, every run.
 """
@@ -62,6 +63,16 @@ def arm_config(arm: str, steps: int, seed: int) -> dict:
     config["model"]["base"] = str(ROOT / config["model"]["base"])
     config["run"].update(steps=steps, seed=seed, checkpoint_every=steps, time_limit_minutes=None)
     return config
+
+
+def finished_rows(folder: Path, steps: int) -> list[dict] | None:
+    """The metrics rows of a run in `folder` that reached step `steps` and evaluated there (None otherwise)."""
+    path = folder / "run" / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    done = any(r.get("step") == steps and "heldout_accuracy" in r for r in rows)
+    return rows if done else None
 
 
 def summarize(rows: list[dict], config: dict) -> dict:
@@ -121,7 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
             name = f"{arm} seed {seed}"
             config = arm_config(arm, args.steps, seed)
             print(f"{name}: rank {config['lora']['rank']}, {args.steps} steps ...", flush=True)
-            rows, last = run_dapo(name, config, out / f"{arm}-s{seed}")
+            rows = finished_rows(out / f"{arm}-s{seed}", args.steps)
+            if rows is None:
+                rows, last = run_dapo(name, config, out / f"{arm}-s{seed}")
+            else:
+                last = f"read back from {out / f'{arm}-s{seed}'}"
             results["runs"][name] = summarize(rows, config)
             print(f"  {last}", flush=True)
             (out / "expert_layout.json").write_text(json.dumps(results, indent=2) + "\n")
