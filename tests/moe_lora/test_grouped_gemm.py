@@ -157,11 +157,13 @@ def test_refusals():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (BENCHMARKS.md: GPU checks)")
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nf4"])
-def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
+def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt, layout):
     """On a GPU, bf16 activations, rank 16: `auto` runs grouped_mm (bitsandbytes' CUDA kernels for nf4), and its
-    output and every gradient are within bf16 rounding of the loop's. 64 experts, 32 rows each on average: chunks
-    of about 4 experts, expert 30 (inside a chunk) gets no row. In float32 `auto` runs the loop (torch's CUDA
+    output and every gradient are within bf16 rounding of the loop's, in both expert layouts (shared_outer's shared
+    factors arrive expanded, stride 0, and are made contiguous for grouped_mm). 64 experts, 32 rows each on average:
+    chunks of about 4 experts, expert 30 (inside a chunk) gets no row. In float32 `auto` runs the loop (torch's CUDA
     grouped_mm takes bfloat16)."""
     from moe_lora.lora_layers import LoRAExperts, expert_shapes
     from quant.modules import FrozenExperts
@@ -186,7 +188,7 @@ def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
         results = []
         for kernel in ("loop", "auto"):
             torch.manual_seed(1)
-            lora = LoRAExperts(base, r, 2.0, kernel=kernel)
+            lora = LoRAExperts(base, r, 2.0, kernel=kernel, layout=layout)
             for b in lora.lora_B.values():
                 b.data.normal_(0, 0.1)
             assert lora.uses_grouped_mm(x.to(dtype), 0.0) == (kernel == "auto")
@@ -194,6 +196,6 @@ def test_on_cuda_auto_picks_grouped_mm_and_equals_the_loop(fmt):
             out = lora(xd, idx, wd)
             (out.float() * grad_out).sum().backward()
             results.append([out.float(), xd.grad.float(), wd.grad] + [q.grad for q in lora.adapter_parameters()])
-            assert all(q.grad[idle].abs().max() == 0 for q in lora.adapter_parameters())
+            assert all(q.grad[idle].abs().max() == 0 for q in lora.per_expert_parameters())
         for got, want in zip(results[1], results[0]):
             assert rel(got, want) < tol, (fmt, dtype, rel(got, want))
