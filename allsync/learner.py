@@ -191,7 +191,7 @@ def load_adamw_state_in_place(optimizer: torch.optim.Optimizer, saved: dict, sou
             elif tuple(values[name].shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{source}: optimizer state {index}.{name} is {list(values[name].shape)}, this run's "
-                    f"{list(tensor.shape)}"
+                    f"{list(tensor.shape)} (another lora.rank or lora.expert_layout?)"
                 )
             else:
                 tensor.copy_(values[name])

@@ -46,8 +46,9 @@ def aggregate(per_worker: list[dict]) -> dict:
                 if any("tis_sum" in m for m in per_worker)
                 else {}
             ),
-            # the torch engine: positions its forwards computed (prefills' padded rows, decode steps' live rows) per
-            # trained token; T-PPO's windows re-prefill the prompt and the reply so far once a step
+            # the engine's positions computed (the torch engine: prefills' padded rows, decode steps' live rows; vLLM:
+            # prompt and generated tokens) per trained token; T-PPO's windows re-prefill the prompt and the reply so
+            # far once a step
             **(
                 {"positions_per_trained_token": sum(m.get("engine_positions", 0) for m in per_worker) / tokens}
                 if any("engine_positions" in m for m in per_worker)

@@ -158,8 +158,8 @@ def expanded_tensors(
             continue
         if (m["p"], m["ab"]) not in SHARED_SIDES:
             raise AdapterError(f"{source}: {key}: shared_outer shares only A of gate/up and B of down")
-        for e in range(experts):
-            out[f"{m['experts']}.{e}.{m['p']}_proj.lora_{m['ab']}.weight"] = t
+        for e in range(experts):  # a copy each: safetensors refuses to write tensors that share memory
+            out[f"{m['experts']}.{e}.{m['p']}_proj.lora_{m['ab']}.weight"] = t.clone()
     return out
 
 

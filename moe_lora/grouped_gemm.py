@@ -21,7 +21,8 @@ The frozen projections stay one matmul per expert on its contiguous rows, accumu
 adapter's output (each expert is dequantized only while it runs, as in the loop); the skinny adapter
 matmuls, 6 forward and 12 backward per expert in the loop, become grouped calls (A_gate and A_up stacked
 as one [E, 2r, in] factor). The rows are processed in chunks of consecutive experts of at most
-min(T, 4 N / E) rows (`chunk_rows`: about 4 average experts; under expert parallelism N and E are the rank's),
+min(T, 4 N / E) rows (`chunk_rows`: about 4 average experts; under expert parallelism N and E are the rank's; a
+forward that keeps nothing for backward, generation's, takes chunks of up to min(T, 1024) rows: `call_chunks`),
 so the temporaries stay near the loop's (in the CPU benchmark at 256 experts, chunks of T rows peaked 12%
 above the loop's step memory, chunks of 4 N / E = T/8 rows 0.7%). Saved for backward: g, u, y, z_gate_up, z_down per assignment, the loop's
 tensors. Dropout is not supported here (RL training refuses it; `LoRAConfig` routes it to the loop).
@@ -178,12 +179,17 @@ def sorted_tokens(call: ExpertsCall, top_k_weights: torch.Tensor) -> tuple[torch
     return call.routing.order // call.routing.top_k, top_k_weights.reshape(-1)[call.routing.order]
 
 
+NO_GRAD_CHUNK_ROWS = 1024  # a forward that keeps nothing for backward: chunks of at least min(T, this) rows
+
+
 def call_chunks(call: ExpertsCall, x: torch.Tensor, keep_saved: bool = True) -> list[Chunk]:
     """The call's chunks: of at most `chunk_rows` rows when the forward keeps its tensors for backward, else of at
-    most T rows (nothing outlives a chunk, so its temporaries stay near the size of the layer's [T, hidden] input,
-    and a decode step of T rows over E experts makes about k chunks, not E / 4)."""
+    most max(chunk_rows, min(T, NO_GRAD_CHUNK_ROWS)) rows: nothing outlives a chunk, so a decode step of T <= 1024
+    rows over E experts makes about k chunks instead of E / 4, while a long prefill's temporaries stay bounded."""
     counts = call.routing.counts
-    most = chunk_rows(x.shape[0], sum(counts), len(counts)) if keep_saved else max(1, x.shape[0])
+    most = chunk_rows(x.shape[0], sum(counts), len(counts))
+    if not keep_saved:
+        most = max(most, min(x.shape[0], NO_GRAD_CHUNK_ROWS))
     return chunks(counts, most, x.device)
 
 

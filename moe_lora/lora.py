@@ -210,22 +210,34 @@ def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], oth
                 raise ValueError(
                     f"adapter tensor {key!r}: state dict shape {list(tensors[key].shape)}, model expects {list(slot.shape)}"
                 )
-        check_shared_copies_agree(slots, tensors)
+        check_shared_copies_agree(model, tensors)
         for key, slot in slots.items():
             slot.copy_(tensors[key])
 
 
-def check_shared_copies_agree(slots: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    """Every expert's copy of a factor that the model's experts share (shared_outer: the slots alias one tensor)
-    must hold the same values in `tensors`; a per-expert adapter cannot load into a shared_outer model."""
-    first: dict[int, str] = {}
-    for key, slot in slots.items():
-        seen = first.setdefault(slot.data_ptr(), key)
-        if seen != key and not torch.equal(tensors[seen], tensors[key]):
+def check_shared_copies_agree(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Every expert's copy of a factor that a shared_outer layer's experts share must hold the same values in
+    `tensors`, over all the experts it holds (a whole adapter: every rank's block), else a per-expert adapter would
+    load a different "shared" factor on each expert-parallel rank; refused naming the first copy that differs."""
+    shared = set(shared_slots(model))
+    if not shared:
+        return
+    first: dict[str, tuple[int, str]] = {}
+    for key in sorted(tensors, key=lambda k: (len(k), k)):  # expert 2 before expert 10
+        m = _EXPERT_COPY.match(key)
+        if m is None or (one := f"{m['prefix']}.shared.{m['rest']}") not in shared:
+            continue
+        seen = first.setdefault(one, (int(m["e"]), key))
+        if seen[1] != key and not torch.equal(tensors[seen[1]], tensors[key]):
             raise ValueError(
-                f"adapter tensor {key!r} differs from {seen!r}, but the model's lora.expert_layout shared_outer "
-                "shares that factor between the layer's experts: this adapter was trained per_expert"
+                f"adapter tensor {key!r} differs from {seen[1]!r}, but the model's lora.expert_layout "
+                "shared_outer shares that factor between the layer's experts: this adapter was trained per_expert"
             )
+
+
+_EXPERT_COPY = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<rest>(gate|up|down)_proj\.lora_[AB]\.weight)$"
+)
 
 
 @contextlib.contextmanager

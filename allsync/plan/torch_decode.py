@@ -16,9 +16,10 @@ expert-parallel group of EP, holding E / EP experts per MoE layer, over C cached
 
     t = L fixed(B) + L kv C + MoE layers x (E / EP) (1 - (1 - k/E)^(B EP)) x per_expert(format, B EP) + rest(B)
 
-(the held experts see the whole group's B EP tokens). The step is host-bound (about 40 kernel launches and their
-Python per routed expert, hundreds per layer; BENCHMARKS.md has the profile), so the H200's numbers are used for the
-H100 too. bf16 and int8 experts were not measured and take FP8's and NF4's rates.
+(the held experts see the whole group's B EP tokens). The step is host-bound (hundreds of kernel launches and their
+Python per layer, a few per routed expert; BENCHMARKS.md has the profile), so the H200's numbers are used for the
+H100 too, and for every model width: a narrower model launches as many kernels. bf16 and int8 experts were not
+measured and take FP8's and NF4's rates.
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ def fit_torch_decode(measured: dict) -> TorchDecodeRates:
     kv_slopes = []
     for group in by.values():
         short, long = min(group, key=lambda c: c["context"]), max(group, key=lambda c: c["context"])
+        if short["context"] == long["context"]:  # one context measured (the others ran out of memory)
+            continue
         kv_slopes.append(
             (long["layer_ms"][0] - short["layer_ms"][0]) / (short["rows"] * (long["context"] - short["context"]))
         )
+    if not kv_slopes:
+        raise ValueError("fit_torch_decode: no plan and row count was measured at two contexts")
     kv = statistics.mean(kv_slopes) / 1000
     rows = sorted({r for _, r in by})
     fixed, rest, per_expert = [], [], {}

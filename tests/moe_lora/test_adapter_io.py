@@ -247,6 +247,29 @@ def test_cli_export_round_trip(tiny_bf16, tmp_path, capsys):
     assert "no adapter_config.json" in capsys.readouterr().err
 
 
+def test_a_compact_shared_outer_export_goes_back_to_the_per_expert_form(tiny_bf16, tmp_path):
+    """allsync export --compact, then `allsync export` of that directory (the command check-vllm names): the
+    per-expert form again, every tensor equal to the first per-expert export (each expert its own copy: safetensors
+    refuses tensors that share memory)."""
+    from allsync.cli import main
+    from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict, seeded_init_
+
+    model = load_frozen_model(tiny_bf16, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
+    attach_lora(model, LoRAConfig(8, 16.0, ("routed_experts", "o_proj"), expert_layout="shared_outer"))
+    seeded_init_(model, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    adapter = Adapter(lora_state_dict(model), 8, 16.0)
+    export_peft(adapter, tiny_bf16, tmp_path / "full")
+    export_peft(adapter, tiny_bf16, tmp_path / "compact", compact=True)
+    args = ["export", str(tmp_path / "compact"), "--base", str(tiny_bf16), "--out", str(tmp_path / "again")]
+    assert main([*args, "--format", "peft"]) == 0
+    full, again = (read_adapter(tmp_path / d, read_config(tiny_bf16)).tensors for d in ("full", "again"))
+    assert sorted(full) == sorted(again) and all(torch.equal(full[k], again[k]) for k in full)
+
+
 def test_merged_export_into_the_weights_as_trained_in_nf4(tiny_bf16, tmp_path):
     """trained_plan: an adapted expert's merged weight is the NF4-dequantized weight the trainer's frozen module
     held, plus s*B*A (then bf16); the default merges into the stored W instead, which is another model."""

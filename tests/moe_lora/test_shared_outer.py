@@ -119,6 +119,21 @@ def test_peft_tensors_repeat_the_shared_factors_and_load_back_but_a_per_expert_a
     per_expert = block(0, 4, "per_expert")
     seeded_init_(per_expert, 1)
     with pytest.raises(
-        ValueError, match=r"experts\.1\.gate_proj\.lora_A\.weight' differs from .*experts\.0\.gate_proj.*shared_outer"
+        ValueError,
+        match=r"experts\.1\.(gate|up)_proj\.lora_A\.weight' differs from .*experts\.0\.(gate|up)_proj.*shared_outer",
     ):
         load_lora_state_dict(target, lora_state_dict(per_expert))
+
+
+def test_a_whole_adapter_whose_blocks_disagree_is_refused_by_the_rank_holding_one_block():
+    """Expert parallelism: the rank holding experts 2-3 loads a whole adapter (every block) whose copies of a shared
+    factor agree inside each block but not across them; it is refused there, not loaded as a different shared
+    factor on each rank."""
+    whole, half = block(0, 4, "shared_outer"), block(2, 2, "shared_outer")
+    seeded_init_(whole, 3)
+    tensors = lora_state_dict(whole)
+    for e in (0, 1):
+        key = f"base_model.model.model.layers.0.mlp.experts.{e}.gate_proj.lora_A.weight"
+        tensors[key] = tensors[key] + 1.0
+    with pytest.raises(ValueError, match=r"experts\.(2|3)\.gate_proj\.lora_A\.weight' differs from .*experts\.0\."):
+        load_lora_state_dict(half, tensors, other_experts=True)
