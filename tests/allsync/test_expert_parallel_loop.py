@@ -23,10 +23,18 @@ from allsync.launch.ray_actors import RayGroup
 from allsync.tasks import ArithmeticSpec, make_splits
 
 
-def config(base, expert_parallel: int, tppo: bool = False, optim: dict | None = None, lora: dict | None = None):
+def config(
+    base,
+    expert_parallel: int,
+    tppo: bool = False,
+    optim: dict | None = None,
+    lora: dict | None = None,
+    parallel: dict | None = None,
+):
     data = run_config(base, Path("unused"), expert_parallel)
     data["optim"].update(optim or {})
     data.setdefault("lora", {}).update(lora or {})
+    data["parallel"].update(parallel or {})
     if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a critic, EGAE
         data["producer"] = {"kind": "windows", "window": 4}
         data["algorithm"] = {"advantage": "egae", "dynamic_sampling": False}
@@ -42,9 +50,10 @@ def run_steps(
     tppo: bool = False,
     optim: dict | None = None,
     lora: dict | None = None,
+    parallel: dict | None = None,
 ):
     problems = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train
-    group = RayGroup(config(base, expert_parallel, tppo, optim, lora), problems)
+    group = RayGroup(config(base, expert_parallel, tppo, optim, lora, parallel), problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]
         adapter = group.call("full_adapter_tensors")
@@ -108,6 +117,23 @@ def test_shared_outer_expert_lora_trains_the_same_adapter_at_ep2_as_at_ep1(warm_
         for rank in range(2):
             for key in ("samples_generated", "correct_sum", "response_tokens", "groups_kept", "trained_tokens"):
                 assert step1[rank][key] == step2[rank][key], (key, rank)
+
+
+@pytest.mark.slow
+def test_shared_outer_at_ep4_one_expert_a_rank_trains_the_adapter_of_four_replicated_workers(warm_tiny):
+    """Four workers (about 2 minutes on 2 cores): EP 4 holds one expert a rank, so each rank's gradient of a shared
+    factor comes from its one expert's tokens and the all-reduce over every rank sums them; the adapter equals four
+    replicated workers' (1e-5 of its norm)."""
+    shared = {"expert_layout": "shared_outer"}
+    four = {"workers_per_node": 4}
+    _, adapter1, _ = run_steps(warm_tiny, 1, 3, lora=shared, parallel=four)
+    _, adapter4, read4 = run_steps(warm_tiny, 4, 3, lora=shared, parallel=four)
+    assert [r["experts"] for r in read4] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    full1, full4 = adapter1[0], adapter4[0]
+    flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731
+    start, ep1, ep4 = flat(seeded_start(warm_tiny, shared)), flat(full1), flat(full4)
+    assert float((ep1 - start).norm() / start.norm()) > 1e-3
+    assert float((ep4 - ep1).norm() / ep1.norm()) < 1e-5
 
 
 def test_a_token_budget_and_activation_checkpointing_at_ep2_give_the_ep1_adapter(warm_tiny, replicated):
