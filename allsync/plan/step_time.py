@@ -115,11 +115,14 @@ def flop_coefficients(config: dict) -> tuple[float, float]:
     return _coefficients(tuple(config.get(k) for k in FLOP_KEYS))
 
 
-def sequence_forward_flops(config: dict, tokens) -> np.ndarray:
-    """Forward FLOPs of whole sequences of `tokens` tokens (causal: S x F(S / 2))."""
-    tokens = np.asarray(tokens, dtype=np.float64)
-    f0, slope = flop_coefficients(config)
+def causal_flops(f0: float, slope: float, tokens):
+    """S x F(S / 2) = S (F(0) + dF/dc S / 2): a causal forward of S tokens (each attends to S / 2 on average)."""
     return tokens * (f0 + slope * tokens / 2)
+
+
+def sequence_forward_flops(config: dict, tokens) -> np.ndarray:
+    """Forward FLOPs of whole sequences of `tokens` tokens (causal_flops)."""
+    return causal_flops(*flop_coefficients(config), np.asarray(tokens, dtype=np.float64))
 
 
 def train_passes(checkpointing: bool, minibatches: int, kl: bool, critic: bool = False) -> tuple[int, int]:
@@ -198,9 +201,7 @@ class DecodeCost:
     def prefill_seconds(self, prompt_tokens: float) -> float:
         """A forward of the prompt: prompt x F(prompt / 2) FLOPs (causal) plus its all-to-all."""
         f0, slope, flops_per_second, _, _, a2a_seconds_per_token = self._rates
-        return (
-            prompt_tokens * (f0 + slope * prompt_tokens / 2) / flops_per_second + prompt_tokens * a2a_seconds_per_token
-        )
+        return causal_flops(f0, slope, prompt_tokens) / flops_per_second + prompt_tokens * a2a_seconds_per_token
 
     @functools.cached_property
     def _rates(self) -> tuple[float, ...]:
