@@ -270,6 +270,44 @@ def test_a_compact_shared_outer_export_goes_back_to_the_per_expert_form(tiny_bf1
     assert sorted(full) == sorted(again) and all(torch.equal(full[k], again[k]) for k in full)
 
 
+def test_a_shared_outer_merged_export_equals_a_fold_of_the_layers_own_factors(tiny_bf16, tmp_path):
+    """The merged export of a shared_outer adapter, from its compact form, against W + s B A folded into transformers'
+    fused expert parameters straight from each LoRAExperts' factors (the shared A of gate/up and B of down, each
+    expert's own B of gate/up and A of down), not from the exported tensors."""
+    from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict, seeded_init_
+    from moe_lora.lora_layers import LoRAExperts
+
+    model = load_frozen_model(tiny_bf16, QuantPlan.uniform("bf16"), compute_dtype=torch.float32, progress=False)
+    attach_lora(model, LoRAConfig(8, 16.0, ("routed_experts",), expert_layout="shared_outer"))
+    seeded_init_(model, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    export_peft(Adapter(lora_state_dict(model), 8, 16.0), tiny_bf16, tmp_path / "compact", compact=True)
+    out = export_merged(
+        read_adapter(tmp_path / "compact", read_config(tiny_bf16)), tiny_bf16, tmp_path / "m", dtype="bf16"
+    )
+    ref = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
+    inter = read_config(tiny_bf16)["moe_intermediate_size"]
+    for name, m in model.named_modules():
+        if not isinstance(m, LoRAExperts):
+            continue
+        experts = ref.model.layers[int(name.split(".")[2])].mlp.experts
+        a, b = m.lora_A, m.lora_B
+        with torch.no_grad():
+            for e in range(m.num_experts):
+                gate, up = (m.scale * b[p][e] @ a[p][0] for p in ("gate", "up"))
+                folded = torch.cat([gate, up]) + experts.gate_up_proj[e]
+                experts.gate_up_proj[e] = folded.to(torch.bfloat16).float()
+                down = experts.down_proj[e] + m.scale * b["down"][0] @ a["down"][e]
+                experts.down_proj[e] = down.to(torch.bfloat16).float()
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.allclose(logits(merged), logits(ref), atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
+    assert (logits(merged) - logits(base)).abs().max() > 0.01
+
+
 def test_merged_export_into_the_weights_as_trained_in_nf4(tiny_bf16, tmp_path):
     """trained_plan: an adapted expert's merged weight is the NF4-dequantized weight the trainer's frozen module
     held, plus s*B*A (then bf16); the default merges into the stored W instead, which is another model."""
