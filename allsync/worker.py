@@ -352,7 +352,7 @@ class RLWorker:
         work = self.take_engine_counters()
         positions = work.pop("positions")
         metrics.update(work)  # the torch engine's decode slots and the tokens they produced (metrics.aggregate)
-        if positions:  # the torch engine's positions computed (metrics.aggregate: per trained token)
+        if positions:  # the engine's positions computed (metrics.aggregate: per trained token)
             metrics["engine_positions"] = positions
         metrics.update(self.monitor.report(metrics, positions))
         return metrics

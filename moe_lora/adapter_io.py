@@ -32,6 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from moe_lora.lora import EXPERT_FACTOR_KEY, shared_copies, unequal_copy
+from moe_lora.lora_layers import SHARED_OUTER
 from quant.checkpoint_io import INDEX_NAME, atomic_output_dir, read_config, read_weight_map
 from quant.formats import checkpoint_weight, fp8_block_dequantize, fp8_block_quantize
 from quant.layout import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX, expected_tensors, scale_key
@@ -46,10 +48,6 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_IGNORED_TARGETS = ("kv_b_proj",)
 _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 COMPACT_LAYOUT_KEY = "allsync_expert_layout"  # adapter_config.json: "shared_outer" marks the compact form
-SHARED_SIDES = (("gate", "A"), ("up", "A"), ("down", "B"))  # moe_lora.lora_layers.SHARED_OUTER, in key order
-_EXPERT_FACTOR_KEY = re.compile(
-    r"^(?P<experts>base_model\.model\.model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+|shared)\.(?P<p>gate|up|down)_proj\.lora_(?P<ab>[AB])\.weight$"
-)
 _FUSED_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\.experts(?P<inner>\.base_layer)?\.lora_(?P<ab>[AB])\.weight$"
 )
@@ -130,20 +128,18 @@ def is_compact(directory: str | os.PathLike) -> bool:
 def compact_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The per-expert form of a shared_outer adapter with each shared factor once a layer (`...experts.shared....`):
     every expert's copy must be equal (else the adapter was not trained shared_outer: AdapterError naming the key)."""
-    out, shared = {}, {}
-    for key, t in tensors.items():
-        m = _EXPERT_FACTOR_KEY.match(key)
-        if m is None or (m["p"], m["ab"]) not in SHARED_SIDES:
-            out[key] = t
-            continue
-        one = f"{m['experts']}.shared.{m['p']}_proj.lora_{m['ab']}.weight"
-        first = shared.setdefault(one, (key, t))
-        if not torch.equal(first[1], t):
+    groups = shared_copies(tensors)
+    for keys in groups.values():
+        if (other := unequal_copy(tensors, keys)) is not None:
+            m = EXPERT_FACTOR_KEY.match(other)
             raise AdapterError(
-                f"{key} differs from {first[0]}: a compact (shared_outer) adapter needs every expert's copy of "
+                f"{other} differs from {keys[0]}: a compact (shared_outer) adapter needs every expert's copy of "
                 f"{m['p']}_proj.lora_{m['ab']} equal; this adapter was trained per_expert"
             )
-    return out | {k: t for k, (_, t) in shared.items()}
+    copied = {key for keys in groups.values() for key in keys}
+    return {k: t for k, t in tensors.items() if k not in copied} | {
+        one: tensors[keys[0]] for one, keys in groups.items()
+    }
 
 
 def expanded_tensors(
@@ -152,11 +148,11 @@ def expanded_tensors(
     """The inverse of compact_tensors: each `...experts.shared....` factor copied to experts 0..experts-1."""
     out = {}
     for key, t in tensors.items():
-        m = _EXPERT_FACTOR_KEY.match(key)
+        m = EXPERT_FACTOR_KEY.match(key)
         if m is None or m["e"] != "shared":
             out[key] = t
             continue
-        if (m["p"], m["ab"]) not in SHARED_SIDES:
+        if (m["p"], m["ab"]) not in SHARED_OUTER:
             raise AdapterError(f"{source}: {key}: shared_outer shares only A of gate/up and B of down")
         for e in range(experts):  # a copy each: safetensors refuses to write tensors that share memory
             out[f"{m['experts']}.{e}.{m['p']}_proj.lora_{m['ab']}.weight"] = t.clone()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_lora.lora_layers import LoRAExperts, LoRALinear
+from moe_lora.lora_layers import SHARED_OUTER, LoRAExperts, LoRALinear
 from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear
 
 ATTENTION_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -219,25 +219,37 @@ def check_shared_copies_agree(model: nn.Module, tensors: dict[str, torch.Tensor]
     """Every expert's copy of a factor that a shared_outer layer's experts share must hold the same values in
     `tensors`, over all the experts it holds (a whole adapter: every rank's block), else a per-expert adapter would
     load a different "shared" factor on each expert-parallel rank; refused naming the first copy that differs."""
-    shared = set(shared_slots(model))
-    if not shared:
-        return
-    first: dict[str, tuple[int, str]] = {}
-    for key in sorted(tensors, key=lambda k: (len(k), k)):  # expert 2 before expert 10
-        m = _EXPERT_COPY.match(key)
-        if m is None or (one := f"{m['prefix']}.shared.{m['rest']}") not in shared:
-            continue
-        seen = first.setdefault(one, (int(m["e"]), key))
-        if seen[1] != key and not torch.equal(tensors[seen[1]], tensors[key]):
+    wanted = set(shared_slots(model))
+    for one, keys in shared_copies(tensors).items():
+        if one in wanted and (other := unequal_copy(tensors, keys)) is not None:
             raise ValueError(
-                f"adapter tensor {key!r} differs from {seen[1]!r}, but the model's lora.expert_layout "
+                f"adapter tensor {other!r} differs from {keys[0]!r}, but the model's lora.expert_layout "
                 "shared_outer shares that factor between the layer's experts: this adapter was trained per_expert"
             )
 
 
-_EXPERT_COPY = re.compile(
-    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<rest>(gate|up|down)_proj\.lora_[AB]\.weight)$"
+# a routed expert's factor under PEFT's key; e = "shared" in shared_outer's compact form (shared_slots' keys)
+EXPERT_FACTOR_KEY = re.compile(
+    r"^(?P<experts>base_model\.model\.model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+|shared)"
+    r"\.(?P<p>gate|up|down)_proj\.lora_(?P<ab>[AB])\.weight$"
 )
+
+
+def shared_copies(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """`...experts.shared.<p>_proj.lora_<A|B>.weight` (shared_slots' key) -> the keys in `tensors` of every expert's
+    copy of a factor that shared_outer shares (lora_layers.SHARED_OUTER), by expert index."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for key in tensors:
+        m = EXPERT_FACTOR_KEY.match(key)
+        if m is not None and m["e"] != "shared" and (m["p"], m["ab"]) in SHARED_OUTER:
+            one = f"{m['experts']}.shared.{m['p']}_proj.lora_{m['ab']}.weight"
+            groups.setdefault(one, []).append((int(m["e"]), key))
+    return {one: [key for _, key in sorted(copies)] for one, copies in groups.items()}
+
+
+def unequal_copy(tensors: dict[str, torch.Tensor], keys: list[str]) -> str | None:
+    """The first of `keys` whose tensor differs from keys[0]'s (None: all equal)."""
+    return next((k for k in keys[1:] if not torch.equal(tensors[keys[0]], tensors[k])), None)
 
 
 @contextlib.contextmanager

@@ -178,9 +178,8 @@ class DecodeCost:
     expert_parallel: int
     routed_format: str
     attention_flops_per_cached_token: float | None = None  # decode_attention_flops_per_token; None: the expanded count
-    measured: TorchDecodeRates | None = (
-        None  # the torch engine's measured step (torch_decode.py), a floor under the roofline
-    )
+    # the torch engine's measured step (torch_decode.py), a floor under the roofline; None: the roofline alone
+    measured: TorchDecodeRates | None = None
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""

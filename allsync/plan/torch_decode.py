@@ -125,10 +125,11 @@ def load_measured(path: str | Path) -> TorchDecodeRates:
 
 # benchmarks/measured/engine_decode_h200.json (the lent H200, torch 2.11.0+cu130, 2026-11-27), fit_torch_decode rounded
 # to 3 digits (tests/allsync/test_plan_step.py refits it); bf16 takes FP8's rates and int8 NF4's (not measured)
+_FP8_EXPERT = ((32, 0.000386), (256, 0.000398))
+_NF4_EXPERT = ((32, 0.00017), (256, 0.000292))
 EAGER_H200 = TorchDecodeRates(
     fixed=((32, 0.00719), (256, 0.00722)),
     kv=3.42e-09,
-    per_expert={"fp8": ((32, 0.000386), (256, 0.000398)), "nf4": ((32, 0.00017), (256, 0.000292))},
+    per_expert={"fp8": _FP8_EXPERT, "nf4": _NF4_EXPERT, "bf16": _FP8_EXPERT, "int8": _NF4_EXPERT},
     rest=((32, 0.0028), (256, 0.00629)),
 )
-EAGER_H200.per_expert.update(bf16=EAGER_H200.per_expert["fp8"], int8=EAGER_H200.per_expert["nf4"])
