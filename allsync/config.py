@@ -134,6 +134,11 @@ class RolloutSection:
     # (prompt + max_new_tokens) positions). None: allsync.engines.torch_engine.DEFAULT_DECODE_BATCH (64). The default
     # run sets a worker's whole round (32 prompts x 4)
     decode_batch: int | None = None
+    # torch engine on a GPU: decode steps in fixed shapes (every slot, spans in 8 sizes per doubling, routed experts
+    # without a host read: quant.fixed_shape_experts), each span's step captured once as a CUDA graph and replayed
+    # (allsync/engines/graphs.py). Needs parallel.device cuda, bfloat16 and expert_parallel 1. Off until a GPU has
+    # measured it against the eager step (BENCHMARKS.md)
+    decode_graphs: bool = False
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -197,6 +202,11 @@ class RolloutSection:
             fail(
                 f"rollout.merge_lora with rollout.engine {self.engine}: only the torch engine generates with the "
                 "trainer's own weights; vLLM applies the synced adapter itself"
+            )
+        if self.decode_graphs and self.engine != "torch":
+            fail(
+                f"rollout.decode_graphs with rollout.engine {self.engine}: it captures the torch engine's decode step "
+                "(vLLM captures its own)"
             )
         if self.decode_batch is not None:
             if self.engine != "torch":
@@ -746,6 +756,36 @@ def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, Config
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def check_decode_graphs(c: RunConfig, fail) -> None:
+    """rollout.decode_graphs: CUDA graphs of the torch engine's fixed-shape decode step need a GPU, bfloat16 (torch's
+    CUDA grouped_mm, which the fixed-shape experts use) and no expert parallelism (its all-to-all sizes its messages
+    on the host)."""
+    import torch
+
+    from moe_lora.grouped_gemm import grouped_mm_available, grouped_mm_supported
+
+    device = c.parallel.resolved_device()
+    if device != "cuda":
+        fail(
+            f"rollout.decode_graphs with parallel.device {c.parallel.device} (runs on {device}): CUDA graphs need a GPU"
+        )
+    if c.model.compute_dtype != "bfloat16":
+        fail(
+            f"rollout.decode_graphs with model.compute_dtype {c.model.compute_dtype}: the fixed-shape experts run on "
+            "torch's CUDA grouped_mm, which takes bfloat16"
+        )
+    if c.parallel.expert_parallel > 1:
+        fail(
+            f"rollout.decode_graphs with parallel.expert_parallel {c.parallel.expert_parallel}: the experts' all-to-all "
+            "sizes its messages on the host, which a CUDA graph cannot; use expert_parallel 1 or decode_graphs false"
+        )
+    if not grouped_mm_available() or not grouped_mm_supported(torch.bfloat16, c.lora.rank):
+        fail(
+            f"rollout.decode_graphs with lora.rank {c.lora.rank}: the fixed-shape experts' grouped_mm needs torch.nn."
+            "functional.grouped_mm and rank x 2 bytes a multiple of 16 (rank % 8 == 0)"
+        )
+
+
 def check_expert_kernel(lora: LoRASection, compute_dtype: str, device: str, fail) -> None:
     """lora.expert_kernel names a kernel that can run this adapter (grouped_mm: torch has it, the rank's
     strides are 16-byte aligned in the compute dtype, and on GPUs the compute dtype is bfloat16, the one
@@ -838,6 +878,8 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
             fail(f"lora.rank = {c.lora.rank} with rollout.engine vllm: vLLM accepts only {VLLM_LORA_RANKS}")
         if "kv_b_proj" in c.lora.targets:
             fail("lora.targets has kv_b_proj with rollout.engine vllm: vLLM never applies LoRA on kv_b_proj")
+    if c.rollout.decode_graphs:
+        check_decode_graphs(c, fail)
     if c.rollout.merge_lora and not c.model.compute_copy:
         fail(
             "rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "

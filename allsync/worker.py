@@ -231,6 +231,7 @@ class RLWorker:
                 r.decode_batch,
                 lockstep=lockstep,
                 merge_lora=r.merge_lora,
+                decode_graphs=r.decode_graphs,
             )
         from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 

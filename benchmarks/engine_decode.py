@@ -1,7 +1,7 @@
 """The torch engine's decode step at DeepSeek-V3's real width, against the memory-bandwidth roofline (issue 46).
 
     python -m benchmarks.engine_decode [--plans nf4,fp8] [--rows 32,64,128,256] [--contexts 1024,8192,20480]
-                                       [--steps 8] [--device cuda] [--json out.json]
+                                       [--steps 8] [--device cuda] [--modes eager,fixed,graphed] [--json out.json]
 
 The checkpoint of benchmarks/v3_layer_memory.py (real shapes, two decoder layers: one dense, one MoE with 256
 routed experts; random weights in the real FP8 format) is loaded by the trainer's loader in each plan (nf4: routed
@@ -13,7 +13,9 @@ For each R live rows and context C: the R slots are filled with random latents o
 tokens would cost far more than the decode it sets up, and decode time does not depend on the cached values), then
 --steps decode steps are timed one by one (after two to warm up); reported: the median step, its dense layer, MoE
 layer and the rest (embedding, final norm, lm_head over the vocabulary, sampling, the host read), and R / step
-tokens per second.
+tokens per second. --modes: the engine's live-slot step (eager), the fixed-shape step run eagerly (fixed: every
+slot, the routed experts without a host read, all of them dequantized) and its CUDA graphs (graphed, one per span of
+allsync.engines.slots.span_bucket; rollout.decode_graphs).
 
 Roofline: a decode step must read at least the weights it uses and the cache it attends over,
 
@@ -35,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from allsync.engines.slots import decode_forward, sample_rows
+from allsync.engines.graphs import GraphedStep
+from allsync.engines.slots import FixedShapeStep, decode_forward, sample_rows, span_bucket
 from allsync.engines.torch_engine import Sampling
 from allsync.plan.torch_decode import expected_touched
 from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, TARGETS, Memory, free, v3_config, write_checkpoint
@@ -126,24 +129,44 @@ def layer_clock(model, clock: Clock) -> list:
     return handles
 
 
+MODES = ("eager", "fixed", "graphed")
+
+
+def step_function(model, pool: SlotKVCache, sampling: Sampling, mode: str):
+    """step(last, seeds, counts, needed) -> (tokens, logprobs) of every row, the pool's slots all live, as the engine
+    decodes in `mode`: eager (slots.decode_forward of the live slots), fixed (slots.FixedShapeStep: every slot, routed
+    experts in fixed shapes, span from span_bucket) or graphed (engines.graphs.GraphedStep: the fixed-shape step's CUDA
+    graph per span, replayed)."""
+    if mode == "eager":
+
+        def eager(last, seeds, counts, needed):
+            return sample_rows(decode_forward(model, pool, last, needed - 1).float(), seeds, counts, sampling)
+
+        return eager
+    fixed = FixedShapeStep(model, pool, sampling)
+    step = GraphedStep(fixed) if mode == "graphed" else fixed
+    live = torch.ones(pool.slots, dtype=torch.long, device=model.device)
+    return lambda last, seeds, counts, needed: step(last, live, seeds, counts, span_bucket(needed, pool.capacity))
+
+
 @torch.no_grad()
-def decode_steps(model, rows: int, context: int, steps: int, warmup: int = 2) -> dict:
+def decode_steps(model, rows: int, context: int, steps: int, mode: str = "eager", warmup: int = 2) -> dict:
     """Median seconds of a decode step of `rows` live rows over `context` cached positions, split into the layers
-    and the rest (module docstring)."""
+    and the rest (module docstring; a graphed step is one replay, not split)."""
     device = str(model.device)
     sampling = Sampling(max_new_tokens=steps + warmup, temperature=1.0, top_p=1.0)
     pool = random_latent_pool(model, rows, context, context + steps + warmup + 1)
     last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
     seeds = torch.arange(rows, device=model.device)
     counts = torch.zeros(rows, dtype=torch.long, device=model.device)
+    step_fn = step_function(model, pool, sampling, mode)
     clock = Clock(device)
-    hooks = layer_clock(model, clock)
+    hooks = layer_clock(model, clock) if mode != "graphed" else []
     step_seconds, layer_seconds = [], []
     try:
         for step in range(steps + warmup):
             clock.mark()
-            scores = decode_forward(model, pool, last, context + step)
-            last, _ = sample_rows(scores.float(), seeds, counts, sampling)
+            last, _ = step_fn(last, seeds, counts, context + step + 1)
             counts += 1
             (last == 0).tolist()  # the engine's loop reads the finish flags on the host every step
             clock.mark()
@@ -157,6 +180,7 @@ def decode_steps(model, rows: int, context: int, steps: int, warmup: int = 2) ->
     median = statistics.median(step_seconds)
     per_layer = [statistics.median(column) for column in zip(*layer_seconds)]
     return {
+        "mode": mode,
         "rows": rows,
         "context": context,
         "step_ms": round(1000 * median, 3),
@@ -166,7 +190,9 @@ def decode_steps(model, rows: int, context: int, steps: int, warmup: int = 2) ->
     }
 
 
-def measure_plan(ckpt: Path, name: str, rows: list[int], contexts: list[int], steps: int, device: str, bandwidth):
+def measure_plan(
+    ckpt: Path, name: str, rows: list[int], contexts: list[int], steps: int, device: str, bandwidth, modes=("eager",)
+):
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
 
     memory = Memory(device)
@@ -182,29 +208,32 @@ def measure_plan(ckpt: Path, name: str, rows: list[int], contexts: list[int], st
     cases = []
     for r in rows:
         for c in contexts:
-            free(memory)
-            try:
-                case = decode_steps(model, r, c, steps)
-            except torch.OutOfMemoryError as e:
-                cases.append({"rows": r, "context": c, "oom": str(e).split("\n")[0][:200]})
-                continue
-            touched = weight_bytes_touched(model, r) + kv_bytes_read(model.config, r, c, element)
-            case["bytes_read"] = touched
-            case["roofline_ms"] = round(1000 * touched / bandwidth, 3)
-            case["over_roofline"] = round(case["step_ms"] / case["roofline_ms"], 2)
-            cases.append(case)
-            print(format_case(name, case), flush=True)
+            for mode in modes:
+                free(memory)
+                try:
+                    case = decode_steps(model, r, c, steps, mode)
+                except torch.OutOfMemoryError as e:
+                    cases.append({"mode": mode, "rows": r, "context": c, "oom": str(e).split("\n")[0][:200]})
+                    print(format_case(name, cases[-1]), flush=True)
+                    continue
+                touched = weight_bytes_touched(model, r) + kv_bytes_read(model.config, r, c, element)
+                case["bytes_read"] = touched
+                case["roofline_ms"] = round(1000 * touched / bandwidth, 3)
+                case["over_roofline"] = round(case["step_ms"] / case["roofline_ms"], 2)
+                cases.append(case)
+                print(format_case(name, case), flush=True)
     del model
     free(memory)
     return {"plan": name, "compute_dtype": str(dtype).replace("torch.", ""), "cases": cases}
 
 
 def format_case(plan: str, case: dict) -> str:
+    head = f"{plan:4} {case.get('mode', 'eager'):7} rows {case['rows']:4} context {case['context']:6}"
     if "oom" in case:
-        return f"{plan:4} rows {case['rows']:4} context {case['context']:6}: out of memory"
-    layers = " + ".join(f"{ms:.2f}" for ms in case["layer_ms"])
+        return f"{head}: out of memory"
+    layers = " + ".join(f"{ms:.2f}" for ms in case["layer_ms"]) or "one replay"
     return (
-        f"{plan:4} rows {case['rows']:4} context {case['context']:6}: step {case['step_ms']:8.2f} ms "
+        f"{head}: step {case['step_ms']:8.2f} ms "
         f"(layers {layers}, rest {case['rest_ms']:.2f}), {case['tokens_per_s']:9.1f} tok/s, "
         f"roofline {case['roofline_ms']:7.2f} ms ({case['over_roofline']}x)"
     )
@@ -227,8 +256,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth-measuring copy")
     ap.add_argument("--shape", default=None, help="JSON overrides of the shape (a small one for a CPU run)")
+    ap.add_argument("--modes", default="eager", help=f"decode steps to time, of {', '.join(MODES)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes: unknown mode in {args.modes!r}; known: {', '.join(MODES)}")
+    if "graphed" in modes and not args.device.startswith("cuda"):
+        raise SystemExit("--modes graphed: CUDA graphs need --device cuda")
     rows, contexts = ints(args.rows, "--rows"), ints(args.contexts, "--contexts")
     if args.steps < 1:
         raise SystemExit(f"--steps: must be at least 1, got {args.steps}")
@@ -251,7 +286,7 @@ def main(argv=None) -> dict:
     }
     print(f"checkpoint {ckpt}; copy bandwidth {out['copy_bandwidth_GBps']} GB/s", flush=True)
     for name in args.plans.split(","):
-        out["plans"].append(measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth))
+        out["plans"].append(measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth, modes))
         if args.json:
             atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
     return out

@@ -26,6 +26,7 @@ from torch import nn
 
 from moe_lora.grouped_gemm import GroupedGemmLoRAExperts, gmm_forward, grouped_mm_supported
 from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing, factor_map, grouped_forward
+from quant.fixed_shape_experts import fixed_shape_experts
 from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, group_tokens_by_expert
 
 
@@ -188,6 +189,11 @@ class LoRAExperts(nn.Module):
         """The experts held here on tokens routed to them (top_k_index: local expert ids)."""
         if not self.enabled:
             return self.base.local_forward(hidden_states, top_k_index, top_k_weights)
+        if self.base.fixed_shapes and not torch.is_grad_enabled():  # a decode step for CUDA graphs
+            factors = self.factors()
+            return fixed_shape_experts(
+                hidden_states, top_k_index, top_k_weights, self.base.weights, factors, self.scale
+            )
         with torch.no_grad():
             order, counts = group_tokens_by_expert(top_k_index, self.num_experts)
         p = self.dropout if self.training else 0.0

@@ -169,8 +169,13 @@ class SlotKVCache(DynamicCache):
         positions = torch.arange(span, device=self.lengths.device)
         self.mask = (positions[None, :] <= self.lengths[:live, None])[:, None, None, :]
 
-    def advance(self) -> None:
-        self.lengths[: self.live] += 1
+    def advance(self, live: torch.Tensor | None = None) -> None:
+        """The live slots' lengths after a decode forward: the first `live` slots' + 1 (begin_step's), or, for a step
+        of every slot in fixed shapes, + live [slots] (1 for a live slot, 0 for a free one)."""
+        if live is None:
+            self.lengths[: self.live] += 1
+        else:
+            self.lengths += live
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.span - 1, 0)

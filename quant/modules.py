@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
+from quant.fixed_shape_experts import fixed_shape_experts
 from quant.formats import QuantizedWeight, frozen_linear, keep_compute_copy
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -59,6 +62,7 @@ class FrozenExperts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.first_expert = first_expert
         self.dispatch = None  # None: every expert is here and top_k_index holds local ids
+        self.fixed_shapes = False  # no-grad calls take quant.fixed_shape_experts (inside `fixed_shapes`)
         self.weights: dict[str, list[QuantizedWeight | None]] = {p: [None] * num_experts for p in EXPERT_PROJECTIONS}
 
     def set_weight(self, expert: int, projection: str, weight: QuantizedWeight) -> None:
@@ -79,6 +83,8 @@ class FrozenExperts(nn.Module):
     def local_forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.fixed_shapes and not torch.is_grad_enabled():
+            return fixed_shape_experts(hidden_states, top_k_index, top_k_weights, self.weights)
         # One output buffer, accumulated in place (index_add_): autograd records each add and passes the
         # output gradient through unchanged, so backward to the input needs no copy of the buffer.
         out = torch.zeros_like(hidden_states)
@@ -101,6 +107,26 @@ class FrozenExperts(nn.Module):
         fmts = {w.fmt for ws in self.weights.values() for w in ws if w is not None}
         shard = f" from expert {self.first_expert}" if self.first_expert or self.dispatch is not None else ""
         return f"{self.num_experts} experts{shard}, {self.hidden_size} -> {self.intermediate_size}, format={','.join(sorted(fmts))}"
+
+
+@contextmanager
+def fixed_shapes(model: nn.Module):
+    """Inside, every no-grad call of the model's routed experts (FrozenExperts, and the LoRAExperts around them) takes
+    quant.fixed_shape_experts, the forward a CUDA graph can capture; outside, the host-routed kernels again. Refused
+    under expert parallelism, whose token exchange sizes its messages on the host."""
+    experts = [m for m in model.modules() if isinstance(m, FrozenExperts)]
+    if any(m.dispatch is not None for m in experts):
+        raise ValueError(
+            "fixed-shape experts (rollout.decode_graphs) under expert parallelism: the experts' all-to-all sizes its "
+            "messages on the host; use parallel.expert_parallel 1 or rollout.decode_graphs off"
+        )
+    for m in experts:
+        m.fixed_shapes = True
+    try:
+        yield model
+    finally:
+        for m in experts:
+            m.fixed_shapes = False
 
 
 def frozen_weights(model: nn.Module) -> list[QuantizedWeight]:

@@ -27,6 +27,7 @@ import torch
 from transformers import TopPLogitsWarper
 
 from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, SlotKVCache
+from quant.modules import fixed_shapes
 
 _HASH = 0x45D9F3B  # the multiplier of a well-mixing 32-bit integer hash; < 2^27, so int64 products never overflow
 _MASK32 = 0xFFFFFFFF
@@ -119,6 +120,39 @@ def decode_forward(model, pool: SlotKVCache, last: torch.Tensor, longest: int) -
     return scores
 
 
+def span_bucket(needed: int, capacity: int) -> int:
+    """The attention span a fixed-shape decode step reads when the longest live slot needs `needed` positions:
+    `needed` rounded up to a multiple of 2^(b - 4) (b = bit length of needed - 1, at least 64), at most `capacity`:
+    8 spans per doubling, so a step reads at most 1/8 more cached positions than it needs (a quarter at the first
+    spans) and a CUDA graph per span covers every length with about 8 log2(capacity / 64) graphs."""
+    quantum = max(64, 1 << max((needed - 1).bit_length() - 4, 0))
+    return min(capacity, -(-needed // quantum) * quantum)
+
+
+class FixedShapeStep:
+    """One decode step of every slot of a pool with tensors whose shapes depend on (slots, span) only and no host read
+    (what a CUDA graph can capture; `allsync.engines.graphs.GraphedStep` captures it): every slot is fed its last token
+    at its own length, a free slot a pad token whose result nobody reads; its length advances by `live` [slots] (1 for
+    a live slot, 0 for a free one); the routed experts run in fixed shapes (quant.modules.fixed_shapes). Returns the sampled tokens and their logprobs [slots]."""
+
+    def __init__(self, model, pool: SlotKVCache, sampling):
+        self.model, self.pool, self.sampling = model, pool, sampling
+
+    def __call__(self, last, live, seeds, steps, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.pool
+        pool.begin_step(pool.slots, span)
+        with fixed_shapes(self.model):
+            scores = self.model(
+                input_ids=last[:, None],
+                position_ids=pool.lengths[:, None],
+                past_key_values=pool,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+        pool.advance(live)
+        return sample_rows(scores.float(), seeds, steps, self.sampling)
+
+
 @torch.no_grad()
 def decode_in_slots(
     model,
@@ -131,10 +165,13 @@ def decode_in_slots(
     expanded: bool,
     lockstep=None,
     calls=lambda: 0,
+    fixed_step=None,
 ) -> Decoded:
     """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
     (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
-    and values (else the latent). calls(): how many forwards the routing record holds so far (0 when none)."""
+    and values (else the latent). calls(): how many forwards the routing record holds so far (0 when none).
+    fixed_step(model, pool, sampling): a decode step of every slot in fixed shapes (FixedShapeStep or a graph of it)
+    that decode steps take instead of a forward of the live slots alone (None)."""
     device = model.device
     total, limit = len(rows), sampling.max_new_tokens
     if limit < 1:
@@ -151,6 +188,8 @@ def decode_in_slots(
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token
     longest = 0  # the most positions a live slot holds
     out = Decoded([], [], [], 0, 0, 0, [], [])
+    step = fixed_step(model, pool, sampling) if fixed_step is not None else None
+    every_slot = torch.arange(pool.slots, device=device)
 
     def take(index: torch.Tensor, chosen: torch.Tensor, chosen_lp: torch.Tensor) -> torch.Tensor:
         """Rows `index` get their next token; returns [2, rows]: sampled eos, reached the limit."""
@@ -224,8 +263,20 @@ def decode_in_slots(
             serve_other_ranks()
         if live:
             call = calls()
-            scores = decode_forward(model, pool, last, longest)
-            chosen, chosen_lp = sample_rows(scores.float(), seeds[live_rows], counts[live_rows], sampling)
+            if step is None:
+                scores = decode_forward(model, pool, last, longest)
+                chosen, chosen_lp = sample_rows(scores.float(), seeds[live_rows], counts[live_rows], sampling)
+            else:  # every slot, a free one fed a pad token and row 0's draws
+                free = pool.slots - len(live)
+                rows_in = torch.cat([live_rows, live_rows.new_zeros(free)])
+                chosen, chosen_lp = step(
+                    torch.cat([last, last.new_full((free,), pad_id)]),
+                    (every_slot < len(live)).long(),
+                    seeds[rows_in],
+                    counts[rows_in],
+                    span_bucket(longest + 1, pool.capacity),
+                )
+                chosen, chosen_lp = chosen[: len(live)], chosen_lp[: len(live)]
             ended = take(live_rows, chosen, chosen_lp)
             out.decodes.append((call, list(live)))
             out.positions += len(live)

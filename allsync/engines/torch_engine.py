@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from allsync.engines.graphs import graphed_step
 from allsync.engines.slots import decode_in_slots
 from moe_lora.lora import lora_merged
 from moe_lora.mla_decode import expanded_cache_fits, install_mla_decode
@@ -83,11 +84,22 @@ class TorchEngine:
     counters = ("positions", "decode_slots", "decoded_tokens")  # work since the worker's last report
 
     def __init__(
-        self, model, eos_id: int, pad_id: int, batch_size: int | None = None, lockstep=None, merge_lora: bool = False
+        self,
+        model,
+        eos_id: int,
+        pad_id: int,
+        batch_size: int | None = None,
+        lockstep=None,
+        merge_lora: bool = False,
+        decode_graphs: bool = False,
     ):
         """batch_size (rollout.decode_batch): KV slots, samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
-        (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged)."""
+        (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
+        (rollout.decode_graphs): decode steps in fixed shapes, captured as CUDA graphs (allsync/engines/graphs.py)."""
+        if decode_graphs:
+            check_graphable(model, lockstep)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.decode_graphs = decode_graphs
         self.batch_size = batch_size or DEFAULT_DECODE_BATCH
         self.lockstep = lockstep
         self.merge_lora = merge_lora
@@ -143,6 +155,7 @@ class TorchEngine:
                 self.expanded_kv,
                 self.lockstep,
                 (lambda: len(record)) if record is not None else (lambda: 0),
+                graphed_step(record) if self.decode_graphs else None,
             )
         self.model.train(was_training)
         self.positions += decoded.positions
@@ -159,6 +172,28 @@ class TorchEngine:
         )
 
 
+def check_graphable(model, lockstep) -> None:
+    """What rollout.decode_graphs needs of the model: a GPU, bfloat16 and no expert parallelism (the config checker
+    says so first, naming the keys), and hidden / moe_intermediate sizes that torch's CUDA grouped_mm can run
+    (16-byte aligned rows)."""
+    from moe_lora.grouped_gemm import grouped_mm_supported
+
+    config = model.config
+    dtype = model.get_input_embeddings().weight.dtype
+    if model.device.type != "cuda" or dtype != torch.bfloat16 or lockstep is not None:
+        raise ValueError(
+            f"rollout.decode_graphs: the model is on {model.device.type} in {dtype}"
+            f"{' under expert parallelism' if lockstep is not None else ''}; CUDA graphs of the decode step need a GPU, "
+            "bfloat16 and expert_parallel 1"
+        )
+    sizes = (config.hidden_size, getattr(config, "moe_intermediate_size", config.hidden_size))
+    if not grouped_mm_supported(torch.bfloat16, *sizes):
+        raise ValueError(
+            f"rollout.decode_graphs: hidden_size {sizes[0]} / moe_intermediate_size {sizes[1]} of {config.model_type} "
+            "are not multiples of 8, which torch's CUDA grouped_mm (the fixed-shape experts) needs"
+        )
+
+
 def sample_routing(record, rows: list[list[int]], decoded) -> list:
     """Each sample's recorded experts, [prompt + response - 1, layers, k] (moe_lora.routing.RoutingRecord): its
     prompt's positions in its prefill's call (right-padded distinct prompts, `width` positions each), then the call
@@ -172,7 +207,8 @@ def sample_routing(record, rows: list[list[int]], decoded) -> list:
             prompt_part[r] = entries[d, : len(rows[r])]
     fed = [torch.zeros(0, *prompt_part[0].shape[1:], dtype=prompt_part[0].dtype)] * len(rows) if rows else []
     if decoded.decodes:
-        entries = torch.cat([record.call(call) for call, _ in decoded.decodes]).cpu()
+        # a fixed-shape step records every slot: the live ones are the first
+        entries = torch.cat([record.call(call)[: len(live)] for call, live in decoded.decodes]).cpu()
         owner = torch.tensor([r for _, live in decoded.decodes for r in live])
         order = torch.argsort(owner, stable=True)  # each row's entries, in the order of its forwards
         fed = list(torch.split(entries[order], torch.bincount(owner, minlength=len(rows)).tolist()))

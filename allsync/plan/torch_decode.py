@@ -69,9 +69,14 @@ class TorchDecodeRates:
 
 def fit_torch_decode(measured: dict) -> TorchDecodeRates:
     """The rates from benchmarks/engine_decode.py's JSON (two layers: [dense, MoE]; at least two contexts and two
-    row counts per plan; shape["experts"] and shape["experts_per_token"] as run)."""
+    row counts per plan; shape["experts"] and shape["experts_per_token"] as run), of its eager (live-slot) steps."""
     experts, k = measured["shape"]["experts"], measured["shape"]["experts_per_token"]
-    cases = [(p["plan"], c) for p in measured["plans"] for c in p["cases"] if "oom" not in c]
+    cases = [
+        (p["plan"], c)
+        for p in measured["plans"]
+        for c in p["cases"]
+        if "oom" not in c and c.get("mode", "eager") == "eager"  # the live-slot step (runs before --modes: eager)
+    ]
     by = {}
     for plan, c in cases:
         by.setdefault((plan, c["rows"]), []).append(c)

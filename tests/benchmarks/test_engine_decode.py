@@ -27,12 +27,14 @@ def test_the_benchmark_runs_on_the_cpu_and_its_json_fits_the_plans_model(tmp_pat
     out = tmp_path / "decode.json"
     result = main(
         ["--device", "cpu", "--ckpt", str(tmp_path / "ckpt"), "--rows", "2,4", "--contexts", "8,32", "--steps", "2"]
-        + ["--copy-bytes", str(10**7), "--shape", json.dumps(SMALL), "--json", str(out)]
+        + ["--copy-bytes", str(10**7), "--shape", json.dumps(SMALL), "--json", str(out), "--modes", "eager,fixed"]
     )
     assert json.loads(out.read_text()) == result
     assert [p["plan"] for p in result["plans"]] == ["nf4", "fp8"]
     for plan in result["plans"]:
-        assert [(c["rows"], c["context"]) for c in plan["cases"]] == [(2, 8), (2, 32), (4, 8), (4, 32)]
+        assert [(c["mode"], c["rows"], c["context"]) for c in plan["cases"]] == [
+            (m, r, c) for r in (2, 4) for c in (8, 32) for m in ("eager", "fixed")
+        ]
         for case in plan["cases"]:
             assert len(case["layer_ms"]) == 2 and case["step_ms"] >= sum(case["layer_ms"]) > 0
             assert case["tokens_per_s"] == pytest.approx(case["rows"] / case["step_ms"] * 1000, rel=1e-2)
