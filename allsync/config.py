@@ -136,8 +136,8 @@ class RolloutSection:
     decode_batch: int | None = None
     # torch engine on a GPU: decode steps in fixed shapes (every slot, spans in 8 sizes per doubling, routed experts
     # without a host read: quant.fixed_shape_experts), each span's step captured once as a CUDA graph and replayed
-    # (allsync/engines/graphs.py). Needs parallel.device cuda, bfloat16 and expert_parallel 1. Off until a GPU has
-    # measured it against the eager step (BENCHMARKS.md)
+    # (allsync/engines/graphs.py); under expert parallelism the experts' exchange is all-to-alls of equal splits.
+    # Needs parallel.device cuda and bfloat16. Off until a GPU has measured it against the eager step (BENCHMARKS.md)
     decode_graphs: bool = False
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
@@ -757,9 +757,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def check_decode_graphs(c: RunConfig, fail) -> None:
-    """rollout.decode_graphs: CUDA graphs of the torch engine's fixed-shape decode step need a GPU, bfloat16 (torch's
-    CUDA grouped_mm, which the fixed-shape experts use) and no expert parallelism (its all-to-all sizes its messages
-    on the host)."""
+    """rollout.decode_graphs: CUDA graphs of the torch engine's fixed-shape decode step need a GPU and bfloat16 (torch's
+    CUDA grouped_mm, which the fixed-shape experts use)."""
     import torch
 
     from moe_lora.grouped_gemm import grouped_mm_available, grouped_mm_supported
@@ -773,11 +772,6 @@ def check_decode_graphs(c: RunConfig, fail) -> None:
         fail(
             f"rollout.decode_graphs with model.compute_dtype {c.model.compute_dtype}: the fixed-shape experts run on "
             "torch's CUDA grouped_mm, which takes bfloat16"
-        )
-    if c.parallel.expert_parallel > 1:
-        fail(
-            f"rollout.decode_graphs with parallel.expert_parallel {c.parallel.expert_parallel}: the experts' all-to-all "
-            "sizes its messages on the host, which a CUDA graph cannot; use expert_parallel 1 or decode_graphs false"
         )
     if not grouped_mm_available() or not grouped_mm_supported(torch.bfloat16, c.lora.rank):
         fail(

@@ -167,6 +167,23 @@ class ExpertDispatch:
         self.stats.assignments += len(tokens)
         return hidden.new_zeros(hidden.shape).index_add(0, tokens, outputs * weights[:, None])
 
+    def gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] of every rank of the group, in rank order: [W T, ...] (an all-to-all of equal splits: the same
+        T on every rank, no host read)."""
+        w, t = self.ep_size, x.shape[0]
+        return all_to_all(x.expand(w, *x.shape).reshape(w * t, *x.shape[1:]), [t] * w, [t] * w, self.group)
+
+    def fixed_shape(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, local_share):
+        """The MoE output of this rank's T tokens in fixed shapes (quant.fixed_shape_experts: what a CUDA graph can
+        capture; every rank of the group calls it with the same T): every rank's tokens and routing gathered;
+        local_share(x [W T, H], top_k_index [W T, k] (global ids), weights) -> [W T, H], this rank's experts' share of
+        each token's output; each rank's tokens' shares sent back to it and summed in rank order:
+            out_t = sum over ranks r of share_r(t)."""
+        tokens = hidden.shape[0]
+        shares = local_share(self.gathered(hidden), self.gathered(top_k_index), self.gathered(top_k_weights))
+        back = all_to_all(shares, [tokens] * self.ep_size, [tokens] * self.ep_size, self.group)
+        return back.view(self.ep_size, tokens, -1).sum(0)
+
 
 def shard_experts(model: nn.Module, group, layout: ExpertLayout, rank: int) -> DispatchStats:
     """Give every routed-expert module of a model loaded with `experts=layout.experts_of(rank)` its dispatcher

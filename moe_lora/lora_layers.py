@@ -26,8 +26,7 @@ from torch import nn
 
 from moe_lora.grouped_gemm import GroupedGemmLoRAExperts, gmm_forward, grouped_mm_supported
 from moe_lora.grouped_lora import ExpertsCall, GroupedLoRAExperts, Routing, factor_map, grouped_forward
-from quant.fixed_shape_experts import fixed_shape_experts
-from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, group_tokens_by_expert
+from quant.modules import EXPERT_PROJECTIONS, FrozenExperts, FrozenLinear, fixed_shape_call, group_tokens_by_expert
 
 
 SHARED_OUTER = {("gate", "A"), ("up", "A"), ("down", "B")}  # the factors a shared_outer layer's experts share
@@ -178,6 +177,9 @@ class LoRAExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.base.fixed_shapes and not torch.is_grad_enabled():  # a decode step for CUDA graphs
+            factors = self.factors() if self.enabled else None
+            return fixed_shape_call(self.base, hidden_states, top_k_index, top_k_weights, factors, self.scale)
         dispatch = self.base.dispatch  # expert parallelism: tokens go to their experts' ranks and come back
         if dispatch is not None:
             return dispatch(hidden_states, top_k_index, top_k_weights, self.local_forward)
@@ -189,11 +191,6 @@ class LoRAExperts(nn.Module):
         """The experts held here on tokens routed to them (top_k_index: local expert ids)."""
         if not self.enabled:
             return self.base.local_forward(hidden_states, top_k_index, top_k_weights)
-        if self.base.fixed_shapes and not torch.is_grad_enabled():  # a decode step for CUDA graphs
-            factors = self.factors()
-            return fixed_shape_experts(
-                hidden_states, top_k_index, top_k_weights, self.base.weights, factors, self.scale
-            )
         with torch.no_grad():
             order, counts = group_tokens_by_expert(top_k_index, self.num_experts)
         p = self.dropout if self.training else 0.0

@@ -19,6 +19,11 @@ with gmm(X, W)[rows of e] = X[rows of e] W_e (torch.nn.functional.grouped_mm). T
 moe_lora.lora_layers.LoRAExperts (per_expert or shared_outer: a shared factor arrives expanded over the experts), and
 without an adapter (FrozenExperts, or adapters disabled) only the frozen terms remain.
 
+Under expert parallelism (moe_lora.expert_parallel.ExpertDispatch.fixed_shape) every rank gathers every rank's
+tokens and routing (all-to-alls of equal splits), computes its experts' share of each token's output here (the
+assignments to other ranks' experts sort last, past grouped_mm's last offset: no product is computed for them) and
+sends each rank its tokens' shares back, summed there.
+
 The price of not reading the routing: every expert held is dequantized at every call, the transient is
 [E, 2I, H] + [E, H, I] in the compute dtype and the frozen bytes read are all E experts'. Under expert parallelism a
 decode step reaches nearly every expert of a rank anyway (48 ranks: 5-6 experts each, 32+ rows x 8 assignments);
@@ -65,15 +70,21 @@ def fixed_shape_experts(
     weights: dict[str, list[QuantizedWeight]],
     factors: list[torch.Tensor] | None = None,
     scale: float = 0.0,
+    first_expert: int = 0,
 ) -> torch.Tensor:
-    """out [T, H] of the routed experts (module docstring) for x [T, H] routed to top_k_index [T, k] (ids of the
-    experts held) with weights top_k_weights [T, k]; factors: [A_gate, B_gate, A_up, B_up, A_down, B_down], each
-    [E, ...], or None for the frozen experts alone."""
+    """out [T, H] of the routed experts held (module docstring) for x [T, H] routed to top_k_index [T, k] with weights
+    top_k_weights [T, k]; factors: [A_gate, B_gate, A_up, B_up, A_down, B_down], each [E, ...], or None for the
+    frozen experts alone. The experts held are first_expert .. first_expert + E - 1 (expert parallelism: every rank's
+    tokens, gathered); an assignment to another expert contributes nothing: it sorts after every held expert's, past
+    grouped_mm's last offset, so no product is computed for it, and its row of the output is dropped."""
     tokens, k = top_k_index.shape
     dtype = x.dtype
-    flat = top_k_index.reshape(-1)
+    held = len(weights["gate"])
+    local = top_k_index.reshape(-1) - first_expert
+    here = (local >= 0) & (local < held)
+    flat = torch.where(here, local, held)  # the others sort last
     order = torch.argsort(flat, stable=True)
-    offsets = expert_offsets(flat[order], len(weights["gate"]))
+    offsets = expert_offsets(flat[order], held)
     xs = x.index_select(0, order // k)
     inter = weights["gate"][0].shape[0]
     gate_up = stacked([weights["gate"], weights["up"]], dtype)  # [E, 2I, H]
@@ -91,4 +102,5 @@ def fixed_shape_experts(
     if factors is not None:
         y += scale * _gmm(_gmm(h, a_down.contiguous(), offsets), b_down.contiguous(), offsets)
     in_assignment_order = torch.empty_like(y).index_copy_(0, order, y)
-    return (in_assignment_order.view(tokens, k, -1) * top_k_weights[..., None].to(dtype)).sum(1)
+    mine = torch.where(here[:, None], in_assignment_order, 0)  # rows past the last offset hold no value
+    return (mine.view(tokens, k, -1) * top_k_weights[..., None].to(dtype)).sum(1)

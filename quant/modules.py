@@ -76,6 +76,8 @@ class FrozenExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.fixed_shapes and not torch.is_grad_enabled():
+            return fixed_shape_call(self, hidden_states, top_k_index, top_k_weights, None, 0.0)
         if self.dispatch is not None:
             return self.dispatch(hidden_states, top_k_index, top_k_weights, self.local_forward)
         return self.local_forward(hidden_states, top_k_index, top_k_weights)
@@ -83,8 +85,6 @@ class FrozenExperts(nn.Module):
     def local_forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.fixed_shapes and not torch.is_grad_enabled():
-            return fixed_shape_experts(hidden_states, top_k_index, top_k_weights, self.weights)
         # One output buffer, accumulated in place (index_add_): autograd records each add and passes the
         # output gradient through unchanged, so backward to the input needs no copy of the buffer.
         out = torch.zeros_like(hidden_states)
@@ -109,17 +109,26 @@ class FrozenExperts(nn.Module):
         return f"{self.num_experts} experts{shard}, {self.hidden_size} -> {self.intermediate_size}, format={','.join(sorted(fmts))}"
 
 
+def fixed_shape_call(
+    base: FrozenExperts, hidden_states, top_k_index, top_k_weights, factors: list | None, scale: float
+) -> torch.Tensor:
+    """The routed experts of `base` (with LoRA factors, or None) in fixed shapes (quant.fixed_shape_experts); under
+    expert parallelism through the dispatcher's fixed-shape exchange (every rank's tokens gathered, shares sent back)."""
+
+    def share(x, index, weights, first=base.first_expert if base.dispatch is not None else 0):
+        return fixed_shape_experts(x, index, weights, base.weights, factors, scale, first)
+
+    if base.dispatch is not None:
+        return base.dispatch.fixed_shape(hidden_states, top_k_index, top_k_weights, share)
+    return share(hidden_states, top_k_index, top_k_weights)
+
+
 @contextmanager
 def fixed_shapes(model: nn.Module):
     """Inside, every no-grad call of the model's routed experts (FrozenExperts, and the LoRAExperts around them) takes
-    quant.fixed_shape_experts, the forward a CUDA graph can capture; outside, the host-routed kernels again. Refused
-    under expert parallelism, whose token exchange sizes its messages on the host."""
+    quant.fixed_shape_experts, the forward a CUDA graph can capture; outside, the host-routed kernels again. Under
+    expert parallelism every rank of an EP group must then call its MoE layers with the same number of tokens."""
     experts = [m for m in model.modules() if isinstance(m, FrozenExperts)]
-    if any(m.dispatch is not None for m in experts):
-        raise ValueError(
-            "fixed-shape experts (rollout.decode_graphs) under expert parallelism: the experts' all-to-all sizes its "
-            "messages on the host; use parallel.expert_parallel 1 or rollout.decode_graphs off"
-        )
     for m in experts:
         m.fixed_shapes = True
     try:

@@ -197,3 +197,27 @@ def run_saved_bytes_rank(
     attach_lora(model, LoRAConfig(rank=4, alpha=8))
     shard_experts(model, groups.ep, layout, rank)
     results[rank] = sum(saved_per_layer(model, tokens, checkpointing=False).values())
+
+
+def run_decode_rank(
+    rank: int, world_size: int, address: str, checkpoint: str, fmt: str, cases: list, sampling, eos: int, results
+) -> None:
+    """Rank `rank` of the tiny model at EP = world_size decoding its rows of each case (rows, seeds per rank) in 3 KV
+    slots in lockstep, with the live-slot step and with the fixed-shape step: (tokens, logprobs, reasons) of each."""
+    from allsync.engines.slots import FixedShapeStep, decode_in_slots
+    from allsync.launch.process_groups import connect
+    from moe_lora.expert_parallel import ExpertLayout, shard_experts
+    from moe_lora.mla_decode import install_mla_decode
+    from quant.checkpoint_io import read_config
+
+    torch.set_num_threads(1)
+    layout = ExpertLayout(world_size, world_size, read_config(checkpoint)["n_routed_experts"])
+    groups = connect(rank, world_size, address, "gloo", layout)
+    model = lora_model(checkpoint, fmt, layout.experts_of(rank))
+    shard_experts(model, groups.ep, layout, rank)
+    install_mla_decode(model)
+    model.eval()
+    for i, (rows, seeds) in enumerate(cases):
+        for fixed in (None, FixedShapeStep):
+            out = decode_in_slots(model, rows[rank], seeds[rank], sampling, eos, 2, 3, True, groups, fixed_step=fixed)
+            results[(rank, i, fixed is not None)] = (out.tokens, out.logprobs, out.reasons)

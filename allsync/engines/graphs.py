@@ -15,8 +15,10 @@ A CUDA graph replays a captured step's kernels with one launch. What it needs, a
 A span's first use runs the step once eagerly on a side stream (library warm-up), restores the pool's lengths,
 captures, then replays; the graphs of one pool share a memory pool. The routing record (moe_lora.routing.recording)
 sees the captured router outputs once, at capture: they are taken out of the record and a copy of each is appended
-after every replay, so the record holds what the eager step would have appended. Expert parallelism is refused by
-quant.modules.fixed_shapes (its all-to-all sizes its messages on the host).
+after every replay, so the record holds what the eager step would have appended. Under expert parallelism the
+experts' exchange is all-to-alls of equal splits (moe_lora.expert_parallel.ExpertDispatch.fixed_shape), every rank
+steps every slot at the span the ranks agreed on, so every rank warms up, captures and replays the same steps
+together (a warm-up's collectives meet the other ranks' warm-ups).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ index), and argmax(log p + Gumbel noise) samples from p exactly (the Gumbel-max 
 Under expert parallelism (`lockstep`) every rank's MoE layers exchange tokens, so every rank makes every forward:
 at each iteration the ranks agree (one all-reduce) whether any of them admits rows (then every rank runs a
 prefill forward, a one-token dummy where it has none) and whether any has live rows (then every rank runs a
-decode forward, a dummy where it has none); the loop ends when no rank has rows left.
+decode forward, a dummy where it has none); the loop ends when no rank has rows left. Decode steps in fixed shapes
+(`FixedShapeStep`, what a CUDA graph captures) run on every slot of every rank (the same slots everywhere, the free
+ones fed a pad token), at a span the ranks agree on (one more all-reduce a step).
 """
 
 from __future__ import annotations
@@ -179,10 +181,15 @@ def decode_in_slots(
     tokens = torch.full((max(total, 1), limit), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(tokens.shape, device=device)
     counts = torch.zeros(max(total, 1), dtype=torch.long, device=device)  # tokens each row has so far
-    seeds = seeds.to(device)
+    seeds = seeds.to(device) if total else torch.zeros(1, dtype=torch.long, device=device)  # free slots draw row 0's
     reasons = [""] * total
     queue = collections.deque(range(total))
-    pool = SlotKVCache(max(min(slots, total), 1), max(map(len, rows), default=1) + limit)
+    capacity = max(map(len, rows), default=1) + limit
+    if fixed_step is not None and lockstep is not None:  # every rank's MoE layers take the same T = slots, and the
+        # ranks agree on each step's span, which must fit every rank's pool
+        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity))
+    else:
+        pool = SlotKVCache(max(min(slots, total), 1), capacity)
     live: list[int] = []  # live[i]: the row in slot i (on the device: live_rows)
     live_rows = torch.zeros(0, dtype=torch.long, device=device)
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token
@@ -220,8 +227,36 @@ def decode_in_slots(
         longest = max(held[:keep], default=0)
 
     def serve_other_ranks() -> None:
-        """A one-token forward, so that this rank's MoE layers take part in the other ranks' all-to-alls."""
-        model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False)
+        """A one-token forward, so that this rank's MoE layers take part in the other ranks' all-to-alls. With a
+        fixed-shape step the first one also shapes the pool's buffers (slot 0, which stays free), so that this rank
+        can take part in fixed-shape steps before any row of its own has filled a slot."""
+        pad = torch.full((1, 1), pad_id, device=device)
+        if step is None or pool.lengths is not None:
+            model(input_ids=pad, use_cache=False)
+            return
+        cache = (ExpandedKVCache if expanded else LatentKVCache)(reserve=0)
+        model.model(input_ids=pad, position_ids=torch.zeros_like(pad), past_key_values=cache, use_cache=True)
+        pool.fill(
+            0, cache, torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device)
+        )
+
+    def fixed_shape_decode() -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-shape step over every slot (the live ones first, a free one fed a pad token and row 0's draws),
+        at the span of the longest live row (under lockstep the longest over ranks); the live rows' tokens and
+        logprobs."""
+        span = span_bucket(longest + 1, pool.capacity) if live else 0
+        if lockstep is not None:
+            span = lockstep.max_over_ranks(span)
+        free = pool.slots - len(live)
+        rows_in = torch.cat([live_rows, live_rows.new_zeros(free)])
+        chosen, chosen_lp = step(
+            torch.cat([last, last.new_full((free,), pad_id)]),
+            (every_slot < len(live)).long(),
+            seeds[rows_in],
+            counts[rows_in],
+            span,
+        )
+        return chosen[: len(live)], chosen_lp[: len(live)]
 
     while True:
         admit = min(len(queue), pool.slots - len(live))
@@ -266,17 +301,8 @@ def decode_in_slots(
             if step is None:
                 scores = decode_forward(model, pool, last, longest)
                 chosen, chosen_lp = sample_rows(scores.float(), seeds[live_rows], counts[live_rows], sampling)
-            else:  # every slot, a free one fed a pad token and row 0's draws
-                free = pool.slots - len(live)
-                rows_in = torch.cat([live_rows, live_rows.new_zeros(free)])
-                chosen, chosen_lp = step(
-                    torch.cat([last, last.new_full((free,), pad_id)]),
-                    (every_slot < len(live)).long(),
-                    seeds[rows_in],
-                    counts[rows_in],
-                    span_bucket(longest + 1, pool.capacity),
-                )
-                chosen, chosen_lp = chosen[: len(live)], chosen_lp[: len(live)]
+            else:
+                chosen, chosen_lp = fixed_shape_decode()
             ended = take(live_rows, chosen, chosen_lp)
             out.decodes.append((call, list(live)))
             out.positions += len(live)
@@ -285,7 +311,7 @@ def decode_in_slots(
             last = chosen
             finish(torch.cat([ended.long(), pool.lengths[None, : len(live)]]).tolist())
         elif any_live and lockstep is not None:  # lockstep: serve the other ranks' decode step
-            serve_other_ranks()
+            serve_other_ranks() if step is None else fixed_shape_decode()
     lengths = counts[:total].tolist()
     out.tokens = [t[:n] for t, n in zip(tokens[:total].tolist(), lengths)]
     out.logprobs = [lp[:n] for lp, n in zip(logprobs[:total].tolist(), lengths)]

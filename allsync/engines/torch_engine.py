@@ -97,7 +97,7 @@ class TorchEngine:
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
         (rollout.decode_graphs): decode steps in fixed shapes, captured as CUDA graphs (allsync/engines/graphs.py)."""
         if decode_graphs:
-            check_graphable(model, lockstep)
+            check_graphable(model)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.decode_graphs = decode_graphs
         self.batch_size = batch_size or DEFAULT_DECODE_BATCH
@@ -172,19 +172,17 @@ class TorchEngine:
         )
 
 
-def check_graphable(model, lockstep) -> None:
-    """What rollout.decode_graphs needs of the model: a GPU, bfloat16 and no expert parallelism (the config checker
-    says so first, naming the keys), and hidden / moe_intermediate sizes that torch's CUDA grouped_mm can run
-    (16-byte aligned rows)."""
+def check_graphable(model) -> None:
+    """What rollout.decode_graphs needs of the model: a GPU and bfloat16 (the config checker says so first, naming the
+    keys), and hidden / moe_intermediate sizes that torch's CUDA grouped_mm can run (16-byte aligned rows)."""
     from moe_lora.grouped_gemm import grouped_mm_supported
 
     config = model.config
     dtype = model.get_input_embeddings().weight.dtype
-    if model.device.type != "cuda" or dtype != torch.bfloat16 or lockstep is not None:
+    if model.device.type != "cuda" or dtype != torch.bfloat16:
         raise ValueError(
-            f"rollout.decode_graphs: the model is on {model.device.type} in {dtype}"
-            f"{' under expert parallelism' if lockstep is not None else ''}; CUDA graphs of the decode step need a GPU, "
-            "bfloat16 and expert_parallel 1"
+            f"rollout.decode_graphs: the model is on {model.device.type} in {dtype}; CUDA graphs of the decode step "
+            "need a GPU and bfloat16"
         )
     sizes = (config.hidden_size, getattr(config, "moe_intermediate_size", config.hidden_size))
     if not grouped_mm_supported(torch.bfloat16, *sizes):

@@ -107,14 +107,6 @@ def test_defaults_are_valid_and_nested_values_parse():
             {"rollout": {"decode_graphs": True}, "parallel": {"device": "cuda"}, "model": {"compute_dtype": "float32"}},
             r"rollout\.decode_graphs with model\.compute_dtype float32",
         ),
-        (
-            {
-                "rollout": {"decode_graphs": True},
-                "parallel": {"device": "cuda", "workers_per_node": 2, "expert_parallel": 2},
-                "model": {"compute_dtype": "bfloat16"},
-            },
-            r"rollout\.decode_graphs with parallel\.expert_parallel 2",
-        ),
         # 4 prompts x 3 samples = 12 split into 4 minibatches globally, but each of the 2 workers holds 6
         (
             {"rollout": {"prompts_per_step": 4, "group_size": 3}, "optim": {"minibatches": 4}},

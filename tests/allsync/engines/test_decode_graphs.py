@@ -200,3 +200,39 @@ def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, expanded):
     torch.manual_seed(0)
     rollout = engine.generate(prompts, 4, sampling)
     assert len(rollout) == 12 and all(len(r) >= 1 for r in rollout.response_ids)
+
+
+def test_fixed_shape_steps_under_expert_parallelism_sample_what_one_process_samples(tiny_bf16):
+    """EP 2 over gloo (each rank holds 4 of the 8 experts; the fixed-shape exchange gathers both ranks' tokens and
+    sends each its experts' shares back): each rank's rows, decoded in lockstep in fixed-shape steps, equal one process
+    holding every expert (tokens, finish reasons; logprobs within float32 noise), and so does the live-slot lockstep;
+    also when one rank has no rows at all (it serves the other's steps with free slots only)."""
+    import torch.multiprocessing as mp
+
+    from allsync.launch.group import free_port
+    from tests.ep_ranks import lora_model as ep_lora_model
+    from tests.ep_ranks import run_decode_rank
+
+    model = ep_lora_model(tiny_bf16, "nf4")
+    install_mla_decode(model)
+    model.eval()
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    eos = frequent_stop_token(model, prompts, 4, sampling, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    cases = []
+    for per_rank in ([prompts[0]] * 3 + [prompts[1]] * 2, [prompts[2]] * 2), ([prompts[1]] * 4, []):
+        cases.append((list(per_rank), [torch.randint(0, 2**62, (len(r),), generator=gen) for r in per_rank]))
+    with mp.Manager() as manager:
+        results = manager.dict()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        mp.spawn(run_decode_rank, args=(2, address, str(tiny_bf16), "nf4", cases, sampling, eos, results), nprocs=2)
+        got = dict(results)
+    for i, (rows, seeds) in enumerate(cases):
+        for rank in range(2):
+            out = decode_in_slots(model, rows[rank], seeds[rank], sampling, eos, 2, 3, True)
+            want = (out.tokens, out.logprobs, out.reasons)
+            for fixed in (False, True):
+                assert_same_rows(got[(rank, i, fixed)], want, atol=2e-5)
+    lengths = {len(t) for (_, _, fixed), (tokens, _, _) in got.items() if fixed for t in tokens}
+    assert len(lengths) >= 2, lengths  # rows end at different steps
