@@ -763,11 +763,8 @@ def check_decode_graphs(c: RunConfig, fail) -> None:
 
     from moe_lora.grouped_gemm import grouped_mm_available, grouped_mm_supported
 
-    device = c.parallel.resolved_device()
-    if device != "cuda":
-        fail(
-            f"rollout.decode_graphs with parallel.device {c.parallel.device} (runs on {device}): CUDA graphs need a GPU"
-        )
+    if c.parallel.device == "cpu":
+        fail("rollout.decode_graphs with parallel.device cpu: CUDA graphs need a GPU")
     if c.model.compute_dtype != "bfloat16":
         fail(
             f"rollout.decode_graphs with model.compute_dtype {c.model.compute_dtype}: the fixed-shape experts run on "
@@ -836,6 +833,8 @@ def check_this_machine(c: RunConfig, fail) -> None:
 
     if c.parallel.device == "cuda" and not torch.cuda.is_available():
         fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
+    if c.rollout.decode_graphs and not torch.cuda.is_available():
+        fail("rollout.decode_graphs: no GPU is visible to torch on this machine (CUDA graphs need one)")
 
 
 def check_across_sections(c: RunConfig, fail) -> None:

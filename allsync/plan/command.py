@@ -289,7 +289,7 @@ def format_steps(steps, work, hw, fits: bool) -> str:
     head = "estimated step time" + ("" if fits else " (if it fit)")
     lines = [f"{head} on {hw.name} GPUs, responses {work.lengths.description}, prompts {work.prompt_tokens:,} tokens:"]
     for s in steps:
-        built = "" if s.built else ", modelled, not built"
+        built = ("" if s.built else ", modelled, not built") + (f" ({s.note})" if s.note else "")
         parts = ", ".join(f"{k} {v:,.0f} s" for k, v in s.parts.items() if v >= 0.5)
         lines.append(
             f"  {s.schedule}{built}: {s.seconds:,.0f} s = {s.seconds / 3600:.2f} h, {s.idle_fraction:.0%} of GPU time "

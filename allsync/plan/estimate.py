@@ -25,7 +25,7 @@ trainer; the adapter crosses the network to each generator and is loaded there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from allsync.plan.step_time import (
     forward_seconds,
     generation_timeline,
     decode_attention_flops_per_token,
+    moe_layers,
     train_passes,
 )
 from allsync.plan.torch_decode import EAGER_H200
@@ -173,9 +174,16 @@ def generator_bytes(model_config: dict, ep: int, own_copy: bool, trainer_parts: 
 
 
 def generator_cost(
-    run, model_config: dict, hw: Hardware, ep: int, weights: dict[str, int], own_copy: bool
+    run,
+    model_config: dict,
+    hw: Hardware,
+    ep: int,
+    weights: dict[str, int],
+    own_copy: bool,
+    decode_graphs: bool | None = None,
 ) -> DecodeCost:
-    """A decode step's costs over the generator's `weights` (generator_bytes), in the formats they are held in."""
+    """A decode step's costs over the generator's `weights` (generator_bytes), in the formats they are held in;
+    decode_graphs: the torch engine's CUDA graphs of fixed-shape steps (None: rollout.decode_graphs)."""
     fmt = (
         stored_plan(model_config).format_of("routed_experts")
         if own_copy
@@ -187,7 +195,13 @@ def generator_cost(
     kv = kv_bytes_per_token(model_config, engine)
     attention = decode_attention_flops_per_token(model_config, latent=not expanded)
     measured = EAGER_H200 if engine == "torch" else None  # the torch engine as measured (eager), torch_decode.py
-    return DecodeCost(model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, attention, measured)
+    graphs = engine == "torch" and (run.rollout.decode_graphs if decode_graphs is None else decode_graphs)
+    # every held expert's gate, up and down: 3 h moe_inter values each
+    per_expert = 3 * model_config["hidden_size"] * model_config["moe_intermediate_size"]
+    held = moe_layers(model_config) * model_config["n_routed_experts"] // ep * per_expert
+    return DecodeCost(
+        model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, attention, measured, graphs, held
+    )
 
 
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:
@@ -298,6 +312,9 @@ def train_phase(
     return Training(busy, wall, per_sequence)
 
 
+GRAPHS_ASSUMED = "decode assumed at the roofline of fixed-shape steps, not yet measured on a GPU"
+
+
 def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Hardware, work: Workload) -> list:
     """All-sync on the plan's layout, and all-sync with in-step overlap where both copies stay on the GPU."""
     ep, gpus = layout.expert_parallel, layout.gpus
@@ -320,6 +337,13 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
         fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
     gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, cost), ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
+    if cost.fixed_shapes:
+        out[0].note = GRAPHS_ASSUMED
+    elif run.rollout.engine == "torch":  # what rollout.decode_graphs would give
+        graphed = replace(cost, fixed_shapes=True)
+        gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, graphed), ep)
+        out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
+        out[-1].schedule, out[-1].note = "all-sync with rollout.decode_graphs", GRAPHS_ASSUMED
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config, run.rollout.engine)
     # overlap is modelled for vLLM's continuous batching over one wave of groups

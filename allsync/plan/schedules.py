@@ -34,6 +34,7 @@ class StepTime:
     idle_fraction: float
     parts: dict = field(default_factory=dict)  # name -> seconds on the step's critical path
     built: bool = True
+    note: str = ""  # what the estimate assumes beyond the model's measured rates
 
     def to_json(self) -> dict:
         return {
@@ -42,6 +43,7 @@ class StepTime:
             "idle_fraction": self.idle_fraction,
             "parts": self.parts,
             "built": self.built,
+            "note": self.note,
         }
 
 

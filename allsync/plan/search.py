@@ -1,6 +1,10 @@
 """`allsync plan --search`: every layout of a config on N GPUs that fits, ranked by the estimated step time.
 
 Enumerated:
+    engines                                        the config's and the other (torch: the trainer's own model, one
+                                                   copy of the base, with and without rollout.decode_graphs, its
+                                                   rollout.decode_batch or as many KV slots as fit (at most 64);
+                                                   vLLM: its own copy or the trainer's tensors)
     colocated (all-sync, and all-sync + overlap)   expert-parallel size k dividing both N and n_routed_experts;
                                                    colocation resident / sleep / shared (vLLM; the torch engine
                                                    generates with the trainer's weights)
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
+from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
 from allsync.plan.activations import RunTraces
 from allsync.plan.estimate import Workload, colocated_steps, generator_bytes, split_steps
 from allsync.plan.fit import COLOCATIONS, Layout, engine_extra_bytes, kv_bytes_per_token, plan_run, tokens_per_forward
@@ -77,10 +82,12 @@ class Candidate:
         offload = ", activations offloaded" if lay["activation_offload"] else ""
         if "generators" in lay:
             return (
-                f"{lay['generators']} generate (EP {lay['generator_expert_parallel']}) + {lay['trainers']} train "
+                f"engine {lay['engine']}, {lay['generators']} generate (EP {lay['generator_expert_parallel']}) + "
+                f"{lay['trainers']} train "
                 f"(EP {lay['trainer_expert_parallel']}{offload})"
             )
-        return f"EP {lay['expert_parallel']}, colocation {lay['colocation']}{offload}"
+        slots = f" ({lay['decode_batch']} KV slots)" if lay.get("decode_batch") else ""
+        return f"engine {lay['engine']}{slots}, EP {lay['expert_parallel']}, colocation {lay['colocation']}{offload}"
 
     def to_json(self) -> dict:
         return {**self.step.to_json(), "layout": self.layout, "memory": self.memory, "not_built": self.not_built}
@@ -100,19 +107,26 @@ def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, wor
         for colocation in colocations:
             layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
             plan = plan_run(run, model_config, layout, traces)
+            here = run
+            if run.rollout.engine == "torch" and run.rollout.decode_batch is None:  # as many KV slots as fit
+                slots = min(DEFAULT_DECODE_BATCH, plan.sequences_at_once)
+                here = replace(run, rollout=replace(run.rollout, decode_batch=max(slots, 1)))
+                plan = plan_run(here, model_config, layout, traces)
             label = f"EP {ep}, colocation {colocation}"
             if not plan.fits:
                 refused.append((label, plan.problems[0]))
                 continue
             memory = {"peak_bytes": plan.total_bytes, "sequences_in_kv": plan.sequences_at_once}
             described = {
+                "engine": run.rollout.engine,
+                "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
                 "gpus": gpus,
                 "expert_parallel": ep,
                 "colocation": colocation,
                 "activation_offload": run.optim.activation_offload,
             }
-            for step in colocated_steps(run, model_config, layout, plan, hw, work):
-                found.append(Candidate(step, described, memory, not_built(run, step, described, hw.gpus_per_node)))
+            for step in colocated_steps(here, model_config, layout, plan, hw, work):
+                found.append(Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node)))
     return found, refused
 
 
@@ -164,6 +178,7 @@ def split(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: W
                 refused.append((label, f"the generators' weights leave KV room for {max(kv_tokens, 0):,} tokens"))
                 continue
             layout = {
+                "engine": r.engine,
                 "gpus": gpus,
                 "generators": gen_gpus,
                 "generator_expert_parallel": gen_ep,
@@ -194,16 +209,34 @@ def split(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: W
     return found, refused
 
 
+ENGINES = ("torch", "vllm")
+
+
+def with_engine(run, engine: str):
+    """`run` generating with `engine`: the other engine's own settings back to their defaults (the torch engine's
+    decode_batch, decode_graphs and merge_lora; vLLM's gpu_memory_utilization and sync_probe_tolerance)."""
+    if engine == run.rollout.engine:
+        return run
+    r = run.rollout
+    if engine == "vllm":
+        rollout = replace(r, engine=engine, decode_batch=None, decode_graphs=False, merge_lora=False)
+    else:
+        rollout = replace(r, engine=engine, gpu_memory_utilization=None, sync_probe_tolerance=None)
+    return replace(run, rollout=rollout)
+
+
 def search(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
-    """(every feasible candidate, fastest first; the refusals (label, reason)), with and without activation
-    offload."""
+    """(every feasible candidate, fastest first; the refusals (label, reason)): both engines (the config's, and the
+    other with its own settings at their defaults), with and without activation offload."""
     found, refused = [], []
-    kinds = [(offload, kind) for offload in (False, True) for kind in (colocated, split)]
-    for offload, kind in tqdm(kinds, desc="layouts", unit="kind"):
-        variant = replace(run, optim=replace(run.optim, activation_offload=offload))
+    kinds = [(e, offload, kind) for e in ENGINES for offload in (False, True) for kind in (colocated, split)]
+    for engine, offload, kind in tqdm(kinds, desc="layouts", unit="kind"):
+        variant = replace(with_engine(run, engine), optim=replace(run.optim, activation_offload=offload))
         f, r = kind(variant, model_config, hw, gpus, traces, work, base)
         found += f
-        refused += [(label + (", activations offloaded" if offload else ""), why) for label, why in r]
+        refused += [
+            (f"engine {engine}, {label}" + (", activations offloaded" if offload else ""), why) for label, why in r
+        ]
     # ties (e.g. training hidden behind generation either way) go to the simpler layout: no offload
     return sorted(found, key=lambda c: (round(c.step.seconds), c.layout["activation_offload"])), refused
 
@@ -231,6 +264,7 @@ def format_search(ranked: list[Candidate], refused: list[tuple[str, str]], gpus:
     lines = [f"layouts of this config on {gpus} GPUs that fit: {len(ranked)}, fastest first (estimated):"]
     for i, c in enumerate(ranked[:top]):
         built = f" (not built: {'; '.join(c.not_built)})" if c.not_built else " (runs today)"
+        built += f" ({c.step.note})" if c.step.note else ""
         parts = ", ".join(f"{k} {v:,.0f} s" for k, v in c.step.parts.items() if v >= 0.5)
         lines.append(
             f"{i + 1}. {c.step.schedule}, {c.label}: {c.step.seconds / 3600:.2f} h per step, "
@@ -243,6 +277,7 @@ def format_search(ranked: list[Candidate], refused: list[tuple[str, str]], gpus:
         "fastest layout the loop runs today: "
         + (
             f"{runs_today.step.schedule}, {runs_today.label}, {runs_today.step.seconds / 3600:.2f} h"
+            + (f" ({runs_today.step.note})" if runs_today.step.note else "")
             if runs_today
             else "none"
         )
@@ -256,10 +291,11 @@ def format_search(ranked: list[Candidate], refused: list[tuple[str, str]], gpus:
             else (f"{best.step.seconds / 3600:.2f} h per step, {best.step.idle_fraction:.0%} idle ({best.label})")
         )
         lines.append(f"  {schedule:<20}{text}")
-    colocated_refusals = {}  # the largest expert-parallel size of each colocation (and offload) that does not fit
+    colocated_refusals = {}  # the largest expert-parallel size of each engine, colocation (and offload) not fitting
     for label, why in refused:
-        if label.startswith("EP "):
-            colocated_refusals[label.split(", ", 1)[1]] = (label, why)
+        engine, rest = label.split(", ", 1)
+        if rest.startswith("EP "):
+            colocated_refusals[(engine, rest.split(", ", 1)[1])] = (label, why)
     if refused:
         lines.append(
             f"did not fit: {len(refused)} layouts; all-sync at the largest expert-parallel size of each colocation:"

@@ -25,6 +25,11 @@ experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens
 
 The torch engine's step is not near that roofline: measured eager on the real layers it is host-bound, 25-44x the
 copy-bandwidth roofline (torch_decode.py), so its `measured` step is the floor: t = max(roofline, measured) + a2a.
+With rollout.decode_graphs (`fixed_shapes`: CUDA graphs of fixed-shape steps, allsync/engines/graphs.py) the host's
+share is assumed gone, not measured yet: every held expert is dequantized at every step, its bf16 copy written and
+read back, so
+
+    routed bytes = stored bytes of every held expert + 2 x 2 bytes x its parameters    (no measured floor)
 
 Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
 sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
@@ -180,6 +185,10 @@ class DecodeCost:
     attention_flops_per_cached_token: float | None = None  # decode_attention_flops_per_token; None: the expanded count
     # the torch engine's measured step (torch_decode.py), a floor under the roofline; None: the roofline alone
     measured: TorchDecodeRates | None = None
+    # the torch engine's fixed-shape steps as CUDA graphs (rollout.decode_graphs): every held expert's
+    # routed_params dequantized each step, at the roofline (assumed until measured; `measured` is not applied)
+    fixed_shapes: bool = False
+    routed_params: float = 0.0
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -190,9 +199,13 @@ class DecodeCost:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
         f0, slope, flops_per_second, bytes_per_second, a2a_seconds, _ = self._rates
         per_cached = slope if self.attention_flops_per_cached_token is None else self.attention_flops_per_cached_token
-        nbytes = self.routed_bytes * self.touched(batch) + self.other_bytes + context * self.kv_bytes_per_token
+        if self.fixed_shapes:  # every held expert, its bf16 copy written and read back
+            routed = self.routed_bytes + 2 * BF16 * self.routed_params
+        else:
+            routed = self.routed_bytes * self.touched(batch)
+        nbytes = routed + self.other_bytes + context * self.kv_bytes_per_token
         roofline = max(nbytes / bytes_per_second, (batch * f0 + per_cached * context) / flops_per_second)
-        if self.measured is not None:
+        if self.measured is not None and not self.fixed_shapes:
             measured = self.measured.step_seconds(self.config, batch, context, self.expert_parallel, self.routed_format)
             roofline = max(roofline, measured)
         return roofline + a2a_seconds

@@ -97,7 +97,11 @@ def test_defaults_are_valid_and_nested_values_parse():
         ),
         (
             {"rollout": {"decode_graphs": True}, "parallel": {"device": "cpu"}},
-            r"rollout\.decode_graphs with parallel\.device cpu \(runs on cpu\): CUDA graphs need a GPU",
+            r"rollout\.decode_graphs with parallel\.device cpu: CUDA graphs need a GPU",
+        ),
+        (
+            {"rollout": {"decode_graphs": True}, "model": {"compute_dtype": "bfloat16"}},
+            r"rollout\.decode_graphs: no GPU is visible to torch on this machine",
         ),
         (
             {"rollout": {"decode_graphs": True, "engine": "vllm"}},

@@ -223,6 +223,24 @@ def test_the_torch_engines_step_is_its_measured_time_where_that_is_above_the_roo
     assert measured.decode_step_seconds(16, 1000) - measured.decode_step_seconds(16, 0) == pytest.approx(61 * 3.42e-6)
 
 
+def test_decode_graphs_are_planned_at_the_roofline_of_the_fixed_shape_step():
+    """rollout.decode_graphs (assumed, not measured): no measured floor, and every held expert read and dequantized
+    each step, its bf16 copy written and read back: routed bytes + 4 bytes a parameter, whatever the batch."""
+    from allsync.plan.torch_decode import EAGER_H200
+
+    hw = GPUS["h100"]
+    params = 58 * 16 * 3 * 7168 * 2048  # EP 16: 16 experts a MoE layer
+    args = (DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 16, "nf4")
+    graphed = DecodeCost(*args, measured=EAGER_H200, fixed_shapes=True, routed_params=params)
+    bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
+    a2a = 58 * hw.decode_a2a_seconds(16)
+    for batch in (1, 16):
+        expected = (20e9 + 4 * params + 20e9 + 1000 * 70272) / bandwidth + a2a
+        assert graphed.decode_step_seconds(batch, 1000) == pytest.approx(expected, rel=1e-9)
+    eager = DecodeCost(*args, measured=EAGER_H200)
+    assert graphed.decode_step_seconds(16, 0) < eager.decode_step_seconds(16, 0) / 5
+
+
 def test_a_decode_step_is_bound_by_the_weights_it_reads():
     """Small batches read every held weight once per step: t = bytes / (HBM x efficiency) + MoE layers x a2a latency."""
     hw = GPUS["h100"]
@@ -423,7 +441,18 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         assert 0 <= c["idle_fraction"] < 1
         peaks = [v for k, v in c["memory"].items() if k.endswith("peak_bytes")]
         assert all(p <= 0.95 * 81089 * 2**20 for p in peaks)
-        assert c["not_built"]  # no 671B layout runs in the loop today: vLLM's expert parallelism is not wired in
+        if c["layout"]["engine"] == "vllm":
+            assert c["not_built"]  # no 671B vLLM layout runs in the loop today: its expert parallelism is not wired in
+    # issue 46: the torch engine's layouts beside vLLM's (one copy of the base, as many KV slots as fit), eager as
+    # measured and with rollout.decode_graphs at the roofline (said to be assumed)
+    torch_engine = [c for c in ranked if c["layout"]["engine"] == "torch"]
+    assert torch_engine and all(c["layout"]["decode_batch"] >= 1 for c in torch_engine if "colocation" in c["layout"])
+    graphed = [c for c in torch_engine if c["schedule"] == "all-sync with rollout.decode_graphs"]
+    eager = [c for c in torch_engine if c["schedule"] == "all-sync"]
+    assert graphed and all("not yet measured" in c["note"] for c in graphed)
+    assert min(c["step_seconds"] for c in graphed) < min(c["step_seconds"] for c in eager)
+    assert any(not c["not_built"] for c in eager)  # the torch engine at EP 16 with offload runs in the loop today
+    assert "fastest layout the loop runs today: all-sync with rollout.decode_graphs, engine torch" in text
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
     # the config's own layout (EP 16, sleep, activations offloaded) is among them, at the step time the plan printed
@@ -438,7 +467,7 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     assert len(own) == 1 and own[0]["step_seconds"] == pytest.approx(plan["step_seconds"])
     assert "why" not in text and "faster than the next" in text and "best layout of each schedule" in text
     # the same all-sync layout with colocation resident (two copies) fits no expert-parallel size on 48 GPUs
-    assert not any(c["layout"].get("colocation") == "resident" for c in ranked)
+    assert not any(c["layout"].get("colocation") == "resident" for c in ranked if c["layout"]["engine"] == "vllm")
 
 
 @pytest.mark.parametrize(
