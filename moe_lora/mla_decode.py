@@ -31,6 +31,7 @@ tokens and logprobs, on the tiny model and on two random layers of DeepSeek-V3's
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -152,6 +153,28 @@ class SlotKVCache(DynamicCache):
             self.lengths = torch.zeros(self.slots, dtype=torch.long, device=lengths.device)
         self.lengths[start:end] = lengths
 
+    def saved(self, slot: int, length: int) -> "SavedRow":
+        """A copy of slot `slot`'s first `length` positions, every layer (for `restore` in a later pool)."""
+        return SavedRow(
+            [layer.keys_buffer[slot, :, :length].clone() for layer in self.layers],
+            [layer.values_buffer[slot, :, :length].clone() for layer in self.layers],
+            self.latent,
+        )
+
+    def restore(self, start: int, rows: list["SavedRow"]) -> None:
+        """Slots start, start + 1, ... get the positions `rows` saved (`saved`), and their lengths."""
+        self.latent = rows[0].latent
+        for index, (keys, values) in enumerate(zip(rows[0].keys, rows[0].values)):
+            if index == len(self.layers):
+                self.layers.append(SlotLayer(self, keys[None], values[None]))
+            layer = self.layers[index]
+            for slot, row in enumerate(rows, start):
+                layer.keys_buffer[slot, :, : row.length] = row.keys[index]
+                layer.values_buffer[slot, :, : row.length] = row.values[index]
+        if self.lengths is None:
+            self.lengths = torch.zeros(self.slots, dtype=torch.long, device=rows[0].keys[0].device)
+        self.lengths[start : start + len(rows)] = torch.tensor([row.length for row in rows])
+
     def move(self, sources: list[int], targets: list[int], span: int) -> None:
         """Slot targets[i] takes slot sources[i]'s first `span` positions (at least what they hold) and length."""
         if not sources:
@@ -179,6 +202,20 @@ class SlotKVCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.span - 1, 0)
+
+
+@dataclass
+class SavedRow:
+    """A row's cached positions taken out of a SlotKVCache (`SlotKVCache.saved`): per layer keys [H, length, d] and
+    values [H, length, d_v], as the pool held them (latent or expanded)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    latent: bool
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
 
 
 class SlotLayer(DynamicLayer):

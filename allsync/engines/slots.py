@@ -23,12 +23,12 @@ ones fed a pad token), at a span the ranks agree on (one more all-reduce a step)
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TopPLogitsWarper
 
-from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, SlotKVCache
+from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, SavedRow, SlotKVCache
 from quant.modules import fixed_shapes
 
 _HASH = 0x45D9F3B  # the multiplier of a well-mixing 32-bit integer hash; < 2^27, so int64 products never overflow
@@ -84,6 +84,9 @@ class Decoded:
     decoded_tokens: int
     prefills: list[tuple[int, list[int], list[int], int]]  # (record call, rows, distinct prompt of each row, width)
     decodes: list[tuple[int, list[int]]]  # (record call, the row in each live slot)
+    # with keep: each row that reached max_new_tokens, its slot's positions (its prompt and tokens but the last), to
+    # continue it without a prefill (decode_in_slots' `resumed`)
+    saved: dict[int, SavedRow] = field(default_factory=dict)
 
 
 def runs_of_equal(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -168,12 +171,17 @@ def decode_in_slots(
     lockstep=None,
     calls=lambda: 0,
     fixed_step=None,
+    resumed: dict[int, SavedRow] | None = None,
+    keep: bool = False,
 ) -> Decoded:
     """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
     (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
     and values (else the latent). calls(): how many forwards the routing record holds so far (0 when none).
     fixed_step(model, pool, sampling): a decode step of every slot in fixed shapes (FixedShapeStep or a graph of it)
-    that decode steps take instead of a forward of the live slots alone (None)."""
+    that decode steps take instead of a forward of the live slots alone (None). resumed: rows whose positions but
+    the last are saved from an earlier call under the same weights (SavedRow of len(row) - 1 positions): they take
+    a slot without a prefill, fed their last token at the next decode step. keep: save the positions of every row
+    that reaches max_new_tokens (Decoded.saved)."""
     device = model.device
     total, limit = len(rows), sampling.max_new_tokens
     if limit < 1:
@@ -195,6 +203,7 @@ def decode_in_slots(
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token
     longest = 0  # the most positions a live slot holds
     out = Decoded([], [], [], 0, 0, 0, [], [])
+    resumed = resumed or {}
     step = fixed_step(model, pool, sampling) if fixed_step is not None else None
     every_slot = torch.arange(pool.slots, device=device)
 
@@ -213,18 +222,20 @@ def decode_in_slots(
         gone = [i for i in range(len(live)) if eos[i] or full[i]]
         for i in gone:
             reasons[live[i]] = "stop" if eos[i] else "length"
-        keep = len(live) - len(gone)
+            if keep and not eos[i]:
+                out.saved[live[i]] = pool.saved(i, held[i])
+        stay = len(live) - len(gone)
         gone_set = set(gone)
-        holes = [i for i in gone if i < keep]
-        movers = [i for i in range(keep, len(live)) if i not in gone_set]
+        holes = [i for i in gone if i < stay]
+        movers = [i for i in range(stay, len(live)) if i not in gone_set]
         if holes:
             pool.move(movers, holes, max(held[m] for m in movers))
             src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
             last[dst], live_rows[dst] = last[src], live_rows[src]
             for h, m in zip(holes, movers):
                 live[h], held[h] = live[m], held[m]
-        live, live_rows, last = live[:keep], live_rows[:keep], last[:keep]
-        longest = max(held[:keep], default=0)
+        live, live_rows, last = live[:stay], live_rows[:stay], last[:stay]
+        longest = max(held[:stay], default=0)
 
     def serve_other_ranks() -> None:
         """A one-token forward, so that this rank's MoE layers take part in the other ranks' all-to-alls. With a
@@ -268,7 +279,15 @@ def decode_in_slots(
         if not any_live:
             break
         if admit:
-            new = [queue.popleft() for _ in range(admit)]
+            taken = [queue.popleft() for _ in range(admit)]
+            back, new = [r for r in taken if r in resumed], [r for r in taken if r not in resumed]
+            if back:  # saved positions into slots: fed their last token at this iteration's decode step
+                pool.restore(len(live), [resumed[r] for r in back])
+                index = torch.tensor(back, device=device)
+                last_tokens = torch.tensor([rows[r][-1] for r in back], device=device)
+                live, live_rows, last = live + back, torch.cat([live_rows, index]), torch.cat([last, last_tokens])
+                longest = max(longest, *(resumed[r].length for r in back))
+        if admit and new:
             distinct, repeats = runs_of_equal([rows[r] for r in new])
             ids, lengths = right_pad(distinct, pad_id, device)
             cache = (ExpandedKVCache if expanded else LatentKVCache)(reserve=0)
@@ -289,12 +308,12 @@ def decode_in_slots(
             ended = take(index, chosen, chosen_lp)
             out.prefills.append((call, new, which.tolist(), ids.shape[1]))
             out.positions += ids.numel()
-            held = [longest] * len(live) + [len(rows[r]) for r in new]
+            held = pool.lengths[: len(live)].tolist() + [len(rows[r]) for r in new]
             flags = [[False] * len(live) + f for f in ended.tolist()]
             live, live_rows, last = live + new, torch.cat([live_rows, index]), torch.cat([last, chosen])
             longest = max(held)
             finish([*flags, held])  # rows whose first token ended them
-        elif any_admit:  # lockstep: serve the other ranks' prefill
+        elif any_admit and lockstep is not None:  # lockstep: serve the other ranks' prefill
             serve_other_ranks()
         if live:
             call = calls()

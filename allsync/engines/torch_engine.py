@@ -108,6 +108,7 @@ class TorchEngine:
         # report divides by it
         self.decode_slots = 0  # slots x decode forwards
         self.decoded_tokens = 0  # the tokens those forwards produced (live rows): fill = tokens / slots
+        self.kept: KeptRows | None = None  # rows a keep=True call stopped at max_new_tokens (generate)
         if getattr(model, "generation_config", None) is not None:
             check_plain_logits(model.generation_config)
         # MLA keys/values expanded once per token where that costs no more memory than the latent cache, otherwise
@@ -131,13 +132,29 @@ class TorchEngine:
     def release_memory(self) -> None:
         """Nothing to hand to the trainer between phases: the engine is the trainer's model (no KV cache kept)."""
 
+    def policy_state(self) -> tuple:
+        """What a row's cached positions depend on beyond the frozen base: every parameter's version counter (torch
+        bumps it at every in-place change through the parameter or a view of it: an optimizer step, moe_lora.lora's
+        load_lora_state_dict; the loop writes none through .data between generate calls), which adapters are on,
+        and whether LoRA is merged."""
+        versions = tuple(p._version for p in self.model.parameters())
+        enabled = tuple(m.enabled for m in self.model.modules() if hasattr(m, "enabled") and hasattr(m, "lora_B"))
+        return versions, enabled, self.merge_lora
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, keep: bool = False) -> Rollout:
         """n samples of each prompt, decoded with continuous batching over rollout.decode_batch KV slots
         (allsync/engines/slots.py); each sample's random draws come from its own seed, drawn here from torch's
-        generator in sample order."""
+        generator in sample order. keep: the samples that reach sampling.max_new_tokens keep their cached positions
+        (and recorded routing) until the next generate call, which continues any of them it is given (the prompt
+        followed by those tokens) without a prefill if the policy is unchanged (`policy_state`): T-PPO's windows
+        over steps that do not move the policy (value pretraining). Any other call drops them."""
         rows = [p for p in prompts for _ in range(n)]
         seeds = torch.randint(0, 2**62, (len(rows),), dtype=torch.int64)
+        policy = self.policy_state() if (keep or self.kept is not None) else None
+        kept = self.kept.rows if self.kept is not None and self.kept.policy == policy else {}
+        self.kept = None
+        resumed = {i: kept[tuple(row)] for i, row in enumerate(rows) if tuple(row) in kept}
         was_training = self.model.training
         self.model.eval()
         with (
@@ -156,11 +173,23 @@ class TorchEngine:
                 self.lockstep,
                 (lambda: len(record)) if record is not None else (lambda: 0),
                 graphed_step(record) if self.decode_graphs else None,
+                {i: saved for i, (saved, _) in resumed.items()},
+                keep,
             )
         self.model.train(was_training)
         self.positions += decoded.positions
         self.decode_slots += decoded.decode_slots
         self.decoded_tokens += decoded.decoded_tokens
+        known = {i: routing for i, (_, routing) in resumed.items()}
+        routing = sample_routing(record, rows, decoded, known) if record is not None else None
+        if keep:
+            self.kept = KeptRows(
+                policy,
+                {
+                    tuple(rows[i] + decoded.tokens[i]): (saved, routing[i] if routing is not None else None)
+                    for i, saved in decoded.saved.items()
+                },
+            )
         return Rollout(
             rows,
             decoded.tokens,
@@ -168,8 +197,18 @@ class TorchEngine:
             decoded.reasons,
             self.adapter_version,
             [i // n for i in range(len(rows))],
-            sample_routing(record, rows, decoded) if record is not None else None,
+            routing,
         )
+
+
+@dataclass
+class KeptRows:
+    """What a generate call with keep=True leaves for the next one: per row the caller may continue (its prompt and
+    tokens), its cached positions but the last (moe_lora.mla_decode.SavedRow) and the routing recorded for them; the
+    policy they were computed under (TorchEngine.policy_state)."""
+
+    policy: tuple
+    rows: dict[tuple[int, ...], tuple]
 
 
 def check_graphable(model) -> None:
@@ -192,18 +231,22 @@ def check_graphable(model) -> None:
         )
 
 
-def sample_routing(record, rows: list[list[int]], decoded) -> list:
+def sample_routing(record, rows: list[list[int]], decoded, known: dict | None = None) -> list:
     """Each sample's recorded experts, [prompt + response - 1, layers, k] (moe_lora.routing.RoutingRecord): its
-    prompt's positions in its prefill's call (right-padded distinct prompts, `width` positions each), then the call
-    of every decode forward it was live in (its slot's entry: the token it was fed, response token s - 1 at its
-    s-th forward); the last response token is never fed."""
+    prompt's positions in its prefill's call (right-padded distinct prompts, `width` positions each; a resumed
+    row's prompt but its last token from `known`, what an earlier call recorded), then the call of every decode
+    forward it was live in (its slot's entry: the token it was fed, response token s - 1 at its s-th forward); the
+    last response token is never fed."""
     prompt_part: list = [None] * len(rows)
+    for r, routing in (known or {}).items():
+        prompt_part[r] = routing
     for call, new, which, width in decoded.prefills:
         entries = record.call(call)
         entries = entries.view(-1, width, *entries.shape[1:])
         for r, d in zip(new, which):
             prompt_part[r] = entries[d, : len(rows[r])]
-    fed = [torch.zeros(0, *prompt_part[0].shape[1:], dtype=prompt_part[0].dtype)] * len(rows) if rows else []
+    shape = next((p for p in prompt_part if p is not None), None)
+    fed = [torch.zeros(0, *shape.shape[1:], dtype=shape.dtype)] * len(rows) if rows else []
     if decoded.decodes:
         # a fixed-shape step records every slot: the live ones are the first
         entries = torch.cat([record.call(call)[: len(live)] for call, live in decoded.decodes]).cpu()

@@ -148,7 +148,10 @@ class VLLMEngine:
         self.sent_checksum, self.received_checksums = None, []  # the latest sync's (allsync/engines/sync_check.py)
 
     # ------------------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, keep: bool = False) -> Rollout:
+        """n samples of each prompt. keep (T-PPO's windows continuing their rows): nothing to do here, vLLM's prefix
+        cache reuses a continued row's cached positions itself while the adapter it serves is the same (one LoRA id
+        per adapter version)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

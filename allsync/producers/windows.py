@@ -97,7 +97,9 @@ class WindowPool:
         if not self.in_flight:
             self.in_flight = self.start_responses(self.pool_size, version)
         pool = self.in_flight
-        rollout = self.engine.generate([r.prompt_ids + r.response_ids for r in pool], 1, self.sampling)
+        # keep: a response cut at this window continues next step from its cached positions if the policy has not
+        # moved in between (the torch engine; value pretraining), else it is prefilled again (on-policy)
+        rollout = self.engine.generate([r.prompt_ids + r.response_ids for r in pool], 1, self.sampling, keep=True)
         counts, eos = [], []
         for r, tokens, logprobs, reason in zip(pool, rollout.response_ids, rollout.logprobs, rollout.finish_reasons):
             room = self.max_new_tokens - len(r.response_ids)  # the last window may hold fewer tokens

@@ -353,3 +353,39 @@ def test_prompts_are_prefilled_once_per_run_of_equal_rows():
 
     assert runs_of_equal([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
     assert runs_of_equal([]) == ([], [])
+
+
+def test_rows_cut_at_their_limit_continue_without_a_prefill_while_the_policy_is_unchanged(model):
+    """Issue 46 item 3: generate(keep=True) keeps the cached positions of the rows that reached max_new_tokens; the next
+    call given those rows continued (prompt + tokens) decodes them from their slots without a prefill: the same tokens,
+    finish reasons and recorded routing as a fresh engine prefilling them, logprobs within float32 noise, and fewer
+    positions computed. After an in-place change of a parameter (an optimizer step) they are prefilled again."""
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
+    window = Sampling(temperature=1.0, max_new_tokens=4)
+    engine = TorchEngine(model, eos_id=1, pad_id=2, batch_size=3)
+    torch.manual_seed(0)
+    first = engine.generate(prompts, 2, window, keep=True)
+    assert set(first.finish_reasons) == {"length"} and len(engine.kept.rows) == 6
+    continued = [p + r for p, r in zip(first.prompt_ids, first.response_ids)]
+
+    def second_window(e):
+        torch.manual_seed(1)
+        before = e.positions
+        out = e.generate(continued, 1, window, keep=True)
+        return out, e.positions - before
+
+    resumed, resumed_positions = second_window(engine)
+    fresh, fresh_positions = second_window(TorchEngine(model, eos_id=1, pad_id=2, batch_size=3))
+    assert resumed.response_ids == fresh.response_ids and resumed.finish_reasons == fresh.finish_reasons
+    assert_same_rows(
+        (resumed.response_ids, resumed.logprobs, resumed.finish_reasons),
+        (fresh.response_ids, fresh.logprobs, fresh.finish_reasons),
+        atol=2e-5,
+    )
+    assert all(torch.equal(a, b) for a, b in zip(resumed.routing, fresh.routing))
+    assert resumed_positions == 6 * 4 < fresh_positions  # decode steps only: 4 tokens each, no prefill
+    continued = [p + r for p, r in zip(resumed.prompt_ids, resumed.response_ids)]
+    with torch.no_grad():
+        next(model.parameters()).add_(0.0)  # an in-place update through the parameter (even one that moves nothing)
+    moved, moved_positions = second_window(engine)
+    assert moved_positions == second_window(TorchEngine(model, eos_id=1, pad_id=2, batch_size=3))[1]

@@ -373,3 +373,16 @@ def test_one_minibatch_with_a_critic_takes_the_old_logprobs_from_its_own_forward
         assert outs[0][key] == outs[1][key], key
     trained = [w.learner.lora_params + w.learner.value_params for w in workers]
     assert all(torch.equal(a, b) for a, b in zip(*trained))
+
+
+def test_value_pretraining_continues_the_windows_from_their_cached_positions(warm_tiny, problems):
+    """Issue 46 item 3: while the critic alone trains (algorithm.value_pretrain_steps) the policy does not move, so a
+    response cut at a window continues next step from its cached positions instead of a prefill of its prompt and
+    reply so far: fewer positions computed per trained token than once the policy moves (then every continuing
+    response is prefilled again, on-policy)."""
+    worker = RLWorker(tppo_config(warm_tiny, value_pretrain_steps=3), problems)
+    history = [worker.step(step) for step in range(1, 7)]
+    per_token = [aggregate([m])["positions_per_trained_token"] for m in history]
+    critic_only, moving = per_token[1:3], per_token[4:]  # steps 2-3 continue step 1-2's windows; 5-6 follow updates
+    assert history[0]["continuing"] > 0 and max(critic_only) == pytest.approx(1.0), per_token  # decode steps alone
+    assert min(moving) > 2, per_token
