@@ -119,8 +119,11 @@ class TorchEngine:
         self.record_routing = bool(moe_layers(model))
 
     def load_adapter(self, tensors: dict[str, torch.Tensor] | None, version: int) -> int:
-        """The engine is the trainer's model: its LoRA tensors are already current; returns bytes moved (0)."""
+        """The engine is the trainer's model: its LoRA tensors are already current; returns bytes moved (0). Rows kept
+        by generate(keep=True) go if the update moved the policy (their positions would be prefilled again anyway)."""
         self.adapter_version = version
+        if self.kept is not None and self.kept.policy != self.policy_state():
+            self.kept = None
         return 0
 
     def agreed_rounds(self, rounds: int) -> int:
