@@ -84,19 +84,23 @@ def saved_on_host(enabled: bool):
 
 
 def token_budget_chunks(lengths: list[int], budget: int | None) -> list[list[int]]:
-    """Consecutive row groups whose padded size (rows x the group's longest row) is at most `budget` tokens,
-    in order; a row longer than the budget is a group of its own. None: one group of every row (none if empty)."""
+    """Row groups whose padded size (rows x the group's longest row) is at most `budget` tokens, packed longest first:
+    the rows sorted by length (longest first, ties in row order) and cut into consecutive groups of that order; a
+    row longer than the budget is a group of its own. Rows of similar lengths share a forward (less padding), and
+    under expert parallelism, where the ranks run their j-th forwards together and each waits for the largest, every
+    rank's j-th forward is about as large as the others' (benchmarks/update_balance.py measures the wait). None: one
+    group of every row, in row order (none if empty)."""
     if budget is None:
         return [list(range(len(lengths)))] if lengths else []
     chunks: list[list[int]] = []
     longest = 0
-    for i, n in enumerate(lengths):
-        if chunks and (len(chunks[-1]) + 1) * max(longest, n) <= budget:
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if chunks and (len(chunks[-1]) + 1) * max(longest, lengths[i]) <= budget:
             chunks[-1].append(i)
-            longest = max(longest, n)
+            longest = max(longest, lengths[i])
         else:
             chunks.append([i])
-            longest = n
+            longest = lengths[i]
     return chunks
 
 

@@ -434,8 +434,9 @@ class Learner:
             parts.append(compute(part.trimmed(part.width)))
         for _ in range(forwards - len(chunks)):
             compute(self.idle_batch().sequences)
-        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731 - right padding, as the batch's
-        return torch.cat([pad(p) for p in parts]) if parts else batch.response_mask.new_zeros(0, width)
+        if not parts:
+            return batch.response_mask.new_zeros(0, width)
+        return placed_rows(parts, chunks, parts[0].new_zeros(len(batch), width))  # the groups: longest rows first
 
     def policy_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         return self.chunked(batch, lambda rows: forward_logprobs(self.model, rows, self.config.rollout.temperature))

@@ -275,9 +275,9 @@ def train_phase(
     offloaded_per_token: float = 0.0,
 ) -> Training:
     """The train phase of GPUs holding `sequences` (each GPU's response lengths, in the order it trains them), as
-    the learner runs it: optim.minibatches contiguous parts, each packed into forwards of consecutive rows whose
-    padded size (rows x longest) stays within optim.max_tokens_per_forward (allsync.forward.token_budget_chunks; one
-    forward of the part without a budget). Expert-parallel ranks run their j-th forwards together (a rank with fewer
+    the learner runs it: optim.minibatches contiguous parts, each packed longest first into forwards whose padded size
+    (rows x longest) stays within optim.max_tokens_per_forward (allsync.forward.token_budget_chunks; one forward of
+    the part without a budget). Expert-parallel ranks run their j-th forwards together (a rank with fewer
     runs idle ones), so each costs the group's slowest; every minibatch ends in a gradient all-reduce over all GPUs:
         wall = sum over minibatches m of max over EP groups g of sum over forwards j of max over ranks r in g t[r,m,j]
     (EP 1: groups of one). Activation offload copies each forward's saved bytes out and back over the host link."""

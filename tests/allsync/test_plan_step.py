@@ -84,10 +84,10 @@ def test_the_efficiency_of_a_forward_follows_its_size_between_the_measured_point
 
 
 def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_rank():
-    """Rows packed into forwards of at most optim.max_tokens_per_forward padded tokens (the learner's
+    """Rows packed longest first into forwards of at most optim.max_tokens_per_forward padded tokens (the learner's
     token_budget_chunks), each priced by forward_seconds at its padded size; expert-parallel ranks run their j-th
-    forwards together, so the phase is the sum over j of the slowest; without expert parallelism each GPU runs on
-    and the minibatch's all-reduce waits for the slowest GPU."""
+    forwards together, so the phase is the sum over j of the slowest (the longest forwards of every rank run
+    together); without expert parallelism each GPU runs on and the minibatch's all-reduce waits for the slowest GPU."""
     from allsync.config import parse_config
     from allsync.plan.estimate import train_phase
     from allsync.plan.step_time import forward_seconds
@@ -95,7 +95,7 @@ def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_ran
     run = parse_config({"model": {"base": "/nonexistent"}, "optim": {"max_tokens_per_forward": 4096, "minibatches": 1}})
     hw = GPUS["h100"]
     passes = train_passes(False, 1, False)
-    gpu0 = np.array([1000, 1500, 3000])  # with 100-token prompts: 1100 + 1600 pack (3,200 padded), 3100 alone
+    gpu0 = np.array([1000, 1500, 3000])  # with 100-token prompts: 3100 alone first, then 1600 + 1100 (3,200 padded)
     gpu1 = np.array([3900])
     t = lambda rows, longest, ep: forward_seconds(DEEPSEEK_V3, hw, "nf4", passes, ep, rows, longest)  # noqa: E731
     solo = train_phase(run, DEEPSEEK_V3, hw, 1, "nf4", [gpu0, gpu1], 100)
@@ -104,7 +104,8 @@ def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_ran
     assert solo.wall == pytest.approx(max(first + second, other))
     assert solo.per_sequence[0].tolist() == pytest.approx([first / 2, first / 2, second])
     lockstep = train_phase(run, DEEPSEEK_V3, hw, 2, "nf4", [gpu0, gpu1], 100)
-    assert lockstep.wall == pytest.approx(max(t(2, 1600, 2), t(1, 4000, 2)) + t(1, 3100, 2))
+    # the 3,100-token forward runs beside the other rank's 4,000 (in row order it ran after, alone: + t(1, 3100, 2))
+    assert lockstep.wall == pytest.approx(max(t(1, 3100, 2), t(1, 4000, 2)) + t(2, 1600, 2))
     assert lockstep.wall > lockstep.busy.max()
 
 

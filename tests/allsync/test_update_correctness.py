@@ -341,7 +341,8 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
         assert len(split.learner.forward_chunks(got.sequences)) >= 4  # 12 rows of 9-16 tokens: 1-3 rows per forward
     mask = want.sequences.response_mask.bool()  # padded positions hold whatever the forward computed there
     for name in ("old_logprobs", "ref_logprobs"):
-        torch.testing.assert_close(getattr(got, name)[mask], getattr(want, name)[mask], atol=1e-5, rtol=0)
+        # float32 rounding of another batch composition: up to 1.3e-5 at |logprob| ~ 11 (1.2e-6 of it)
+        torch.testing.assert_close(getattr(got, name)[mask], getattr(want, name)[mask], atol=1e-5, rtol=2e-6)
     saved = [peak_saved_bytes(w, samples, index) for w in (plain, split)]
     g_want, g_got = (
         torch.cat([g.flatten() for g in plain.gradient_tensors()]),
