@@ -121,7 +121,9 @@ def run_rank(rank: int, ep: int, address: str, checkpoint: str, rows: int, budge
             t0 = time.perf_counter()
             for j in range(forwards):
                 if j < len(chunks):
-                    batch = build_sequences([seqs[i][:PROMPT] for i in chunks[j]], [seqs[i][PROMPT:] for i in chunks[j]], 2)
+                    batch = build_sequences(
+                        [seqs[i][:PROMPT] for i in chunks[j]], [seqs[i][PROMPT:] for i in chunks[j]], 2
+                    )
                 else:
                     batch = idle
                 (forward_logprobs(model, batch) * batch.response_mask).sum().backward()
@@ -163,7 +165,13 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--ep {args.ep}: each size must be at least 2 and divide the tiny model's 8 experts")
     if args.rows < 1 or args.repeats < 1 or args.budget < PROMPT + CAP:
         raise SystemExit(f"--rows and --repeats must be >= 1 and --budget >= {PROMPT + CAP} (the longest row)")
-    out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpus": os.cpu_count(), **vars(args), "ep": {}}
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        **vars(args),
+        "ep": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = str(make_tiny(Path(tmp) / "tiny"))
         for ep in sizes:
