@@ -369,6 +369,11 @@ class OptimSection:
     # what each training forward saves for backward waits in host memory (torch.autograd.graph.save_on_cpu, pinned
     # on GPUs) and comes back when backward needs it; with activation_checkpointing: the layers' inputs
     activation_offload: bool = False
+    # before the update, the rows of each minibatch move between the workers so that each holds nearly the same tokens
+    # (whole episodes, longest-processing-time rule; allsync/balance.py): expert-parallel ranks, which run their
+    # forwards in lockstep, and every minibatch's gradient all-reduce wait less for the worker with the most. The same
+    # token-mean update (float sums in another order)
+    balance_ranks: bool = False
 
     def check(self, fail) -> None:
         if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < 1:
@@ -846,6 +851,11 @@ def check_across_sections(c: RunConfig, fail) -> None:
     if c.task.needs_producer not in (None, c.producer.kind):
         fail(f"task.name {c.task.name} needs producer.kind {c.task.needs_producer} ({c.task.needs_producer_because})")
     c.producer.check_with(c, fail)
+    if c.optim.balance_ranks and c.producer.kind == "multiconv":
+        fail(
+            "optim.balance_ranks with producer.kind multiconv: its per-segment logprob gaps are measured on the rows a "
+            "worker generated, which balancing moves; use one or the other"
+        )
     check_algorithm_with_rollout(c, fail)
     check_batch_split(c, fail)
     check_task_with_reward(c, fail)

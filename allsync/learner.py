@@ -33,6 +33,7 @@ from allsync.algorithms import (
 )
 from allsync.critic import Critic, ValueTargets, critic_loss
 from allsync.episodes import Episode, flatten
+from allsync.balance import balanced
 from allsync.forward import (
     LossSettings,
     SequenceBatch,
@@ -409,6 +410,21 @@ class Learner:
         critic = (zeros, zeros) if self.critic is not None else (None, None)
         return TrainBatch(seqs, zeros, zeros, *critic, ref_logprobs=kl, engine_logprobs=zeros)
 
+    @property
+    def balances_ranks(self) -> bool:
+        """optim.balance_ranks with more than one worker: the rows of each minibatch move between workers first."""
+        return self.config.optim.balance_ranks and self.groups.world is not None
+
+    def balanced_minibatches(self, tb: TrainBatch | None, parts: list) -> list:
+        """This worker's share of every minibatch after balancing (allsync/balance.py); every worker takes part,
+        with rows or without."""
+        return [
+            balanced(
+                tb.minibatch(rows) if tb is not None and len(rows) else None, self.groups, self.pad_id, self.device
+            )
+            for rows in parts
+        ]
+
     def forward_chunks(self, batch: SequenceBatch) -> list[list[int]]:
         """Row groups of at most optim.max_tokens_per_forward padded tokens (one group of all rows without it)."""
         return token_budget_chunks(batch.attention_mask.sum(-1).tolist(), self.config.optim.max_tokens_per_forward)
@@ -550,6 +566,12 @@ class Learner:
             out["train_positions"] = tb.sequences.input_ids.numel()  # padded token positions: the work (health signal)
             parts = tb.minibatch_rows(minibatches)
             local = torch.stack([tb.counts(rows) for rows in parts])
+        batches = self.balanced_minibatches(tb, parts) if self.balances_ranks else None
+        if batches is not None:  # this worker's share of each minibatch after balancing (allsync/balance.py)
+            local = torch.stack(
+                [b.counts(torch.arange(len(b))) if b else torch.zeros(3, dtype=torch.float64) for b in batches]
+            )
+            out["train_positions"] = sum(b.sequences.input_ids.numel() for b in batches if b is not None)
         totals = self.all_reduce(local.clone())
         for m, rows in enumerate(parts):
             if totals[m, 0] == 0 and totals[m, 2] == 0:
@@ -557,7 +579,11 @@ class Learner:
                 continue
             self.flat_grad.zero_()
             self.flat_expert_grad.zero_()
-            mb = tb.minibatch(rows) if rows is not None and (local[m, 0] > 0 or local[m, 2] > 0) else None
+            has_rows = local[m, 0] > 0 or local[m, 2] > 0
+            if batches is not None:
+                mb = batches[m] if has_rows else None
+            else:
+                mb = tb.minibatch(rows) if rows is not None and has_rows else None
             micro = self.forward_chunks(mb.sequences) if mb is not None else []
             own_logprobs = []  # the micro-batches' detached logprobs: the old ones when tb has none yet
             checkpointing = c.optim.activation_checkpointing
@@ -578,8 +604,9 @@ class Learner:
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
             self.stop_counting_routes()  # later minibatches run after an optimizer step
-            if tb is not None and tb.old_logprobs is None and own_logprobs:  # one minibatch: all of tb's rows
-                tb.old_logprobs = placed_rows(own_logprobs, micro, tb.engine_logprobs)
+            whole = mb if batches is not None else tb  # the rows the update's own logprobs belong to
+            if whole is not None and whole.old_logprobs is None and own_logprobs:  # one minibatch: all of its rows
+                whole.old_logprobs = placed_rows(own_logprobs, micro, whole.engine_logprobs)
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
             local_sq = sum(
@@ -603,6 +630,8 @@ class Learner:
             step_skipping(self.optimizer, self.lora_params if critic_only else [])
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
+        if batches is not None and minibatches == 1:  # the gap over the rows this worker trained
+            tb = batches[0]
         # engine_logprobs None: not sampled (recipes/nlft.py's examples); old_logprobs None: no token was trained
         if tb is not None and tb.engine_logprobs is not None and tb.old_logprobs is not None:
             out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)

@@ -162,6 +162,14 @@ def test_shipped_configs_validate():
         {**memory, "rollout": {**memory["rollout"], "engine": "torch"}}
     )  # EP 16 + multiconv passes
     assert torch_engine.producer.credit == "all" and torch_engine.producer.chunk_tokens == 5000
+    with pytest.raises(ConfigError, match=r"optim.balance_ranks with producer.kind multiconv"):
+        parse_config(
+            {
+                **memory,
+                "rollout": {**memory["rollout"], "engine": "torch"},
+                "optim": {**memory["optim"], "balance_ranks": True},
+            }
+        )
     assert torch_engine.parallel.expert_parallel == 16 and torch_engine.lora.expert_kernel == "grouped_mm"
     for path in configs.glob("*.yaml"):
         if path not in (big_path, memory_path):

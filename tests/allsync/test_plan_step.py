@@ -109,6 +109,27 @@ def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_ran
     assert lockstep.wall > lockstep.busy.max()
 
 
+def test_balanced_ranks_spread_each_minibatchs_rows_by_their_tokens_before_packing():
+    """optim.balance_ranks: the rows of a minibatch go to the GPUs by the longest-processing-time rule (the learner's
+    allsync.balance.assign_episodes) before each GPU packs its own longest first; every row is still priced once."""
+    from allsync.config import parse_config
+    from allsync.plan.estimate import train_phase
+    from allsync.plan.step_time import forward_seconds
+
+    settings = {"model": {"base": "/nonexistent"}, "optim": {"max_tokens_per_forward": 4096, "minibatches": 1}}
+    hw, passes = GPUS["h100"], train_passes(False, 1, False)
+    t = lambda rows, longest: forward_seconds(DEEPSEEK_V3, hw, "nf4", passes, 1, rows, longest)  # noqa: E731
+    gpus = [np.array([3000, 2900]), np.array([100])]  # 3,100 + 3,000 tokens against 200 (100-token prompts)
+    plain = train_phase(parse_config(settings), DEEPSEEK_V3, hw, 1, "nf4", gpus, 100)
+    assert plain.busy.tolist() == pytest.approx([t(1, 3100) + t(1, 3000), t(1, 200)])
+    settings["optim"]["balance_ranks"] = True
+    even = train_phase(parse_config(settings), DEEPSEEK_V3, hw, 1, "nf4", gpus, 100)
+    assert even.busy.tolist() == pytest.approx([t(1, 3100), t(1, 3000) + t(1, 200)])  # 3,100 | 3,000 then 200
+    assert even.wall < plain.wall
+    # each row's seconds stay with the GPU and position that generated it
+    assert [x for s in even.per_sequence for x in s.tolist()] == pytest.approx([t(1, 3100), t(1, 3000), t(1, 200)])
+
+
 @dataclass(frozen=True)
 class FixedCost(DecodeCost):
     """The scheduler under test with fixed prices: a decode step 1 s whatever the batch, a prefill 0.001 s per token."""

@@ -506,3 +506,48 @@ def test_adamw_state_is_held_before_the_engine_is_built_and_a_resume_loads_into_
         assert {n: t.data_ptr() for n, t in state.items()} == held[id(p)]  # loaded in place
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(state[name], want[name], atol=0, rtol=0)
+
+
+def test_balanced_ranks_make_the_one_worker_update_with_even_tokens(tiny_bf16):
+    """optim.balance_ranks (issue 48, lever 4): rank 0 generated 9 samples, rank 1 3; before the update the rows move
+    so that each trains nearly half the tokens (whole episodes, longest first to the emptier rank), and the update is
+    the one worker's of all 12 samples (one minibatch: the same token-mean loss, float sums in another order); rank 1
+    with no samples at all receives rows too."""
+    samples, index = groups(0, 4)
+    threads = torch.get_num_threads()
+    try:
+        single = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS, threads=1)
+        trained(single, samples, index)
+    finally:
+        torch.set_num_threads(threads)
+    c = config(tiny_bf16, workers=2, minibatches=1)
+    c.optim.balance_ranks = True
+    flat = lambda tensors: torch.cat([t.flatten() for t in tensors])  # noqa: E731
+    pair = RayGroup(c, PROBLEMS)
+    try:
+        import ray
+
+        outs = ray.get(
+            [
+                pair.workers[0].train.remote(samples[:9], index[:9]),
+                pair.workers[1].train.remote(samples[9:], index[9:] - 3),
+            ]
+        )
+        got_grad = flat(pair.call_ranks([0], "gradient_tensors")[0])
+        got = adapter(pair)
+        alone = ray.get(
+            [
+                pair.workers[0].train.remote(samples, index),
+                pair.workers[1].train.remote([], torch.zeros(0, dtype=torch.long)),
+            ]
+        )
+    finally:
+        pair.shutdown()
+    expected_grad = flat(single.gradient_tensors())
+    assert float((got_grad - expected_grad).abs().max()) < 1e-3 * float(expected_grad.abs().max())
+    expected = adapter(single)
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 5e-5
+    positions = [o["train_positions"] for o in outs]  # padded positions each rank trained: 9 rows against 3 before
+    assert max(positions) < 1.35 * min(positions), positions
+    assert outs[0]["trained_samples"] == 9 and outs[1]["trained_samples"] == 3  # what each generated (the metric)
+    assert min(o["train_positions"] for o in alone) > 0  # the rank without samples trained some of the other's rows
