@@ -8,11 +8,14 @@ that every worker holds nearly the same tokens:
     per minibatch: every worker's episodes (whole: an episode's rows stay together) and their tokens t_e (the sum of
     their rows' lengths) are gathered; the episodes, largest first (ties: by worker, then position), go one by one to
     the worker with the fewest tokens so far (ties: the lowest rank), the longest-processing-time rule (within 4/3 of
-    the best assignment); then every row's tensors go to its worker (all-to-alls of rows padded to the widest).
+    the best assignment), or, with a token budget per forward, into forwards packed as the learner packs them and
+    dealt to the workers in turn (`assign_episodes`); then every row's tensors go to its worker (all-to-alls of rows
+    padded to the widest).
 
 A minibatch holds the same rows as without balancing and its loss shares use counts all-reduced over every worker, so
 the update is the same token-mean loss: only where each row's gradient is computed moves (float sums in another
-order). Each worker then packs its forwards longest first (allsync.forward.token_budget_chunks).
+order). With a token budget each worker runs the forwards dealt to it (TrainBatch.forward_groups), not its own
+packing (allsync.forward.token_budget_chunks).
 """
 
 from __future__ import annotations
@@ -27,17 +30,47 @@ from allsync.forward import SequenceBatch
 PER_TOKEN = ("old_logprobs", "advantages", "returns", "value_mask", "ref_logprobs", "engine_logprobs")
 
 
-def assign_episodes(tokens: list[list[int]], workers: int) -> list[list[int]]:
-    """For each worker's episodes (their tokens), the worker that trains each: the longest-processing-time rule
-    (module docstring). Pure and the same on every worker."""
+def assign_episodes(tokens: list[list[int]], workers: int, budget: int | None = None) -> list[list[tuple[int, int]]]:
+    """For each worker's episodes (their tokens): (the worker that trains it, the forward it goes in there); pure and
+    the same on every worker. Every episode of the minibatch, largest first (ties: by worker, then position):
+    - without a token budget (one forward a worker) the longest-processing-time rule: each to the worker with the
+      fewest tokens so far (ties: the lowest rank), forward 0;
+    - with optim.max_tokens_per_forward = budget, packed into forwards as the learner packs rows (an episode joins
+      the current forward while (episodes + 1) x the forward's largest <= budget), and the forwards, largest padded
+      size first, dealt in turns back and forth (workers 0, 1, .., W - 1, then W - 1, .., 0, ...), turn t being each
+      worker's forward t: the ranks' t-th forwards, which run together under expert parallelism, are about the same
+      size, and every worker's total about the same."""
     order = sorted(((-t, w, i) for w, episodes in enumerate(tokens) for i, t in enumerate(episodes)))
-    load = [(0, w) for w in range(workers)]
-    out = [[0] * len(episodes) for episodes in tokens]
+    out = [[(0, 0)] * len(episodes) for episodes in tokens]
+    if budget is None:
+        load = [(0, w) for w in range(workers)]
+        for negative, w, i in order:
+            held, dest = heapq.heappop(load)
+            out[w][i] = (dest, 0)
+            heapq.heappush(load, (held - negative, dest))
+        return out
+    packed: list[list[tuple[int, int]]] = []  # forwards: their (worker, position) episodes
+    largest = 0
     for negative, w, i in order:
-        held, dest = heapq.heappop(load)
-        out[w][i] = dest
-        heapq.heappush(load, (held - negative, dest))
+        if not packed or (len(packed[-1]) + 1) * max(largest, -negative) > budget:
+            packed.append([])
+            largest = 0
+        packed[-1].append((w, i))
+        largest = max(largest, -negative)
+    size = lambda f: len(f) * max(tokens[w][i] for w, i in f)  # noqa: E731 - a forward's padded tokens
+    for k, f in enumerate(sorted(packed, key=lambda f: -size(f))):  # a turn's forwards of about the same size
+        turn, place = divmod(k, workers)
+        for w, i in f:
+            out[w][i] = (place if turn % 2 == 0 else workers - 1 - place, turn)
     return out
+
+
+def dealt_forwards(forwards: list[int]) -> list[list[int]]:
+    """Row groups from each received row's forward number (assign_episodes'), in forward order, rows in order."""
+    groups: dict[int, list[int]] = {}
+    for row, f in enumerate(forwards):
+        groups.setdefault(f, []).append(row)
+    return [groups[f] for f in sorted(groups)]
 
 
 def _gather_lists(values: list[int], groups) -> list[list[int]]:
@@ -105,9 +138,10 @@ def batch_schema(mb, groups, pad_id: int) -> dict:
     return schema
 
 
-def balanced(mb, groups, pad_id: int, device):
+def balanced(mb, groups, pad_id: int, device, budget: int | None = None):
     """This worker's share of one minibatch after balancing (module docstring): a TrainBatch, or None when it trains
-    no row of it. Every worker calls it for every minibatch (mb None: no rows of its own)."""
+    no row of it. Every worker calls it for every minibatch (mb None: no rows of its own); budget:
+    optim.max_tokens_per_forward."""
     from allsync.learner import TrainBatch
     from moe_lora.expert_parallel import all_to_all
 
@@ -118,14 +152,16 @@ def balanced(mb, groups, pad_id: int, device):
     starts = [i for i in range(n) if i == 0 or episodes[i] != episodes[i - 1]]
     ends = starts[1:] + [n]
     tokens = [sum(lengths[a:b]) for a, b in zip(starts, ends)]
-    destination = assign_episodes(_gather_lists(tokens, groups), groups.world_size)[groups.rank]
-    row_dest = [d for d, a, b in zip(destination, starts, ends) for _ in range(a, b)]
+    destination = assign_episodes(_gather_lists(tokens, groups), groups.world_size, budget)[groups.rank]
+    row_dest = [d for (d, _), a, b in zip(destination, starts, ends) for _ in range(a, b)]
+    row_forward = [f for (_, f), a, b in zip(destination, starts, ends) for _ in range(a, b)]
     width = groups.max_over_ranks(max(lengths, default=2))
     order = sorted(range(n), key=lambda i: row_dest[i])  # stable: an episode's rows stay together and in order
     send = [row_dest.count(d) for d in range(groups.world_size)]
     ones = [1] * len(send)
     recv = all_to_all(torch.tensor(send, device=groups.device), ones, ones, groups.world).tolist()
     fields = _rows_fields(mb, width, schema)
+    fields["forward"] = torch.tensor(row_forward, dtype=torch.long)
     index = torch.tensor(order, dtype=torch.long)
     got = {k: all_to_all(v[index].to(groups.device), send, recv, groups.world).cpu() for k, v in fields.items()}
     rows = sum(recv)
@@ -139,7 +175,7 @@ def balanced(mb, groups, pad_id: int, device):
     keep = int(sequences.attention_mask.sum(-1).max())
     sequences = sequences.trimmed(keep).to(device)
     per_token = {k: got[k][:, : keep - 1].to(device) if schema[k] else None for k in PER_TOKEN}
-    return TrainBatch(
+    out = TrainBatch(
         sequences,
         per_token["old_logprobs"],
         per_token["advantages"],
@@ -150,3 +186,5 @@ def balanced(mb, groups, pad_id: int, device):
         got["episode_tokens"].float().to(device),
         per_token["engine_logprobs"],
     )
+    out.forward_groups = dealt_forwards(got["forward"].tolist()) if budget is not None else None
+    return out

@@ -78,6 +78,8 @@ class TrainBatch:
         None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
     )
     segment_kinds: list[str] | None = None  # per row: answer | memory | turn
+    # the row groups of its forwards when optim.balance_ranks dealt them (allsync/balance.py); None: forward_chunks
+    forward_groups: list[list[int]] | None = None
     # a critic's step sums that add up over workers: value_fit_sums (its values before the update against its
     # targets) and split_advantage_sums (the raw advantages of cut and finished responses)
     critic_sums: dict[str, torch.Tensor] | None = None
@@ -420,7 +422,11 @@ class Learner:
         with rows or without."""
         return [
             balanced(
-                tb.minibatch(rows) if tb is not None and len(rows) else None, self.groups, self.pad_id, self.device
+                tb.minibatch(rows) if tb is not None and len(rows) else None,
+                self.groups,
+                self.pad_id,
+                self.device,
+                self.config.optim.max_tokens_per_forward,
             )
             for rows in parts
         ]
@@ -584,7 +590,7 @@ class Learner:
                 mb = batches[m] if has_rows else None
             else:
                 mb = tb.minibatch(rows) if rows is not None and has_rows else None
-            micro = self.forward_chunks(mb.sequences) if mb is not None else []
+            micro = (mb.forward_groups or self.forward_chunks(mb.sequences)) if mb is not None else []
             own_logprobs = []  # the micro-batches' detached logprobs: the old ones when tb has none yet
             checkpointing = c.optim.activation_checkpointing
             with (

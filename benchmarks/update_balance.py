@@ -1,18 +1,19 @@
-"""How long expert-parallel ranks wait for each other in the update, packing forwards in row order or longest first
-(issue 48, lever 4).
+"""How long expert-parallel ranks wait for each other in the update: forwards packed in row order, longest first, and
+longest first after balancing the rows over the ranks (issue 48, lever 4).
 
     python -m benchmarks.update_balance [--ep 2,4] [--rows 24] [--budget 384] [--repeats 3] [--json FILE]
 
 Under expert parallelism the ranks of a group run their j-th forwards together (their MoE layers exchange tokens),
 so each forward lasts as long as the largest of the group's j-th forwards. The learner packs a minibatch's rows into
 forwards of at most optim.max_tokens_per_forward padded tokens (allsync.forward.token_budget_chunks): longest first
-since this benchmark, consecutive rows in row order before (`in_row_order`, kept here as the baseline).
+since this benchmark, consecutive rows in row order before (`in_row_order`, kept here as the baseline); with
+optim.balance_ranks the rows first move so that every rank holds nearly the same tokens (allsync/balance.py).
 
 Each of --ep ranks (torch.multiprocessing, gloo, the tiny DeepSeek-V3 with its 8 routed experts split over them,
 LoRA rank 8, float32) holds --rows responses of long-tailed lengths (lognormal, median 40 tokens, sigma 0.8, at most
 240, after a 12-token prompt; each rank its own draw), and runs the update's forward + backward of every forward of
-both packings (a rank with fewer forwards runs idle one-token rows, as the learner does), --repeats times. Reported
-per packing and EP size:
+each arm (a rank with fewer forwards runs idle one-token rows, as the learner does; "balanced" includes the rows'
+exchange), --repeats times. Reported per arm and EP size:
 
     padded       each rank's padded positions (rows x longest of each forward, summed)
     lockstep     sum over j of the largest j-th forward's padded positions: what the group steps through together
@@ -69,14 +70,34 @@ def lockstep_positions(per_rank: list[list[int]]) -> int:
     return sum(max(p[j] if j < len(p) else 0 for p in per_rank) for j in range(forwards))
 
 
+ARMS = ("row order", "longest first", "balanced")
+
+
+def balanced_forwards(lengths: list[list[int]], budget: int) -> list[list[int]]:
+    """Each rank's forwards' padded positions after optim.balance_ranks: the forwards allsync.balance.assign_episodes
+    packs over every rank's rows and deals in turns (one row an episode), which each rank runs as dealt."""
+    from allsync.balance import assign_episodes, dealt_forwards
+
+    rows, slots = [[] for _ in lengths], [[] for _ in lengths]
+    for lens, dest in zip(lengths, assign_episodes(lengths, len(lengths), budget)):
+        for n, (d, f) in zip(lens, dest):
+            rows[d].append(n)
+            slots[d].append(f)
+    return [padded(r, dealt_forwards(s)) for r, s in zip(rows, slots)]
+
+
 def positions_report(ep: int, rows: int, budget: int) -> dict:
-    """The deterministic part: padded and lockstep positions of both packings."""
+    """The deterministic part: padded and lockstep positions of every arm."""
     from allsync.forward import token_budget_chunks
 
     out = {}
     lengths = [rank_lengths(r, rows) for r in range(ep)]
-    for name, pack in (("row order", in_row_order), ("longest first", token_budget_chunks)):
-        per_rank = [padded(lens, pack(lens, budget)) for lens in lengths]
+    arms = {
+        "row order": [padded(lens, in_row_order(lens, budget)) for lens in lengths],
+        "longest first": [padded(lens, token_budget_chunks(lens, budget)) for lens in lengths],
+        "balanced": balanced_forwards(lengths, budget),
+    }
+    for name, per_rank in arms.items():
         lockstep = lockstep_positions(per_rank)
         own = [sum(p) for p in per_rank]
         out[name] = {
@@ -91,7 +112,9 @@ def positions_report(ep: int, rows: int, budget: int) -> dict:
 
 def run_rank(rank: int, ep: int, address: str, checkpoint: str, rows: int, budget: int, repeats: int, results) -> None:
     """One rank: its experts' shard, its rows, the update's forwards + backwards of both packings, timed."""
+    from allsync.balance import balanced
     from allsync.forward import build_sequences, forward_logprobs, token_budget_chunks
+    from allsync.learner import TrainBatch
     from allsync.launch.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
@@ -110,23 +133,26 @@ def run_rank(rank: int, ep: int, address: str, checkpoint: str, rows: int, budge
     lengths = rank_lengths(rank, rows)
     gen = torch.Generator().manual_seed(rank)
     seqs = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
+    mine = build_sequences([s[:PROMPT] for s in seqs], [s[PROMPT:] for s in seqs], 2)
     idle = build_sequences([[2]], [[2]], 2)
     times = {}
-    for name, pack in (("row order", in_row_order), ("longest first", token_budget_chunks)):
-        chunks = pack(lengths, budget)
-        forwards = groups.max_over_ranks(len(chunks))
+    for name in ARMS:
         seconds = []
         for _ in range(repeats):
             groups.max_over_ranks(0)  # start together
             t0 = time.perf_counter()
-            for j in range(forwards):
-                if j < len(chunks):
-                    batch = build_sequences(
-                        [seqs[i][:PROMPT] for i in chunks[j]], [seqs[i][PROMPT:] for i in chunks[j]], 2
-                    )
-                else:
-                    batch = idle
-                (forward_logprobs(model, batch) * batch.response_mask).sum().backward()
+            batch = mine
+            if name == "balanced":  # the rows move first (their exchange is timed too)
+                moved = balanced(TrainBatch(mine, None, torch.zeros_like(mine.response_mask)), groups, 2, "cpu", budget)
+                batch = moved.sequences
+            held = batch.attention_mask.sum(-1).tolist()
+            chunks = (in_row_order if name == "row order" else token_budget_chunks)(held, budget)
+            if name == "balanced":
+                chunks = moved.forward_groups  # the forwards as dealt
+            for j in range(groups.max_over_ranks(len(chunks))):
+                part = batch.select(chunks[j]) if j < len(chunks) else idle
+                part = part.trimmed(part.width)
+                (forward_logprobs(model, part) * part.response_mask).sum().backward()
             seconds.append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
         times[name] = seconds
@@ -142,10 +168,10 @@ def measure(ep: int, checkpoint: str, rows: int, budget: int, repeats: int) -> d
         mp.spawn(run_rank, args=(ep, address, checkpoint, rows, budget, repeats, results), nprocs=ep)
         times = dict(results)
     out = positions_report(ep, rows, budget)
-    for name in ("row order", "longest first"):
+    for name in ARMS:
         slowest = [max(times[r][name][i] for r in range(ep)) for i in range(repeats)]
         out[name]["wall_seconds"] = round(statistics.median(slowest), 3)
-    out["wall_ratio"] = round(out["longest first"]["wall_seconds"] / out["row order"]["wall_seconds"], 3)
+        out[name]["wall_ratio"] = round(out[name]["wall_seconds"] / out["row order"]["wall_seconds"], 3)
     return out
 
 
@@ -176,14 +202,13 @@ def main(argv=None) -> dict:
         checkpoint = str(make_tiny(Path(tmp) / "tiny"))
         for ep in sizes:
             out["ep"][str(ep)] = result = measure(ep, checkpoint, args.rows, args.budget, args.repeats)
-            for name in ("row order", "longest first"):
+            for name in ARMS:
                 r = result[name]
                 print(
                     f"EP {ep}, {name:13}: forwards {r['forwards']}, padded {r['padded']}, lockstep {r['lockstep']}, "
-                    f"wait share {r['wait_share']:.1%}, wall {r['wall_seconds']:.2f} s",
+                    f"wait share {r['wait_share']:.1%}, wall {r['wall_seconds']:.2f} s ({r['wall_ratio']}x row order's)",
                     flush=True,
                 )
-            print(f"EP {ep}: longest first / row order wall = {result['wall_ratio']}", flush=True)
             if args.json:
                 atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
     return out
