@@ -24,7 +24,7 @@ import heapq
 
 import torch
 
-from allsync.forward import SequenceBatch
+from allsync.forward import SequenceBatch, token_budget_chunks
 
 # a minibatch's per-token tensors ([rows, width - 1]; TrainBatch.minibatch keeps these), moved with their rows
 PER_TOKEN = ("old_logprobs", "advantages", "returns", "value_mask", "ref_logprobs", "engine_logprobs")
@@ -186,5 +186,11 @@ def balanced(mb, groups, pad_id: int, device, budget: int | None = None):
         got["episode_tokens"].float().to(device),
         per_token["engine_logprobs"],
     )
-    out.forward_groups = dealt_forwards(got["forward"].tolist()) if budget is not None else None
+    if budget is not None:  # the dealt forwards, any one over the budget (an episode of several rows) split again
+        lengths = sequences.attention_mask.sum(-1).tolist()
+        out.forward_groups = [
+            [group[i] for i in part]
+            for group in dealt_forwards(got["forward"].tolist())
+            for part in token_budget_chunks([lengths[r] for r in group], budget)
+        ]
     return out

@@ -85,8 +85,8 @@ def saved_on_host(enabled: bool):
 
 def token_budget_chunks(lengths: list[int], budget: int | None) -> list[list[int]]:
     """Row groups whose padded size (rows x the group's longest row) is at most `budget` tokens, packed longest first:
-    the rows sorted by length (longest first, ties in row order) and cut into consecutive groups of that order; a
-    row longer than the budget is a group of its own. Rows of similar lengths share a forward (less padding), and
+    the rows sorted by length (longest first, ties in row order) and cut into consecutive groups of that order (each
+    group's rows then listed in row order); a row longer than the budget is a group of its own. Rows of similar lengths share a forward (less padding), and
     under expert parallelism, where the ranks run their j-th forwards together and each waits for the largest, every
     rank's j-th forward is about as large as the others' (benchmarks/update_balance.py measures the wait). None: one
     group of every row, in row order (none if empty)."""
@@ -101,7 +101,7 @@ def token_budget_chunks(lengths: list[int], budget: int | None) -> list[list[int
         else:
             chunks.append([i])
             longest = lengths[i]
-    return chunks
+    return [sorted(chunk) for chunk in chunks]
 
 
 def build_sequences(

@@ -258,6 +258,8 @@ def decode_in_slots(
         span = span_bucket(longest + 1, pool.capacity) if live else 0
         if lockstep is not None:
             span = lockstep.max_over_ranks(span)
+        if span == 0:  # no rank has a live row (each admitted row ended at its first token): no step anywhere
+            return last[:0], last[:0].float()
         free = pool.slots - len(live)
         rows_in = torch.cat([live_rows, live_rows.new_zeros(free)])
         chosen, chosen_lp = step(

@@ -372,6 +372,7 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config, run.rollout.engine)
     # overlap is modelled for vLLM's continuous batching over one wave of groups
     one_wave = sampling.round_count == 1 and work.waves == 1 and run.rollout.engine == "vllm"
+    one_wave = one_wave and not run.optim.balance_ranks  # balanced rows train where they did not finish
     if layout.colocation != "sleep" and overlap_kv >= plan.sequence_tokens and one_wave:
         runs = [generate(g[0][0], work.prompt_tokens, overlap_kv, cost) for g in sampling.rounds]
         group_train = [t.reshape(-1, run.rollout.group_size).sum(axis=1) for t in trained]
