@@ -1,6 +1,8 @@
 """benchmarks/update_balance.py: the lockstep positions of both packings are what the forwards pad to, and the run
 spawns real expert-parallel ranks."""
 
+import pytest
+
 from benchmarks.update_balance import in_row_order, lockstep_positions, main, padded, positions_report, rank_lengths
 from allsync.forward import token_budget_chunks
 
@@ -19,6 +21,7 @@ def test_positions_count_the_padding_and_the_group_waits_for_the_largest_forward
     assert rank_lengths(0, 5) == rank_lengths(0, 5) != rank_lengths(1, 5)
 
 
+@pytest.mark.slow  # 9 s; the exchange itself is in the default run: test_balanced_ranks_make_the_one_worker_update...
 def test_the_benchmark_runs_two_ranks(tmp_path):
     out = main(["--ep", "2", "--rows", "4", "--repeats", "1", "--json", str(tmp_path / "balance.json")])
     result = out["ep"]["2"]
