@@ -73,6 +73,19 @@ def dealt_forwards(forwards: list[int]) -> list[list[int]]:
     return [groups[f] for f in sorted(groups)]
 
 
+def dealt(tokens: list[list[int]], workers: int, budget: int | None = None) -> list[tuple[list, list | None]]:
+    """assign_episodes from each destination's side: per worker, the (worker, position) of the episodes it trains in
+    the order they arrive (by source worker, then position, as `balanced` receives them) and, with a budget, its
+    forwards (row groups of indices into that list; None without one)."""
+    taken: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
+    slots: list[list[int]] = [[] for _ in range(workers)]
+    for w, destinations in enumerate(assign_episodes(tokens, workers, budget)):
+        for i, (d, f) in enumerate(destinations):
+            taken[d].append((w, i))
+            slots[d].append(f)
+    return [(t, dealt_forwards(s) if budget is not None else None) for t, s in zip(taken, slots)]
+
+
 def _gather_lists(values: list[int], groups) -> list[list[int]]:
     """Every worker's list of ints (lengths may differ), in rank order."""
     longest = groups.max_over_ranks(len(values))
@@ -153,15 +166,15 @@ def balanced(mb, groups, pad_id: int, device, budget: int | None = None):
     ends = starts[1:] + [n]
     tokens = [sum(lengths[a:b]) for a, b in zip(starts, ends)]
     destination = assign_episodes(_gather_lists(tokens, groups), groups.world_size, budget)[groups.rank]
-    row_dest = [d for (d, _), a, b in zip(destination, starts, ends) for _ in range(a, b)]
-    row_forward = [f for (_, f), a, b in zip(destination, starts, ends) for _ in range(a, b)]
+    row_where = [where for where, a, b in zip(destination, starts, ends) for _ in range(a, b)]  # (worker, forward)
+    row_dest = [d for d, _ in row_where]
     width = groups.max_over_ranks(max(lengths, default=2))
     order = sorted(range(n), key=lambda i: row_dest[i])  # stable: an episode's rows stay together and in order
     send = [row_dest.count(d) for d in range(groups.world_size)]
     ones = [1] * len(send)
     recv = all_to_all(torch.tensor(send, device=groups.device), ones, ones, groups.world).tolist()
     fields = _rows_fields(mb, width, schema)
-    fields["forward"] = torch.tensor(row_forward, dtype=torch.long)
+    fields["forward"] = torch.tensor([f for _, f in row_where], dtype=torch.long)
     index = torch.tensor(order, dtype=torch.long)
     got = {k: all_to_all(v[index].to(groups.device), send, recv, groups.world).cpu() for k, v in fields.items()}
     rows = sum(recv)

@@ -76,14 +76,10 @@ ARMS = ("row order", "longest first", "balanced")
 def balanced_forwards(lengths: list[list[int]], budget: int) -> list[list[int]]:
     """Each rank's forwards' padded positions after optim.balance_ranks: the forwards allsync.balance.assign_episodes
     packs over every rank's rows and deals in turns (one row an episode), which each rank runs as dealt."""
-    from allsync.balance import assign_episodes, dealt_forwards
+    from allsync.balance import dealt
 
-    rows, slots = [[] for _ in lengths], [[] for _ in lengths]
-    for lens, dest in zip(lengths, assign_episodes(lengths, len(lengths), budget)):
-        for n, (d, f) in zip(lens, dest):
-            rows[d].append(n)
-            slots[d].append(f)
-    return [padded(r, dealt_forwards(s)) for r, s in zip(rows, slots)]
+    shares = dealt(lengths, len(lengths), budget)
+    return [padded([lengths[w][i] for w, i in taken], groups) for taken, groups in shares]
 
 
 def positions_report(ep: int, rows: int, budget: int) -> dict:

@@ -252,11 +252,16 @@ def unequal_copy(tensors: dict[str, torch.Tensor], keys: list[str]) -> str | Non
     return next((k for k in keys[1:] if not torch.equal(tensors[keys[0]], tensors[k])), None)
 
 
+def lora_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's LoRA modules (LoRALinear and LoRAExperts), in module order."""
+    return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Inside the block every LoRA module computes its frozen base alone (y = frozen(x)): the model is the
     reference policy of the KL penalty, at no memory cost. Restored on exit, also after an exception."""
-    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
+    modules = lora_modules(model)
     previous = [m.enabled for m in modules]
     for m in modules:
         m.enabled = False

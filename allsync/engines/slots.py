@@ -110,9 +110,12 @@ def right_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     return ids.to(device), torch.tensor([len(p) for p in prompts], device=device)
 
 
-def decode_forward(model, pool: SlotKVCache, last: torch.Tensor, longest: int) -> torch.Tensor:
+def decode_forward(
+    model, pool: SlotKVCache, last: torch.Tensor, longest: int, live: torch.Tensor | None = None
+) -> torch.Tensor:
     """One decode forward of the first len(last) slots of `pool` (each fed its last token at its own length, the
-    longest holding `longest` positions): their next-token scores [live, V]; the slots' lengths advance by one."""
+    longest holding `longest` positions): their next-token scores [live, V]; the slots' lengths advance by one, or,
+    for a fixed-shape step of every slot, by `live` [slots] (SlotKVCache.advance)."""
     pool.begin_step(len(last), longest + 1)
     scores = model(
         input_ids=last[:, None],
@@ -121,7 +124,7 @@ def decode_forward(model, pool: SlotKVCache, last: torch.Tensor, longest: int) -
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
-    pool.advance()
+    pool.advance(live)
     return scores
 
 
@@ -138,23 +141,15 @@ class FixedShapeStep:
     """One decode step of every slot of a pool with tensors whose shapes depend on (slots, span) only and no host read
     (what a CUDA graph can capture; `allsync.engines.graphs.GraphedStep` captures it): every slot is fed its last token
     at its own length, a free slot a pad token whose result nobody reads; its length advances by `live` [slots] (1 for
-    a live slot, 0 for a free one); the routed experts run in fixed shapes (quant.modules.fixed_shapes). Returns the sampled tokens and their logprobs [slots]."""
+    a live slot, 0 for a free one); the routed experts run in fixed shapes (quant.modules.fixed_shapes). Returns the
+    sampled tokens and their logprobs [slots]."""
 
     def __init__(self, model, pool: SlotKVCache, sampling):
         self.model, self.pool, self.sampling = model, pool, sampling
 
     def __call__(self, last, live, seeds, steps, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = self.pool
-        pool.begin_step(pool.slots, span)
         with fixed_shapes(self.model):
-            scores = self.model(
-                input_ids=last[:, None],
-                position_ids=pool.lengths[:, None],
-                past_key_values=pool,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
-        pool.advance(live)
+            scores = decode_forward(self.model, self.pool, last, span - 1, live)
         return sample_rows(scores.float(), seeds, steps, self.sampling)
 
 
@@ -310,7 +305,7 @@ def decode_in_slots(
             ended = take(index, chosen, chosen_lp)
             out.prefills.append((call, new, which.tolist(), ids.shape[1]))
             out.positions += ids.numel()
-            held = pool.lengths[: len(live)].tolist() + [len(rows[r]) for r in new]
+            held = [longest] * len(live) + [len(rows[r]) for r in new]
             flags = [[False] * len(live) + f for f in ended.tolist()]
             live, live_rows, last = live + new, torch.cat([live_rows, index]), torch.cat([last, chosen])
             longest = max(held)

@@ -36,7 +36,7 @@ import torch
 
 from allsync.engines.graphs import graphed_step
 from allsync.engines.slots import decode_in_slots
-from moe_lora.lora import lora_merged
+from moe_lora.lora import lora_merged, lora_modules
 from moe_lora.mla_decode import expanded_cache_fits, install_mla_decode
 from moe_lora.routing import moe_layers, recording
 
@@ -141,7 +141,7 @@ class TorchEngine:
         load_lora_state_dict; the loop writes none through .data between generate calls), which adapters are on,
         and whether LoRA is merged."""
         versions = tuple(p._version for p in self.model.parameters())
-        enabled = tuple(m.enabled for m in self.model.modules() if hasattr(m, "enabled") and hasattr(m, "lora_B"))
+        enabled = tuple(m.enabled for m in lora_modules(self.model))
         return versions, enabled, self.merge_lora
 
     @torch.no_grad()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from allsync.balance import assign_episodes, dealt_forwards
+from allsync.balance import dealt
 from allsync.plan import schedules
 from allsync.plan.fit import Layout, Plan, decode_cache_is_expanded, kv_bytes_per_token
 from allsync.plan.hardware import Hardware
@@ -279,9 +279,10 @@ def train_phase(
     the learner runs it: optim.minibatches contiguous parts, each packed longest first into forwards whose padded size
     (rows x longest) stays within optim.max_tokens_per_forward (allsync.forward.token_budget_chunks; one forward of
     the part without a budget); with optim.balance_ranks each minibatch's rows first go to the GPUs as
-    allsync.balance.assign_episodes deals them (one row an episode): with a budget in forwards packed globally and
-    dealt in turns, which the GPUs run as dealt; without one by the longest-processing-time rule. Expert-parallel ranks run their j-th forwards together (a rank with fewer
-    runs idle ones), so each costs the group's slowest; every minibatch ends in a gradient all-reduce over all GPUs:
+    allsync.balance.dealt deals them (one row an episode): with a budget in forwards packed globally and dealt in
+    turns, which the GPUs run as dealt; without one by the longest-processing-time rule. Expert-parallel ranks run
+    their j-th forwards together (a rank with fewer runs idle ones), so each costs the group's slowest; every
+    minibatch ends in a gradient all-reduce over all GPUs:
         wall = sum over minibatches m of max over EP groups g of sum over forwards j of max over ranks r in g t[r,m,j]
     (EP 1: groups of one). Activation offload copies each forward's saved bytes out and back over the host link."""
     from allsync.forward import token_budget_chunks
@@ -299,20 +300,13 @@ def train_phase(
         tokens = np.asarray(responses, dtype=np.int64) + prompt_tokens
         bounds = np.cumsum([0] + [len(p) for p in np.array_split(tokens, o.minibatches)])
         parts.append([[(int(tokens[j]), i, j) for j in range(a, b)] for a, b in zip(bounds, bounds[1:])])
-    dealt = run.optim.balance_ranks and gpus > 1  # allsync/balance.py: each minibatch's rows spread by their tokens
     forwards = [[None] * o.minibatches for _ in range(gpus)]  # [gpu][m]: the dealt forwards' rows (None: its own)
-    if dealt:
+    if run.optim.balance_ranks and gpus > 1:  # allsync/balance.py: each minibatch's rows spread by their tokens
         for m in range(o.minibatches):
-            moved, slots = [[] for _ in range(gpus)], [[] for _ in range(gpus)]
-            destinations = assign_episodes([[row[0] for row in p[m]] for p in parts], gpus, o.max_tokens_per_forward)
-            for p, dest in zip(parts, destinations):
-                for row, (d, f) in zip(p[m], dest):
-                    moved[d].append(row)
-                    slots[d].append(f)
-            for i, (p, rows) in enumerate(zip(parts, moved)):
-                p[m] = rows
-                if o.max_tokens_per_forward is not None:
-                    forwards[i][m] = dealt_forwards(slots[i])
+            shares = dealt([[row[0] for row in p[m]] for p in parts], gpus, o.max_tokens_per_forward)
+            moved = [[parts[w][m][i] for w, i in taken] for taken, _ in shares]
+            for i, (rows, (_, groups)) in enumerate(zip(moved, shares)):
+                parts[i][m], forwards[i][m] = rows, groups
     for i in range(gpus):
         for m, part in enumerate(parts[i]):
             lengths = [row[0] for row in part]
