@@ -279,6 +279,12 @@ class AlgorithmSection:
     # the first N steps train only the critic, on the starting policy's responses (VAPO's value pretraining):
     # the policy's first advantages come from a critic that has seen its returns
     value_pretrain_steps: int = 0
+    # the sampling policy's logprobs when a step has several minibatches (optim.minibatches > 1; with one, the
+    # update's own forward gives them): recompute (a no-gradient forward of the whole batch before the update) |
+    # engine (the logprobs the engine sampled with: rollout.engine torch samples from the trainer's own model and
+    # adapter, so they are the same policy's in another kernel order, and the forward is saved; the gap is then
+    # measured on the forwards before the step's first optimizer step)
+    old_logprobs: str = "recompute"
 
     @property
     def estimator(self):
@@ -305,6 +311,16 @@ class AlgorithmSection:
             fail(
                 f"algorithm.sampling_fill = {self.sampling_fill!r}: use worker (each worker fills its own quota) or "
                 "global (the workers fill the batch together)"
+            )
+        if self.old_logprobs not in ("recompute", "engine"):
+            fail(
+                f"algorithm.old_logprobs = {self.old_logprobs!r}: use recompute (a forward before the update) or "
+                "engine (the torch engine's sampling logprobs)"
+            )
+        if self.old_logprobs == "engine" and self.tis is not None:
+            fail(
+                "algorithm.old_logprobs engine with algorithm.tis: TIS weighs pi_old / pi_engine, which is 1 when the "
+                "old logprobs are the engine's (use recompute)"
             )
         if self.sampling_fill == "global" and not self.dynamic_sampling:
             fail("algorithm.sampling_fill = 'global' without algorithm.dynamic_sampling: there is nothing to fill")
@@ -923,6 +939,12 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
             f"algorithm.routing_replay with rollout.engine {r.engine}: the torch engine records the experts it routes "
             "each token to; vLLM 0.32 returns them (enable_return_routed_experts) only with its Model Runner V2 "
             "(VLLM_USE_V2_MODEL_RUNNER=1, Triton on a GPU), which is not wired in yet (use rollout.engine torch)"
+        )
+    if a.old_logprobs == "engine" and r.engine != "torch":
+        fail(
+            f"algorithm.old_logprobs engine with rollout.engine {r.engine}: only the torch engine samples from the "
+            "trainer's own model; vLLM's logprobs come from its own copy and kernels (keep recompute, and algorithm.tis "
+            "for the mismatch)"
         )
     if a.routing_replay and c.producer.kind != "single_turn":
         fail(

@@ -13,6 +13,7 @@ whole episodes (the rows of one episode are never split), so per-episode denomin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ class TrainBatch:
             self.episode_of_row[rows],
             self.episode_tokens[rows],
             cut(self.engine_logprobs),
+            cut(self.engine_mask),
+            None if self.segment_kinds is None else [self.segment_kinds[i] for i in rows.tolist()],
         )
 
     def counts(self, rows: torch.Tensor) -> torch.Tensor:
@@ -319,6 +322,19 @@ class Learner:
         need them."""
         return self.config.optim.minibatches == 1
 
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """Several minibatches and algorithm.old_logprobs recompute: a no-gradient forward before the update."""
+        return not self.reuses_update_forward and self.config.algorithm.old_logprobs == "recompute"
+
+    def old_logprobs(self, batch: SequenceBatch, engine_logprobs: torch.Tensor | None) -> torch.Tensor | None:
+        """The sampling policy's logprobs at the batch's tokens: None when the update's own forward gives them
+        (reuses_update_forward), a no-gradient forward (current_logprobs) with algorithm.old_logprobs recompute,
+        else the engine's (the torch engine samples from this model and adapter)."""
+        if self.reuses_update_forward:
+            return None
+        return self.current_logprobs(batch) if self.recomputes_old_logprobs else engine_logprobs
+
     # ------------------------------------------------------------------------------ batches
     def episode_batch(self, episodes: list[Episode], group_index: torch.Tensor) -> TrainBatch:
         """Group baselines (GRPO / Dr.GRPO) over the episodes' rewards: one advantage per episode, copied to
@@ -342,7 +358,7 @@ class Learner:
         if a.overlong is not None and a.overlong.filter_truncated:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
-        old_logprobs = None if self.reuses_update_forward else self.current_logprobs(batch)
+        old_logprobs = self.old_logprobs(batch, engine_logprobs)
         advantages = episode_advantages[episode_of_row][:, None].expand_as(batch.response_mask).float()
         return TrainBatch(
             batch,
@@ -366,7 +382,7 @@ class Learner:
         seqs = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
         engine = scatter_response_values(rows.engine_logprobs, seqs)
         old_values = self.current_values(seqs)
-        old_logprobs = None if self.reuses_update_forward else self.current_logprobs(seqs)
+        old_logprobs = self.old_logprobs(seqs, engine)
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
         reasons = [s.finish_reason for s in rows.segments]
@@ -513,7 +529,7 @@ class Learner:
             idle = self.idle_batch().sequences
             if self.critic is not None:
                 self.current_values(idle)
-            if not self.reuses_update_forward:
+            if self.recomputes_old_logprobs:
                 self.current_logprobs(idle)
             self.reference_logprobs(idle)
         make_batch = self.critic_batch if self.critic is not None else lambda e: self.episode_batch(e, group_index)
@@ -529,8 +545,6 @@ class Learner:
             out.update(routing_mismatched=mismatched, routing_counted=counted)
         if tb is not None and tb.critic_sums is not None:
             out.update({key: sums.tolist() for key, sums in tb.critic_sums.items()})
-        if tb is not None and multiconv_settings(self.config) is not None:
-            out.update(segment_gaps(tb))
         return out
 
     def update(self, tb: TrainBatch | None, adapter_version: int) -> dict:
@@ -579,6 +593,9 @@ class Learner:
             )
             out["train_positions"] = sum(b.sequences.input_ids.numel() for b in batches if b is not None)
         totals = self.all_reduce(local.clone())
+        # algorithm.old_logprobs engine: the engine/trainer gap from the minibatches trained before any optimizer step
+        engine_old = tb is not None and not self.reuses_update_forward and not self.recomputes_old_logprobs
+        gap_batch = None
         for m, rows in enumerate(parts):
             if totals[m, 0] == 0 and totals[m, 2] == 0:
                 out["empty_minibatches"] += 1
@@ -613,6 +630,9 @@ class Learner:
             whole = mb if batches is not None else tb  # the rows the update's own logprobs belong to
             if whole is not None and whole.old_logprobs is None and own_logprobs:  # one minibatch: all of its rows
                 whole.old_logprobs = placed_rows(own_logprobs, micro, whole.engine_logprobs)
+            if engine_old and gap_batch is None and own_logprobs and out["optimizer_steps"] == 0:
+                # before the step's first optimizer step the update's forwards are the sampling policy's
+                gap_batch = dataclasses.replace(mb, old_logprobs=placed_rows(own_logprobs, micro, mb.engine_logprobs))
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
             local_sq = sum(
@@ -638,6 +658,8 @@ class Learner:
             out["grad_norm"] = float(norm)
         if batches is not None and minibatches == 1:  # the gap over the rows this worker trained
             tb = batches[0]
+        if engine_old:
+            tb = gap_batch  # None: this worker trained no row before the step's first optimizer step
         # engine_logprobs None: not sampled (recipes/nlft.py's examples); old_logprobs None: no token was trained
         if tb is not None and tb.engine_logprobs is not None and tb.old_logprobs is not None:
             out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)
@@ -646,6 +668,8 @@ class Learner:
                     f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
                     f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels"
                 )
+        if tb is not None and tb.segment_kinds is not None and multiconv_settings(c) is not None:
+            out.update(segment_gaps(tb))
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out

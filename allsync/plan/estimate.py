@@ -288,9 +288,8 @@ def train_phase(
     from allsync.forward import token_budget_chunks
 
     o = run.optim
-    passes = train_passes(
-        o.activation_checkpointing, o.minibatches, run.algorithm.kl_coef > 0, run.algorithm.uses_critic
-    )
+    a = run.algorithm
+    passes = train_passes(o.activation_checkpointing, o.minibatches, a.kl_coef > 0, a.uses_critic, a.old_logprobs)
     gpus = len(sequences)
     times = [[[] for _ in range(o.minibatches)] for _ in range(gpus)]  # [gpu][minibatch] -> seconds per forward
     per_sequence = [np.zeros(len(responses)) for responses in sequences]

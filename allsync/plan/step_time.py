@@ -130,12 +130,14 @@ def sequence_forward_flops(config: dict, tokens) -> np.ndarray:
     return causal_flops(*flop_coefficients(config), np.asarray(tokens, dtype=np.float64))
 
 
-def train_passes(checkpointing: bool, minibatches: int, kl: bool, critic: bool = False) -> tuple[int, int]:
+def train_passes(
+    checkpointing: bool, minibatches: int, kl: bool, critic: bool = False, old_logprobs: str = "recompute"
+) -> tuple[int, int]:
     """(FLOP passes, all-to-all passes) of training one sequence: forward 1 + backward 2 (+ recompute, + old-logprob
-    forward when a step has several minibatches, + reference forward with a KL penalty); the backward moves the
-    all-to-all's bytes once. A critic (PPO / T-PPO, allsync/critic.py) runs the frozen model again: its values before
-    the update (a forward), then its own forward and backward (+ recompute)."""
-    forwards = 1 + int(checkpointing) + int(minibatches > 1) + int(kl)
+    forward when a step has several minibatches and algorithm.old_logprobs is recompute, + reference forward with a
+    KL penalty); the backward moves the all-to-all's bytes once. A critic (PPO / T-PPO, allsync/critic.py) runs the
+    frozen model again: its values before the update (a forward), then its own forward and backward (+ recompute)."""
+    forwards = 1 + int(checkpointing) + int(minibatches > 1 and old_logprobs == "recompute") + int(kl)
     flops, a2a = forwards + 2, forwards + 1
     if critic:
         flops += 1 + 3 + int(checkpointing)

@@ -30,9 +30,11 @@ def config(
     optim: dict | None = None,
     lora: dict | None = None,
     parallel: dict | None = None,
+    algorithm: dict | None = None,
 ):
     data = run_config(base, Path("unused"), expert_parallel)
     data["optim"].update(optim or {})
+    data["algorithm"].update(algorithm or {})
     data.setdefault("lora", {}).update(lora or {})
     data["parallel"].update(parallel or {})
     if tppo:  # T-PPO: windows of 4 tokens over a pool of in-flight responses, a critic, EGAE
@@ -51,9 +53,10 @@ def run_steps(
     optim: dict | None = None,
     lora: dict | None = None,
     parallel: dict | None = None,
+    algorithm: dict | None = None,
 ):
     problems = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train
-    group = RayGroup(config(base, expert_parallel, tppo, optim, lora, parallel), problems)
+    group = RayGroup(config(base, expert_parallel, tppo, optim, lora, parallel, algorithm), problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]
         adapter = group.call("full_adapter_tensors")
@@ -139,15 +142,19 @@ def test_shared_outer_at_ep4_one_expert_a_rank_trains_the_adapter_of_four_replic
 def test_a_token_budget_and_activation_checkpointing_at_ep2_give_the_ep1_adapter(warm_tiny, replicated):
     """Under expert parallelism every rank runs as many forwards as the rank with the most row groups (idle rows
     for the rest), and recomputed decoder layers redo their all-to-alls in backward in the same order on every
-    rank; with optim.balance_ranks each minibatch's rows first move between the ranks (allsync/balance.py): three
-    steps end at the unsplit EP=1 adapter, every step training the same tokens in all."""
+    rank; with optim.balance_ranks each minibatch's rows first move between the ranks (allsync/balance.py); with
+    algorithm.old_logprobs engine no rank runs an old-logprob pass (a rank with no rows neither): three steps end at
+    the unsplit EP=1 adapter (which recomputed its old logprobs; measured 1.0e-6 of its norm apart), every step
+    training the same tokens in all, the engine's logprobs within 1e-6 nats of the first minibatch's."""
     metrics1, adapter1, _ = replicated
     metrics2, adapter2, _ = run_steps(
         warm_tiny,
         2,
         3,
         optim={"max_tokens_per_forward": 48, "activation_checkpointing": True, "balance_ranks": True},
+        algorithm={"old_logprobs": "engine"},
     )
+    assert all(0 < w["logprob_gap"] < 1e-5 for step in metrics2 for w in step)
     flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731
     ep1, ep2 = flat(adapter1[0]), flat(adapter2[0])
     assert float((ep2 - ep1).norm() / ep1.norm()) < 1e-5

@@ -547,3 +547,11 @@ def test_a_config_value_out_of_range_has_no_plan(trace_cache, tmp_path, section,
     assert main(["plan", "--config", str(config), "--shape", "deepseek-v3"]) == 2
     out = capsys.readouterr()
     assert __import__("re").search(message, out.err) and out.out == ""
+
+
+def test_old_logprobs_from_the_engine_drop_one_forward_of_training():
+    """Several minibatches: forward, recompute and the old-logprob forward, backward 2 (5 FLOP passes, 4 of the
+    all-to-all); algorithm.old_logprobs engine drops the old-logprob forward; one minibatch never has it."""
+    assert train_passes(True, 16, False) == (5, 4)
+    assert train_passes(True, 16, False, old_logprobs="engine") == (4, 3)
+    assert train_passes(True, 1, False) == train_passes(True, 1, False, old_logprobs="engine") == (4, 3)

@@ -429,6 +429,63 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def with_engine_logprobs(samples, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """Each sample's engine logprobs set to `logprobs` [B, L-1] at its response tokens (row i = sample i)."""
+    for row, episode in enumerate(samples):
+        n = len(episode.final.response_ids)
+        start = int(mask[row].nonzero()[0])
+        episode.final.engine_logprobs = logprobs[row, start : start + n].tolist()
+
+
+def test_old_logprobs_from_the_torch_engine_skip_the_forward_and_give_the_recomputed_update(tiny_bf16):
+    """algorithm.old_logprobs engine (two minibatches): the engine's logprobs are the old ones, so no no-gradient pass
+    runs before the update. Where the engine's logprobs are the trainer's (the torch engine samples from this model)
+    the update is the recomputed one bit for bit; the logprob gap then comes from the update's forwards before its
+    first optimizer step (the first minibatch's rows): here 0, and with the engine's logprobs all 0 the mean
+    |logprob| over exactly those rows."""
+    samples, index = groups(0, 4)
+    recompute = RLWorker(config(tiny_bf16), PROBLEMS)
+    engine = RLWorker(config(tiny_bf16, old_logprobs="engine"), PROBLEMS)
+    batch = recompute.learner.episode_batch(samples, index)
+    with_engine_logprobs(samples, batch.old_logprobs, batch.sequences.response_mask)
+    passes = []
+    original = engine.learner.current_logprobs
+    engine.learner.current_logprobs = lambda *a: passes.append(1) or original(*a)
+    outs = [trained(w, samples, index) for w in (recompute, engine)]
+    assert not passes and not engine.learner.recomputes_old_logprobs
+    for key in ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "grad_norm", "trained_tokens"):
+        assert outs[0][key] == outs[1][key], key
+    a, b = adapter(recompute), adapter(engine)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert outs[0]["logprob_gap"] < 1e-6 and outs[1]["logprob_gap"] < 1e-6
+
+    samples, index = groups(1, 4)  # engine logprobs 0: the gap is the first minibatch's mean |trainer logprob|
+    fresh = RLWorker(config(tiny_bf16, old_logprobs="engine"), PROBLEMS)
+    tb = fresh.learner.episode_batch(samples, index)
+    first = tb.minibatch(tb.minibatch_rows(2)[0])
+    expected = float((fresh.learner.current_logprobs(first.sequences).abs() * first.sequences.response_mask).sum())
+    expected /= float(first.sequences.response_mask.sum())
+    assert fresh.learner.update(tb, 0)["logprob_gap"] == pytest.approx(expected, rel=1e-5) and expected > 1.0
+
+
+def test_old_logprobs_engine_is_refused_where_the_engine_is_not_the_trainer(tiny_bf16):
+    """A bad value, TIS (its weights would all be 1) and vLLM (its own weights and kernels) are refused by name."""
+    from allsync.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algorithm.old_logprobs = 'sampler': use recompute"):
+        config(tiny_bf16, old_logprobs="sampler")
+    with pytest.raises(ConfigError, match=r"algorithm.old_logprobs engine with algorithm.tis"):
+        config(tiny_bf16, old_logprobs="engine", tis={"level": "token"})
+    raw = {
+        "model": {"base": str(tiny_bf16)},
+        "rollout": {"engine": "vllm"},
+        "optim": {"minibatches": 2},
+        "algorithm": {"old_logprobs": "engine"},
+    }
+    with pytest.raises(ConfigError, match=r"algorithm.old_logprobs engine with rollout.engine vllm"):
+        parse_config(raw)
+
+
 def test_tis_weights_the_update_by_the_engines_logprobs_and_is_logged(tiny_bf16):
     """algorithm.tis: with the engine's logprobs equal to the trainer's the weights are 1 and the gradient is the
     uncorrected one; with the engine at logprob 0 (p = 1) every token's weight is exp(old logprob), as logged."""

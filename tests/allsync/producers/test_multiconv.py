@@ -120,6 +120,25 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
         worker.shutdown()
 
 
+def test_old_logprobs_from_the_engine_keep_every_segments_gap(tiny_bf16):
+    """algorithm.old_logprobs engine with two minibatches: the torch engine's logprobs of every segment are the old
+    ones (no no-gradient pass), and the per-segment gaps come from the first minibatch's forward against them."""
+    problems = memory_recall_splits(MemoryRecallSpec(), 8, 2, seed=0).train
+    config = memory_config(tiny_bf16)
+    config.optim.minibatches, config.algorithm.old_logprobs = 2, "engine"
+    worker = RLWorker(config, problems)
+    try:
+        torch.manual_seed(0)
+        episodes, group_index, _ = worker.producer.collect(2, worker.adapter_version)
+        worker.learner.current_logprobs = lambda *a: pytest.fail("no old-logprob forward with old_logprobs engine")
+        metrics = worker.train(episodes, group_index)
+        assert metrics["optimizer_steps"] == 2 and metrics["logprob_gap"] < 1e-3
+        assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0
+        assert metrics["logprob_gap_memory_sum"] / metrics["logprob_gap_memory_tokens"] < 1e-3
+    finally:
+        worker.shutdown()
+
+
 def synthetic_episodes():
     """The oracle's P1: rewards [1, 0], response tokens [4, 6, 2] and [3, 3, 3] (memory, memory, answer)."""
     episodes = []
