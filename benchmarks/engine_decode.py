@@ -21,6 +21,7 @@ Roofline: a decode step must read at least the weights it uses and the cache it 
 
     bytes = frozen weights (routed experts: only the expected distinct experts of R x top-k draws,
             E (1 - (1 - k/E)^R)) + LoRA tensors + R C (kv_lora_rank + d_rope) x 2 bytes per MLA layer
+            (fp8: R C (kv_lora_rank (1 + 4 / 128) + 2 d_rope) bytes per MLA layer)
 
     roofline seconds = bytes / B,   B = 2 n / t of a device-to-device copy of n bytes (measured in the same run)
 
@@ -42,7 +43,7 @@ from allsync.engines.slots import FixedShapeStep, decode_forward, sample_rows, s
 from allsync.engines.torch_engine import Sampling
 from allsync.plan.torch_decode import expected_touched
 from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, TARGETS, Memory, free, v3_config, write_checkpoint
-from moe_lora.mla_decode import LatentKVCache, SlotKVCache, install_mla_decode
+from moe_lora.mla_decode import LatentKVCache, SlotKVCache, fp8_latent_bytes, install_mla_decode
 from quant.checkpoint_io import atomic_write_text
 from quant.loader import byte_report, load_frozen_model
 
@@ -101,21 +102,26 @@ def weight_bytes_touched(model, rows: int) -> int:
     return int(total) + lora
 
 
-def kv_bytes_read(config, rows: int, context: int, element_bytes: int) -> int:
-    """R C (kv_lora_rank + d_rope) x element bytes per MLA layer: the latent each step attends over."""
-    return rows * context * (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes * config.num_hidden_layers
+def kv_bytes_read(config, rows: int, context: int, element_bytes: int, fp8: bool = False) -> int:
+    """R C (kv_lora_rank + d_rope) x element bytes per MLA layer: the latent each step attends over (fp8: the
+    kv_lora_rank values one byte each, a float32 scale per 128 of them, d_rope in the compute dtype:
+    moe_lora.mla_decode.fp8_latent_bytes)."""
+    rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    per_token = fp8_latent_bytes(rank, rope, element_bytes) if fp8 else (rank + rope) * element_bytes
+    return rows * context * per_token * config.num_hidden_layers
 
 
-def random_latent_pool(model, rows: int, context: int, capacity: int) -> SlotKVCache:
+def random_latent_pool(model, rows: int, context: int, capacity: int, fp8: bool = False) -> SlotKVCache:
     """A SlotKVCache of `rows` slots with room for `capacity` positions, each slot holding `context` random latent
-    positions (shaped by a one-token prefill's LatentKVCache)."""
+    positions (shaped by a one-token prefill's LatentKVCache); fp8: stored as rollout.kv_cache_dtype fp8 stores them."""
     device = model.device
     probe = LatentKVCache(reserve=0)
     model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
-    pool = SlotKVCache(rows, capacity)
+    pool = SlotKVCache(rows, capacity, model.config.kv_lora_rank if fp8 else None)
     pool.fill(0, probe, torch.zeros(rows, dtype=torch.long, device=device), torch.ones(rows, device=device).long())
-    for layer in pool.layers:
-        layer.keys_buffer[:, :, :context].normal_()
+    for layer, source in zip(pool.layers, probe.layers):
+        latent = torch.randn(rows, 1, context, source.keys.shape[-1], dtype=source.keys.dtype, device=device)
+        layer.write((slice(None), slice(None), slice(0, context)), latent, latent[..., :0])
     pool.lengths.fill_(context)
     return pool
 
@@ -150,12 +156,14 @@ def step_function(model, pool: SlotKVCache, sampling: Sampling, mode: str):
 
 
 @torch.no_grad()
-def decode_steps(model, rows: int, context: int, steps: int, mode: str = "eager", warmup: int = 2) -> dict:
+def decode_steps(
+    model, rows: int, context: int, steps: int, mode: str = "eager", warmup: int = 2, fp8: bool = False
+) -> dict:
     """Median seconds of a decode step of `rows` live rows over `context` cached positions, split into the layers
     and the rest (module docstring; a graphed step is one replay, not split)."""
     device = str(model.device)
     sampling = Sampling(max_new_tokens=steps + warmup, temperature=1.0, top_p=1.0)
-    pool = random_latent_pool(model, rows, context, context + steps + warmup + 1)
+    pool = random_latent_pool(model, rows, context, context + steps + warmup + 1, fp8)
     last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
     seeds = torch.arange(rows, device=model.device)
     counts = torch.zeros(rows, dtype=torch.long, device=model.device)
@@ -181,6 +189,7 @@ def decode_steps(model, rows: int, context: int, steps: int, mode: str = "eager"
     per_layer = [statistics.median(column) for column in zip(*layer_seconds)]
     return {
         "mode": mode,
+        "kv_cache": "fp8" if fp8 else "auto",
         "rows": rows,
         "context": context,
         "step_ms": round(1000 * median, 3),
@@ -191,7 +200,15 @@ def decode_steps(model, rows: int, context: int, steps: int, mode: str = "eager"
 
 
 def measure_plan(
-    ckpt: Path, name: str, rows: list[int], contexts: list[int], steps: int, device: str, bandwidth, modes=("eager",)
+    ckpt: Path,
+    name: str,
+    rows: list[int],
+    contexts: list[int],
+    steps: int,
+    device: str,
+    bandwidth,
+    modes=("eager",),
+    kv_caches=("auto",),
 ):
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
 
@@ -208,15 +225,16 @@ def measure_plan(
     cases = []
     for r in rows:
         for c in contexts:
-            for mode in modes:
+            for mode, kv in ((m, k) for m in modes for k in kv_caches):
                 free(memory)
                 try:
-                    case = decode_steps(model, r, c, steps, mode)
+                    case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8")
                 except torch.OutOfMemoryError as e:
-                    cases.append({"mode": mode, "rows": r, "context": c, "oom": str(e).split("\n")[0][:200]})
+                    oom = {"mode": mode, "kv_cache": kv, "rows": r, "context": c, "oom": str(e).split("\n")[0][:200]}
+                    cases.append(oom)
                     print(format_case(name, cases[-1]), flush=True)
                     continue
-                touched = weight_bytes_touched(model, r) + kv_bytes_read(model.config, r, c, element)
+                touched = weight_bytes_touched(model, r) + kv_bytes_read(model.config, r, c, element, kv == "fp8")
                 case["bytes_read"] = touched
                 case["roofline_ms"] = round(1000 * touched / bandwidth, 3)
                 case["over_roofline"] = round(case["step_ms"] / case["roofline_ms"], 2)
@@ -228,7 +246,7 @@ def measure_plan(
 
 
 def format_case(plan: str, case: dict) -> str:
-    head = f"{plan:4} {case.get('mode', 'eager'):7} rows {case['rows']:4} context {case['context']:6}"
+    head = f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} rows {case['rows']:4} context {case['context']:6}"
     if "oom" in case:
         return f"{head}: out of memory"
     layers = " + ".join(f"{ms:.2f}" for ms in case["layer_ms"]) or "one replay"
@@ -257,9 +275,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth-measuring copy")
     ap.add_argument("--shape", default=None, help="JSON overrides of the shape (a small one for a CPU run)")
     ap.add_argument("--modes", default="eager", help=f"decode steps to time, of {', '.join(MODES)}")
+    ap.add_argument("--kv-cache", default="auto", help="the slots' latent: auto (compute dtype), fp8, or both")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
+    modes, kv_caches = args.modes.split(","), args.kv_cache.split(",")
+    if any(k not in ("auto", "fp8") for k in kv_caches):
+        raise SystemExit(f"--kv-cache: use auto, fp8 or auto,fp8, got {args.kv_cache!r}")
     if any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: unknown mode in {args.modes!r}; known: {', '.join(MODES)}")
     if "graphed" in modes and not args.device.startswith("cuda"):
@@ -286,7 +307,9 @@ def main(argv=None) -> dict:
     }
     print(f"checkpoint {ckpt}; copy bandwidth {out['copy_bandwidth_GBps']} GB/s", flush=True)
     for name in args.plans.split(","):
-        out["plans"].append(measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth, modes))
+        out["plans"].append(
+            measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth, modes, kv_caches)
+        )
         if args.json:
             atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
     return out

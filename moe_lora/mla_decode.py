@@ -119,6 +119,10 @@ def _with_room(cached: torch.Tensor, new_states: torch.Tensor, capacity: int) ->
     return buffer
 
 
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+FP8_GROUP = 128  # latent values sharing one scale (DeepSeek's FlashMLA FP8 cache: 4 tiles of 128 for kv_lora_rank 512)
+
+
 class SlotKVCache(DynamicCache):
     """A fixed pool of `slots` rows for continuous batching, each with room for `capacity` positions: a row's cache
     lives in a slot from its prefill until it ends, and the next row's prefill then takes the slot. Per layer the
@@ -128,15 +132,27 @@ class SlotKVCache(DynamicCache):
     attends under `mask`: position p of slot s is seen when p <= lengths[s], up to `span` positions (the longest
     live row's, so that attention reads no more than it needs). The engine fills slots from a prefill's cache
     (`fill`), moves the last live slots into the holes of finished rows (`move`) and advances the lengths after
-    every decode forward (`advance`)."""
+    every decode forward (`advance`).
 
-    def __init__(self, slots: int, capacity: int):
+    fp8_rank r (rollout.kv_cache_dtype fp8; the latent only): each layer keeps the latent's first r values (c_s) in
+    float8_e4m3fn with one float32 scale per FP8_GROUP of them, and k_rope_s as computed (`FP8LatentLayer`)."""
+
+    def __init__(self, slots: int, capacity: int, fp8_rank: int | None = None):
         super().__init__()
-        self.slots, self.capacity = slots, capacity
+        self.slots, self.capacity, self.fp8_rank = slots, capacity, fp8_rank
         self.lengths: torch.Tensor | None = None
         self.live, self.span = 0, 0
         self.mask: torch.Tensor | None = None
         self.latent = False  # the buffers hold the latent (filled from a LatentKVCache)
+
+    def new_layer(self, keys: torch.Tensor, values: torch.Tensor) -> "SlotLayer":
+        """A layer for states shaped like keys [., H, ., d] and values [., H, ., d_v] (what this pool stores of them)."""
+        if self.fp8_rank is not None:
+            if not self.latent:
+                raise ValueError("an FP8 KV cache holds MLA's latent only (fill it from a LatentKVCache)")
+            return FP8LatentLayer(self, keys, self.fp8_rank)
+        parts = [(keys.shape[1], keys.shape[-1], keys.dtype), (values.shape[1], values.shape[-1], values.dtype)]
+        return SlotLayer(self, parts, keys.device)
 
     def fill(self, start: int, source: DynamicCache, which: torch.Tensor, lengths: torch.Tensor) -> None:
         """Slots start, start + 1, ... get rows `which` of a prefill's cache (ExpandedKVCache or LatentKVCache of
@@ -146,34 +162,41 @@ class SlotKVCache(DynamicCache):
         end = start + len(which)
         for index, layer in enumerate(source.layers):
             if index == len(self.layers):
-                self.layers.append(SlotLayer(self, layer.keys, layer.values))
-            self.layers[index].keys_buffer[start:end, :, :width] = layer.keys[which]
-            self.layers[index].values_buffer[start:end, :, :width] = layer.values[which]
+                self.layers.append(self.new_layer(layer.keys, layer.values))
+            self.layers[index].write(
+                (slice(start, end), slice(None), slice(0, width)), layer.keys[which], layer.values[which]
+            )
         if self.lengths is None:
             self.lengths = torch.zeros(self.slots, dtype=torch.long, device=lengths.device)
         self.lengths[start:end] = lengths
 
     def saved(self, slot: int, length: int) -> "SavedRow":
-        """A copy of slot `slot`'s first `length` positions, every layer (for `restore` in a later pool)."""
+        """A copy of slot `slot`'s first `length` positions, every layer, as stored (for `restore` in a later pool)."""
         return SavedRow(
-            [layer.keys_buffer[slot, :, :length].clone() for layer in self.layers],
-            [layer.values_buffer[slot, :, :length].clone() for layer in self.layers],
-            self.latent,
+            [tuple(b[slot, :, :length].clone() for b in layer.buffers) for layer in self.layers], self.latent
         )
 
     def restore(self, start: int, rows: list["SavedRow"]) -> None:
         """Slots start, start + 1, ... get the positions `rows` saved (`saved`), and their lengths."""
         self.latent = rows[0].latent
-        for index, (keys, values) in enumerate(zip(rows[0].keys, rows[0].values)):
+        for index, parts in enumerate(rows[0].buffers):
             if index == len(self.layers):
-                self.layers.append(SlotLayer(self, keys[None], values[None]))
+                self.layers.append(self.restored_layer(parts))
             layer = self.layers[index]
             for slot, row in enumerate(rows, start):
-                layer.keys_buffer[slot, :, : row.length] = row.keys[index]
-                layer.values_buffer[slot, :, : row.length] = row.values[index]
+                for buffer, part in zip(layer.buffers, row.buffers[index]):
+                    buffer[slot, :, : row.length] = part
         if self.lengths is None:
-            self.lengths = torch.zeros(self.slots, dtype=torch.long, device=rows[0].keys[0].device)
+            self.lengths = torch.zeros(self.slots, dtype=torch.long, device=rows[0].buffers[0][0].device)
         self.lengths[start : start + len(rows)] = torch.tensor([row.length for row in rows])
+
+    def restored_layer(self, parts: tuple[torch.Tensor, ...]) -> "SlotLayer":
+        """An empty layer whose buffers take saved `parts` ([H, length, d_i] each, as a layer of this pool stored
+        them)."""
+        if self.fp8_rank is not None:
+            latent = torch.cat((parts[0].to(parts[2].dtype), parts[2]), dim=-1)[None]  # only its shape and dtype count
+            return FP8LatentLayer(self, latent, self.fp8_rank)
+        return SlotLayer(self, [(p.shape[0], p.shape[-1], p.dtype) for p in parts], parts[0].device)
 
     def move(self, sources: list[int], targets: list[int], span: int) -> None:
         """Slot targets[i] takes slot sources[i]'s first `span` positions (at least what they hold) and length."""
@@ -182,7 +205,7 @@ class SlotKVCache(DynamicCache):
         src = torch.tensor(sources, device=self.lengths.device)
         dst = torch.tensor(targets, device=self.lengths.device)
         for layer in self.layers:
-            for buffer in (layer.keys_buffer, layer.values_buffer):
+            for buffer in layer.buffers:
                 buffer[dst, :, :span] = buffer[src, :, :span]
         self.lengths[dst] = self.lengths[src]
 
@@ -206,41 +229,116 @@ class SlotKVCache(DynamicCache):
 
 @dataclass
 class SavedRow:
-    """A row's cached positions taken out of a SlotKVCache (`SlotKVCache.saved`): per layer keys [H, length, d] and
-    values [H, length, d_v], as the pool held them (latent or expanded)."""
+    """A row's cached positions taken out of a SlotKVCache (`SlotKVCache.saved`): per layer its buffers' [H, length, d]
+    slices as the pool stored them (keys and values, latent or expanded; or FP8LatentLayer's three parts)."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    buffers: list[tuple[torch.Tensor, ...]]
     latent: bool
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[1]
+        return self.buffers[0][0].shape[1]
 
 
 class SlotLayer(DynamicLayer):
-    """One layer of a SlotKVCache: buffers [slots, H, capacity, d] shaped like a prefill layer's keys and values."""
+    """One layer of a SlotKVCache: one buffer [slots, H, capacity, d] per (H, d, dtype) of `parts` (keys and values,
+    shaped like a prefill layer's)."""
 
-    def __init__(self, pool: SlotKVCache, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, pool: SlotKVCache, parts: list[tuple[int, int, torch.dtype]], device: torch.device):
         super().__init__()
         self.pool = pool
-        self.keys_buffer = keys.new_zeros(pool.slots, keys.shape[1], pool.capacity, keys.shape[-1])
-        self.values_buffer = values.new_zeros(pool.slots, values.shape[1], pool.capacity, values.shape[-1])
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self.keys, self.values = self.keys_buffer, self.values_buffer
+        self.buffers = tuple(
+            torch.zeros(pool.slots, heads, pool.capacity, dim, dtype=dtype, device=device)
+            for heads, dim, dtype in parts
+        )
+        self.dtype, self.device, self.is_initialized = parts[0][2], device, True
+        self.keys, self.values = self.buffers[0], self.buffers[-1]
+
+    def write(self, index: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Positions buffer[index] (index over [slots, H, capacity]) get these keys and values."""
+        self.buffers[0][index] = keys
+        self.buffers[1][index] = values
+
+    def read(self, live: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` slots' keys and values up to `span` positions, as attention reads them."""
+        return self.buffers[0][:live, :, :span], self.buffers[1][:live, :, :span]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Each live slot's one new position (key_states [live, H, 1, d]) written at its own length; returns the
-        live slots' buffers up to the span."""
+        live slots' keys and values up to the span."""
         pool = self.pool
         slots = torch.arange(pool.live, device=key_states.device)
-        at = pool.lengths[: pool.live]
-        self.keys_buffer[slots, :, at] = key_states[:, :, 0]
-        self.values_buffer[slots, :, at] = value_states[:, :, 0]
-        return self.keys_buffer[: pool.live, :, : pool.span], self.values_buffer[: pool.live, :, : pool.span]
+        self.write((slots, slice(None), pool.lengths[: pool.live]), key_states[:, :, 0], value_states[:, :, 0])
+        return self.read(pool.live, pool.span)
 
     def get_seq_length(self) -> int:
         return self.pool.get_seq_length()
+
+
+class FP8LatentLayer(SlotLayer):
+    """A SlotKVCache layer holding MLA's latent [c_s ; k_rope_s] with c_s (the first r values) in float8_e4m3fn:
+    per FP8_GROUP values g of a position one float32 scale a_g = max |c_g| / 448 and q_g = e4m3(c_g / a_g), and
+    k_rope_s in the compute dtype (rotary keys are not normalized; DeepSeek's FlashMLA FP8 cache keeps them in
+    bf16 too). DeepSeek-V3: 512 + 4 x 4 + 64 x 2 = 656 bytes a token and layer against 1,152 in bf16. Attention
+    reads c_s = q_g a_g back in the compute dtype (`read`; a fused kernel would read the FP8 bytes directly)."""
+
+    def __init__(self, pool: SlotKVCache, latent: torch.Tensor, rank: int):
+        group = fp8_group(rank)
+        rope = latent.shape[-1] - rank
+        super().__init__(
+            pool,
+            [(1, rank, torch.float8_e4m3fn), (1, rank // group, torch.float32), (1, rope, latent.dtype)],
+            latent.device,
+        )
+        self.rank, self.group, self.dtype = rank, group, latent.dtype
+        self.empty_values = latent.new_zeros(pool.slots, 1, pool.capacity, 0)
+        self.values = self.empty_values
+
+    def write(self, index: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        quantized, scales = fp8_quantize(keys[..., : self.rank], self.group)
+        self.buffers[0][index] = quantized
+        self.buffers[1][index] = scales
+        self.buffers[2][index] = keys[..., self.rank :]
+
+    def read(self, live: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live slots' latent up to `span` in the compute dtype, [live, 1, span, r + d_rope]: c = q a written into
+        its first r values, k_rope copied after them (no concatenation)."""
+        quantized, scales, rope = (b[:live, :, :span] for b in self.buffers)
+        latent = rope.new_empty(*rope.shape[:-1], self.rank + rope.shape[-1])
+        fp8_dequantize(quantized, scales, self.group, self.dtype, out=latent[..., : self.rank])
+        latent[..., self.rank :] = rope
+        return latent, self.empty_values[:live, :, :span]
+
+
+def fp8_group(rank: int) -> int:
+    """Latent values per FP8 scale: FP8_GROUP where it divides kv_lora_rank, else all of them."""
+    return FP8_GROUP if rank % FP8_GROUP == 0 else rank
+
+
+def fp8_latent_bytes(rank: int, rope: int, rope_bytes: int) -> int:
+    """Bytes of one position and layer in an FP8 latent cache: kv_lora_rank FP8 values, a float32 scale per
+    fp8_group of them, d_rope values of rope_bytes each (DeepSeek-V3 in bf16: 512 + 16 + 128 = 656)."""
+    return rank + rank // fp8_group(rank) * 4 + rope * rope_bytes
+
+
+def fp8_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (e4m3(x_g / a_g) [..., n], a_g [..., n / group] float32) with a_g = max |x_g| / 448 per group
+    of `group` consecutive values (a group of zeros gets a_g = 1e-12 / 448, and zeros)."""
+    grouped = x.float().unflatten(-1, (-1, group))
+    scales = grouped.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    quantized = (grouped / scales[..., None]).to(torch.float8_e4m3fn)
+    return quantized.flatten(-2), scales
+
+
+def fp8_dequantize(
+    quantized: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp8_quantize's inverse: q_g a_g in `dtype` (the scales rounded to it first), into `out` when given."""
+    grouped = quantized.unflatten(-1, (-1, group)).to(dtype)
+    if out is None:
+        return (grouped * scales[..., None].to(dtype)).flatten(-2)
+    torch.mul(grouped, scales[..., None].to(dtype), out=out.unflatten(-1, (-1, group)))
+    return out
 
 
 def expanded_cache_fits(config) -> bool:

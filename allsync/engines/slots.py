@@ -168,6 +168,7 @@ def decode_in_slots(
     fixed_step=None,
     resumed: dict[int, SavedRow] | None = None,
     keep: bool = False,
+    fp8_rank: int | None = None,
 ) -> Decoded:
     """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
     (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
@@ -176,7 +177,8 @@ def decode_in_slots(
     that decode steps take instead of a forward of the live slots alone (None). resumed: rows whose positions but
     the last are saved from an earlier call under the same weights (SavedRow of len(row) - 1 positions): they take
     a slot without a prefill, fed their last token at the next decode step. keep: save the positions of every row
-    that reaches max_new_tokens (Decoded.saved)."""
+    that reaches max_new_tokens (Decoded.saved). fp8_rank: the slots keep the latent's first fp8_rank values in FP8
+    (SlotKVCache; with expanded False)."""
     device = model.device
     total, limit = len(rows), sampling.max_new_tokens
     if limit < 1:
@@ -190,9 +192,9 @@ def decode_in_slots(
     capacity = max(map(len, rows), default=1) + limit
     if fixed_step is not None and lockstep is not None:  # every rank's MoE layers take the same T = slots, and the
         # ranks agree on each step's span, which must fit every rank's pool
-        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity))
+        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank)
     else:
-        pool = SlotKVCache(max(min(slots, total), 1), capacity)
+        pool = SlotKVCache(max(min(slots, total), 1), capacity, fp8_rank)
     live: list[int] = []  # live[i]: the row in slot i (on the device: live_rows)
     live_rows = torch.zeros(0, dtype=torch.long, device=device)
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token

@@ -92,10 +92,13 @@ class TorchEngine:
         lockstep=None,
         merge_lora: bool = False,
         decode_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """batch_size (rollout.decode_batch): KV slots, samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
-        (rollout.decode_graphs): decode steps in fixed shapes, captured as CUDA graphs (allsync/engines/graphs.py)."""
+        (rollout.decode_graphs): decode steps in fixed shapes, captured as CUDA graphs (allsync/engines/graphs.py).
+        kv_cache_dtype (rollout.kv_cache_dtype): fp8 keeps the KV slots' MLA latent in FP8
+        (moe_lora.mla_decode.FP8LatentLayer; the latent cache even where the expanded one would be smaller)."""
         if decode_graphs:
             check_graphable(model)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
@@ -114,7 +117,13 @@ class TorchEngine:
         # MLA keys/values expanded once per token where that costs no more memory than the latent cache, otherwise
         # the latent cache read in latent space (moe_lora/mla_decode.py): never re-expanded at every step
         mla_layers = install_mla_decode(model)
-        self.expanded_kv = not mla_layers or expanded_cache_fits(model.config)  # no MLA: a plain (reserved) cache
+        if kv_cache_dtype == "fp8" and not mla_layers:
+            raise ValueError(
+                "rollout.kv_cache_dtype fp8: the model has no MLA attention, whose latent it stores in FP8"
+            )
+        self.kv_fp8_rank = model.config.kv_lora_rank if kv_cache_dtype == "fp8" else None
+        # no MLA: a plain (reserved) cache
+        self.expanded_kv = (not mla_layers or expanded_cache_fits(model.config)) and self.kv_fp8_rank is None
         # the experts each generated token went to, for routing replay and the routing_mismatch metric
         self.record_routing = bool(moe_layers(model))
 
@@ -178,6 +187,7 @@ class TorchEngine:
                 graphed_step(record) if self.decode_graphs else None,
                 {i: saved for i, (saved, _) in resumed.items()},
                 keep,
+                self.kv_fp8_rank,
             )
         self.model.train(was_training)
         self.positions += decoded.positions

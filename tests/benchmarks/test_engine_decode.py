@@ -48,6 +48,7 @@ def test_the_expected_distinct_experts_and_the_latent_bytes_a_step_reads():
     assert expected_touched(256, 8, 256) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 256))
     config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
     assert kv_bytes_read(config, 4, 100, 2) == 4 * 100 * 576 * 2 * 2
+    assert kv_bytes_read(config, 4, 100, 2, fp8=True) == 4 * 100 * 656 * 2  # 512 FP8 + 4 float32 scales + 64 bf16
 
 
 def test_the_fixed_shape_step_is_timed_like_the_eager_one(tmp_path):
@@ -59,5 +60,11 @@ def test_the_fixed_shape_step_is_timed_like_the_eager_one(tmp_path):
     )
     (case,) = result["plans"][0]["cases"]
     assert case["mode"] == "fixed" and len(case["layer_ms"]) == 2 and case["step_ms"] > 0
+    both = main(  # --kv-cache auto,fp8: each mode over both caches
+        ["--device", "cpu", "--ckpt", str(tmp_path / "ckpt"), "--rows", "2", "--contexts", "8", "--steps", "1"]
+        + ["--copy-bytes", str(10**6), "--shape", json.dumps(SMALL), "--kv-cache", "auto,fp8", "--plans", "nf4"]
+    )
+    cases = both["plans"][0]["cases"]
+    assert [c["kv_cache"] for c in cases] == ["auto", "fp8"] and cases[1]["bytes_read"] < cases[0]["bytes_read"]
     with pytest.raises(SystemExit, match="--modes graphed: CUDA graphs need --device cuda"):
         main(["--device", "cpu", "--modes", "graphed"])

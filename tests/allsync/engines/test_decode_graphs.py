@@ -26,7 +26,9 @@ from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequen
 
 def lora_model(path, experts: str, dtype=torch.float32, layout: str = "per_expert", device="cpu"):
     """The tiny model with routed experts in `experts`, LoRA on every target with random B (a fresh adapter would
-    leave every LoRA term zero), the MLA decode installed."""
+    leave every LoRA term zero), the MLA decode installed. Its A factors are drawn after torch.manual_seed(0), so the
+    model does not depend on which tests ran before."""
+    torch.manual_seed(0)
     model = load_frozen_model(
         path, QuantPlan(routed_experts=experts), compute_dtype=dtype, progress=False, device=device
     )
@@ -76,11 +78,22 @@ def test_span_buckets_cover_every_length_with_little_overshoot():
     assert len(set(spans.values())) == 8 + 8 * 5 + 3  # 64..512 by 64, 8 a doubling to 16,384, then 18,432 .. 21,504
 
 
-def record_decode(model, rows, seeds, sampling, eos, slots, expanded, fixed_step=None):
+def record_decode(model, rows, seeds, sampling, eos, slots, expanded, fixed_step=None, fp8_rank=None):
     """decode_in_slots under a routing record: (tokens, logprobs, reasons) and each row's recorded routing."""
     with recording(model) as record:
         out = decode_in_slots(
-            model, rows, seeds, sampling, eos, 2, slots, expanded, None, lambda: len(record), fixed_step
+            model,
+            rows,
+            seeds,
+            sampling,
+            eos,
+            2,
+            slots,
+            expanded,
+            None,
+            lambda: len(record),
+            fixed_step,
+            fp8_rank=fp8_rank,
         )
     return (out.tokens, out.logprobs, out.reasons), sample_routing(record, rows, out)
 
@@ -155,13 +168,15 @@ def test_the_fixed_shape_step_reads_nothing_on_the_host_and_keeps_its_shapes(tin
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("expanded", [True, False])
-def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, expanded):
+@pytest.mark.parametrize("cache", ["expanded", "latent", "fp8"])
+def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, cache):
     """On a GPU in bfloat16: TorchEngine(decode_graphs=True) replays CUDA graphs of the fixed-shape step: the same tokens,
     logprobs and recorded routing as the fixed-shape step run eagerly (the same kernels), bit for bit; with the
-    adapters and without; and close to the live-slot step (another summation order in bfloat16)."""
+    adapters and without; and close to the live-slot step (another summation order in bfloat16). With the expanded
+    cache, the latent one, and the latent one in FP8 (rollout.kv_cache_dtype)."""
     from allsync.engines.graphs import GraphedStep
 
+    expanded, fp8_rank = cache == "expanded", 512 if cache == "fp8" else None
     model = lora_model(tiny_bf16, "nf4", dtype=torch.bfloat16, device="cuda")
     prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
     rows = [p for p in prompts for _ in range(4)]
@@ -169,7 +184,7 @@ def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, expanded):
     seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
     for disabled in (False, True):
         with adapters_disabled(model) if disabled else torch.no_grad():
-            eager, eager_routing = record_decode(model, rows, seeds, sampling, 1, 3, expanded, FixedShapeStep)
+            eager, eager_routing = record_decode(model, rows, seeds, sampling, 1, 3, expanded, FixedShapeStep, fp8_rank)
             captured = {}
 
             def graphed(m, pool, s, record=None):
@@ -189,11 +204,12 @@ def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, expanded):
                     None,
                     lambda: len(record),
                     lambda m, p, s: graphed(m, p, s, record),
+                    fp8_rank=fp8_rank,
                 )
             assert len(captured["step"].graphs) >= 1
             assert (out.tokens, out.logprobs, out.reasons) == eager
             assert all(torch.equal(a, b) for a, b in zip(sample_routing(record, rows, out), eager_routing))
-            live, _ = record_decode(model, rows, seeds, sampling, 1, 3, expanded)
+            live, _ = record_decode(model, rows, seeds, sampling, 1, 3, expanded, fp8_rank=fp8_rank)
             same = sum(a == b for a, b in zip(live[0], eager[0]))
             assert same >= len(rows) // 2, (same, len(rows))
     engine = TorchEngine(model, eos_id=1, pad_id=2, batch_size=3, decode_graphs=True)
