@@ -12,6 +12,8 @@ data) with:
     tis-sequence    mismatched + algorithm.tis {level: sequence, cap: 2}
     r3              mismatched + algorithm.routing_replay (the trainer uses the experts the engine chose)
     r3-tis-token    r3 + algorithm.tis {level: token, cap: 2}
+    kv-fp8          rollout.kv_cache_dtype fp8: the engine is the trainer's model, its KV cache in FP8
+    kv-fp8-tis      kv-fp8 + algorithm.tis {level: token, cap: 2}
 `--variants a,b` runs some of them; `--previous FILE` adds the variants of an earlier run's JSON that were not run.
 `--moe-layers N`: the default model with N MoE layers after its dense one (the default base has 1, whose router reads
 the dense layer's output, the same in both formats: no token can change experts there), warm-started like the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -33,24 +36,34 @@ from benchmarks.dapo_runs import run_dapo
 ROOT = Path(__file__).resolve().parents[1]
 MISMATCH = {"routed_experts": "bf16"}
 TOKEN_TIS = {"level": "token", "cap": 2.0}
-VARIANTS = {  # name: (rollout.engine_formats, algorithm.tis, algorithm.routing_replay)
-    "matched": ({}, None, False),
-    "mismatched": (MISMATCH, None, False),
-    "tis-token": (MISMATCH, TOKEN_TIS, False),
-    "tis-sequence": (MISMATCH, {"level": "sequence", "cap": 2.0}, False),
-    "r3": (MISMATCH, None, True),
-    "r3-tis-token": (MISMATCH, TOKEN_TIS, True),
+
+
+class Variant(NamedTuple):
+    engine_formats: dict  # rollout.engine_formats ({}: none)
+    tis: dict | None  # algorithm.tis
+    replay: bool = False  # algorithm.routing_replay
+    kv_cache_dtype: str = "auto"  # rollout.kv_cache_dtype
+
+
+VARIANTS = {
+    "matched": Variant({}, None),
+    "mismatched": Variant(MISMATCH, None),
+    "tis-token": Variant(MISMATCH, TOKEN_TIS),
+    "tis-sequence": Variant(MISMATCH, {"level": "sequence", "cap": 2.0}),
+    "r3": Variant(MISMATCH, None, True),
+    "r3-tis-token": Variant(MISMATCH, TOKEN_TIS, True),
+    "kv-fp8": Variant({}, None, kv_cache_dtype="fp8"),
+    "kv-fp8-tis": Variant({}, TOKEN_TIS, kv_cache_dtype="fp8"),
 }
 
 
-def variant_config(
-    base: str, engine_formats: dict, tis: dict | None, replay: bool, steps: int, eval_every: int
-) -> dict:
+def variant_config(base: str, variant: Variant, steps: int, eval_every: int) -> dict:
     config = yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
     config["model"].update(base=base, warm_start=False)
-    config["rollout"]["engine_formats"] = engine_formats or None
-    config["algorithm"]["tis"] = tis
-    config["algorithm"]["routing_replay"] = replay
+    config["rollout"]["engine_formats"] = variant.engine_formats or None
+    config["rollout"]["kv_cache_dtype"] = variant.kv_cache_dtype
+    config["algorithm"]["tis"] = variant.tis
+    config["algorithm"]["routing_replay"] = variant.replay
     config["run"].update(steps=steps, eval_every=eval_every, checkpoint_every=steps, time_limit_minutes=None)
     return config
 
@@ -93,7 +106,7 @@ def plot(results: dict, path: Path) -> None:
     accuracy.set(xlabel="RL step", ylabel="held-out accuracy (avg@4)", title="held-out accuracy")
     gap.set(xlabel="RL step", ylabel="nats", yscale="log", title="engine - trainer logprob gap")
     accuracy.legend()
-    fig.suptitle("engine bf16 experts, trainer NF4 experts (default job)")
+    fig.suptitle("sampler against trainer, default job: " + ", ".join(results))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -122,10 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     previous = json.loads(Path(args.previous).read_text()) if args.previous else {}
     results = {name: r for name, r in previous.items() if name not in chosen}
     for name in chosen:
-        engine_formats, tis, replay = VARIANTS[name]
-        results[name] = run_variant(
-            name, variant_config(args.base, engine_formats, tis, replay, args.steps, args.eval_every), out
-        )
+        results[name] = run_variant(name, variant_config(args.base, VARIANTS[name], args.steps, args.eval_every), out)
         r = results[name]
         gaps = list(r["logprob_gap"].values())
         mismatch = sorted(r["routing_mismatch"].values()) or [float("nan")]

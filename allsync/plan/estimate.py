@@ -31,7 +31,7 @@ import numpy as np
 
 from allsync.balance import dealt
 from allsync.plan import schedules
-from allsync.plan.fit import Layout, Plan, decode_cache_is_expanded, kv_bytes_per_token
+from allsync.plan.fit import Layout, Plan, decode_cache_is_expanded, kv_bytes_per_token, kv_step_bytes_per_token
 from allsync.plan.hardware import Hardware
 from allsync.plan.lengths import ResponseLengths
 from allsync.plan.step_time import (
@@ -191,9 +191,9 @@ def generator_cost(
         else run.model.quant.plan().format_of("routed_experts")
     )
     routed = weights.get("routed_experts", 0)
-    engine = run.rollout.engine
-    expanded = decode_cache_is_expanded(model_config, engine)
-    kv = kv_bytes_per_token(model_config, engine)
+    engine, kv_dtype = run.rollout.engine, run.rollout.kv_cache_dtype
+    expanded = decode_cache_is_expanded(model_config, engine, kv_dtype)
+    kv = kv_step_bytes_per_token(model_config, engine, kv_dtype)
     attention = decode_attention_flops_per_token(model_config, latent=not expanded)
     measured = EAGER_H200 if engine == "torch" else None  # the torch engine as measured (eager), torch_decode.py
     graphs = engine == "torch" and (run.rollout.decode_graphs if decode_graphs is None else decode_graphs)
@@ -362,7 +362,10 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
         out[-1].schedule, out[-1].note = "all-sync with rollout.decode_graphs", GRAPHS_ASSUMED
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
-    overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(model_config, run.rollout.engine)
+    r = run.rollout
+    overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(
+        model_config, r.engine, r.kv_cache_dtype
+    )
     # overlap is modelled for vLLM's continuous batching over one wave of groups
     one_wave = sampling.round_count == 1 and work.waves == 1 and run.rollout.engine == "vllm"
     one_wave = one_wave and not run.optim.balance_ranks  # balanced rows train where they did not finish

@@ -136,28 +136,47 @@ class Plan:
         }
 
 
-def decode_cache_is_expanded(model_config: dict, engine: str) -> bool:
+def decode_cache_is_expanded(model_config: dict, engine: str, kv_cache_dtype: str = "auto") -> bool:
     """The decoder keeps MLA's keys and values expanded: the torch engine where that is no larger than the latent
-    (moe_lora.mla_decode.expanded_cache_fits, the engine's own rule: the tiny models). Otherwise (vLLM always, the
-    torch engine at DeepSeek-V3's 128 heads) it keeps the latent and attends in latent space."""
+    (moe_lora.mla_decode.expanded_cache_fits, the engine's own rule: the tiny models) and its cache is not FP8.
+    Otherwise (vLLM always, the torch engine at DeepSeek-V3's 128 heads or with rollout.kv_cache_dtype fp8) it keeps
+    the latent and attends in latent space."""
     from types import SimpleNamespace
 
     from moe_lora.mla_decode import expanded_cache_fits
 
-    return engine == "torch" and expanded_cache_fits(SimpleNamespace(**model_config))
+    fits = expanded_cache_fits(SimpleNamespace(**model_config))
+    return engine == "torch" and kv_cache_dtype == "auto" and fits
 
 
-def kv_bytes_per_token(model_config: dict, engine: str = "vllm") -> int:
+def kv_bytes_per_token(model_config: dict, engine: str = "vllm", kv_cache_dtype: str = "auto") -> int:
     """KV-cache bytes per token: MLA's latent (allsync.engines.vllm_support.mla_kv_bytes_per_token), or where the
     decoder keeps them expanded (`decode_cache_is_expanded`) its keys and values, H x (d_nope + d_rope + d_v) per
-    layer (bf16)."""
+    layer (bf16); the torch engine's FP8 latent (rollout.kv_cache_dtype fp8) moe_lora.mla_decode.fp8_latent_bytes per
+    layer (DeepSeek-V3: 61 x 656)."""
     from allsync.engines.vllm_support import mla_kv_bytes_per_token
+    from moe_lora.mla_decode import fp8_latent_bytes
 
     c = model_config
-    if decode_cache_is_expanded(model_config, engine):
+    if decode_cache_is_expanded(model_config, engine, kv_cache_dtype):
         per_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]
         return c["num_hidden_layers"] * c["num_attention_heads"] * per_head * 2
+    if engine == "torch" and kv_cache_dtype == "fp8":
+        return c["num_hidden_layers"] * fp8_latent_bytes(c["kv_lora_rank"], c["qk_rope_head_dim"], 2)
     return mla_kv_bytes_per_token(model_config)
+
+
+def kv_step_bytes_per_token(model_config: dict, engine: str = "vllm", kv_cache_dtype: str = "auto") -> int:
+    """Bytes a decode step moves per cached token: its stored bytes (kv_bytes_per_token), read once; the torch
+    engine's FP8 latent is read back into the compute dtype before attention (FP8LatentLayer.read, no fused kernel),
+    per layer: the stored bytes + the bf16 conversion written and read (2 x 2 r) + the latent written (2 (r + d_rope))
+    + attention's read of it (2 (r + d_rope)); DeepSeek-V3: 656 + 2,048 + 1,152 + 1,152 = 5,008 against 1,152."""
+    stored = kv_bytes_per_token(model_config, engine, kv_cache_dtype)
+    if not (engine == "torch" and kv_cache_dtype == "fp8"):
+        return stored
+    c = model_config
+    rank, latent = c["kv_lora_rank"], c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    return stored + c["num_hidden_layers"] * (2 * 2 * rank + 2 * 2 * latent)
 
 
 def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[str, int]:
@@ -229,7 +248,7 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
         engine["engine_weights"] = 0 if shared else sum(engine_bytes(model_config, ep).values())
     per_gpu.update(engine)
 
-    kv_token = kv_bytes_per_token(model_config, r.engine)
+    kv_token = kv_bytes_per_token(model_config, r.engine, r.kv_cache_dtype)
     frozen = sum(per_gpu[name] for name in FROZEN_PARTS)
     engine_total = sum(engine.values())
     sleeping = layout.colocation == "sleep" and vllm

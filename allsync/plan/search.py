@@ -3,8 +3,10 @@
 Enumerated:
     engines                                        the config's and the other (torch: the trainer's own model, one
                                                    copy of the base, with and without rollout.decode_graphs, its
-                                                   rollout.decode_batch or as many KV slots as fit (at most 64);
-                                                   vLLM: its own copy or the trainer's tensors)
+                                                   rollout.decode_batch or as many KV slots as fit (at most 64),
+                                                   its KV cache in the compute dtype and in FP8
+                                                   (rollout.kv_cache_dtype); vLLM: its own copy or the trainer's
+                                                   tensors)
     colocated (all-sync, and all-sync + overlap)   expert-parallel size k dividing both N and n_routed_experts;
                                                    colocation resident / sleep / shared (vLLM; the torch engine
                                                    generates with the trainer's weights)
@@ -86,7 +88,8 @@ class Candidate:
                 f"{lay['trainers']} train "
                 f"(EP {lay['trainer_expert_parallel']}{offload})"
             )
-        slots = f" ({lay['decode_batch']} KV slots)" if lay.get("decode_batch") else ""
+        fp8 = ", FP8" if lay.get("kv_cache") == "fp8" else ""
+        slots = f" ({lay['decode_batch']} KV slots{fp8})" if lay.get("decode_batch") else ""
         return f"engine {lay['engine']}{slots}, EP {lay['expert_parallel']}, colocation {lay['colocation']}{offload}"
 
     def to_json(self) -> dict:
@@ -120,6 +123,7 @@ def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, wor
             described = {
                 "engine": run.rollout.engine,
                 "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
+                "kv_cache": run.rollout.kv_cache_dtype,
                 "gpus": gpus,
                 "expert_parallel": ep,
                 "colocation": colocation,
@@ -146,7 +150,7 @@ def split(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: W
     r, experts = run.rollout, model_config["n_routed_experts"]
     unit = hw.gpus_per_node if gpus >= 2 * hw.gpus_per_node else 1
     sequence_tokens = work.prompt_tokens + r.max_new_tokens
-    kv_token = kv_bytes_per_token(model_config, r.engine)
+    kv_token = kv_bytes_per_token(model_config, r.engine, r.kv_cache_dtype)
     for gen_gpus in range(unit, gpus, unit):
         train_gpus = gpus - gen_gpus
         if r.prompts_per_step % gen_gpus:
@@ -210,32 +214,44 @@ def split(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: W
 
 
 ENGINES = ("torch", "vllm")
+KV_CACHES = {"torch": ("auto", "fp8"), "vllm": ("auto",)}  # rollout.kv_cache_dtype each engine takes
 
 
-def with_engine(run, engine: str):
+def with_engine(run, engine: str, kv_cache_dtype: str | None = None):
     """`run` generating with `engine`: the other engine's own settings back to their defaults (the torch engine's
-    decode_batch, decode_graphs and merge_lora; vLLM's gpu_memory_utilization and sync_probe_tolerance)."""
-    if engine == run.rollout.engine:
-        return run
-    r = run.rollout
-    if engine == "vllm":
-        rollout = replace(r, engine=engine, decode_batch=None, decode_graphs=False, merge_lora=False)
-    else:
-        rollout = replace(r, engine=engine, gpu_memory_utilization=None, sync_probe_tolerance=None)
-    return replace(run, rollout=rollout)
+    decode_batch, decode_graphs, merge_lora, kv_cache_dtype and algorithm.old_logprobs engine; vLLM's
+    gpu_memory_utilization and sync_probe_tolerance); kv_cache_dtype given: that KV cache (the torch engine's)."""
+    r, algorithm = run.rollout, run.algorithm
+    if engine == "vllm" and engine != r.engine:
+        r = replace(r, engine=engine, decode_batch=None, decode_graphs=False, merge_lora=False, kv_cache_dtype="auto")
+        algorithm = replace(algorithm, old_logprobs="recompute")  # only the torch engine's are the trainer's
+    elif engine != r.engine:
+        r = replace(r, engine=engine, gpu_memory_utilization=None, sync_probe_tolerance=None)
+    if kv_cache_dtype is not None and kv_cache_dtype != r.kv_cache_dtype:
+        # another cache holds another number of full-length slots: rollout.decode_batch as many as fit
+        r = replace(r, kv_cache_dtype=kv_cache_dtype, decode_batch=None)
+    return run if r is run.rollout else replace(run, rollout=r, algorithm=algorithm)
 
 
 def search(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
     """(every feasible candidate, fastest first; the refusals (label, reason)): both engines (the config's, and the
-    other with its own settings at their defaults), with and without activation offload."""
+    other with its own settings at their defaults; the torch engine with each KV cache), with and without activation
+    offload."""
     found, refused = [], []
-    kinds = [(e, offload, kind) for e in ENGINES for offload in (False, True) for kind in (colocated, split)]
-    for engine, offload, kind in tqdm(kinds, desc="layouts", unit="kind"):
-        variant = replace(with_engine(run, engine), optim=replace(run.optim, activation_offload=offload))
+    kinds = [
+        (e, kv, offload, kind)
+        for e in ENGINES
+        for kv in KV_CACHES[e]
+        for offload in (False, True)
+        for kind in (colocated, split)
+    ]
+    for engine, kv, offload, kind in tqdm(kinds, desc="layouts", unit="kind"):
+        variant = replace(with_engine(run, engine, kv), optim=replace(run.optim, activation_offload=offload))
         f, r = kind(variant, model_config, hw, gpus, traces, work, base)
         found += f
+        engine_label = f"engine {engine}" + (" (FP8 KV)" if kv == "fp8" else "")
         refused += [
-            (f"engine {engine}, {label}" + (", activations offloaded" if offload else ""), why) for label, why in r
+            (f"{engine_label}, {label}" + (", activations offloaded" if offload else ""), why) for label, why in r
         ]
     # ties (e.g. training hidden behind generation either way) go to the simpler layout: no offload
     return sorted(found, key=lambda c: (round(c.step.seconds), c.layout["activation_offload"])), refused

@@ -181,7 +181,7 @@ class DecodeCost:
     hw: Hardware
     routed_bytes: int  # the generator's routed experts (the share a step touches is read)
     other_bytes: int  # every other weight it holds (read every step)
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # what a step moves per cached token (allsync.plan.fit.kv_step_bytes_per_token)
     expert_parallel: int
     routed_format: str
     attention_flops_per_cached_token: float | None = None  # decode_attention_flops_per_token; None: the expanded count

@@ -201,6 +201,9 @@ def test_the_torch_engine_on_deepseek_v3_keeps_the_latent_cache_and_must_hold_a_
     assert not decode_cache_is_expanded(DEEPSEEK_V3, "torch") and not decode_cache_is_expanded(DEEPSEEK_V3, "vllm")
     tiny = dict(DEEPSEEK_V3, num_attention_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
     assert kv_bytes_per_token(tiny, "torch") == 61 * 2 * 80 * 2 and decode_cache_is_expanded(tiny, "torch")
+    # rollout.kv_cache_dtype fp8: the latent even where the expanded cache is smaller, 656 bytes a layer
+    assert not decode_cache_is_expanded(tiny, "torch", "fp8")
+    assert kv_bytes_per_token(DEEPSEEK_V3, "torch", "fp8") == 61 * 656
     data = yaml.safe_load(Path(CONFIG).read_text())
     data["rollout"]["engine"] = "torch"
     config = Path(trace_cache) / "torch.yaml"
@@ -477,6 +480,12 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     assert "fastest layout the loop runs today: all-sync with rollout.decode_graphs, engine torch" in text
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
+    # the torch engine with each KV cache: FP8 holds more full-length slots than bf16 in the same memory
+    slots = {
+        kv: max(c["layout"]["decode_batch"] for c in torch_engine if c["layout"].get("kv_cache") == kv)
+        for kv in ("auto", "fp8")
+    }
+    assert slots["fp8"] > slots["auto"] and "KV slots, FP8)" in text
     # the config's own layout (EP 16, sleep, activations offloaded) is among them, at the step time the plan printed
     own = [
         c
@@ -555,3 +564,13 @@ def test_old_logprobs_from_the_engine_drop_one_forward_of_training():
     assert train_passes(True, 16, False) == (5, 4)
     assert train_passes(True, 16, False, old_logprobs="engine") == (4, 3)
     assert train_passes(True, 1, False) == train_passes(True, 1, False, old_logprobs="engine") == (4, 3)
+
+
+def test_an_fp8_cache_is_read_back_through_the_compute_dtype():
+    """The torch engine's FP8 latent costs a step its stored bytes plus the bf16 copy FP8LatentLayer.read makes and
+    attention reads: per layer 656 + 2 x 2 x 512 + 2 x 2 x 576 = 5,008 bytes a cached token against bf16's 1,152."""
+    from allsync.plan.fit import kv_bytes_per_token, kv_step_bytes_per_token
+
+    assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch", "fp8") == 61 * 5008
+    assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch") == kv_bytes_per_token(DEEPSEEK_V3, "torch") == 61 * 1152
+    assert kv_step_bytes_per_token(DEEPSEEK_V3, "vllm") == 61 * 1152

@@ -1,0 +1,190 @@
+"""The 671B DAPO step lever by lever (issue 48): from the layout shipped before the issue to the torch-engine config
+of today, each bar a plan the code computes (allsync.plan, as `allsync plan` computes it), on 32, 48 and 64 H100s.
+
+    python -m benchmarks.plan_levers [--gpus 32,48,64] [--gpu h100] [--seeds 5] [--png docs/plan_671b_levers.png]
+                                     [--json FILE]
+
+Stages, each adding one lever to the one before (DAPO's batch: 480 prompts at 48 GPUs, 512 elsewhere, x 16 samples;
+responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10% memory margin):
+    shipped         recipes/configs/dapo_math_deepseek_v3_671b.yaml as shipped before the issue: vLLM with its own FP8
+                    copy of the base, the trainer's frozen weights asleep in host memory while it generates
+                    (--colocation sleep), each worker filling its own quota, each minibatch's rows where they were
+                    generated (not wired into the loop: the checker refuses vLLM's expert parallelism)
+    balanced        + optim.balance_ranks (lever 4: each minibatch's rows dealt over the workers by tokens)
+    global fill     + algorithm.sampling_fill global (the workers fill the batch together)
+    torch engine    one copy of the base (lever 1): the trainer's own model generates, EP 16 in lockstep over as many
+                    full-length KV slots as fit (at most 64), its decode steps in fixed shapes as CUDA graphs
+                    (rollout.decode_graphs; assumed at the roofline until a GPU measures it)
+    engine logprobs + algorithm.old_logprobs engine (no old-logprob forward before the update)
+    FP8 KV          + rollout.kv_cache_dtype fp8 (lever 3: more KV slots in the same memory)
+
+A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
+and marked. The plan draws one step's response lengths and kept groups from a seeded generator; with half the groups
+kept, whether two refill rounds are enough is close to a coin flip, so each stage is planned with --seeds draws
+(Workload.seed 0, 1, ...) and reported as their mean and range. Writes the table (markdown), FILE (JSON) and the PNG: one waterfall per GPU count, the 1.5 h of the
+all-sync LoRA report drawn across.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from allsync.config import load_config_for_planning
+from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
+from allsync.plan.activations import RunTraces
+from allsync.plan.command import kept_share
+from allsync.plan.estimate import Workload, colocated_steps
+from allsync.plan.fit import Layout, plan_run
+from allsync.plan.hardware import hardware
+from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
+from allsync.plan.shapes import DEEPSEEK_V3
+from quant.checkpoint_io import atomic_write_text
+
+VLLM_CONFIG = "recipes/configs/dapo_math_deepseek_v3_671b.yaml"
+DAPO_PROMPTS = 512
+TARGET_HOURS = 1.5  # the all-sync LoRA report's step on 48 H100
+
+
+def _set(run, section: str, **values):
+    return replace(run, **{section: replace(getattr(run, section), **values)})
+
+
+def shipped(run):
+    """The vLLM config as shipped before issue 48: each worker fills its own quota, rows trained where generated."""
+    run = _set(run, "algorithm", sampling_fill="worker", old_logprobs="recompute")
+    return _set(run, "optim", balance_ranks=False)
+
+
+# (name, what the stage changes, its colocation): each stage applies its change to the stage before
+STAGES = [
+    ("shipped", shipped, "sleep"),
+    ("balanced", lambda run: _set(run, "optim", balance_ranks=True), "sleep"),
+    ("global fill", lambda run: _set(run, "algorithm", sampling_fill="global"), "sleep"),
+    (
+        "torch engine",
+        lambda run: _set(run, "rollout", engine="torch", decode_graphs=True, decode_batch=None, merge_lora=False),
+        "resident",
+    ),
+    ("engine logprobs", lambda run: _set(run, "algorithm", old_logprobs="engine"), "resident"),
+    ("FP8 KV", lambda run: _set(run, "rollout", kv_cache_dtype="fp8", decode_batch=None), "resident"),
+]
+
+
+def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload]) -> dict:
+    """One stage on `gpus` GPUs at the config's expert parallelism: its fit and its all-sync step for each of `works`
+    (draws of one step's lengths and kept groups; the torch engine's KV slots as many as fit, at most
+    DEFAULT_DECODE_BATCH, as `allsync plan --search` gives them)."""
+    layout = Layout(
+        gpus, run.parallel.expert_parallel, hw.memory_bytes, colocation, 1024, hw.host_link_bytes_per_second
+    )
+    plan = plan_run(run, DEEPSEEK_V3, layout, traces)
+    if run.rollout.engine == "torch" and run.rollout.decode_batch is None:
+        run = _set(run, "rollout", decode_batch=max(min(DEFAULT_DECODE_BATCH, plan.sequences_at_once), 1))
+        plan = plan_run(run, DEEPSEEK_V3, layout, traces)
+    if plan.kv_cache_tokens < plan.sequence_tokens:
+        return {"fits": False, "step_seconds": None, "problems": plan.problems}
+    steps = [colocated_steps(run, DEEPSEEK_V3, layout, plan, hw, work)[0] for work in works]
+    seconds = [step.seconds for step in steps]
+    return {
+        "fits": plan.fits,
+        "problems": plan.problems,
+        "step_seconds": sum(seconds) / len(seconds),
+        "step_seconds_per_seed": seconds,
+        "parts": {key: sum(s.parts.get(key, 0.0) for s in steps) / len(steps) for key in steps[0].parts},
+        "note": steps[0].note,
+        "train_bytes": plan.train_bytes,
+        "decode_batch": run.rollout.decode_batch if run.rollout.engine == "torch" else None,
+    }
+
+
+def waterfall(gpus: int, hw, lengths, seeds: int) -> list[dict]:
+    run, _ = load_config_for_planning(VLLM_CONFIG)
+    prompts = DAPO_PROMPTS if DAPO_PROMPTS % gpus == 0 else run.rollout.prompts_per_step
+    run = _set(run, "rollout", prompts_per_step=prompts)
+    traces = RunTraces.of(run, DEEPSEEK_V3)
+    works = [Workload(lengths, 1024, kept_share(run, None), seed=seed) for seed in range(seeds)]
+    out = []
+    for name, change, colocation in STAGES:
+        run = change(run)
+        out.append(
+            {"stage": name, "colocation": colocation, "prompts": prompts}
+            | stage_plan(run, gpus, colocation, hw, traces, works)
+        )
+    return out
+
+
+def cell(stage: dict) -> str:
+    if stage["step_seconds"] is None:
+        return "no room for one sequence"
+    per_seed = stage["step_seconds_per_seed"]
+    text = f"{stage['step_seconds'] / 3600:.2f} h ({min(per_seed) / 3600:.2f}-{max(per_seed) / 3600:.2f})"
+    return text if stage["fits"] else f"{text} (does not fit)"
+
+
+def plot(results: dict[int, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.5), sharey=True, squeeze=False)
+    for ax, (gpus, stages) in zip(axes[0], results.items()):
+        previous = None
+        for i, stage in enumerate(stages):
+            hours = stage["step_seconds"] / 3600 if stage["step_seconds"] is not None else None
+            if hours is None:
+                ax.text(i, 0.2, "no room", ha="center", rotation=90)
+                continue
+            low, high = (0, hours) if previous is None else sorted((previous, hours))
+            color = "tab:gray" if previous is None else ("tab:green" if hours <= previous else "tab:red")
+            ax.bar(i, max(high - low, 0.03), bottom=low, color=color, hatch=None if stage["fits"] else "//")
+            spread = [s / 3600 for s in stage["step_seconds_per_seed"]]
+            ax.errorbar(i, hours, yerr=[[hours - min(spread)], [max(spread) - hours]], color="black", capsize=3)
+            ax.text(i, high + 0.1, f"{hours:.2f}", ha="center", fontsize=8)
+            previous = hours
+        ax.axhline(TARGET_HOURS, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(stages)), [s["stage"] for s in stages], rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"{gpus} H100 ({stages[0]['prompts']} prompts x 16)")
+    axes[0][0].set_ylabel("step (h): mean, range of the draws")
+    fig.suptitle("DeepSeek-V3 671B DAPO step, lever by lever (allsync plan; hatched: does not fit at the 10% margin)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", default="32,48,64")
+    parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--seeds", type=int, default=5, help="draws of one step's lengths and kept groups")
+    parser.add_argument("--png", default="docs/plan_671b_levers.png")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    hw = hardware(args.gpu)
+    lengths = parse_lengths(DEFAULT_LENGTHS)
+    counts = [int(g) for g in args.gpus.split(",")]
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: must be >= 1")
+    results = {g: waterfall(g, hw, lengths, args.seeds) for g in tqdm(counts, desc="GPU counts", unit="waterfall")}
+    print(f"| stage | {' | '.join(f'{g} GPUs' for g in counts)} |")
+    print("|---" * (len(counts) + 1) + "|")
+    for i, (name, _, _) in enumerate(STAGES):
+        print(f"| {name} | {' | '.join(cell(results[g][i]) for g in counts)} |")
+    plot(results, Path(args.png))
+    out = {
+        "hardware": hw.name,
+        "lengths": lengths.description,
+        "seeds": args.seeds,
+        "stages": {str(g): s for g, s in results.items()},
+    }
+    if args.json:
+        atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""benchmarks/plan_levers.py: the 671B step lever by lever, each stage a plan of the one before plus one setting."""
+
+import json
+
+import pytest
+
+from benchmarks.plan_levers import STAGES, main
+
+
+def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
+    """One draw on 48 H100: every stage priced; balancing the ranks and old logprobs from the engine shorten only the
+    train phase, FP8 KV only generation (more KV slots: 23 -> 40); the shipped vLLM layout does not fit at the margin,
+    the torch engine's layouts do."""
+    out, png = tmp_path / "levers.json", tmp_path / "levers.png"
+    result = main(["--gpus", "48", "--seeds", "1", "--json", str(out), "--png", str(png)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and png.stat().st_size > 10_000
+    stages = {s["stage"]: s for s in result["stages"]["48"]}
+    assert list(stages) == [name for name, _, _ in STAGES]
+    assert not stages["shipped"]["fits"] and stages["FP8 KV"]["fits"] and stages["torch engine"]["fits"]
+    for before, after, part in (
+        ("shipped", "balanced", "train"),
+        ("torch engine", "engine logprobs", "train"),
+        ("engine logprobs", "FP8 KV", "generate"),
+    ):
+        other = "generate" if part == "train" else "train"
+        assert stages[after]["parts"][part] < stages[before]["parts"][part]
+        assert stages[after]["parts"][other] == pytest.approx(stages[before]["parts"][other])
+    assert (stages["engine logprobs"]["decode_batch"], stages["FP8 KV"]["decode_batch"]) == (23, 40)
+    with pytest.raises(SystemExit):
+        main(["--seeds", "0"])
