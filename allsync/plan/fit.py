@@ -255,7 +255,7 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     asleep = engine["engine_buffers"]  # what stays of vLLM in sleep mode: its buffers; the rest is in host memory
     train = resident + per_gpu["activations"] + (asleep if sleeping else engine_total)
     generate_base = resident - (frozen if sleeping else 0) + engine_total + reserve
-    kv_tokens = max(layout.gpu_memory_bytes - generate_base, 0) // kv_token
+    kv_tokens = max(layout.usable_bytes - generate_base, 0) // kv_token  # inside the margin, as every phase
     per_gpu["kv_cache"] = min(sequences * sequence_tokens, kv_tokens) * kv_token
 
     usable = layout.usable_bytes
