@@ -46,10 +46,10 @@ from allsync.plan.fit import Layout, plan_run
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
 from allsync.plan.shapes import DEEPSEEK_V3
+from benchmarks.plan_671b import CONFIG as VLLM_CONFIG
+from benchmarks.plan_671b import DAPO_PROMPTS
 from quant.checkpoint_io import atomic_write_text
 
-VLLM_CONFIG = "recipes/configs/dapo_math_deepseek_v3_671b.yaml"
-DAPO_PROMPTS = 512
 TARGET_HOURS = 1.5  # the all-sync LoRA report's step on 48 H100
 
 
