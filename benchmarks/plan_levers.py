@@ -45,6 +45,7 @@ from allsync.plan.estimate import Workload, colocated_steps
 from allsync.plan.fit import Layout, plan_run
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
+from allsync.plan.schedules import mean_over_draws
 from allsync.plan.shapes import DEEPSEEK_V3
 from benchmarks.plan_671b import CONFIG as VLLM_CONFIG
 from benchmarks.plan_671b import DAPO_PROMPTS
@@ -100,16 +101,15 @@ def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload
         plan = plan_run(run, DEEPSEEK_V3, layout, traces)
     if plan.kv_cache_tokens < plan.sequence_tokens:
         return {"fits": False, "step_seconds": None, "problems": plan.problems, "margin": layout.margin}
-    steps = [colocated_steps(run, DEEPSEEK_V3, layout, plan, hw, work)[0] for work in works]
-    seconds = [step.seconds for step in steps]
+    step = mean_over_draws([colocated_steps(run, DEEPSEEK_V3, layout, plan, hw, work) for work in works])[0]
     return {
         "fits": fits,
         "margin": layout.margin,
         "problems": plan.problems,
-        "step_seconds": sum(seconds) / len(seconds),
-        "step_seconds_per_seed": seconds,
-        "parts": {key: sum(s.parts.get(key, 0.0) for s in steps) / len(steps) for key in steps[0].parts},
-        "note": steps[0].note,
+        "step_seconds": step.seconds,
+        "step_seconds_per_seed": step.per_draw,
+        "parts": step.parts,
+        "note": step.note,
         "train_bytes": plan.train_bytes,
         "decode_batch": run.rollout.decode_batch if run.rollout.engine == "torch" else None,
     }

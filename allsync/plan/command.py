@@ -100,6 +100,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="replies per episode of a tool agent (default producer.max_turns, the most); each reply's row grows by "
         "the reply and an observation of producer.max_observation_tokens",
     )
+    p.add_argument(
+        "--draws",
+        type=int,
+        default=5,
+        help="draws of one step's response lengths and kept groups; the step is their mean, printed with their range "
+        "(default %(default)s; --search ranks layouts on the first draw)",
+    )
     p.add_argument("--search", action="store_true", help="rank every layout that fits on --gpus by step time")
     p.add_argument("--json", help="write the plan here too")
     p.set_defaults(run=run_plan)
@@ -185,6 +192,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from allsync.plan.fit import Layout, format_plan, plan_run
     from allsync.plan.hardware import TRAIN_EFFICIENCY_POINTS
     from allsync.plan.lengths import parse_lengths
+    from allsync.plan.schedules import mean_over_draws
     from allsync.plan.search import format_search, search
 
     run, refusal = load_config_for_planning(args.config)
@@ -233,6 +241,8 @@ def run_plan(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: must be in [0, 1)")
+    if args.draws < 1:
+        raise ValueError(f"--draws {args.draws}: must be >= 1")
     hw = hardware_of(args)
     work = Workload(
         parse_lengths(args.response_lengths),
@@ -266,7 +276,8 @@ def run_plan(args: argparse.Namespace) -> None:
         fmt: [list(point) for point in points] for fmt, points in TRAIN_EFFICIENCY_POINTS.items()
     }
     if plan.kv_cache_tokens >= plan.sequence_tokens:
-        steps = colocated_steps(run, model_config, layout, plan, hw, work)
+        draws = [colocated_steps(run, model_config, layout, plan, hw, replace(work, seed=d)) for d in range(args.draws)]
+        steps = mean_over_draws(draws)
         print(format_steps(steps, work, hw, plan.fits))
         out["step_seconds"] = steps[0].seconds
         out["schedules"] = [s.to_json() for s in steps]
@@ -291,8 +302,12 @@ def format_steps(steps, work, hw, fits: bool) -> str:
     for s in steps:
         built = ("" if s.built else ", modelled, not built") + (f" ({s.note})" if s.note else "")
         parts = ", ".join(f"{k} {v:,.0f} s" for k, v in s.parts.items() if v >= 0.5)
+        spread = ""
+        if s.per_draw is not None and len(s.per_draw) > 1:
+            low, high = min(s.per_draw) / 3600, max(s.per_draw) / 3600
+            spread = f" (mean of {len(s.per_draw)} draws: {low:.2f}-{high:.2f} h)"
         lines.append(
-            f"  {s.schedule}{built}: {s.seconds:,.0f} s = {s.seconds / 3600:.2f} h, {s.idle_fraction:.0%} of GPU time "
-            f"idle ({parts})"
+            f"  {s.schedule}{built}: {s.seconds:,.0f} s = {s.seconds / 3600:.2f} h{spread}, {s.idle_fraction:.0%} of "
+            f"GPU time idle ({parts})"
         )
     return "\n".join(lines)

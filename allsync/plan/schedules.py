@@ -35,9 +35,10 @@ class StepTime:
     parts: dict = field(default_factory=dict)  # name -> seconds on the step's critical path
     built: bool = True
     note: str = ""  # what the estimate assumes beyond the model's measured rates
+    per_draw: list[float] | None = None  # seconds of each draw of the step's lengths (mean_over_draws); None: one
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "schedule": self.schedule,
             "step_seconds": self.seconds,
             "idle_fraction": self.idle_fraction,
@@ -45,6 +46,27 @@ class StepTime:
             "built": self.built,
             "note": self.note,
         }
+        return out | ({"step_seconds_per_draw": self.per_draw} if self.per_draw is not None else {})
+
+
+def mean_over_draws(draws: list[list[StepTime]]) -> list[StepTime]:
+    """Each schedule's StepTime averaged over draws of one step's response lengths and kept groups (the seconds, the
+    idle share and every part; per_draw keeps each draw's seconds), in the order they first appear. A schedule that
+    only some draws have (all-sync + overlap needs one sampling round) is averaged over those, and its note says so."""
+    out = []
+    for name in dict.fromkeys(s.schedule for d in draws for s in d):
+        same = [s for d in draws for s in d if s.schedule == name]
+        first, n = same[0], len(same)
+        note = first.note
+        if n < len(draws):
+            note = f"{note}; " if note else ""
+            note += f"in {n} of {len(draws)} draws"
+        keys = dict.fromkeys(k for s in same for k in s.parts)
+        parts = {k: sum(s.parts.get(k, 0.0) for s in same) / n for k in keys}
+        idle_share = sum(s.idle_fraction for s in same) / n
+        seconds = [s.seconds for s in same]
+        out.append(StepTime(name, sum(seconds) / n, idle_share, parts, first.built, note, seconds))
+    return out
 
 
 def idle(busy_gpu_seconds: float, gpus: int, seconds: float) -> float:

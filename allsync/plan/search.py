@@ -277,7 +277,10 @@ def format_search(ranked: list[Candidate], refused: list[tuple[str, str]], gpus:
     """The top `top` layouts with why each beats the next, the best of each schedule, and what did not fit."""
     from allsync.plan.schedules import SCHEDULES
 
-    lines = [f"layouts of this config on {gpus} GPUs that fit: {len(ranked)}, fastest first (estimated):"]
+    lines = [
+        f"layouts of this config on {gpus} GPUs that fit: {len(ranked)}, fastest first (estimated on the first draw of "
+        "the step's lengths and kept groups):"
+    ]
     for i, c in enumerate(ranked[:top]):
         built = f" (not built: {'; '.join(c.not_built)})" if c.not_built else " (runs today)"
         built += f" ({c.step.note})" if c.step.note else ""

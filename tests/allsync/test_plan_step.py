@@ -495,7 +495,10 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         and c["layout"].get("expert_parallel") == 16
         and c["layout"]["activation_offload"]
     ]
-    assert len(own) == 1 and own[0]["step_seconds"] == pytest.approx(plan["step_seconds"])
+    # (the search ranks on the first draw of the step's lengths; the plan prints the mean of --draws)
+    first_draw = plan["schedules"][0]["step_seconds_per_draw"][0]
+    assert len(own) == 1 and own[0]["step_seconds"] == pytest.approx(first_draw)
+    assert len(plan["schedules"][0]["step_seconds_per_draw"]) == 5
     assert "why" not in text and "faster than the next" in text and "best layout of each schedule" in text
     # the same all-sync layout with colocation resident (two copies) fits no expert-parallel size on 48 GPUs
     assert not any(c["layout"].get("colocation") == "resident" for c in ranked if c["layout"]["engine"] == "vllm")
@@ -510,6 +513,7 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
             r"--conversations 3: only for producer.kind multiconv \(this config's is single_turn\)",
         ),
         (["--margin", "1"], r"--margin 1.0: must be in \[0, 1\)"),
+        (["--draws", "0"], r"--draws 0: must be >= 1"),
         (["--response-lengths", "lognormal:mean=3"], r"--response-lengths 'lognormal:mean=3'"),
         (["--interconnect", "pcie=10GB/s"], r"--interconnect 'pcie=10GB/s': unknown link 'pcie'"),
         (["--interconnect", "nvlink=fast"], r"--interconnect nvlink 'fast'"),
@@ -574,3 +578,19 @@ def test_an_fp8_cache_is_read_back_through_the_compute_dtype():
     assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch", "fp8") == 61 * 5008
     assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch") == kv_bytes_per_token(DEEPSEEK_V3, "torch") == 61 * 1152
     assert kv_step_bytes_per_token(DEEPSEEK_V3, "vllm") == 61 * 1152
+
+
+def test_the_step_is_the_mean_of_its_draws():
+    """mean_over_draws: each schedule's seconds, idle share and parts averaged over the draws, each draw's seconds kept;
+    a schedule only some draws have is averaged over those and says so."""
+    from allsync.plan.schedules import StepTime, mean_over_draws
+
+    draws = [
+        [StepTime("all-sync", 10.0, 0.1, {"generate": 6.0, "train": 4.0}), StepTime("overlap", 8.0, 0.2, {"g": 8.0})],
+        [StepTime("all-sync", 20.0, 0.3, {"generate": 14.0, "train": 6.0})],
+    ]
+    both, some = mean_over_draws(draws)
+    assert (both.schedule, both.seconds, both.idle_fraction, both.per_draw) == ("all-sync", 15.0, 0.2, [10.0, 20.0])
+    assert both.parts == {"generate": 10.0, "train": 5.0} and both.note == ""
+    assert (some.seconds, some.per_draw, some.note) == (8.0, [8.0], "in 1 of 2 draws")
+    assert both.to_json()["step_seconds_per_draw"] == [10.0, 20.0]
