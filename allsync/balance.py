@@ -155,7 +155,7 @@ def balanced(mb, groups, pad_id: int, device, budget: int | None = None):
     """This worker's share of one minibatch after balancing (module docstring): a TrainBatch, or None when it trains
     no row of it. Every worker calls it for every minibatch (mb None: no rows of its own); budget:
     optim.max_tokens_per_forward."""
-    from allsync.learner import TrainBatch
+    from allsync.train_batch import TrainBatch
     from moe_lora.expert_parallel import all_to_all
 
     schema = batch_schema(mb, groups, pad_id)

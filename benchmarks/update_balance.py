@@ -110,7 +110,7 @@ def run_rank(rank: int, ep: int, address: str, checkpoint: str, rows: int, budge
     """One rank: its experts' shard, its rows, the update's forwards + backwards of both packings, timed."""
     from allsync.balance import balanced
     from allsync.forward import build_sequences, forward_logprobs, token_budget_chunks
-    from allsync.learner import TrainBatch
+    from allsync.train_batch import TrainBatch
     from allsync.launch.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_

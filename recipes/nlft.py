@@ -41,7 +41,7 @@ from allsync.forward import (
     to_response_layout,
     to_sequence_layout,
 )
-from allsync.learner import TrainBatch
+from allsync.train_batch import TrainBatch
 from allsync.tasks import Problem, make_splits
 from allsync.tasks.problems import answer_examples
 from allsync.worker import RLWorker

@@ -1,6 +1,6 @@
 """The packages' import graph: no module imports another that imports it back, and the layers point one way
-(quant <- moe_lora <- allsync; evals imports none of them). Module-level imports only: an import inside a
-function runs when it is called, after every module has loaded."""
+(quant <- moe_lora <- allsync; evals imports none of them). Every import counts, those inside functions too: an
+import put in a function to dodge a circle at load time still ties the two modules together (issue 50)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def module_level_imports(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports at module level (`from x import y` counts x.y when it is a module)."""
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports anywhere, in functions too (`from x import y` counts x.y when it is a
+    module)."""
     tree, name = ast.parse(path.read_text()), module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -38,7 +39,7 @@ def module_level_imports(path: Path, modules: set[str]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     paths = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
     modules = {module_name(p) for p in paths}
-    return {module_name(p): module_level_imports(p, modules) for p in paths}
+    return {module_name(p): imported_modules(p, modules) for p in paths}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -80,6 +81,14 @@ def test_cycle_finder_finds_a_cycle_through_a_package():
 
 def test_no_module_imports_one_that_imports_it_back():
     assert cycles(import_graph()) == []
+
+
+def test_an_import_inside_a_function_counts(tmp_path, monkeypatch):
+    """A function-local import is an edge of the graph like a module-level one."""
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    path = tmp_path / "m.py"
+    path.write_text("import a\n\ndef f():\n    from b import c\n    import d\n")
+    assert imported_modules(path, {"a", "b", "b.c", "d"}) == {"a", "b", "b.c", "d"}
 
 
 def test_layers_point_one_way():

@@ -13,11 +13,8 @@ row's answer, else 0; it needs no math-verify, whose timeout cannot run in the e
 
 from __future__ import annotations
 
-import random
-import re
 
-from allsync.envs.tool_calls import ToolCall, format_tool_calls, parse_tool_calls
-from allsync.tasks import Problem, format_response
+from allsync.envs.tool_calls import parse_tool_calls
 from evals.rewards import score
 
 FUNCTIONS = {
@@ -54,58 +51,3 @@ class Calculator:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b)) or set(arguments) != {"a", "b"}:
             return f"error: {name} takes integers a and b"
         return str(FUNCTIONS[name](a, b))
-
-
-def estimate(value: int) -> int:
-    """value rounded to two significant digits: 35424 -> 35000."""
-    return round(value, 2 - len(str(abs(value))))
-
-
-def teacher_examples(
-    tokenizer, problems: list[Problem], tools: list[dict], tool_rate: float, seed: int
-) -> list[tuple[list[int], int]]:
-    """The warm start's teacher on "What is a*b?": with probability tool_rate it calls multiply(a, b) and then
-    answers with the tool's output (two examples: the call, and the answer after the output); otherwise it
-    answers at once with an estimate. Each example is (ids, index of the first reply token); the tool output
-    is part of the second example's prompt, never a target."""
-    rng = random.Random(seed)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    render = lambda messages: tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
-    )  # noqa: E731
-    eos = tokenizer.eos_token_id
-    examples = []
-    for p in problems:
-        a, b = map(int, re.findall(r"\d+", p.prompt)[:2])
-        messages = [{"role": "user", "content": p.prompt}]
-        prompt = encode(render(messages))
-        if rng.random() < tool_rate:
-            call = format_tool_calls([ToolCall("multiply", {"a": a, "b": b})])
-            examples.append((prompt + encode(call) + [eos], len(prompt)))
-            messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": str(a * b)}]
-            prompt = encode(render(messages))
-            examples.append((prompt + encode(format_response(str(a * b))) + [eos], len(prompt)))
-        else:
-            examples.append((prompt + encode(format_response(str(estimate(a * b)))) + [eos], len(prompt)))
-    return examples
-
-
-def answer_prompts(tokenizer, problems: list[Problem], tools: list[dict]) -> list[list[int]]:
-    """Each problem's prompt after a correct multiply call and its output: what the answer step reads."""
-    out = []
-    for p in problems:
-        a, b = map(int, re.findall(r"\d+", p.prompt)[:2])
-        messages = [
-            {"role": "user", "content": p.prompt},
-            {"role": "assistant", "content": format_tool_calls([ToolCall("multiply", {"a": a, "b": b})])},
-            {"role": "tool", "content": str(a * b)},
-        ]
-        out.append(
-            tokenizer(
-                tokenizer.apply_chat_template(
-                    messages, tools=tools or None, add_generation_prompt=True, tokenize=False
-                ),
-                add_special_tokens=False,
-            )["input_ids"]
-        )
-    return out

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from allsync.tasks.problems import Problem, Splits, generated_splits
+from allsync.envs.tool_calls import ToolCall, format_tool_calls
+from allsync.tasks.problems import Problem, Splits, format_response, generated_splits
 from allsync.tasks.registry import GeneratedTask, register_task
 
 
@@ -39,18 +41,14 @@ class CalculatorSpec:
         return calculator_splits(self, train_size, heldout_size, seed)
 
     def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
-        """Tool calls (sometimes) and answers (allsync/envs/calculator.py)."""
-        from allsync.envs import calculator
-
-        return calculator.teacher_examples(
+        """Tool calls (sometimes) and answers (`calculator_teacher_examples`)."""
+        return calculator_teacher_examples(
             tokenizer, problems, json.loads(self.tools_json), self.teacher_tool_rate, seed
         )
 
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
         """The answer step alone, after a correct call and its output (whole episodes: the recipe)."""
-        from allsync.envs import calculator
-
-        return calculator.answer_prompts(tokenizer, problems, json.loads(self.tools_json))
+        return answer_prompts(tokenizer, problems, json.loads(self.tools_json))
 
 
 def calculator_splits(spec: CalculatorSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
@@ -84,3 +82,58 @@ class CalculatorTask(GeneratedTask):
         """The spec with the agent's tool schemas, which the prompts list: the warm start must see the same."""
         spec = self.spec()
         return spec if agent is None else replace(spec, tools_json=json.dumps(agent.tools, sort_keys=True))
+
+
+def estimate(value: int) -> int:
+    """value rounded to two significant digits: 35424 -> 35000."""
+    return round(value, 2 - len(str(abs(value))))
+
+
+def calculator_teacher_examples(
+    tokenizer, problems: list[Problem], tools: list[dict], tool_rate: float, seed: int
+) -> list[tuple[list[int], int]]:
+    """The warm start's teacher on "What is a*b?": with probability tool_rate it calls multiply(a, b) and then
+    answers with the tool's output (two examples: the call, and the answer after the output); otherwise it
+    answers at once with an estimate. Each example is (ids, index of the first reply token); the tool output
+    is part of the second example's prompt, never a target."""
+    rng = random.Random(seed)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    render = lambda messages: tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+    )  # noqa: E731
+    eos = tokenizer.eos_token_id
+    examples = []
+    for p in problems:
+        a, b = map(int, re.findall(r"\d+", p.prompt)[:2])
+        messages = [{"role": "user", "content": p.prompt}]
+        prompt = encode(render(messages))
+        if rng.random() < tool_rate:
+            call = format_tool_calls([ToolCall("multiply", {"a": a, "b": b})])
+            examples.append((prompt + encode(call) + [eos], len(prompt)))
+            messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": str(a * b)}]
+            prompt = encode(render(messages))
+            examples.append((prompt + encode(format_response(str(a * b))) + [eos], len(prompt)))
+        else:
+            examples.append((prompt + encode(format_response(str(estimate(a * b)))) + [eos], len(prompt)))
+    return examples
+
+
+def answer_prompts(tokenizer, problems: list[Problem], tools: list[dict]) -> list[list[int]]:
+    """Each problem's prompt after a correct multiply call and its output: what the answer step reads."""
+    out = []
+    for p in problems:
+        a, b = map(int, re.findall(r"\d+", p.prompt)[:2])
+        messages = [
+            {"role": "user", "content": p.prompt},
+            {"role": "assistant", "content": format_tool_calls([ToolCall("multiply", {"a": a, "b": b})])},
+            {"role": "tool", "content": str(a * b)},
+        ]
+        out.append(
+            tokenizer(
+                tokenizer.apply_chat_template(
+                    messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
+    return out

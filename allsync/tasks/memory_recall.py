@@ -7,7 +7,8 @@ import random
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from allsync.tasks.problems import Problem, Splits, generated_splits
+from allsync.tasks.conversations import MEMORY_CLOSE, MEMORY_OPEN, chunk_ids, conversation_ids
+from allsync.tasks.problems import Problem, Splits, format_response, generated_splits
 from allsync.tasks.registry import GeneratedTask, register_task
 
 
@@ -44,15 +45,11 @@ class MemoryRecallSpec:
         return memory_recall_splits(self, train_size, heldout_size, seed)
 
     def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
-        """Every memory write and answer of the noisy teacher (allsync/producers/multiconv.py)."""
-        from allsync.producers.multiconv import teacher_examples
-
-        return teacher_examples(tokenizer, problems, self.teacher_decoy_rate, seed)
+        """Every memory write and answer of the noisy teacher (`memory_teacher_examples`)."""
+        return memory_teacher_examples(tokenizer, problems, self.teacher_decoy_rate, seed)
 
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
         """The answer step alone, reading the gold memory (whole episodes are evaluated by the recipe)."""
-        from allsync.producers.multiconv import conversation_ids
-
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         return [conversation_ids(tokenizer, p.prompt, None, encode(p.metadata["gold_memory"])) for p in problems]
 
@@ -103,3 +100,31 @@ class MemoryRecallTask(GeneratedTask):
         return MemoryRecallSpec(
             self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first
         )
+
+
+def memory_teacher_examples(
+    tokenizer, problems: list[Problem], decoy_rate: float, seed: int
+) -> list[tuple[list[int], int]]:
+    """The warm start's noisy teacher on memory_recall: per problem, each memory write and the answer as
+    (prompt + reply + eos ids, index of the first reply token). The first write stores the gold assignment,
+    later writes keep it, except that with probability `decoy_rate` the last write stores the decoy (the
+    last chunk's last assignment); the answer reads the value from the memory the teacher wrote."""
+    rng = random.Random(seed)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    wrap = encode(MEMORY_OPEN), encode(MEMORY_CLOSE)
+    eos = tokenizer.eos_token_id
+    examples = []
+    for p in problems:
+        memory_text, memory = "", []
+        chunks = chunk_ids(tokenizer, p, None)
+        for k, chunk in enumerate(chunks):
+            prompt = conversation_ids(tokenizer, p.prompt, chunk, memory)
+            if k == 0:
+                memory_text = p.metadata["gold_memory"]
+            elif k == len(chunks) - 1 and rng.random() < decoy_rate:
+                memory_text = p.metadata["decoy_memory"]
+            memory = encode(memory_text)
+            examples.append((prompt + wrap[0] + memory + wrap[1] + [eos], len(prompt)))
+        prompt = conversation_ids(tokenizer, p.prompt, None, memory)
+        examples.append((prompt + encode(format_response(memory_text.split("=")[1])) + [eos], len(prompt)))
+    return examples

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from allsync.config import ConfigError, parse_config
 from allsync.envs import EnvError
-from allsync.envs.calculator import Calculator, estimate, teacher_examples
+from allsync.envs.calculator import Calculator
+from allsync.tasks.calculator import calculator_teacher_examples as teacher_examples, estimate
 from allsync.envs.tool_calls import ToolCall, format_tool_calls, parse_tool_calls
 from allsync.tasks import CalculatorSpec, Problem, calculator_splits
 from allsync.worker import RLWorker

@@ -10,14 +10,9 @@ from transformers import AutoTokenizer
 
 from allsync.config import ConfigError, OverlongSection, parse_config
 from allsync.episodes import Episode, Segment, flatten
-from allsync.producers.multiconv import (
-    MEMORY_CLOSE,
-    MEMORY_OPEN,
-    conversation_ids,
-    extract_memory,
-    find_ids,
-    teacher_examples,
-)
+from allsync.producers.multiconv import extract_memory, find_ids
+from allsync.tasks.conversations import MEMORY_CLOSE, MEMORY_OPEN, conversation_ids
+from allsync.tasks.memory_recall import memory_teacher_examples as teacher_examples
 from allsync.tasks import MemoryRecallSpec, memory_recall_problem, memory_recall_splits
 from allsync.worker import RLWorker
 
@@ -209,7 +204,7 @@ def test_a_worker_with_no_trained_token_computes_no_gap(tiny_bf16):
 def test_a_context_is_cut_into_chunks_of_token_ids(tiny_bf16):
     """MemAgent's reading of a long document: the context's ids cut every chunk_tokens, placed in the prompt as
     they are (a chunk boundary may split a word: its ids are never re-encoded)."""
-    from allsync.producers.multiconv import chunk_ids
+    from allsync.tasks.conversations import chunk_ids
     from allsync.tasks import Problem
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
@@ -304,7 +299,7 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
     """A memory write may use producer.memory_tokens new tokens: with memory_tokens > max_new_tokens the context is
     the longest write's prompt + memory_tokens (before: + max_new_tokens, and vLLM cut the write silently)."""
     from allsync.config import parse_config
-    from allsync.producers.multiconv import longest_conversation_tokens
+    from allsync.tasks.conversations import longest_conversation_tokens
     from allsync.tasks import MemoryRecallSpec, memory_recall_splits
 
     config = parse_config(
@@ -325,7 +320,7 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
 def test_the_longest_conversation_is_counted_in_tokens_not_characters(tiny_bf16):
     """A question of fewer characters but more tokens (the tiny tokenizer spends 3 byte tokens on a euro sign, 1 on
     a letter) and a chunk likewise: the context is sized by the one with the most tokens."""
-    from allsync.producers.multiconv import longest_conversation_tokens
+    from allsync.tasks.conversations import longest_conversation_tokens
     from allsync.tasks import Problem
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
