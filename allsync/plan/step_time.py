@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -262,35 +263,56 @@ def generation_timeline(
         raise ValueError(
             f"a sequence of {int(lengths.max()) + prompt_tokens:,} tokens does not fit a KV cache of {kv_capacity_tokens:,}"
         )
-    finish = np.zeros(len(lengths))
-    done = np.zeros(len(lengths), dtype=np.int64)
-    queue, active = collections.deque(range(len(lengths))), []
-    now, used = 0.0, 0
+    # Every running sequence advances one token a decode step, so each is tracked by the decode-step count at which it
+    # ends (`ends`, a heap; a preempted sequence's entry is dropped when it comes up): O(log n) an event.
+    length = lengths.tolist()
+    finish = np.zeros(len(length))
+    done = [0] * len(length)
+    queue, active = collections.deque(range(len(length))), []
+    running = [False] * len(length)
+    ends: list[tuple[int, int]] = []  # (decode step at which the sequence ends, sequence)
+    start = [0] * len(length)  # the decode step at which it would have begun: ends - length
+    now, used, clock = 0.0, 0, 0
+
+    def live(entry: tuple[int, int]) -> bool:
+        """The entry is its sequence's current one (not left by a preemption)."""
+        end, i = entry
+        return running[i] and end == start[i] + length[i]
+
     while queue or active:
         while (
             queue
             and len(active) < max_sequences
-            and (
-                used + prompt_tokens + done[queue[0]] + (len(active) + 1) * ADMISSION_HEADROOM_TOKENS
-                <= kv_capacity_tokens
-            )
+            and used + prompt_tokens + done[queue[0]] + (len(active) + 1) * ADMISSION_HEADROOM_TOKENS
+            <= kv_capacity_tokens
         ):
             i = queue.popleft()
             active.append(i)
-            used += prompt_tokens + int(done[i])
-            now += cost.prefill_seconds(prompt_tokens + int(done[i]))
-        idx = np.array(active)
-        steps = min(int((lengths[idx] - done[idx]).min()), (kv_capacity_tokens - used) // len(idx))
+            running[i] = True
+            start[i] = clock - done[i]
+            heapq.heappush(ends, (start[i] + length[i], i))
+            used += prompt_tokens + done[i]
+            now += cost.prefill_seconds(prompt_tokens + done[i])
+        while not live(ends[0]):  # preempted since it was pushed
+            heapq.heappop(ends)
+        n = len(active)
+        steps = min(ends[0][0] - clock, (kv_capacity_tokens - used) // n)
         if steps == 0:  # the cache is full: preempt the latest admitted
             j = active.pop()
-            used -= prompt_tokens + int(done[j])
+            running[j] = False
+            done[j] = clock - start[j]
+            used -= prompt_tokens + done[j]
             queue.appendleft(j)
             continue
-        now += steps * cost.decode_step_seconds(len(idx), used + len(idx) * steps / 2)
-        done[idx] += steps
-        used += len(idx) * steps
-        for i in idx[done[idx] == lengths[idx]]:
-            finish[i] = now
-            active.remove(int(i))
-            used -= prompt_tokens + int(lengths[i])
+        now += steps * cost.decode_step_seconds(n, used + n * steps / 2)
+        clock += steps
+        used += n * steps
+        while ends and (ends[0][0] == clock or not live(ends[0])):
+            entry = heapq.heappop(ends)
+            if live(entry):
+                i = entry[1]
+                running[i] = False
+                finish[i] = now
+                active.remove(i)
+                used -= prompt_tokens + length[i]
     return finish
