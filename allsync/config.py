@@ -311,7 +311,7 @@ class AlgorithmSection:
         return self.estimator.needs_critic
 
     def check(self, fail) -> None:
-        from allsync.algorithms import get  # registry lookups name the valid choices
+        from allsync.algorithms import estimators_that, get  # registry lookups name the valid choices
 
         if self.max_sampling_rounds < 1:
             fail(f"algorithm.max_sampling_rounds = {self.max_sampling_rounds}: must be >= 1")
@@ -364,7 +364,7 @@ class AlgorithmSection:
         if not self.uses_critic and (self.value_pretrain_steps or self.value_lam != 1.0):
             fail(
                 f"algorithm.value_pretrain_steps / value_lam with algorithm.advantage {self.advantage}: group baselines "
-                "have no critic (use gae or egae)"
+                f"have no critic (use {estimators_that(needs_critic=True)})"
             )
         if self.clip_c is not None and self.clip_c <= 1:
             fail(f"algorithm.clip_c = {self.clip_c}: the dual clip constant must be > 1")
@@ -933,13 +933,16 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
 def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
     """Group baselines need groups; a critic needs colocated workers and no group rewards (what each producer
     needs of the algorithm, its settings' check_with says)."""
+    from allsync.algorithms import estimators_that
+
     a, r = c.algorithm, c.rollout
     if a.estimator.needs_groups and r.group_size < 2:
         fail(f"rollout.group_size = {r.group_size} with algorithm.advantage {a.advantage}: a group needs >= 2 samples")
     if a.dynamic_sampling and not a.estimator.needs_groups:
         fail(
             f"algorithm.dynamic_sampling with algorithm.advantage {a.advantage}: dynamic sampling filters "
-            "groups for group baselines (grpo / drgrpo); set it to false for the critic's advantages"
+            f"groups for group baselines ({estimators_that(needs_groups=True)}); set it to false for the critic's "
+            "advantages"
         )
     if a.uses_critic and c.parallel.layout != "colocated":
         fail(

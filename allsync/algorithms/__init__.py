@@ -4,6 +4,7 @@ No distributed calls, no I/O. Each function documents its formula.
 """
 
 from .advantages import (
+    estimators_that,
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
     drgrpo_advantages,
@@ -50,6 +51,7 @@ __all__ = [
     "whitening_sums",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
+    "estimators_that",
     "POLICY_LOSSES",
     "PolicyLoss",
     "shape_length",

@@ -226,6 +226,13 @@ ADVANTAGE_ESTIMATORS = {
 }
 
 
+def estimators_that(**needs: bool) -> str:
+    """The names of the registered estimators whose AdvantageEstimator fields equal `needs` (e.g. needs_critic=True),
+    joined for a refusal's hint ("gae or egae"): hints name the registry, never a hand-kept list."""
+    names = [n for n, e in ADVANTAGE_ESTIMATORS.items() if all(getattr(e, k) == v for k, v in needs.items())]
+    return " or ".join(names)
+
+
 def split_advantage_sums(advantages: torch.Tensor, mask: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     """Sums over the trained tokens (``mask``) that add up over workers, float64 [4]:
     [sum A over rows cut at a window, their tokens, sum A over finished rows, their tokens].

@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from allsync.algorithms import estimators_that
 from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
@@ -394,7 +395,7 @@ class AgentSettings:
         if not a.estimator.needs_groups:
             fail(
                 f"producer.kind agent with algorithm.advantage {a.advantage}: an episode's one reward trains its turns "
-                "through a group-relative advantage; use grpo or drgrpo"
+                f"through a group-relative advantage; use {estimators_that(needs_groups=True)}"
             )
         if (
             rw.function is not None

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from allsync.algorithms import estimators_that
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import GroupRounds
 from allsync.producers.registry import ProducerContext, register_producer
@@ -203,7 +204,7 @@ class MultiConvSettings:
         if not a.estimator.needs_groups:
             fail(
                 f"producer.kind multiconv with algorithm.advantage {a.advantage}: the final reward trains every segment "
-                "through one group-relative advantage per episode; use grpo or drgrpo"
+                f"through one group-relative advantage per episode; use {estimators_that(needs_groups=True)}"
             )
         if a.loss_agg != type(a).loss_agg:
             fail(

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from allsync.algorithms import InFlight, WindowAdvance, advance_window
+from allsync.algorithms import InFlight, WindowAdvance, advance_window, estimators_that
 from allsync.engines.torch_engine import Sampling
 from allsync.episodes import Episode, Segment
 from allsync.producers.registry import ProducerContext, register_producer
@@ -182,7 +182,8 @@ class WindowsSettings:
         if not a.estimator.needs_critic:
             fail(
                 f"producer.kind windows with algorithm.advantage {a.advantage}: in-flight responses are trained with a "
-                "critic's values; use gae (whole responses) or egae (T-PPO windows)"
+                f"critic's values; use {estimators_that(needs_critic=True, bootstraps_cut=False)} (whole responses) or "
+                f"{estimators_that(bootstraps_cut=True)} (T-PPO windows)"
             )
         if self.window is not None and self.window > r.max_new_tokens:
             fail(f"producer.window = {self.window}: must be in 1..rollout.max_new_tokens ({r.max_new_tokens})")
@@ -191,7 +192,8 @@ class WindowsSettings:
         if self.window is not None and not a.estimator.bootstraps_cut:
             fail(
                 f"producer.window = {self.window} with algorithm.advantage {a.advantage}: responses cut at a window have "
-                "no reward yet; T-PPO bootstraps them from the critic, so use algorithm.advantage egae"
+                f"no reward yet; T-PPO bootstraps them from the critic, so use algorithm.advantage "
+                f"{estimators_that(bootstraps_cut=True)}"
             )
 
     def build(self, context: ProducerContext) -> WindowPool:

@@ -50,6 +50,25 @@ def test_estimators_say_what_they_need():
     assert torch.equal(get("advantage", "drgrpo")(rewards, groups), torch.tensor([0.5, -0.5, 0.0, 0.0]))
 
 
+def test_refusals_name_the_estimators_the_registry_holds(tiny_bf16, monkeypatch):
+    """A hint lists what the registry holds, never a hand-kept list: an estimator a contributor registers appears in
+    the refusals that call for its kind (issue 50)."""
+    from allsync.config import ConfigError, parse_config
+
+    assert alg.estimators_that(needs_groups=True) == "grpo or drgrpo"
+    assert alg.estimators_that(needs_critic=True, bootstraps_cut=False) == "gae"
+    rloo = alg.AdvantageEstimator(alg.grpo_advantages, needs_groups=True, needs_critic=False)
+    monkeypatch.setitem(alg.ADVANTAGE_ESTIMATORS, "rloo", rloo)
+    with pytest.raises(ConfigError, match=r"group baselines \(grpo or drgrpo or rloo\)"):
+        parse_config(
+            {
+                "model": {"base": str(tiny_bf16)},
+                "algorithm": {"advantage": "gae", "dynamic_sampling": True},
+                "producer": {"kind": "windows"},
+            }
+        )
+
+
 def test_shapers_add_the_formulas_of_their_settings():
     lengths, correct, groups = (
         torch.tensor([10, 14, 16, 20]),
