@@ -45,6 +45,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from moe_lora.lora_layers import LoRALinear
+from quant.formats import FP8_DTYPE, FP8_MAX
 from quant.modules import FrozenLinear
 
 
@@ -119,7 +120,6 @@ def _with_room(cached: torch.Tensor, new_states: torch.Tensor, capacity: int) ->
     return buffer
 
 
-FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_GROUP = 128  # latent values sharing one scale (DeepSeek's FlashMLA FP8 cache: 4 tiles of 128 for kv_lora_rank 512)
 
 
@@ -150,7 +150,8 @@ class SlotKVCache(DynamicCache):
         if self.fp8_rank is not None:
             if not self.latent:
                 raise ValueError("an FP8 KV cache holds MLA's latent only (fill it from a LatentKVCache)")
-            return FP8LatentLayer(self, keys, self.fp8_rank)
+            rope = keys.shape[-1] - self.fp8_rank
+            return FP8LatentLayer(self, self.fp8_rank, rope, keys.dtype, keys.device)
         parts = [(keys.shape[1], keys.shape[-1], keys.dtype), (values.shape[1], values.shape[-1], values.dtype)]
         return SlotLayer(self, parts, keys.device)
 
@@ -193,9 +194,9 @@ class SlotKVCache(DynamicCache):
     def restored_layer(self, parts: tuple[torch.Tensor, ...]) -> "SlotLayer":
         """An empty layer whose buffers take saved `parts` ([H, length, d_i] each, as a layer of this pool stored
         them)."""
-        if self.fp8_rank is not None:
-            latent = torch.cat((parts[0].to(parts[2].dtype), parts[2]), dim=-1)[None]  # only its shape and dtype count
-            return FP8LatentLayer(self, latent, self.fp8_rank)
+        if self.fp8_rank is not None:  # quantized c, scales, k_rope
+            rope = parts[2]
+            return FP8LatentLayer(self, self.fp8_rank, rope.shape[-1], rope.dtype, rope.device)
         return SlotLayer(self, [(p.shape[0], p.shape[-1], p.dtype) for p in parts], parts[0].device)
 
     def move(self, sources: list[int], targets: list[int], span: int) -> None:
@@ -282,16 +283,12 @@ class FP8LatentLayer(SlotLayer):
     bf16 too). DeepSeek-V3: 512 + 4 x 4 + 64 x 2 = 656 bytes a token and layer against 1,152 in bf16. Attention
     reads c_s = q_g a_g back in the compute dtype (`read`; a fused kernel would read the FP8 bytes directly)."""
 
-    def __init__(self, pool: SlotKVCache, latent: torch.Tensor, rank: int):
+    def __init__(self, pool: SlotKVCache, rank: int, rope: int, dtype: torch.dtype, device: torch.device):
+        """rank: kv_lora_rank (c_s's values); rope: d_rope; dtype: the compute dtype k_rope is kept and read in."""
         group = fp8_group(rank)
-        rope = latent.shape[-1] - rank
-        super().__init__(
-            pool,
-            [(1, rank, torch.float8_e4m3fn), (1, rank // group, torch.float32), (1, rope, latent.dtype)],
-            latent.device,
-        )
-        self.rank, self.group, self.dtype = rank, group, latent.dtype
-        self.empty_values = latent.new_zeros(pool.slots, 1, pool.capacity, 0)
+        super().__init__(pool, [(1, rank, FP8_DTYPE), (1, rank // group, torch.float32), (1, rope, dtype)], device)
+        self.rank, self.group, self.dtype = rank, group, dtype  # dtype: what `read` gives attention
+        self.empty_values = torch.zeros(pool.slots, 1, pool.capacity, 0, dtype=dtype, device=device)
         self.values = self.empty_values
 
     def write(self, index: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -326,7 +323,7 @@ def fp8_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     of `group` consecutive values (a group of zeros gets a_g = 1e-12 / 448, and zeros)."""
     grouped = x.float().unflatten(-1, (-1, group))
     scales = grouped.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    quantized = (grouped / scales[..., None]).to(torch.float8_e4m3fn)
+    quantized = (grouped / scales[..., None]).to(FP8_DTYPE)
     return quantized.flatten(-2), scales
 
 
