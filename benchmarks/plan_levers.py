@@ -38,7 +38,6 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from allsync.config import load_config_for_planning
-from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
 from allsync.plan.activations import RunTraces
 from allsync.plan.command import kept_share
 from allsync.plan.estimate import Workload, colocated_steps
@@ -46,6 +45,7 @@ from allsync.plan.fit import Layout, plan_run
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
 from allsync.plan.schedules import mean_over_draws
+from allsync.plan.search import planned_with_slots
 from allsync.plan.shapes import DEEPSEEK_V3
 from benchmarks.plan_671b import CONFIG as VLLM_CONFIG
 from benchmarks.plan_671b import DAPO_PROMPTS
@@ -86,16 +86,12 @@ SHIPPED_MARGIN = 0.05  # vLLM's layouts: at the 10% margin its generate phase ha
 def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload]) -> dict:
     """One stage on `gpus` GPUs at the config's expert parallelism: its fit and its all-sync step for each of `works`
     (draws of one step's lengths and kept groups; the torch engine's KV slots as many as fit, at most
-    DEFAULT_DECODE_BATCH, as `allsync plan --search` gives them)."""
+    DEFAULT_DECODE_BATCH: allsync.plan.search.planned_with_slots, as `allsync plan --search` gives them)."""
     layout = Layout(
         gpus, run.parallel.expert_parallel, hw.memory_bytes, colocation, 1024, hw.host_link_bytes_per_second
     )
-    plan = plan_run(run, DEEPSEEK_V3, layout, traces)
+    run, plan = planned_with_slots(run, DEEPSEEK_V3, layout, traces)
     fits = plan.fits
-    if run.rollout.engine == "torch" and run.rollout.decode_batch is None:
-        run = _set(run, "rollout", decode_batch=max(min(DEFAULT_DECODE_BATCH, plan.sequences_at_once), 1))
-        plan = plan_run(run, DEEPSEEK_V3, layout, traces)
-        fits = plan.fits
     if plan.kv_cache_tokens < plan.sequence_tokens and run.rollout.engine == "vllm":
         layout = replace(layout, margin=SHIPPED_MARGIN)  # priced as it was shipped; it still does not fit
         plan = plan_run(run, DEEPSEEK_V3, layout, traces)

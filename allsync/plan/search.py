@@ -102,6 +102,17 @@ def divisors(n: int, experts: int) -> list[int]:
     return [k for k in range(1, g + 1) if g % k == 0]
 
 
+def planned_with_slots(run, model_config, layout: Layout, traces: RunTraces):
+    """(run, its plan on `layout`): the torch engine without rollout.decode_batch gets as many KV slots as fit, at
+    most DEFAULT_DECODE_BATCH (at least 1); any other run as it is."""
+    plan = plan_run(run, model_config, layout, traces)
+    if run.rollout.engine == "torch" and run.rollout.decode_batch is None:
+        slots = max(min(DEFAULT_DECODE_BATCH, plan.sequences_at_once), 1)
+        run = replace(run, rollout=replace(run.rollout, decode_batch=slots))
+        plan = plan_run(run, model_config, layout, traces)
+    return run, plan
+
+
 def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
     """(candidates, refusals): every expert-parallel size and colocation on `gpus` GPUs."""
     found, refused = [], []
@@ -109,12 +120,7 @@ def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, wor
     for ep in divisors(gpus, model_config["n_routed_experts"]):
         for colocation in colocations:
             layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
-            plan = plan_run(run, model_config, layout, traces)
-            here = run
-            if run.rollout.engine == "torch" and run.rollout.decode_batch is None:  # as many KV slots as fit
-                slots = min(DEFAULT_DECODE_BATCH, plan.sequences_at_once)
-                here = replace(run, rollout=replace(run.rollout, decode_batch=max(slots, 1)))
-                plan = plan_run(here, model_config, layout, traces)
+            here, plan = planned_with_slots(run, model_config, layout, traces)
             label = f"EP {ep}, colocation {colocation}"
             if not plan.fits:
                 refused.append((label, plan.problems[0]))
