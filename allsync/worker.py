@@ -233,6 +233,7 @@ class RLWorker:
                 merge_lora=r.merge_lora,
                 decode_graphs=r.decode_graphs,
                 kv_cache_dtype=r.kv_cache_dtype,
+                attention_kernel=r.attention_kernel,
             )
         from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 

@@ -44,6 +44,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     eager_attention_forward,
 )
 
+from moe_lora.latent_attention import latent_decode_attention
 from moe_lora.lora_layers import LoRALinear
 from quant.formats import FP8_DTYPE, FP8_MAX
 from quant.modules import FrozenLinear
@@ -135,14 +136,19 @@ class SlotKVCache(DynamicCache):
     every decode forward (`advance`).
 
     fp8_rank r (rollout.kv_cache_dtype fp8; the latent only): each layer keeps the latent's first r values (c_s) in
-    float8_e4m3fn with one float32 scale per FP8_GROUP of them, and k_rope_s as computed (`FP8LatentLayer`)."""
+    float8_e4m3fn with one float32 scale per FP8_GROUP of them, and k_rope_s as computed (`FP8LatentLayer`).
 
-    def __init__(self, slots: int, capacity: int, fp8_rank: int | None = None):
+    kernel (rollout.attention_kernel triton; the latent only): a decode step attends with
+    moe_lora.latent_attention's kernel, each slot reading its own `counts` positions as stored, instead of the live
+    slots' buffers up to the span under `mask`."""
+
+    def __init__(self, slots: int, capacity: int, fp8_rank: int | None = None, kernel: bool = False):
         super().__init__()
-        self.slots, self.capacity, self.fp8_rank = slots, capacity, fp8_rank
+        self.slots, self.capacity, self.fp8_rank, self.kernel = slots, capacity, fp8_rank, kernel
         self.lengths: torch.Tensor | None = None
         self.live, self.span = 0, 0
         self.mask: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None  # kernel: positions each stepped slot reads
         self.latent = False  # the buffers hold the latent (filled from a LatentKVCache)
 
     def new_layer(self, keys: torch.Tensor, values: torch.Tensor) -> "SlotLayer":
@@ -210,9 +216,15 @@ class SlotKVCache(DynamicCache):
                 buffer[dst, :, :span] = buffer[src, :, :span]
         self.lengths[dst] = self.lengths[src]
 
-    def begin_step(self, live: int, span: int) -> None:
-        """A decode forward of the first `live` slots, the longest holding span - 1 positions."""
+    def begin_step(self, live: int, span: int, live_slots: torch.Tensor | None = None) -> None:
+        """A decode forward of the first `live` slots, the longest live one holding span - 1 positions; live_slots
+        [slots] (a fixed-shape step of every slot): 1 for a live slot, 0 for a free one, which the kernel gives one
+        position (its result is not read)."""
         self.live, self.span = live, span
+        if self.kernel:  # each slot's cached positions and the new one, never past the span
+            counts = (self.lengths[:live] + 1).clamp_max(span)
+            self.counts = counts if live_slots is None else torch.where(live_slots.bool(), counts, 1)
+            return
         positions = torch.arange(span, device=self.lengths.device)
         self.mask = (positions[None, :] <= self.lengths[:live, None])[:, None, None, :]
 
@@ -264,13 +276,22 @@ class SlotLayer(DynamicLayer):
         """The first `live` slots' keys and values up to `span` positions, as attention reads them."""
         return self.buffers[0][:live, :, :span], self.buffers[1][:live, :, :span]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Each live slot's one new position (key_states [live, H, 1, d]) written at its own length; returns the
-        live slots' keys and values up to the span."""
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Each live slot's one new position (key_states [live, H, 1, d]) written at its own length."""
         pool = self.pool
         slots = torch.arange(pool.live, device=key_states.device)
         self.write((slots, slice(None), pool.lengths[: pool.live]), key_states[:, :, 0], value_states[:, :, 0])
-        return self.read(pool.live, pool.span)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """`append`, then the live slots' keys and values up to the span."""
+        self.append(key_states, value_states)
+        return self.read(self.pool.live, self.pool.span)
+
+    def stored_latent(self, live: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The first `live` slots' latent as stored, for moe_lora.latent_attention: (c [live, capacity, r], None,
+        k_rope [live, capacity, d_rope]) of a latent pool (its keys buffer holds [c ; k_rope]; r = kv_lora_rank)."""
+        latent = self.buffers[0][:live, 0]
+        return latent[..., :rank], None, latent[..., rank:]
 
     def get_seq_length(self) -> int:
         return self.pool.get_seq_length()
@@ -296,6 +317,10 @@ class FP8LatentLayer(SlotLayer):
         self.buffers[0][index] = quantized
         self.buffers[1][index] = scales
         self.buffers[2][index] = keys[..., self.rank :]
+
+    def stored_latent(self, live: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(c in FP8 [live, capacity, r], its scales [live, capacity, r / group], k_rope [live, capacity, d_rope])."""
+        return tuple(b[:live, 0] for b in self.buffers)
 
     def read(self, live: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The live slots' latent up to `span` in the compute dtype, [live, 1, span, r + d_rope]: c = q a written into
@@ -372,6 +397,19 @@ def mla_decode_forward(
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
 
     slots = isinstance(past_key_values, SlotKVCache)  # a decode step of the live slots, each at its own length
+    if slots and past_key_values.kernel:  # each slot's own positions as stored (moe_lora.latent_attention)
+        layer = past_key_values.layers[attn.layer_idx]
+        layer.append(torch.cat((kv_nope, k_rot), dim=-1), kv_nope[..., :0])
+        query, up_v = absorbed_query(attn, q_pass, q_rot)
+        out_latent = latent_decode_attention(
+            query[:, :, 0],
+            *layer.stored_latent(batch_size, attn.kv_lora_rank),
+            past_key_values.counts,
+            attn.scaling,
+            past_key_values.span,
+        )
+        attn_output = up_v.expand(out_latent[:, :, None]).transpose(1, 2).reshape(batch_size, seq_length, -1)
+        return attn.o_proj(attn_output), None
     if isinstance(past_key_values, LatentKVCache) or (slots and past_key_values.latent):
         cached = past_key_values.get_seq_length(attn.layer_idx)
         latent = torch.cat((kv_nope, k_rot), dim=-1)
@@ -413,8 +451,8 @@ def absorbed_attention(attn: DeepseekV3Attention, q_nope, q_rot, latent, attenti
     token t sees the `cached` positions and the new ones up to itself."""
     batch, heads, new, _ = q_nope.shape
     rank = attn.kv_lora_rank
-    up_k, up_v = kv_b_factors(attn, q_nope.dtype)
-    query = torch.cat((up_k.absorb(q_nope), q_rot), dim=-1).reshape(batch, heads * new, -1)
+    query, up_v = absorbed_query(attn, q_nope, q_rot)
+    query = query.reshape(batch, heads * new, -1)
     keys = latent.squeeze(1)
     scores = torch.bmm(query, keys.transpose(1, 2)).view(batch, heads, new, -1).float().mul_(attn.scaling)
     if attention_mask is None and new > 1:
@@ -427,6 +465,13 @@ def absorbed_attention(attn: DeepseekV3Attention, q_nope, q_rot, latent, attenti
     probs = torch.softmax(scores, dim=-1).to(query.dtype).view(batch, heads * new, -1)
     out_latent = torch.bmm(probs, keys[..., :rank]).view(batch, heads, new, rank)
     return up_v.expand(out_latent)
+
+
+def absorbed_query(attn: DeepseekV3Attention, q_nope, q_rot) -> tuple[torch.Tensor, "HeadProjection"]:
+    """([q_nope W_UK ; q_rot] [B, H, T, r + d_rope], W_UV's HeadProjection): the query in latent space and what takes
+    the attention's latent output back to values (module docstring)."""
+    up_k, up_v = kv_b_factors(attn, q_nope.dtype)
+    return torch.cat((up_k.absorb(q_nope), q_rot), dim=-1), up_v
 
 
 class HeadProjection:

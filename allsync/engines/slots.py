@@ -116,7 +116,7 @@ def decode_forward(
     """One decode forward of the first len(last) slots of `pool` (each fed its last token at its own length, the
     longest holding `longest` positions): their next-token scores [live, V]; the slots' lengths advance by one, or,
     for a fixed-shape step of every slot, by `live` [slots] (SlotKVCache.advance)."""
-    pool.begin_step(len(last), longest + 1)
+    pool.begin_step(len(last), longest + 1, live)
     scores = model(
         input_ids=last[:, None],
         position_ids=pool.lengths[: len(last), None],
@@ -169,6 +169,7 @@ def decode_in_slots(
     resumed: dict[int, SavedRow] | None = None,
     keep: bool = False,
     fp8_rank: int | None = None,
+    kernel: bool = False,
 ) -> Decoded:
     """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
     (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
@@ -178,7 +179,8 @@ def decode_in_slots(
     the last are saved from an earlier call under the same weights (SavedRow of len(row) - 1 positions): they take
     a slot without a prefill, fed their last token at the next decode step. keep: save the positions of every row
     that reaches max_new_tokens (Decoded.saved). fp8_rank: the slots keep the latent's first fp8_rank values in FP8
-    (SlotKVCache; with expanded False)."""
+    (SlotKVCache; with expanded False). kernel: decode steps attend with moe_lora.latent_attention's kernel (SlotKVCache;
+    with expanded False)."""
     device = model.device
     total, limit = len(rows), sampling.max_new_tokens
     if limit < 1:
@@ -192,9 +194,9 @@ def decode_in_slots(
     capacity = max(map(len, rows), default=1) + limit
     if fixed_step is not None and lockstep is not None:  # every rank's MoE layers take the same T = slots, and the
         # ranks agree on each step's span, which must fit every rank's pool
-        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank)
+        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank, kernel)
     else:
-        pool = SlotKVCache(max(min(slots, total), 1), capacity, fp8_rank)
+        pool = SlotKVCache(max(min(slots, total), 1), capacity, fp8_rank, kernel)
     live: list[int] = []  # live[i]: the row in slot i (on the device: live_rows)
     live_rows = torch.zeros(0, dtype=torch.long, device=device)
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token

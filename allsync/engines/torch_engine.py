@@ -93,12 +93,15 @@ class TorchEngine:
         merge_lora: bool = False,
         decode_graphs: bool = False,
         kv_cache_dtype: str = "auto",
+        attention_kernel: str = "torch",
     ):
         """batch_size (rollout.decode_batch): KV slots, samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
         (rollout.decode_graphs): decode steps in fixed shapes, captured as CUDA graphs (allsync/engines/graphs.py).
         kv_cache_dtype (rollout.kv_cache_dtype): fp8 keeps the KV slots' MLA latent in FP8
-        (moe_lora.mla_decode.FP8LatentLayer; the latent cache even where the expanded one would be smaller)."""
+        (moe_lora.mla_decode.FP8LatentLayer; the latent cache even where the expanded one would be smaller).
+        attention_kernel (rollout.attention_kernel): triton attends to the latent slots with moe_lora.latent_attention's
+        kernel, each slot's own positions as stored."""
         if decode_graphs:
             check_graphable(model)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
@@ -124,6 +127,9 @@ class TorchEngine:
         self.kv_fp8_rank = model.config.kv_lora_rank if kv_cache_dtype == "fp8" else None
         # no MLA: a plain (reserved) cache
         self.expanded_kv = (not mla_layers or expanded_cache_fits(model.config)) and self.kv_fp8_rank is None
+        self.attention_kernel = attention_kernel == "triton"
+        if self.attention_kernel:
+            check_latent_kernel(model, self.expanded_kv)
         # the experts each generated token went to, for routing replay and the routing_mismatch metric
         self.record_routing = bool(moe_layers(model))
 
@@ -188,6 +194,7 @@ class TorchEngine:
                 {i: saved for i, (saved, _) in resumed.items()},
                 keep,
                 self.kv_fp8_rank,
+                self.attention_kernel,
             )
         self.model.train(was_training)
         self.positions += decoded.positions
@@ -222,6 +229,24 @@ class KeptRows:
 
     policy: tuple
     rows: dict[tuple[int, ...], tuple]
+
+
+def check_latent_kernel(model, expanded: bool) -> None:
+    """What rollout.attention_kernel triton needs: MLA's latent in the KV slots, and a GPU (or Triton's interpreter,
+    TRITON_INTERPRET=1, which runs it on CPU tensors)."""
+    from moe_lora.latent_attention import interpreted
+
+    if expanded:
+        raise ValueError(
+            f"rollout.attention_kernel triton: {model.config.model_type} keeps its KV slots expanded (no larger than "
+            "MLA's latent at its head count), and the kernel reads the latent; set rollout.kv_cache_dtype fp8 or use "
+            "rollout.attention_kernel torch"
+        )
+    if model.device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"rollout.attention_kernel triton: the model is on {model.device.type}; the kernel runs on a GPU (or in "
+            "Triton's interpreter with TRITON_INTERPRET=1, slowly)"
+        )
 
 
 def check_graphable(model) -> None:

@@ -1,0 +1,86 @@
+"""Checks of moe_lora.latent_attention's kernel, run by tests/moe_lora/test_latent_attention.py: on a GPU in the test
+process, on CPU in a subprocess with TRITON_INTERPRET=1 (Triton reads it when it is first imported)."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lora.latent_attention import latent_decode_attention
+from moe_lora.mla_decode import fp8_dequantize, fp8_quantize
+
+
+def reference(query, latent, counts, scaling, rank):
+    """softmax over each slot's first counts[b] positions of scaling (q . latent), weights x c, in float32:
+    query [B, H, r + d_rope], latent [B, S, r + d_rope] -> [B, H, r]."""
+    scores = torch.einsum("bhd,bsd->bhs", query.float(), latent.float()) * scaling
+    seen = torch.arange(latent.shape[1], device=latent.device)[None, None, :] < counts[:, None, None]
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return torch.einsum("bhs,bsr->bhr", probs, latent[..., :rank].float())
+
+
+def kernel_matches_reference(device: str = "cpu") -> None:
+    """Slots of 1, all and some positions (splits past a slot's count read nothing), heads not a multiple of 16, a
+    rank and rotary width that are not powers of two and DeepSeek-V3's 512 + 64; the latent in the compute dtype and
+    in FP8 (each compared with the FP8 values dequantized as the torch path reads them); float32 to 1e-5 of the
+    output's scale, bfloat16 within its rounding."""
+    gen = torch.Generator().manual_seed(0)
+    for heads, capacity, rank, rope, counts in ((20, 70, 96, 24, [1, 70, 33]), (16, 600, 512, 64, [5, 600, 131, 257])):
+        slots = len(counts)
+        counts = torch.tensor(counts, device=device)
+        query = torch.randn(slots, heads, rank + rope, generator=gen).to(device)
+        latent = torch.randn(slots, capacity, rank + rope, generator=gen).to(device)
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            q, cache = query.to(dtype), latent.to(dtype)
+            for fp8 in (False, True):
+                if fp8:
+                    group = 128 if rank % 128 == 0 else rank
+                    quantized, scales = fp8_quantize(cache[..., :rank], group)
+                    read = torch.cat((fp8_dequantize(quantized, scales, group, dtype), cache[..., rank:]), dim=-1)
+                    out = latent_decode_attention(q, quantized, scales, cache[..., rank:], counts, 0.07, capacity)
+                else:
+                    read = cache
+                    out = latent_decode_attention(q, cache[..., :rank], None, cache[..., rank:], counts, 0.07, capacity)
+                want = reference(q, read, counts, 0.07, rank)
+                assert out.dtype == dtype and out.shape == (slots, heads, rank)
+                error = float((out.float() - want).abs().max() / want.abs().max())
+                assert error < tolerance, (heads, rank, dtype, fp8, error)
+
+
+def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> None:
+    """The torch engine's decode (allsync.engines.slots.decode_in_slots) of 12 rows ending at different steps in 3
+    slots, with the kernel and without: the same tokens and finish reasons, logprobs within float32 noise; over the
+    latent cache in the compute dtype and in FP8, live-slot steps and fixed-shape steps (every slot, free ones
+    included)."""
+    from allsync.engines.slots import FixedShapeStep, decode_in_slots
+    from allsync.engines.torch_engine import Sampling
+    from tests.allsync.engines.test_decode_graphs import lora_model
+    from tests.allsync.engines.test_kv_fp8 import PROMPTS
+    from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequent_stop_token
+
+    model = lora_model(checkpoint, "nf4", device=device)
+    rows = [p for p in PROMPTS for _ in range(4)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=10)
+    eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
+
+    def decoded(kernel: bool, fp8: bool, fixed_step):
+        out = decode_in_slots(
+            model,
+            rows,
+            seeds,
+            sampling,
+            eos,
+            2,
+            3,
+            False,
+            fixed_step=fixed_step,
+            fp8_rank=512 if fp8 else None,
+            kernel=kernel,
+        )
+        return out.tokens, out.logprobs, out.reasons
+
+    for fp8 in (False, True):
+        torch_path = decoded(False, fp8, None)
+        assert len({len(t) for t in torch_path[0]}) >= 3
+        for fixed_step in (None, FixedShapeStep):
+            assert_same_rows(decoded(True, fp8, fixed_step), torch_path, atol=2e-5)
