@@ -111,13 +111,16 @@ def kv_bytes_read(config, rows: int, context: int, element_bytes: int, fp8: bool
     return rows * context * per_token * config.num_hidden_layers
 
 
-def random_latent_pool(model, rows: int, context: int, capacity: int, fp8: bool = False) -> SlotKVCache:
+def random_latent_pool(
+    model, rows: int, context: int, capacity: int, fp8: bool = False, kernel: bool = False
+) -> SlotKVCache:
     """A SlotKVCache of `rows` slots with room for `capacity` positions, each slot holding `context` random latent
-    positions (shaped by a one-token prefill's LatentKVCache); fp8: stored as rollout.kv_cache_dtype fp8 stores them."""
+    positions (shaped by a one-token prefill's LatentKVCache); fp8: stored as rollout.kv_cache_dtype fp8 stores them;
+    kernel: attended with moe_lora.latent_attention's kernel (rollout.attention_kernel triton)."""
     device = model.device
     probe = LatentKVCache(reserve=0)
     model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
-    pool = SlotKVCache(rows, capacity, model.config.kv_lora_rank if fp8 else None)
+    pool = SlotKVCache(rows, capacity, model.config.kv_lora_rank if fp8 else None, kernel)
     pool.fill(0, probe, torch.zeros(rows, dtype=torch.long, device=device), torch.ones(rows, device=device).long())
     for layer, source in zip(pool.layers, probe.layers):
         latent = torch.randn(rows, 1, context, source.keys.shape[-1], dtype=source.keys.dtype, device=device)
@@ -157,13 +160,20 @@ def step_function(model, pool: SlotKVCache, sampling: Sampling, mode: str):
 
 @torch.no_grad()
 def decode_steps(
-    model, rows: int, context: int, steps: int, mode: str = "eager", warmup: int = 2, fp8: bool = False
+    model,
+    rows: int,
+    context: int,
+    steps: int,
+    mode: str = "eager",
+    warmup: int = 2,
+    fp8: bool = False,
+    attention: str = "torch",
 ) -> dict:
     """Median seconds of a decode step of `rows` live rows over `context` cached positions, split into the layers
     and the rest (module docstring; a graphed step is one replay, not split)."""
     device = str(model.device)
     sampling = Sampling(max_new_tokens=steps + warmup, temperature=1.0, top_p=1.0)
-    pool = random_latent_pool(model, rows, context, context + steps + warmup + 1, fp8)
+    pool = random_latent_pool(model, rows, context, context + steps + warmup + 1, fp8, attention == "triton")
     last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
     seeds = torch.arange(rows, device=model.device)
     counts = torch.zeros(rows, dtype=torch.long, device=model.device)
@@ -190,6 +200,7 @@ def decode_steps(
     return {
         "mode": mode,
         "kv_cache": "fp8" if fp8 else "auto",
+        "attention": attention,
         "rows": rows,
         "context": context,
         "step_ms": round(1000 * median, 3),
@@ -209,6 +220,7 @@ def measure_plan(
     bandwidth,
     modes=("eager",),
     kv_caches=("auto",),
+    attentions=("torch",),
 ):
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
 
@@ -225,12 +237,13 @@ def measure_plan(
     cases = []
     for r in rows:
         for c in contexts:
-            for mode, kv in ((m, k) for m in modes for k in kv_caches):
+            for mode, kv, attention in ((m, k, a) for m in modes for k in kv_caches for a in attentions):
                 free(memory)
                 try:
-                    case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8")
+                    case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
                 except torch.OutOfMemoryError as e:
-                    oom = {"mode": mode, "kv_cache": kv, "rows": r, "context": c, "oom": str(e).split("\n")[0][:200]}
+                    oom = {"mode": mode, "kv_cache": kv, "attention": attention, "rows": r, "context": c}
+                    oom["oom"] = str(e).split("\n")[0][:200]
                     cases.append(oom)
                     print(format_case(name, cases[-1]), flush=True)
                     continue
@@ -246,7 +259,10 @@ def measure_plan(
 
 
 def format_case(plan: str, case: dict) -> str:
-    head = f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} rows {case['rows']:4} context {case['context']:6}"
+    head = (
+        f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} {case.get('attention', 'torch'):6} "
+        f"rows {case['rows']:4} context {case['context']:6}"
+    )
     if "oom" in case:
         return f"{head}: out of memory"
     layers = " + ".join(f"{ms:.2f}" for ms in case["layer_ms"]) or "one replay"
@@ -276,13 +292,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--shape", default=None, help="JSON overrides of the shape (a small one for a CPU run)")
     ap.add_argument("--modes", default="eager", help=f"decode steps to time, of {', '.join(MODES)}")
     ap.add_argument("--kv-cache", default="auto", help="the slots' latent: auto (compute dtype), fp8, or both")
+    ap.add_argument("--attention", default="torch", help="rollout.attention_kernel: torch, triton, or both")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    modes, kv_caches = args.modes.split(","), args.kv_cache.split(",")
+    modes, kv_caches, attentions = args.modes.split(","), args.kv_cache.split(","), args.attention.split(",")
+    if any(a not in ("torch", "triton") for a in attentions):
+        raise SystemExit(f"--attention: use torch, triton or torch,triton, got {args.attention!r}")
     if any(k not in ("auto", "fp8") for k in kv_caches):
         raise SystemExit(f"--kv-cache: use auto, fp8 or auto,fp8, got {args.kv_cache!r}")
     if any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: unknown mode in {args.modes!r}; known: {', '.join(MODES)}")
+    if "triton" in attentions and not args.device.startswith("cuda"):
+        from moe_lora.latent_attention import interpreted
+
+        if not interpreted():
+            raise SystemExit("--attention triton: the kernel needs --device cuda (or TRITON_INTERPRET=1, slowly)")
     if "graphed" in modes and not args.device.startswith("cuda"):
         raise SystemExit("--modes graphed: CUDA graphs need --device cuda")
     rows, contexts = ints(args.rows, "--rows"), ints(args.contexts, "--contexts")
@@ -308,7 +332,7 @@ def main(argv=None) -> dict:
     print(f"checkpoint {ckpt}; copy bandwidth {out['copy_bandwidth_GBps']} GB/s", flush=True)
     for name in args.plans.split(","):
         out["plans"].append(
-            measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth, modes, kv_caches)
+            measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth, modes, kv_caches, attentions)
         )
         if args.json:
             atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")

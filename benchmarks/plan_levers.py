@@ -19,6 +19,9 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
     FP8 KV          + rollout.kv_cache_dtype fp8 (lever 3: more KV slots in the same memory)
     shared-outer    + lora.expert_layout shared_outer (lever 2: a smaller routed adapter, its gradients and AdamW
                     state leave room for more KV slots)
+    latent kernel   + rollout.attention_kernel triton (moe_lora/latent_attention.py: each slot reads its own positions
+                    of the FP8 latent as stored, not every slot up to the longest row's span through a bf16 copy;
+                    assumed at the roofline until a GPU measures it)
 
 A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
 and marked; vLLM's layouts, whose generate phase has no KV room for one sequence inside the 10% margin, are priced
@@ -77,6 +80,7 @@ STAGES = [
     ("engine logprobs", lambda run: _set(run, "algorithm", old_logprobs="engine"), "resident"),
     ("FP8 KV", lambda run: _set(run, "rollout", kv_cache_dtype="fp8", decode_batch=None), "resident"),
     ("shared-outer LoRA", lambda run: _set(run, "lora", expert_layout="shared_outer"), "resident"),
+    ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
 ]
 
 

@@ -192,8 +192,9 @@ def generator_cost(
     )
     routed = weights.get("routed_experts", 0)
     engine, kv_dtype = run.rollout.engine, run.rollout.kv_cache_dtype
+    kernel = run.rollout.attention_kernel if engine == "torch" else "torch"
     expanded = decode_cache_is_expanded(model_config, engine, kv_dtype)
-    kv = kv_step_bytes_per_token(model_config, engine, kv_dtype)
+    kv = kv_step_bytes_per_token(model_config, engine, kv_dtype, kernel)
     attention = decode_attention_flops_per_token(model_config, latent=not expanded)
     measured = EAGER_H200 if engine == "torch" else None  # the torch engine as measured (eager), torch_decode.py
     graphs = engine == "torch" and (run.rollout.decode_graphs if decode_graphs is None else decode_graphs)
@@ -201,7 +202,18 @@ def generator_cost(
     per_expert = 3 * model_config["hidden_size"] * model_config["moe_intermediate_size"]
     held = moe_layers(model_config) * model_config["n_routed_experts"] // ep * per_expert
     return DecodeCost(
-        model_config, hw, routed, sum(weights.values()) - routed, kv, ep, fmt, attention, measured, graphs, held
+        model_config,
+        hw,
+        routed,
+        sum(weights.values()) - routed,
+        kv,
+        ep,
+        fmt,
+        attention,
+        measured,
+        graphs,
+        held,
+        own_positions=kernel == "triton",
     )
 
 
@@ -330,6 +342,11 @@ def train_phase(
 
 
 GRAPHS_ASSUMED = "decode assumed at the roofline of fixed-shape steps, not yet measured on a GPU"
+KERNEL_ASSUMED = (
+    "decode assumed at the roofline of fixed-shape steps whose attention reads each slot's own positions as stored, "
+    "not yet measured on a GPU"
+)
+WITH_KERNEL = "all-sync with rollout.decode_graphs and rollout.attention_kernel triton"
 
 
 def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Hardware, work: Workload) -> list:
@@ -355,14 +372,26 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, cost), ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     if cost.fixed_shapes:
-        out[0].note = GRAPHS_ASSUMED
+        out[0].note = KERNEL_ASSUMED if cost.own_positions else GRAPHS_ASSUMED
     elif run.rollout.engine == "torch":  # what rollout.decode_graphs would give
         graphed = replace(cost, fixed_shapes=True)
         gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, graphed), ep)
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
-        out[-1].schedule, out[-1].note = "all-sync with rollout.decode_graphs", GRAPHS_ASSUMED
-    # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
+        out[-1].schedule = "all-sync with rollout.decode_graphs"
+        out[-1].note = KERNEL_ASSUMED if cost.own_positions else GRAPHS_ASSUMED
     r = run.rollout
+    if (
+        r.engine == "torch"
+        and not cost.own_positions
+        and not decode_cache_is_expanded(model_config, r.engine, r.kv_cache_dtype)
+    ):
+        # what the latent kernel would give the graphed steps (moe_lora/latent_attention.py)
+        kv = kv_step_bytes_per_token(model_config, r.engine, r.kv_cache_dtype, "triton")
+        kernel = replace(cost, fixed_shapes=True, own_positions=True, kv_bytes_per_token=kv)
+        gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, kernel), ep)
+        out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
+        out[-1].schedule, out[-1].note = WITH_KERNEL, KERNEL_ASSUMED
+    # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(
         model_config, r.engine, r.kv_cache_dtype
     )

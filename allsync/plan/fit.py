@@ -166,13 +166,16 @@ def kv_bytes_per_token(model_config: dict, engine: str = "vllm", kv_cache_dtype:
     return mla_kv_bytes_per_token(model_config)
 
 
-def kv_step_bytes_per_token(model_config: dict, engine: str = "vllm", kv_cache_dtype: str = "auto") -> int:
+def kv_step_bytes_per_token(
+    model_config: dict, engine: str = "vllm", kv_cache_dtype: str = "auto", attention_kernel: str = "torch"
+) -> int:
     """Bytes a decode step moves per cached token: its stored bytes (kv_bytes_per_token), read once; the torch
-    engine's FP8 latent is read back into the compute dtype before attention (FP8LatentLayer.read, no fused kernel),
-    per layer: the stored bytes + the bf16 conversion written and read (2 x 2 r) + the latent written (2 (r + d_rope))
-    + attention's read of it (2 (r + d_rope)); DeepSeek-V3: 656 + 2,048 + 1,152 + 1,152 = 5,008 against 1,152."""
+    engine's FP8 latent is read back into the compute dtype before attention (FP8LatentLayer.read), per layer: the
+    stored bytes + the bf16 conversion written and read (2 x 2 r) + the latent written (2 (r + d_rope)) + attention's
+    read of it (2 (r + d_rope)); DeepSeek-V3: 656 + 2,048 + 1,152 + 1,152 = 5,008 against 1,152. With
+    rollout.attention_kernel triton (moe_lora/latent_attention.py) the kernel reads the stored bytes once."""
     stored = kv_bytes_per_token(model_config, engine, kv_cache_dtype)
-    if not (engine == "torch" and kv_cache_dtype == "fp8"):
+    if not (engine == "torch" and kv_cache_dtype == "fp8") or attention_kernel == "triton":
         return stored
     c = model_config
     rank, latent = c["kv_lora_rank"], c["kv_lora_rank"] + c["qk_rope_head_dim"]

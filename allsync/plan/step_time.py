@@ -197,6 +197,9 @@ class DecodeCost:
     # routed_params dequantized each step, at the roofline (assumed until measured; `measured` is not applied)
     fixed_shapes: bool = False
     routed_params: float = 0.0
+    # rollout.attention_kernel triton: a fixed-shape step's attention reads each slot's own positions (a free slot one),
+    # not every slot up to the span (generation_timeline); kv_bytes_per_token is then the stored bytes
+    own_positions: bool = False
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -265,8 +268,9 @@ def generation_timeline(
     (`cost.fixed_shapes`, the torch engine's CUDA graphs: allsync.engines.slots.FixedShapeStep) steps every slot of its
     pool, P = min(max_sequences, sequences), free ones included, and each slot reads the span the longest live row
     needs, bucketed as the engine buckets it (allsync.engines.slots.span_bucket, at most the prompt and the longest
-    response):
+    response), or with the latent kernel (`cost.own_positions`) its own positions, a free slot one:
         step(n live rows, longest live context m) = cost.decode_step_seconds(P, P x span_bucket(m))
+                                                    cost.decode_step_seconds(P, live context + P - n)   (own positions)
     (the engine's pool under expert-parallel lockstep is rollout.decode_batch slots of the ranks' longest capacity;
     the plan takes this GPU's). Returns the finish seconds per sequence, in input order."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -291,6 +295,8 @@ def generation_timeline(
         """One decode step's seconds in the interval of `steps` steps from `clock` with the `n` rows of `active`."""
         if not cost.fixed_shapes:
             return cost.decode_step_seconds(n, used + n * steps / 2)
+        if cost.own_positions:
+            return cost.decode_step_seconds(pool, used + n * steps / 2 + pool - n)
         longest = prompt_tokens + clock - min(start[i] for i in active) + 1 + steps // 2
         return cost.decode_step_seconds(pool, pool * span_bucket(longest, capacity))
 

@@ -75,7 +75,8 @@ def fit_torch_decode(measured: dict) -> TorchDecodeRates:
         (p["plan"], c)
         for p in measured["plans"]
         for c in p["cases"]
-        if "oom" not in c and c.get("mode", "eager") == "eager"  # the live-slot step (runs before --modes: eager)
+        # the live-slot step of the torch path (runs before --modes: eager, and --attention: torch)
+        if "oom" not in c and c.get("mode", "eager") == "eager" and c.get("attention", "torch") == "torch"
     ]
     by = {}
     for plan, c in cases:

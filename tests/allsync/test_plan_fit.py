@@ -238,6 +238,11 @@ def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache,
     assert graphed["schedule"] == "all-sync with rollout.decode_graphs" and "not yet measured" in graphed["note"]
     assert graphed["step_seconds"] / 3600 == pytest.approx(8.14, abs=0.01)
     assert [round(s / 3600, 2) for s in graphed["step_seconds_per_draw"]][0] == 6.45
+    # and with the latent attention kernel (rollout.attention_kernel triton, assumed too): each slot reads its own
+    # positions of the FP8 latent as stored, 5.31 h (4.27-6.00 h)
+    kernel = plan["schedules"][2]
+    assert kernel["schedule"] == "all-sync with rollout.decode_graphs and rollout.attention_kernel triton"
+    assert kernel["step_seconds"] / 3600 == pytest.approx(5.31, abs=0.01) and "own positions" in kernel["note"]
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,16 @@ class RecordedCost(FixedCost):
         return 1.0
 
 
+def test_the_latent_kernel_reads_the_fp8_cache_once():
+    """rollout.attention_kernel triton reads the stored bytes (656 a token and layer in FP8 at DeepSeek-V3's shape,
+    1,152 in bf16); the torch path reads the FP8 cache back through bf16 first (5,008)."""
+    from allsync.plan.fit import kv_step_bytes_per_token
+
+    assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch", "fp8") == 61 * 5008
+    assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch", "fp8", "triton") == 61 * 656
+    assert kv_step_bytes_per_token(DEEPSEEK_V3, "torch", "auto", "triton") == 61 * 1152
+
+
 def test_a_fixed_shape_step_is_priced_at_every_slot_and_the_longest_rows_span():
     """rollout.decode_graphs: FixedShapeStep steps every slot and each reads the span the longest live row needs
     (allsync.engines.slots.span_bucket), not the rows' own contexts. Rows of 100 and 300 tokens (prompts of 10) in 2
@@ -206,6 +216,12 @@ def test_a_fixed_shape_step_is_priced_at_every_slot_and_the_longest_rows_span():
     generation_timeline([100, 300], 10, 10_000, graphed, max_sequences=2)
     assert (span_bucket(61, 310), span_bucket(211, 310)) == (64, 256)
     assert asked == [(2, 2 * 64), (2, 2 * 256)]
+    asked.clear()  # the latent kernel: still every slot, but each reads its own positions (a free slot one)
+    kernel = RecordedCost(
+        DEEPSEEK_V3, GPUS["h100"], 0, 0, 1, 1, "bf16", fixed_shapes=True, own_positions=True, asked=asked
+    )
+    generation_timeline([100, 300], 10, 10_000, kernel, max_sequences=2)
+    assert asked == [(2, 20 + 2 * 50), (2, 10 + 100 + 100 + 1)]
     asked.clear()  # eager steps: the live rows and their contexts at the interval's middle
     eager = RecordedCost(DEEPSEEK_V3, GPUS["h100"], 0, 0, 1, 1, "bf16", asked=asked)
     generation_timeline([100, 300], 10, 10_000, eager, max_sequences=2)
@@ -508,7 +524,15 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     assert graphed and all("not yet measured" in c["note"] for c in graphed)
     assert min(c["step_seconds"] for c in graphed) < min(c["step_seconds"] for c in eager)
     assert any(not c["not_built"] for c in eager)  # the torch engine at EP 16 with offload runs in the loop today
-    assert "fastest layout the loop runs today: all-sync with rollout.decode_graphs, engine torch" in text
+    # and with the latent attention kernel (rollout.attention_kernel triton, assumed too): each slot reads its own
+    # positions as stored, not every slot up to the longest row's span
+    kernel = [c for c in torch_engine if c["schedule"].endswith("and rollout.attention_kernel triton")]
+    assert kernel and all("own positions" in c["note"] and "not yet measured" in c["note"] for c in kernel)
+    assert min(c["step_seconds"] for c in kernel) < min(c["step_seconds"] for c in graphed)
+    assert (
+        "fastest layout the loop runs today: all-sync with rollout.decode_graphs and rollout.attention_kernel triton, "
+        "engine torch" in text
+    )
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
     # the torch engine with each KV cache: FP8 holds more full-length slots than bf16 in the same memory

@@ -21,6 +21,7 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         ("shipped", "balanced", "train"),
         ("torch engine", "engine logprobs", "train"),
         ("engine logprobs", "FP8 KV", "generate"),
+        ("shared-outer LoRA", "latent kernel", "generate"),  # each slot reads its own FP8 positions, once
     ):
         other = "generate" if part == "train" else "train"
         assert stages[after]["parts"][part] < stages[before]["parts"][part]
