@@ -150,6 +150,11 @@ class RolloutSection:
     # needs the latent cache: DeepSeek-V3's head count, or kv_cache_dtype fp8). Runs on a GPU, or on CPU tensors in
     # Triton's interpreter (TRITON_INTERPRET=1, slowly: tests). Off until a GPU has measured it (BENCHMARKS.md)
     attention_kernel: str = "torch"
+    # torch engine with decode_graphs: how the fixed-shape decode step multiplies the frozen routed experts.
+    # dequantize: every held expert to the compute dtype at every step, then torch's grouped_mm. triton: a grouped GEMM
+    # that reads the NF4 bytes and dequantizes them in registers (quant/fused_experts.py; NF4 experts without
+    # double_quant): no copy of the experts written and read back. Off until a GPU has measured it (BENCHMARKS.md)
+    frozen_expert_kernel: str = "dequantize"
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -214,6 +219,13 @@ class RolloutSection:
             fail(
                 f"rollout.attention_kernel triton with rollout.engine {self.engine}: it is the torch engine's decode "
                 "attention (vLLM runs its own MLA kernels)"
+            )
+        if self.frozen_expert_kernel not in ("dequantize", "triton"):
+            fail(f"rollout.frozen_expert_kernel = {self.frozen_expert_kernel!r}: use dequantize or triton")
+        if self.frozen_expert_kernel == "triton" and not (self.engine == "torch" and self.decode_graphs):
+            fail(
+                "rollout.frozen_expert_kernel triton without rollout.decode_graphs: it is the torch engine's fixed-shape "
+                "decode step's kernel (the eager step dequantizes only the experts its tokens reach)"
             )
         if self.gpu_memory_utilization is not None:
             if self.engine != "vllm":
@@ -881,22 +893,26 @@ def check_this_machine(c: RunConfig, fail) -> None:
         fail("parallel.device = cuda: no GPU is visible to torch on this machine (use cpu or auto)")
     if c.rollout.decode_graphs and not torch.cuda.is_available():
         fail("rollout.decode_graphs: no GPU is visible to torch on this machine (CUDA graphs need one)")
-    if c.rollout.attention_kernel == "triton":
-        check_triton(c.parallel.resolved_device(), fail)
+    if "triton" in (c.rollout.attention_kernel, c.rollout.frozen_expert_kernel):
+        check_triton(c, fail)
 
 
-def check_triton(device: str, fail) -> None:
-    """rollout.attention_kernel triton: Triton imports, and runs on a GPU or in its interpreter (TRITON_INTERPRET=1)."""
-    from moe_lora.latent_attention import interpreted
+def check_triton(c: RunConfig, fail) -> None:
+    """rollout.attention_kernel / frozen_expert_kernel triton: Triton imports, and runs on a GPU or in its interpreter
+    (TRITON_INTERPRET=1)."""
+    from quant.fused_experts import interpreted
 
+    keys = [k for k in ("attention_kernel", "frozen_expert_kernel") if getattr(c.rollout, k) == "triton"]
+    named = " and ".join(f"rollout.{k}" for k in keys)
     try:
         import triton  # noqa: F401
     except ImportError:
-        fail("rollout.attention_kernel triton: Triton is not installed (pip install triton)")
+        fail(f"{named} triton: Triton is not installed (pip install triton)")
+    device = c.parallel.resolved_device()
     if device != "cuda" and not interpreted():
         fail(
-            f"rollout.attention_kernel triton with parallel.device {device}: the kernel runs on a GPU (or in Triton's "
-            "interpreter with TRITON_INTERPRET=1, slowly)"
+            f"{named} triton with parallel.device {device}: the kernel runs on a GPU (or in Triton's interpreter with "
+            "TRITON_INTERPRET=1, slowly)"
         )
 
 
@@ -941,6 +957,15 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
             fail("lora.targets has kv_b_proj with rollout.engine vllm: vLLM never applies LoRA on kv_b_proj")
     if c.rollout.decode_graphs:
         check_decode_graphs(c, fail)
+    if c.rollout.frozen_expert_kernel == "triton":
+        quant = c.model.quant
+        if quant.plan().format_of("routed_experts") != "nf4" or quant.double_quant:
+            fail(
+                f"rollout.frozen_expert_kernel triton with model.quant.routed_experts "
+                f"{quant.plan().format_of('routed_experts')}"
+                + (" and double_quant" if quant.double_quant else "")
+                + ": the kernel reads NF4 experts without double quantization"
+            )
     if c.rollout.merge_lora and not c.model.compute_copy:
         fail(
             "rollout.merge_lora without model.compute_copy: W + s B A is formed from the dequantized copy; set "

@@ -141,6 +141,24 @@ def layer_clock(model, clock: Clock) -> list:
 MODES = ("eager", "fixed", "graphed")
 
 
+def use_expert_kernel(model, kernel: str) -> None:
+    """The routed experts' fixed-shape forward with `kernel` (rollout.frozen_expert_kernel): triton stacks each
+    layer's NF4 once (quant.modules.stack_frozen_experts) and keeps it; dequantize sets it aside."""
+    from quant.modules import stack_frozen_experts
+    from quant.modules import FrozenExperts
+
+    experts = [m for m in model.modules() if isinstance(m, FrozenExperts)]
+    if kernel == "triton":
+        for m in experts:
+            m.stacked = getattr(m, "kept_stack", None)
+        stack_frozen_experts(model)
+        for m in experts:
+            m.kept_stack = m.stacked
+    else:
+        for m in experts:
+            m.stacked = None
+
+
 def step_function(model, pool: SlotKVCache, sampling: Sampling, mode: str):
     """step(last, seeds, counts, needed) -> (tokens, logprobs) of every row, the pool's slots all live, as the engine
     decodes in `mode`: eager (slots.decode_forward of the live slots), fixed (slots.FixedShapeStep: every slot, routed
@@ -168,6 +186,7 @@ def decode_steps(
     warmup: int = 2,
     fp8: bool = False,
     attention: str = "torch",
+    expert_kernel: str = "dequantize",
 ) -> dict:
     """Median seconds of a decode step of `rows` live rows over `context` cached positions, split into the layers
     and the rest (module docstring; a graphed step is one replay, not split)."""
@@ -201,6 +220,7 @@ def decode_steps(
         "mode": mode,
         "kv_cache": "fp8" if fp8 else "auto",
         "attention": attention,
+        "expert_kernel": expert_kernel,
         "rows": rows,
         "context": context,
         "step_ms": round(1000 * median, 3),
@@ -221,6 +241,7 @@ def measure_plan(
     modes=("eager",),
     kv_caches=("auto",),
     attentions=("torch",),
+    expert_kernels=("dequantize",),
 ):
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
 
@@ -237,12 +258,18 @@ def measure_plan(
     cases = []
     for r in rows:
         for c in contexts:
-            for mode, kv, attention in ((m, k, a) for m in modes for k in kv_caches for a in attentions):
+            variants = [(m, k, a, x) for m in modes for k in kv_caches for a in attentions for x in expert_kernels]
+            for mode, kv, attention, experts in variants:
+                if experts == "triton" and mode == "eager":
+                    continue  # the kernel is the fixed-shape step's
                 free(memory)
+                use_expert_kernel(model, experts)
                 try:
                     case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
+                    case["expert_kernel"] = experts
                 except torch.OutOfMemoryError as e:
-                    oom = {"mode": mode, "kv_cache": kv, "attention": attention, "rows": r, "context": c}
+                    oom = {"mode": mode, "kv_cache": kv, "attention": attention, "expert_kernel": experts}
+                    oom |= {"rows": r, "context": c}
                     oom["oom"] = str(e).split("\n")[0][:200]
                     cases.append(oom)
                     print(format_case(name, cases[-1]), flush=True)
@@ -261,6 +288,7 @@ def measure_plan(
 def format_case(plan: str, case: dict) -> str:
     head = (
         f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} {case.get('attention', 'torch'):6} "
+        f"{case.get('expert_kernel', 'dequantize'):10} "
         f"rows {case['rows']:4} context {case['context']:6}"
     )
     if "oom" in case:
@@ -293,20 +321,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="eager", help=f"decode steps to time, of {', '.join(MODES)}")
     ap.add_argument("--kv-cache", default="auto", help="the slots' latent: auto (compute dtype), fp8, or both")
     ap.add_argument("--attention", default="torch", help="rollout.attention_kernel: torch, triton, or both")
+    ap.add_argument(
+        "--expert-kernel",
+        default="dequantize",
+        help="rollout.frozen_expert_kernel (fixed and graphed steps): dequantize, triton, or both",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     modes, kv_caches, attentions = args.modes.split(","), args.kv_cache.split(","), args.attention.split(",")
+    expert_kernels = args.expert_kernel.split(",")
+    if any(x not in ("dequantize", "triton") for x in expert_kernels):
+        raise SystemExit(f"--expert-kernel: use dequantize, triton or dequantize,triton, got {args.expert_kernel!r}")
     if any(a not in ("torch", "triton") for a in attentions):
         raise SystemExit(f"--attention: use torch, triton or torch,triton, got {args.attention!r}")
     if any(k not in ("auto", "fp8") for k in kv_caches):
         raise SystemExit(f"--kv-cache: use auto, fp8 or auto,fp8, got {args.kv_cache!r}")
     if any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: unknown mode in {args.modes!r}; known: {', '.join(MODES)}")
-    if "triton" in attentions and not args.device.startswith("cuda"):
-        from moe_lora.latent_attention import interpreted
+    if "triton" in attentions + expert_kernels and not args.device.startswith("cuda"):
+        from quant.fused_experts import interpreted
 
         if not interpreted():
-            raise SystemExit("--attention triton: the kernel needs --device cuda (or TRITON_INTERPRET=1, slowly)")
+            raise SystemExit("--attention/--expert-kernel triton: Triton needs --device cuda (or TRITON_INTERPRET=1)")
     if "graphed" in modes and not args.device.startswith("cuda"):
         raise SystemExit("--modes graphed: CUDA graphs need --device cuda")
     rows, contexts = ints(args.rows, "--rows"), ints(args.contexts, "--contexts")
@@ -332,7 +368,19 @@ def main(argv=None) -> dict:
     print(f"checkpoint {ckpt}; copy bandwidth {out['copy_bandwidth_GBps']} GB/s", flush=True)
     for name in args.plans.split(","):
         out["plans"].append(
-            measure_plan(ckpt, name, rows, contexts, args.steps, args.device, bandwidth, modes, kv_caches, attentions)
+            measure_plan(
+                ckpt,
+                name,
+                rows,
+                contexts,
+                args.steps,
+                args.device,
+                bandwidth,
+                modes,
+                kv_caches,
+                attentions,
+                expert_kernels,
+            )
         )
         if args.json:
             atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")

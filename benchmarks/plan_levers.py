@@ -22,6 +22,8 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
     latent kernel   + rollout.attention_kernel triton (moe_lora/latent_attention.py: each slot reads its own positions
                     of the FP8 latent as stored, not every slot up to the longest row's span through a bf16 copy;
                     assumed at the roofline until a GPU measures it)
+    expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
+                    read from their NF4 bytes, without a bf16 copy of every held expert; assumed likewise)
 
 A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
 and marked; vLLM's layouts, whose generate phase has no KV room for one sequence inside the 10% margin, are priced
@@ -81,6 +83,7 @@ STAGES = [
     ("FP8 KV", lambda run: _set(run, "rollout", kv_cache_dtype="fp8", decode_batch=None), "resident"),
     ("shared-outer LoRA", lambda run: _set(run, "lora", expert_layout="shared_outer"), "resident"),
     ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
+    ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
 ]
 
 

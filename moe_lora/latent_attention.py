@@ -24,17 +24,13 @@ runs the same kernel on CPU tensors, which is how the tests here check it agains
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from quant.fused_experts import interpreted
+
 HEADS_PER_PROGRAM = 16  # tl.dot's smallest M
 POSITIONS_PER_BLOCK = 32
-
-
-def interpreted() -> bool:
-    """Triton runs its interpreter (CPU tensors) rather than compiling for a GPU: TRITON_INTERPRET=1."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache

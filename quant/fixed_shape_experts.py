@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from quant.formats import QuantizedWeight
+from quant.fused_experts import nf4_grouped_mm
 
 
 def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -44,7 +45,7 @@ def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tens
     return torch.searchsorted(sorted_experts, bounds, right=True).to(torch.int32)
 
 
-def stacked(weights: list[list[QuantizedWeight]], dtype: torch.dtype) -> torch.Tensor:
+def dequantized(weights: list[list[QuantizedWeight]], dtype: torch.dtype) -> torch.Tensor:
     """Every expert's frozen weights of the given projections, dequantized to `dtype` and stacked along the output:
     [E, sum of their out, in] (gate and up: [E, 2I, H]), written expert by expert into one buffer (no second copy)."""
     first = [w[0] for w in weights]
@@ -71,12 +72,15 @@ def fixed_shape_experts(
     factors: list[torch.Tensor] | None = None,
     scale: float = 0.0,
     first_expert: int = 0,
+    fused: dict | None = None,
 ) -> torch.Tensor:
     """out [T, H] of the routed experts held (module docstring) for x [T, H] routed to top_k_index [T, k] with weights
     top_k_weights [T, k]; factors: [A_gate, B_gate, A_up, B_up, A_down, B_down], each [E, ...], or None for the
     frozen experts alone. The experts held are first_expert .. first_expert + E - 1 (expert parallelism: every rank's
     tokens, gathered); an assignment to another expert contributes nothing: it sorts after every held expert's, past
-    grouped_mm's last offset, so no product is computed for it, and its row of the output is dropped."""
+    grouped_mm's last offset, so no product is computed for it, and its row of the output is dropped. fused:
+    the experts' NF4 per projection (quant.fused_experts.StackedNF4), multiplied without a dequantized copy by
+    quant.fused_experts.nf4_grouped_mm (the same W rounded to bfloat16; None: dequantize, then grouped_mm)."""
     tokens, k = top_k_index.shape
     dtype = x.dtype
     held = len(weights["gate"])
@@ -87,9 +91,12 @@ def fixed_shape_experts(
     offsets = expert_offsets(flat[order], held)
     xs = x.index_select(0, order // k)
     inter = weights["gate"][0].shape[0]
-    gate_up = stacked([weights["gate"], weights["up"]], dtype)  # [E, 2I, H]
-    gu = _gmm(xs, gate_up, offsets)
-    del gate_up
+    if fused is not None:
+        gu = torch.cat([nf4_grouped_mm(xs, fused["gate"], offsets), nf4_grouped_mm(xs, fused["up"], offsets)], dim=1)
+    else:
+        gate_up = dequantized([weights["gate"], weights["up"]], dtype)  # [E, 2I, H]
+        gu = _gmm(xs, gate_up, offsets)
+        del gate_up
     if factors is not None:
         a_gate, b_gate, a_up, b_up, a_down, b_down = (f.to(dtype) for f in factors)
         z = _gmm(xs, torch.cat([a_gate, a_up], dim=1), offsets)  # [N, 2r]
@@ -98,7 +105,11 @@ def fixed_shape_experts(
         gu[:, inter:] += scale * _gmm(z[:, rank:].contiguous(), b_up.contiguous(), offsets)
     h = F.silu(gu[:, :inter]) * gu[:, inter:]
     del gu
-    y = _gmm(h, stacked([weights["down"]], dtype), offsets)
+    y = (
+        nf4_grouped_mm(h, fused["down"], offsets)
+        if fused is not None
+        else _gmm(h, dequantized([weights["down"]], dtype), offsets)
+    )
     if factors is not None:
         y += scale * _gmm(_gmm(h, a_down.contiguous(), offsets), b_down.contiguous(), offsets)
     in_assignment_order = torch.empty_like(y).index_copy_(0, order, y)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from quant.fixed_shape_experts import fixed_shape_experts
+from quant.fused_experts import nf4_stackable, stack_nf4_experts
 from quant.formats import QuantizedWeight, frozen_linear, keep_compute_copy
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -63,6 +64,9 @@ class FrozenExperts(nn.Module):
         self.first_expert = first_expert
         self.dispatch = None  # None: every expert is here and top_k_index holds local ids
         self.fixed_shapes = False  # no-grad calls take quant.fixed_shape_experts (inside `fixed_shapes`)
+        # quant.modules.stack_frozen_experts: each projection's NF4 experts as one tensor, which the fixed-shape
+        # forward multiplies with quant.fused_experts.nf4_grouped_mm instead of dequantizing them (None: it does)
+        self.stacked: dict | None = None
         self.weights: dict[str, list[QuantizedWeight | None]] = {p: [None] * num_experts for p in EXPERT_PROJECTIONS}
 
     def set_weight(self, expert: int, projection: str, weight: QuantizedWeight) -> None:
@@ -116,7 +120,7 @@ def fixed_shape_call(
     expert parallelism through the dispatcher's fixed-shape exchange (every rank's tokens gathered, shares sent back)."""
 
     def share(x, index, weights, first=base.first_expert if base.dispatch is not None else 0):
-        return fixed_shape_experts(x, index, weights, base.weights, factors, scale, first)
+        return fixed_shape_experts(x, index, weights, base.weights, factors, scale, first, base.stacked)
 
     if base.dispatch is not None:
         return base.dispatch.fixed_shape(hidden_states, top_k_index, top_k_weights, share)
@@ -159,3 +163,21 @@ def keep_compute_copies(model: nn.Module, dtype: torch.dtype) -> int:
     """Dequantize every frozen weight once and keep it (model.compute_copy): forward and backward then read the
     copy instead of dequantizing at every call, with the same values. Returns the bytes added."""
     return sum(keep_compute_copy(w, dtype) for w in frozen_weights(model))
+
+
+def stack_frozen_experts(model: nn.Module) -> int:
+    """Every FrozenExperts of `model` with its experts' NF4 stacked per projection (quant.fused_experts.
+    stack_nf4_experts), so that its fixed-shape forward (quant.fixed_shape_experts) reads them with
+    quant.fused_experts.nf4_grouped_mm; returns the modules stacked. Refuses (ValueError, naming the layer) experts
+    the kernel cannot read (quant.fused_experts.nf4_stackable)."""
+    stacked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, FrozenExperts) or module.stacked is not None:
+            continue
+        for projection, weights in module.weights.items():
+            why = nf4_stackable(weights)
+            if why is not None:
+                raise ValueError(f"{name}.{projection}: {why}")
+        module.stacked = {p: stack_nf4_experts(weights) for p, weights in module.weights.items()}
+        stacked += 1
+    return stacked

@@ -94,6 +94,7 @@ class TorchEngine:
         decode_graphs: bool = False,
         kv_cache_dtype: str = "auto",
         attention_kernel: str = "torch",
+        frozen_expert_kernel: str = "dequantize",
     ):
         """batch_size (rollout.decode_batch): KV slots, samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
@@ -101,7 +102,8 @@ class TorchEngine:
         kv_cache_dtype (rollout.kv_cache_dtype): fp8 keeps the KV slots' MLA latent in FP8
         (moe_lora.mla_decode.FP8LatentLayer; the latent cache even where the expanded one would be smaller).
         attention_kernel (rollout.attention_kernel): triton attends to the latent slots with moe_lora.latent_attention's
-        kernel, each slot's own positions as stored."""
+        kernel, each slot's own positions as stored. frozen_expert_kernel (rollout.frozen_expert_kernel): triton
+        multiplies the routed experts of the fixed-shape step with quant.fused_experts' kernel, reading their NF4."""
         if decode_graphs:
             check_graphable(model)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
@@ -130,6 +132,8 @@ class TorchEngine:
         self.attention_kernel = attention_kernel == "triton"
         if self.attention_kernel:
             check_latent_kernel(model, self.expanded_kv)
+        if frozen_expert_kernel == "triton":
+            stack_experts_for_the_kernel(model, decode_graphs)
         # the experts each generated token went to, for routing replay and the routing_mismatch metric
         self.record_routing = bool(moe_layers(model))
 
@@ -231,10 +235,31 @@ class KeptRows:
     rows: dict[tuple[int, ...], tuple]
 
 
+def stack_experts_for_the_kernel(model, decode_graphs: bool) -> None:
+    """What rollout.frozen_expert_kernel triton needs, then the experts' NF4 stacked for it
+    (quant.modules.stack_frozen_experts): the fixed-shape step, NF4 experts, a GPU or Triton's interpreter."""
+    from quant.fused_experts import interpreted
+    from quant.modules import stack_frozen_experts
+
+    if not decode_graphs:
+        raise ValueError(
+            "rollout.frozen_expert_kernel triton without rollout.decode_graphs: it is the fixed-shape decode step's kernel"
+        )
+    if model.device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"rollout.frozen_expert_kernel triton: the model is on {model.device.type}; the kernel runs on a GPU (or in "
+            "Triton's interpreter with TRITON_INTERPRET=1, slowly)"
+        )
+    try:
+        stack_frozen_experts(model)
+    except ValueError as exc:
+        raise ValueError(f"rollout.frozen_expert_kernel triton: {exc}") from None
+
+
 def check_latent_kernel(model, expanded: bool) -> None:
     """What rollout.attention_kernel triton needs: MLA's latent in the KV slots, and a GPU (or Triton's interpreter,
     TRITON_INTERPRET=1, which runs it on CPU tensors)."""
-    from moe_lora.latent_attention import interpreted
+    from quant.fused_experts import interpreted
 
     if expanded:
         raise ValueError(

@@ -214,6 +214,7 @@ def generator_cost(
         graphs,
         held,
         own_positions=kernel == "triton",
+        experts_read_once=engine == "torch" and run.rollout.frozen_expert_kernel == "triton",
     )
 
 
@@ -341,12 +342,54 @@ def train_phase(
     return Training(busy, wall, per_sequence)
 
 
-GRAPHS_ASSUMED = "decode assumed at the roofline of fixed-shape steps, not yet measured on a GPU"
-KERNEL_ASSUMED = (
-    "decode assumed at the roofline of fixed-shape steps whose attention reads each slot's own positions as stored, "
-    "not yet measured on a GPU"
-)
-WITH_KERNEL = "all-sync with rollout.decode_graphs and rollout.attention_kernel triton"
+GRAPHS = "rollout.decode_graphs"
+ATTENTION_KERNEL = "rollout.attention_kernel triton"
+EXPERT_KERNEL = "rollout.frozen_expert_kernel triton"
+
+
+def schedule_with(keys: list[str]) -> str:
+    """'all-sync with a, b and c': the all-sync schedule with the settings `keys` added to the config's."""
+    return "all-sync with " + (" and ".join(keys) if len(keys) < 3 else ", ".join(keys[:-1]) + " and " + keys[-1])
+
+
+def assumed(cost: DecodeCost) -> str:
+    """What a fixed-shape step's price assumes (the notes beside a schedule)."""
+    reads = [
+        "whose attention reads each slot's own positions as stored" if cost.own_positions else "",
+        "reading the experts' stored bytes once" if cost.experts_read_once else "",
+    ]
+    return f"decode assumed at the roofline of fixed-shape steps {' and '.join(r for r in reads if r)}".rstrip() + (
+        ", not yet measured on a GPU"
+    )
+
+
+def graphed_variants(run, model_config: dict, cost: DecodeCost) -> list[tuple[str, DecodeCost]]:
+    """(schedule, cost) of the torch engine's decode with what `run` does not set yet, added one at a time:
+    rollout.decode_graphs, then rollout.attention_kernel triton (where the slots hold the latent), then
+    rollout.frozen_expert_kernel triton (NF4 experts without double quantization); each priced as assumed."""
+    r = run.rollout
+    if r.engine != "torch":
+        return []
+    out, keys = [], []
+    if not cost.fixed_shapes:
+        cost = replace(cost, fixed_shapes=True)
+        keys.append(GRAPHS)
+        out.append((schedule_with(keys), cost))
+    if not cost.own_positions and not decode_cache_is_expanded(model_config, r.engine, r.kv_cache_dtype):
+        kv = kv_step_bytes_per_token(model_config, r.engine, r.kv_cache_dtype, "triton")
+        cost = replace(cost, own_positions=True, kv_bytes_per_token=kv)
+        keys.append(ATTENTION_KERNEL)
+        out.append((schedule_with(keys), cost))
+    if not cost.experts_read_once and expert_kernel_reads(run):
+        cost = replace(cost, experts_read_once=True)
+        keys.append(EXPERT_KERNEL)
+        out.append((schedule_with(keys), cost))
+    return out
+
+
+def expert_kernel_reads(run) -> bool:
+    """quant.fused_experts' kernel can read the run's routed experts: NF4 without double quantization."""
+    return run.model.quant.plan().format_of("routed_experts") == "nf4" and not run.model.quant.double_quant
 
 
 def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Hardware, work: Workload) -> list:
@@ -372,25 +415,12 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, cost), ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     if cost.fixed_shapes:
-        out[0].note = KERNEL_ASSUMED if cost.own_positions else GRAPHS_ASSUMED
-    elif run.rollout.engine == "torch":  # what rollout.decode_graphs would give
-        graphed = replace(cost, fixed_shapes=True)
-        gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, graphed), ep)
+        out[0].note = assumed(cost)
+    for schedule, variant in graphed_variants(run, model_config, cost):  # what the settings not set would give
+        gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, variant), ep)
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
-        out[-1].schedule = "all-sync with rollout.decode_graphs"
-        out[-1].note = KERNEL_ASSUMED if cost.own_positions else GRAPHS_ASSUMED
+        out[-1].schedule, out[-1].note = schedule, assumed(variant)
     r = run.rollout
-    if (
-        r.engine == "torch"
-        and not cost.own_positions
-        and not decode_cache_is_expanded(model_config, r.engine, r.kv_cache_dtype)
-    ):
-        # what the latent kernel would give the graphed steps (moe_lora/latent_attention.py)
-        kv = kv_step_bytes_per_token(model_config, r.engine, r.kv_cache_dtype, "triton")
-        kernel = replace(cost, fixed_shapes=True, own_positions=True, kv_bytes_per_token=kv)
-        gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, kernel), ep)
-        out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
-        out[-1].schedule, out[-1].note = WITH_KERNEL, KERNEL_ASSUMED
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(
         model_config, r.engine, r.kv_cache_dtype

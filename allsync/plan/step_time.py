@@ -30,6 +30,7 @@ share is assumed gone, not measured yet: every held expert is dequantized at eve
 read back, so
 
     routed bytes = stored bytes of every held expert + 2 x 2 bytes x its parameters    (no measured floor)
+                   stored bytes of every held expert          (rollout.frozen_expert_kernel triton: read once)
 
 and the step is that of every slot of the pool, free ones included, each reading the span the longest live row needs
 (allsync.engines.slots.span_bucket): B = slots and C = slots x span (`generation_timeline`), not the live rows'
@@ -200,6 +201,9 @@ class DecodeCost:
     # rollout.attention_kernel triton: a fixed-shape step's attention reads each slot's own positions (a free slot one),
     # not every slot up to the span (generation_timeline); kv_bytes_per_token is then the stored bytes
     own_positions: bool = False
+    # rollout.frozen_expert_kernel triton: a fixed-shape step reads every held expert's stored bytes once
+    # (quant.fused_experts), without the dequantized copy routed_params counts
+    experts_read_once: bool = False
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -210,8 +214,8 @@ class DecodeCost:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
         f0, slope, flops_per_second, bytes_per_second, a2a_seconds, _ = self._rates
         per_cached = slope if self.attention_flops_per_cached_token is None else self.attention_flops_per_cached_token
-        if self.fixed_shapes:  # every held expert, its bf16 copy written and read back
-            routed = self.routed_bytes + 2 * BF16 * self.routed_params
+        if self.fixed_shapes:  # every held expert, its bf16 copy written and read back (unless the kernel reads it)
+            routed = self.routed_bytes + (0 if self.experts_read_once else 2 * BF16 * self.routed_params)
         else:
             routed = self.routed_bytes * self.touched(batch)
         nbytes = routed + self.other_bytes + context * self.kv_bytes_per_token

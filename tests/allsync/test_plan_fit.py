@@ -243,6 +243,12 @@ def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache,
     kernel = plan["schedules"][2]
     assert kernel["schedule"] == "all-sync with rollout.decode_graphs and rollout.attention_kernel triton"
     assert kernel["step_seconds"] / 3600 == pytest.approx(5.31, abs=0.01) and "own positions" in kernel["note"]
+    # and the NF4 experts read by their kernel (rollout.frozen_expert_kernel triton, assumed): 2.81 h (2.36-3.10 h)
+    experts = plan["schedules"][3]
+    assert experts["schedule"] == (
+        "all-sync with rollout.decode_graphs, rollout.attention_kernel triton and rollout.frozen_expert_kernel triton"
+    )
+    assert experts["step_seconds"] / 3600 == pytest.approx(2.81, abs=0.01) and "stored bytes once" in experts["note"]
 
 
 @pytest.mark.parametrize(

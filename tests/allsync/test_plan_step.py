@@ -529,9 +529,13 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     kernel = [c for c in torch_engine if c["schedule"].endswith("and rollout.attention_kernel triton")]
     assert kernel and all("own positions" in c["note"] and "not yet measured" in c["note"] for c in kernel)
     assert min(c["step_seconds"] for c in kernel) < min(c["step_seconds"] for c in graphed)
+    # and with the NF4 experts read by their kernel too (rollout.frozen_expert_kernel triton, assumed)
+    experts = [c for c in torch_engine if c["schedule"].endswith("rollout.frozen_expert_kernel triton")]
+    assert experts and all("stored bytes once" in c["note"] for c in experts)
+    assert min(c["step_seconds"] for c in experts) < min(c["step_seconds"] for c in kernel)
     assert (
-        "fastest layout the loop runs today: all-sync with rollout.decode_graphs and rollout.attention_kernel triton, "
-        "engine torch" in text
+        "fastest layout the loop runs today: all-sync with rollout.decode_graphs, rollout.attention_kernel triton and "
+        "rollout.frozen_expert_kernel triton, engine torch" in text
     )
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found

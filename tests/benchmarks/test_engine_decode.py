@@ -68,7 +68,9 @@ def test_the_fixed_shape_step_is_timed_like_the_eager_one(tmp_path):
     assert [c["kv_cache"] for c in cases] == ["auto", "fp8"] and cases[1]["bytes_read"] < cases[0]["bytes_read"]
     with pytest.raises(SystemExit, match="--modes graphed: CUDA graphs need --device cuda"):
         main(["--device", "cpu", "--modes", "graphed"])
-    with pytest.raises(SystemExit, match="--attention triton: the kernel needs --device cuda"):
+    with pytest.raises(SystemExit, match="--attention/--expert-kernel triton: Triton needs --device cuda"):
         main(["--device", "cpu", "--attention", "torch,triton"])
+    with pytest.raises(SystemExit, match="--attention/--expert-kernel triton: Triton needs --device cuda"):
+        main(["--device", "cpu", "--expert-kernel", "triton"])
     with pytest.raises(SystemExit, match="--attention: use torch, triton"):
         main(["--device", "cpu", "--attention", "flash"])

@@ -22,6 +22,7 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         ("torch engine", "engine logprobs", "train"),
         ("engine logprobs", "FP8 KV", "generate"),
         ("shared-outer LoRA", "latent kernel", "generate"),  # each slot reads its own FP8 positions, once
+        ("latent kernel", "expert kernel", "generate"),  # the NF4 experts read once, no bf16 copy
     ):
         other = "generate" if part == "train" else "train"
         assert stages[after]["parts"][part] < stages[before]["parts"][part]

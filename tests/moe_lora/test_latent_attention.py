@@ -8,48 +8,30 @@ have done already): the same kernel source, its products in float32 where the in
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from allsync.config import ConfigError, parse_config
 from allsync.engines.torch_engine import TorchEngine
 from tests.allsync.engines.test_decode_graphs import lora_model
+from tests.interpreted import run_interpreted
 from tests.moe_lora import latent_attention_cases as cases
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_interpreted(call: str) -> None:
-    """`call` (an expression over tests.moe_lora.latent_attention_cases) in a fresh interpreter with TRITON_INTERPRET=1."""
-    code = f"from tests.moe_lora.latent_attention_cases import *; {call}"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+CASES = "tests.moe_lora.latent_attention_cases"
 
 
 def test_the_kernel_matches_softmax_attention_over_each_slots_own_positions():
     if torch.cuda.is_available():
         cases.kernel_matches_reference("cuda")
     else:
-        run_interpreted("kernel_matches_reference()")
+        run_interpreted(CASES, "kernel_matches_reference()")
 
 
 def test_the_engine_decodes_with_the_kernel_what_it_decodes_without(tiny_bf16):
     if torch.cuda.is_available():
         cases.engine_decodes_as_the_torch_path(str(tiny_bf16), "cuda")
     else:
-        run_interpreted(f"engine_decodes_as_the_torch_path({str(tiny_bf16)!r})")
+        run_interpreted(CASES, f"engine_decodes_as_the_torch_path({str(tiny_bf16)!r})")
 
 
 def test_attention_kernel_is_checked_naming_the_key(tiny_bf16, monkeypatch):

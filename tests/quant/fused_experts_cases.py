@@ -1,0 +1,63 @@
+"""Checks of quant.fused_experts' kernel, run by tests/quant/test_fused_experts.py: on a GPU in the test process, on
+CPU in a fresh interpreter with TRITON_INTERPRET=1 (tests/interpreted.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from quant.fixed_shape_experts import expert_offsets
+from quant.formats import quantize_weight
+from quant.fused_experts import nf4_grouped_mm, stack_nf4_experts
+
+
+def kernel_matches_dequantized_matmul(device: str = "cpu") -> None:
+    """Experts of DeepSeek-like and odd shapes (rows that are not whole 64-value blocks, N and K not multiples of the
+    tiles), an expert with no rows, one with more rows than a tile, rows past the last offset: each expert's rows
+    times its dequantized W^T, float32 to float32 rounding, bfloat16 within its output rounding; stacking leaves every
+    weight's dequantized values unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    for experts, n, k, counts in ((4, 40, 96, [3, 0, 20, 5]), (3, 128, 64, [17, 1, 40]), (2, 64, 16, [5, 5])):
+        weights = [quantize_weight(torch.randn(n, k, generator=gen).to(device), "nf4") for _ in range(experts)]
+        before = [w.dequantize(torch.float32) for w in weights]
+        stacked = stack_nf4_experts(weights)
+        assert all(torch.equal(w.dequantize(torch.float32), b) for w, b in zip(weights, before))
+        assert stacked.packed.shape == (experts, n * k // 2) and stacked.absmax.shape == (experts, n * k // 64)
+        owner = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts)).to(device)
+        rows = len(owner)
+        x = torch.randn(rows + 2, k, generator=gen).to(device)  # the last two rows belong to no expert here
+        offsets = expert_offsets(owner, experts)
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            out = nf4_grouped_mm(x.to(dtype), stacked, offsets)
+            want = torch.cat(
+                [x[:rows][owner == e].to(dtype).float() @ before[e].to(dtype).float().T for e in range(experts)]
+            )
+            assert out.shape == (rows + 2, n) and out.dtype == dtype
+            error = float((out[:rows].float() - want).abs().max() / want.abs().max())
+            assert error < tolerance, (experts, n, k, dtype, error)
+
+
+def engine_decodes_as_the_dequantized_experts(checkpoint: str, device: str = "cpu") -> None:
+    """The torch engine's fixed-shape decode (allsync.engines.slots.FixedShapeStep) of 12 rows in 3 slots with the
+    routed experts' NF4 stacked (quant.modules.stack_frozen_experts: the kernel) and without (dequantized, then
+    grouped_mm): the same tokens and finish reasons, logprobs within float32 noise."""
+    from allsync.engines.slots import FixedShapeStep, decode_in_slots
+    from allsync.engines.torch_engine import Sampling
+    from quant.modules import stack_frozen_experts
+    from tests.allsync.engines.test_decode_graphs import lora_model
+    from tests.allsync.engines.test_kv_fp8 import PROMPTS
+    from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequent_stop_token
+
+    model = lora_model(checkpoint, "nf4", device=device)
+    rows = [p for p in PROMPTS for _ in range(4)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=10)
+    eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
+
+    def decoded():
+        out = decode_in_slots(model, rows, seeds, sampling, eos, 2, 3, True, fixed_step=FixedShapeStep)
+        return out.tokens, out.logprobs, out.reasons
+
+    dequantized = decoded()
+    assert len({len(t) for t in dequantized[0]}) >= 3
+    assert stack_frozen_experts(model) == 2  # the tiny model's two MoE layers
+    assert_same_rows(decoded(), dequantized, atol=2e-5)
