@@ -71,7 +71,8 @@ def _kernel(interpret: bool):
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        head_block, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        head_block, split = tl.program_id(0), tl.program_id(1)
+        slot = tl.program_id(2).to(tl.int64)  # slot x stride passes 2^31 elements beyond ~170 slots of V3's latent
         offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, RANK_P2)
         offs_p = tl.arange(0, ROPE_P2)
@@ -95,14 +96,16 @@ def _kernel(interpret: bool):
                 mask=n_ok[:, None] & r_ok[None, :],
                 other=0.0,
             )
-            if FP8:
-                a = tl.load(
-                    scales + slot * stride_sb + offs_n[:, None] * stride_ss + offs_r[None, :] // GROUP,
-                    mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0,
-                )
-                # as fp8_dequantize: q (exact in any float) times a rounded to the compute dtype, rounded to it
-                c = (c.to(tl.float32) * a.to(dtype).to(tl.float32)).to(dtype)
+            if FP8:  # as fp8_dequantize: q (exact in any float) times a rounded to the compute dtype, rounded to it
+                scale_rows = scales + slot * stride_sb + offs_n[:, None] * stride_ss
+                if RANK == RANK_P2:  # the position's RANK / GROUP scales, each spread over its GROUP values
+                    offs_g = tl.arange(0, RANK // GROUP)
+                    a = tl.load(scale_rows + offs_g[None, :], mask=n_ok[:, None], other=0.0).to(dtype).to(tl.float32)
+                    grouped = tl.reshape(c.to(tl.float32), [BLOCK_N, RANK // GROUP, GROUP]) * a[:, :, None]
+                    c = tl.reshape(grouped, [BLOCK_N, RANK]).to(dtype)
+                else:  # a rank that is not a power of two: one scale read per value
+                    a = tl.load(scale_rows + offs_r[None, :] // GROUP, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                    c = (c.to(tl.float32) * a.to(dtype).to(tl.float32)).to(dtype)
             k_rope = tl.load(
                 rope + slot * stride_rb + offs_n[:, None] * stride_rs + offs_p[None, :],
                 mask=n_ok[:, None] & p_ok[None, :],
@@ -199,6 +202,8 @@ def latent_decode_attention(
         SPLITS=splits,
         BLOCK_H=HEADS_PER_PROGRAM,
         BLOCK_N=POSITIONS_PER_BLOCK,
+        num_warps=8,  # a [16, r] float32 accumulator and the [32, r] latent block: fewer registers a thread
+        num_stages=2,
         PRECISION="ieee" if query.dtype == torch.float32 or interpreted() else "tf32",  # float32: no TF32 rounding
         UPCAST=interpreted() and query.dtype != torch.float32,
     )

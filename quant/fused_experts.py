@@ -117,7 +117,7 @@ def _kernel(interpret: bool):
         packed_e = packed + expert.to(tl.int64) * stride_pe
         absmax_e = absmax + expert.to(tl.int64) * stride_ae
         for m0 in range(first, last, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
+            offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
             m_ok = offs_m < last
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, K, BLOCK_K):

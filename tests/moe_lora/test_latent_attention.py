@@ -20,18 +20,29 @@ from tests.moe_lora import latent_attention_cases as cases
 CASES = "tests.moe_lora.latent_attention_cases"
 
 
-def test_the_kernel_matches_softmax_attention_over_each_slots_own_positions():
+@pytest.fixture(scope="module")
+def interpreted(tiny_bf16):
+    """On CPU: the checks' tracebacks from one interpreted run (tests/interpreted.py); on a GPU: None."""
     if torch.cuda.is_available():
+        return None
+    return run_interpreted(
+        CASES,
+        {"kernel": "kernel_matches_reference()", "engine": f"engine_decodes_as_the_torch_path({str(tiny_bf16)!r})"},
+    )
+
+
+def test_the_kernel_matches_softmax_attention_over_each_slots_own_positions(interpreted):
+    if interpreted is None:
         cases.kernel_matches_reference("cuda")
     else:
-        run_interpreted(CASES, "kernel_matches_reference()")
+        assert "kernel" not in interpreted, interpreted["kernel"]
 
 
-def test_the_engine_decodes_with_the_kernel_what_it_decodes_without(tiny_bf16):
-    if torch.cuda.is_available():
+def test_the_engine_decodes_with_the_kernel_what_it_decodes_without(tiny_bf16, interpreted):
+    if interpreted is None:
         cases.engine_decodes_as_the_torch_path(str(tiny_bf16), "cuda")
     else:
-        run_interpreted(CASES, f"engine_decodes_as_the_torch_path({str(tiny_bf16)!r})")
+        assert "engine" not in interpreted, interpreted["engine"]
 
 
 def test_attention_kernel_is_checked_naming_the_key(tiny_bf16, monkeypatch):

@@ -17,18 +17,27 @@ from tests.quant import fused_experts_cases as cases
 CASES = "tests.quant.fused_experts_cases"
 
 
-def test_the_kernel_multiplies_each_experts_rows_by_its_nf4_weight():
+@pytest.fixture(scope="module")
+def interpreted(tiny_bf16):
+    """On CPU: the checks' tracebacks from one interpreted run (tests/interpreted.py); on a GPU: None."""
     if torch.cuda.is_available():
+        return None
+    engine = f"engine_decodes_as_the_dequantized_experts({str(tiny_bf16)!r})"
+    return run_interpreted(CASES, {"kernel": "kernel_matches_dequantized_matmul()", "engine": engine})
+
+
+def test_the_kernel_multiplies_each_experts_rows_by_its_nf4_weight(interpreted):
+    if interpreted is None:
         cases.kernel_matches_dequantized_matmul("cuda")
     else:
-        run_interpreted(CASES, "kernel_matches_dequantized_matmul()")
+        assert "kernel" not in interpreted, interpreted["kernel"]
 
 
-def test_the_fixed_shape_decode_step_samples_with_the_kernel_what_it_samples_without(tiny_bf16):
-    if torch.cuda.is_available():
+def test_the_fixed_shape_decode_step_samples_with_the_kernel_what_it_samples_without(tiny_bf16, interpreted):
+    if interpreted is None:
         cases.engine_decodes_as_the_dequantized_experts(str(tiny_bf16), "cuda")
     else:
-        run_interpreted(CASES, f"engine_decodes_as_the_dequantized_experts({str(tiny_bf16)!r})")
+        assert "engine" not in interpreted, interpreted["engine"]
 
 
 def test_only_single_quantized_nf4_experts_of_one_shape_stack():
