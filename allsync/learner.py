@@ -516,8 +516,9 @@ class Learner:
             )
             out["train_positions"] = sum(b.sequences.input_ids.numel() for b in batches if b is not None)
         totals = self.all_reduce(local.clone())
-        # algorithm.old_logprobs engine: the engine/trainer gap from the minibatches trained before any optimizer step
-        engine_old = tb is not None and not self.reuses_update_forward and not self.recomputes_old_logprobs
+        # the trainer's sampling-policy logprobs the engine/trainer gap is measured on: the no-gradient pass's
+        # (recompute), else the update's own forwards of the first minibatch this worker trains before any optimizer
+        # step (one minibatch: all of it; algorithm.old_logprobs engine: the policy has not moved yet)
         gap_batch = None
         for m, rows in enumerate(parts):
             if totals[m, 0] == 0 and totals[m, 2] == 0:
@@ -550,11 +551,7 @@ class Learner:
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
             self.stop_counting_routes()  # later minibatches run after an optimizer step
-            whole = mb if batches is not None else tb  # the rows the update's own logprobs belong to
-            if whole is not None and whole.old_logprobs is None and own_logprobs:  # one minibatch: all of its rows
-                whole.old_logprobs = placed_rows(own_logprobs, micro, whole.engine_logprobs)
-            if engine_old and gap_batch is None and own_logprobs and out["optimizer_steps"] == 0:
-                # before the step's first optimizer step the update's forwards are the sampling policy's
+            if not self.recomputes_old_logprobs and gap_batch is None and own_logprobs and out["optimizer_steps"] == 0:
                 gap_batch = dataclasses.replace(mb, old_logprobs=placed_rows(own_logprobs, micro, mb.engine_logprobs))
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)
@@ -579,20 +576,17 @@ class Learner:
             step_skipping(self.optimizer, self.lora_params if critic_only else [])
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
-        if batches is not None and minibatches == 1:  # the gap over the rows this worker trained
-            tb = batches[0]
-        if engine_old:
-            tb = gap_batch  # None: this worker trained no row before the step's first optimizer step
-        # engine_logprobs None: not sampled (recipes/nlft.py's examples); old_logprobs None: no token was trained
-        if tb is not None and tb.engine_logprobs is not None and tb.old_logprobs is not None:
-            out["logprob_gap"] = logprob_gap(tb.engine_logprobs, tb.old_logprobs, tb.sequences.response_mask)
+        gap = tb if self.recomputes_old_logprobs else gap_batch  # None: no row trained here before that step
+        # engine_logprobs None: not sampled (recipes/nlft.py's examples)
+        if gap is not None and gap.engine_logprobs is not None:
+            out["logprob_gap"] = logprob_gap(gap.engine_logprobs, gap.old_logprobs, gap.sequences.response_mask)
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
                 print(
                     f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
                     f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels"
                 )
         if tb is not None and tb.segment_kinds is not None and multiconv_settings(c) is not None:
-            out.update(segment_gaps(tb))
+            out.update(segment_gaps(tb.segment_kinds, gap))
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out
@@ -686,13 +680,13 @@ def placed_rows(parts: list[torch.Tensor], row_groups: list[list[int]], like: to
     return full
 
 
-def segment_gaps(tb: TrainBatch) -> dict:
+def segment_gaps(kinds: list[str], tb: TrainBatch | None) -> dict:
     """Sum and count of |engine - trainer| logprob per segment kind over every token the engine chose (before the
-    credit mask): logprob_gap_<kind>_sum / logprob_gap_<kind>_tokens, for the per-kind mean over the workers. A
-    worker whose update computed no logprobs (one minibatch, and no trained token here) adds 0 to both."""
-    if tb.old_logprobs is None:
-        kinds = sorted(set(tb.segment_kinds))
-        return {f"logprob_gap_{kind}_{part}": 0.0 for kind in kinds for part in ("sum", "tokens")}
+    credit mask) in `tb`, the rows the gap is measured on: logprob_gap_<kind>_sum / logprob_gap_<kind>_tokens, for
+    the per-kind mean over the workers. A worker with no such rows (tb None: it trained no row before the step's first
+    optimizer step) adds 0 to both for each of its batch's `kinds`."""
+    if tb is None:
+        return {f"logprob_gap_{kind}_{part}": 0.0 for kind in sorted(set(kinds)) for part in ("sum", "tokens")}
     full = tb.engine_mask
     diff = (tb.engine_logprobs - tb.old_logprobs).abs() * full
     out = {}
