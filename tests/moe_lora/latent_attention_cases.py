@@ -46,22 +46,31 @@ def kernel_matches_reference(device: str = "cpu") -> None:
                 assert error < tolerance, (heads, rank, dtype, fp8, error)
 
 
-def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> None:
-    """The torch engine's decode (allsync.engines.slots.decode_in_slots) of 12 rows ending at different steps in 3
-    slots, with the kernel and without: the same tokens and finish reasons, logprobs within float32 noise; over the
-    latent cache in the compute dtype with live-slot steps, and in FP8 with fixed-shape steps (every slot, free ones
-    included)."""
-    from allsync.engines.slots import FixedShapeStep, decode_in_slots
+def twelve_rows(checkpoint: str, device: str):
+    """(model, rows, seeds, sampling, eos) of the engine checks: the tiny model with random LoRA, 12 rows (4 samples
+    of 3 prompts) of at most 10 tokens, an end token frequent enough that they end at different steps."""
     from allsync.engines.torch_engine import Sampling
     from tests.allsync.engines.test_decode_graphs import lora_model
     from tests.allsync.engines.test_kv_fp8 import PROMPTS
-    from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequent_stop_token
+    from tests.allsync.engines.test_rollout_trainer import frequent_stop_token
 
     model = lora_model(checkpoint, "nf4", device=device)
     rows = [p for p in PROMPTS for _ in range(4)]
     sampling = Sampling(temperature=1.0, max_new_tokens=10)
     eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
     seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
+    return model, rows, seeds, sampling, eos
+
+
+def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> None:
+    """The torch engine's decode (allsync.engines.slots.decode_in_slots) of 12 rows ending at different steps in 3
+    slots, with the kernel and without: the same tokens and finish reasons, logprobs within float32 noise; over the
+    latent cache in the compute dtype with live-slot steps, and in FP8 with fixed-shape steps (every slot, free ones
+    included)."""
+    from allsync.engines.slots import FixedShapeStep, decode_in_slots
+    from tests.allsync.engines.test_rollout_trainer import assert_same_rows
+
+    model, rows, seeds, sampling, eos = twelve_rows(checkpoint, device)
 
     def decoded(kernel: bool, fp8: bool, fixed_step):
         out = decode_in_slots(

@@ -41,17 +41,11 @@ def engine_decodes_as_the_dequantized_experts(checkpoint: str, device: str = "cp
     routed experts' NF4 stacked (quant.modules.stack_frozen_experts: the kernel) and without (dequantized, then
     grouped_mm): the same tokens and finish reasons, logprobs within float32 noise."""
     from allsync.engines.slots import FixedShapeStep, decode_in_slots
-    from allsync.engines.torch_engine import Sampling
     from quant.modules import stack_frozen_experts
-    from tests.allsync.engines.test_decode_graphs import lora_model
-    from tests.allsync.engines.test_kv_fp8 import PROMPTS
-    from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequent_stop_token
+    from tests.allsync.engines.test_rollout_trainer import assert_same_rows
+    from tests.moe_lora.latent_attention_cases import twelve_rows
 
-    model = lora_model(checkpoint, "nf4", device=device)
-    rows = [p for p in PROMPTS for _ in range(4)]
-    sampling = Sampling(temperature=1.0, max_new_tokens=10)
-    eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
-    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
+    model, rows, seeds, sampling, eos = twelve_rows(checkpoint, device)
 
     def decoded():
         out = decode_in_slots(model, rows, seeds, sampling, eos, 2, 3, True, fixed_step=FixedShapeStep)
