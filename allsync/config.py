@@ -300,6 +300,10 @@ class AlgorithmSection:
     # dynamic sampling fills: worker (each worker its own quota: a step waits for the unluckiest) | global (the
     # workers the whole batch together: as many rounds as they need together; a worker may train on more or fewer)
     sampling_fill: str = "worker"
+    # dynamic sampling's rounds: sequential (each starts when the last has ended) | streamed (the next round's rows
+    # wait behind the last's in the torch engine's queue and take slots as its rows end; the same batch, without
+    # each round's tail: allsync/producers/streamed.py)
+    sampling_rounds: str = "sequential"
     overlong: OverlongSection | None = None
     tis: TISSection | None = None  # reweight each token's policy loss by min(pi_old / pi_engine, cap)
     # R3: the trainer's MoE layers use the experts the engine chose for each token (gate weights from the trainer's
@@ -359,6 +363,13 @@ class AlgorithmSection:
                 "algorithm.old_logprobs engine with algorithm.tis: TIS weighs pi_old / pi_engine, which is 1 when the "
                 "old logprobs are the engine's (use recompute)"
             )
+        if self.sampling_rounds not in ("sequential", "streamed"):
+            fail(
+                f"algorithm.sampling_rounds = {self.sampling_rounds!r}: use sequential (each round after the last) or "
+                "streamed (the next round's rows queued behind the last's)"
+            )
+        if self.sampling_rounds == "streamed" and not self.dynamic_sampling:
+            fail("algorithm.sampling_rounds = 'streamed' without algorithm.dynamic_sampling: there is one round only")
         if self.sampling_fill == "global" and not self.dynamic_sampling:
             fail("algorithm.sampling_fill = 'global' without algorithm.dynamic_sampling: there is nothing to fill")
         if self.on_sampling_cap not in ("partial", "error"):
@@ -1015,6 +1026,16 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
             f"algorithm.old_logprobs engine with rollout.engine {r.engine}: only the torch engine samples from the "
             "trainer's own model; vLLM's logprobs come from its own copy and kernels (keep recompute, and algorithm.tis "
             "for the mismatch)"
+        )
+    if a.sampling_rounds == "streamed" and r.engine != "torch":
+        fail(
+            f"algorithm.sampling_rounds streamed with rollout.engine {r.engine}: rounds stream through the torch "
+            "engine's KV slots (vLLM's generate takes one batch at a time; use sequential)"
+        )
+    if a.sampling_rounds == "streamed" and c.producer.kind != "single_turn":
+        fail(
+            f"algorithm.sampling_rounds streamed with producer.kind {c.producer.kind}: only single-turn groups stream "
+            "so far (an episode of several generate calls does not; use sequential)"
         )
     if a.routing_replay and c.producer.kind != "single_turn":
         fail(

@@ -72,6 +72,8 @@ def aggregate(per_worker: list[dict]) -> dict:
         "groups_generated": total("groups_generated"),
         "sampling_rounds": max(m["sampling_rounds"] for m in per_worker),
         "sampling_cap_hits": total("sampling_cap_hits"),  # workers that reached max_sampling_rounds this step
+        # algorithm.sampling_rounds streamed: rows of rounds begun but not needed (decoded work the batch does not use)
+        **({"samples_dropped": total("samples_dropped")} if any("samples_dropped" in m for m in per_worker) else {}),
         "reward_errors": total("reward_errors"),  # samples whose reward raised or timed out (reward.on_error: wrong)
         "trained_samples": total("trained_samples"),
         "trained_tokens": total("trained_tokens"),

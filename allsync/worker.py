@@ -40,7 +40,7 @@ from allsync.engines.sync_check import check_sync, effect_gap, probe_ids
 from allsync.engines.torch_engine import TorchEngine
 from allsync.forward import build_sequences, forward_logprobs
 from allsync.sharded_state import ShardedTrainingState
-from allsync.tasks import Problem, encode_prompt
+from allsync.tasks import Problem, encode_prompt, longest_prompt_tokens
 from allsync.learner import Learner
 from evals.reward_pool import RewardPool
 from moe_lora.expert_parallel import ExpertLayout, shard_experts
@@ -214,6 +214,8 @@ class RLWorker:
             self.score_episodes,
             c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
             self.groups,
+            self.rewind_point,
+            self.longest_prompt,
         )
         return c.producer.build(context)
 
@@ -297,6 +299,23 @@ class RLWorker:
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return encode_prompt(self.tokenizer, problem)
+
+    def rewind_point(self):
+        """A function that puts take_problems' position and torch's generator back where they are now."""
+        position, generator = self.position, torch.get_rng_state()
+
+        def rewind() -> None:
+            self.position = position
+            torch.set_rng_state(generator)
+
+        return rewind
+
+    def longest_prompt(self) -> int:
+        """The most prompt tokens of any training problem (what a streamed call's KV slots must hold besides the
+        response), counted once."""
+        if getattr(self, "_longest_prompt", None) is None:
+            self._longest_prompt = longest_prompt_tokens(self.tokenizer, self.problems)
+        return self._longest_prompt
 
     def take_problems(self, count: int) -> list[Problem]:
         """The next `count` training problems of this worker's stride through the shared train split."""

@@ -18,12 +18,18 @@ prefill forward, a one-token dummy where it has none) and whether any has live r
 decode forward, a dummy where it has none); the loop ends when no rank has rows left. Decode steps in fixed shapes
 (`FixedShapeStep`, what a CUDA graph captures) run on every slot of every rank (the same slots everywhere, the free
 ones fed a pad token), at a span the ranks agree on (one more all-reduce a step).
+
+A `RowSource` (dynamic sampling's streamed rounds, allsync/producers/streamed.py) adds rows while the loop runs: at
+every iteration it may queue more (a round whose rows wait behind the last one's), hears which rows ended, and
+decides when the stream stops; the rows still queued or live then are dropped (finish reason "dropped").
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import TopPLogitsWarper
@@ -87,6 +93,26 @@ class Decoded:
     # with keep: each row that reached max_new_tokens, its slot's positions (its prompt and tokens but the last), to
     # continue it without a prefill (decode_in_slots' `resumed`)
     saved: dict[int, SavedRow] = field(default_factory=dict)
+
+
+class RowSource(Protocol):
+    """Rows that arrive while `decode_in_slots` runs (module docstring)."""
+
+    capacity: int  # the most positions a row it gives holds: its prompt + max_new_tokens, or fewer
+    most_rows: int  # the most rows it gives in all
+
+    def more(self, waiting: int, free: int) -> tuple[list[list[int]], torch.Tensor]:
+        """Rows to queue now (prompts) and their seeds [rows] int64, with `waiting` rows queued and `free` slots free;
+        ([], empty) for none."""
+        ...
+
+    def ended(self, rows: list[int], result: Callable[[int], tuple[list[int], str]]) -> None:
+        """Rows (indices in arrival order) that ended; result(i) is row i's (tokens, finish reason)."""
+        ...
+
+    def stopped(self) -> bool:
+        """Whether the stream ends here (every rank asks once per iteration of the loop, so it may agree over ranks)."""
+        ...
 
 
 def runs_of_equal(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -170,6 +196,7 @@ def decode_in_slots(
     keep: bool = False,
     fp8_rank: int | None = None,
     kernel: bool = False,
+    source: RowSource | None = None,
 ) -> Decoded:
     """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
     (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
@@ -180,10 +207,12 @@ def decode_in_slots(
     a slot without a prefill, fed their last token at the next decode step. keep: save the positions of every row
     that reaches max_new_tokens (Decoded.saved). fp8_rank: the slots keep the latent's first fp8_rank values in FP8
     (SlotKVCache; with expanded False). kernel: decode steps attend with moe_lora.latent_attention's kernel (SlotKVCache;
-    with expanded False)."""
+    with expanded False). source: a RowSource whose rows are appended to `rows` (their seeds to `seeds`) as they
+    arrive; the loop then ends when it says stop (under lockstep, once no rank has rows left), `rows` holding every row
+    it gave."""
     device = model.device
     total, limit = len(rows), sampling.max_new_tokens
-    if limit < 1:
+    if limit < 1 and source is None:
         return Decoded([[] for _ in rows], [[] for _ in rows], ["length"] * total, 0, 0, 0, [], [])
     tokens = torch.full((max(total, 1), limit), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(tokens.shape, device=device)
@@ -191,12 +220,13 @@ def decode_in_slots(
     seeds = seeds.to(device) if total else torch.zeros(1, dtype=torch.long, device=device)  # free slots draw row 0's
     reasons = [""] * total
     queue = collections.deque(range(total))
-    capacity = max(map(len, rows), default=1) + limit
+    capacity = source.capacity if source is not None else max(map(len, rows), default=1) + limit
     if fixed_step is not None and lockstep is not None:  # every rank's MoE layers take the same T = slots, and the
         # ranks agree on each step's span, which must fit every rank's pool
         pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank, kernel)
     else:
-        pool = SlotKVCache(max(min(slots, total), 1), capacity, fp8_rank, kernel)
+        most = total if source is None else source.most_rows
+        pool = SlotKVCache(max(min(slots, most), 1), capacity, fp8_rank, kernel)
     live: list[int] = []  # live[i]: the row in slot i (on the device: live_rows)
     live_rows = torch.zeros(0, dtype=torch.long, device=device)
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token
@@ -205,6 +235,29 @@ def decode_in_slots(
     resumed = resumed or {}
     step = fixed_step(model, pool, sampling) if fixed_step is not None else None
     every_slot = torch.arange(pool.slots, device=device)
+
+    def extend(new_rows: list[list[int]], new_seeds: torch.Tensor) -> None:
+        """Rows from the source at the back of the queue (the row-sized tensors grown to hold them)."""
+        nonlocal tokens, logprobs, counts, seeds
+        start, n = len(rows), len(new_rows)
+        tokens = torch.cat([tokens[:start], tokens.new_full((n, limit), pad_id)])
+        logprobs = torch.cat([logprobs[:start], logprobs.new_zeros((n, limit))])
+        counts = torch.cat([counts[:start], counts.new_zeros(n)])
+        seeds = torch.cat([seeds[:start], new_seeds.to(device)])
+        rows.extend(new_rows)
+        reasons.extend([""] * n)
+        queue.extend(range(start, start + n))
+
+    def drop() -> None:
+        """The stream stopped: its queued and live rows end here, unfinished."""
+        nonlocal live, live_rows, last, longest
+        for r in [*queue, *live]:
+            reasons[r] = "dropped"
+        queue.clear()
+        live, live_rows, last, longest = [], live_rows[:0], last[:0], 0
+
+    def result(row: int) -> tuple[list[int], str]:
+        return tokens[row, : int(counts[row])].tolist(), reasons[row]
 
     def take(index: torch.Tensor, chosen: torch.Tensor, chosen_lp: torch.Tensor) -> torch.Tensor:
         """Rows `index` get their next token; returns [2, rows]: sampled eos, reached the limit."""
@@ -223,6 +276,8 @@ def decode_in_slots(
             reasons[live[i]] = "stop" if eos[i] else "length"
             if keep and not eos[i]:
                 out.saved[live[i]] = pool.saved(i, held[i])
+        if source is not None and gone:
+            source.ended([live[i] for i in gone], result)
         stay = len(live) - len(gone)
         gone_set = set(gone)
         holes = [i for i in gone if i < stay]
@@ -270,7 +325,18 @@ def decode_in_slots(
         )
         return chosen[: len(live)], chosen_lp[: len(live)]
 
+    streaming = source is not None  # the source may still give rows
     while True:
+        if streaming:
+            if source.stopped():
+                drop()
+                streaming = False
+                if lockstep is None:
+                    break
+            else:
+                new_rows, new_seeds = source.more(len(queue), pool.slots - len(live))
+                if new_rows:
+                    extend(new_rows, new_seeds)
         admit = min(len(queue), pool.slots - len(live))
         if lockstep is not None:
             agreed = lockstep.max_over_ranks(2 * int(admit > 0) + int(admit > 0 or bool(live)))
@@ -278,6 +344,8 @@ def decode_in_slots(
         else:
             any_admit, any_live = admit > 0, admit > 0 or bool(live)
         if not any_live:
+            if streaming:  # nothing to decode until the source says more or stop (global filling: the others)
+                continue
             break
         if admit:
             taken = [queue.popleft() for _ in range(admit)]
@@ -332,6 +400,7 @@ def decode_in_slots(
             finish(torch.cat([ended.long(), pool.lengths[None, : len(live)]]).tolist())
         elif any_live and lockstep is not None:  # lockstep: serve the other ranks' decode step
             serve_other_ranks() if step is None else fixed_shape_decode()
+    total = len(rows)
     lengths = counts[:total].tolist()
     out.tokens = [t[:n] for t, n in zip(tokens[:total].tolist(), lengths)]
     out.logprobs = [lp[:n] for lp, n in zip(logprobs[:total].tolist(), lengths)]

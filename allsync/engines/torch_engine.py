@@ -172,11 +172,46 @@ class TorchEngine:
         followed by those tokens) without a prefill if the policy is unchanged (`policy_state`): T-PPO's windows
         over steps that do not move the policy (value pretraining). Any other call drops them."""
         rows = [p for p in prompts for _ in range(n)]
-        seeds = torch.randint(0, 2**62, (len(rows),), dtype=torch.int64)
+        seeds = draw_seeds(len(rows))
         policy = self.policy_state() if (keep or self.kept is not None) else None
         kept = self.kept.rows if self.kept is not None and self.kept.policy == policy else {}
         self.kept = None
         resumed = {i: kept[tuple(row)] for i, row in enumerate(rows) if tuple(row) in kept}
+        decoded, routing = self._decode(rows, seeds, sampling, resumed, keep)
+        if keep:
+            self.kept = KeptRows(
+                policy,
+                {
+                    tuple(rows[i] + decoded.tokens[i]): (saved, routing[i] if routing is not None else None)
+                    for i, saved in decoded.saved.items()
+                },
+            )
+        return self._rollout(rows, decoded, routing, n)
+
+    @torch.no_grad()
+    def generate_streamed(self, source, n: int, sampling: Sampling) -> Rollout:
+        """The rows a RowSource (allsync.engines.slots) gives while the slots decode, each prompt's n samples
+        consecutive and seeded with `draw_seeds` by the source, until it says stop: every row it gave, those it
+        stopped unfinished with finish reason "dropped". Any kept rows (generate's keep) go."""
+        self.kept = None
+        rows: list[list[int]] = []
+        decoded, routing = self._decode(rows, torch.zeros(0, dtype=torch.int64), sampling, {}, False, source)
+        return self._rollout(rows, decoded, routing, n)
+
+    def _rollout(self, rows: list[list[int]], decoded, routing, n: int) -> Rollout:
+        return Rollout(
+            rows,
+            decoded.tokens,
+            decoded.logprobs,
+            decoded.reasons,
+            self.adapter_version,
+            [i // n for i in range(len(rows))],
+            routing,
+        )
+
+    def _decode(self, rows, seeds, sampling: Sampling, resumed: dict, keep: bool, source=None) -> tuple:
+        """decode_in_slots over the engine's slots and settings, the work counted; (Decoded, each row's routing or
+        None)."""
         was_training = self.model.training
         self.model.eval()
         with (
@@ -199,30 +234,19 @@ class TorchEngine:
                 keep,
                 self.kv_fp8_rank,
                 self.attention_kernel,
+                source,
             )
         self.model.train(was_training)
         self.positions += decoded.positions
         self.decode_slots += decoded.decode_slots
         self.decoded_tokens += decoded.decoded_tokens
         known = {i: routing for i, (_, routing) in resumed.items()}
-        routing = sample_routing(record, rows, decoded, known) if record is not None else None
-        if keep:
-            self.kept = KeptRows(
-                policy,
-                {
-                    tuple(rows[i] + decoded.tokens[i]): (saved, routing[i] if routing is not None else None)
-                    for i, saved in decoded.saved.items()
-                },
-            )
-        return Rollout(
-            rows,
-            decoded.tokens,
-            decoded.logprobs,
-            decoded.reasons,
-            self.adapter_version,
-            [i // n for i in range(len(rows))],
-            routing,
-        )
+        return decoded, sample_routing(record, rows, decoded, known) if record is not None else None
+
+
+def draw_seeds(count: int) -> torch.Tensor:
+    """Sampling streams for `count` rows [count] int64, drawn from torch's generator (so a run's seed fixes them)."""
+    return torch.randint(0, 2**62, (count,), dtype=torch.int64)
 
 
 @dataclass
@@ -299,7 +323,7 @@ def sample_routing(record, rows: list[list[int]], decoded, known: dict | None = 
     prompt's positions in its prefill's call (right-padded distinct prompts, `width` positions each; a resumed
     row's prompt but its last token from `known`, what an earlier call recorded), then the call of every decode
     forward it was live in (its slot's entry: the token it was fed, response token s - 1 at its s-th forward); the
-    last response token is never fed."""
+    last response token is never fed. A row never prefilled (dropped from a streamed call's queue) gets None."""
     prompt_part: list = [None] * len(rows)
     for r, routing in (known or {}).items():
         prompt_part[r] = routing
@@ -309,14 +333,17 @@ def sample_routing(record, rows: list[list[int]], decoded, known: dict | None = 
         for r, d in zip(new, which):
             prompt_part[r] = entries[d, : len(rows[r])]
     shape = next((p for p in prompt_part if p is not None), None)
-    fed = [torch.zeros(0, *shape.shape[1:], dtype=shape.dtype)] * len(rows) if rows else []
+    if shape is None:  # no row was prefilled (a streamed call stopped before any)
+        return [None] * len(rows)
+    fed = [torch.zeros(0, *shape.shape[1:], dtype=shape.dtype)] * len(rows)
     if decoded.decodes:
         # a fixed-shape step records every slot: the live ones are the first
         entries = torch.cat([record.call(call)[: len(live)] for call, live in decoded.decodes]).cpu()
         owner = torch.tensor([r for _, live in decoded.decodes for r in live])
         order = torch.argsort(owner, stable=True)  # each row's entries, in the order of its forwards
         fed = list(torch.split(entries[order], torch.bincount(owner, minlength=len(rows)).tolist()))
-    return [torch.cat([prompt_part[r].cpu(), fed[r]]) for r in range(len(rows))]
+    # a streamed call's row dropped before its prefill has none
+    return [torch.cat([prompt_part[r].cpu(), fed[r]]) if prompt_part[r] is not None else None for r in range(len(rows))]
 
 
 # Settings of a checkpoint's generation_config that would make transformers' generate() sample from something

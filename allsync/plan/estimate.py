@@ -92,6 +92,9 @@ class Sampling:
     rounds: list[list[list[np.ndarray]]]  # per GPU, per round it generates in, per conversation
     trained: list[np.ndarray]  # per GPU: response lengths of every trained sequence
     fill: str  # algorithm.sampling_fill
+    # per GPU: the groups of the round after its last (what streamed rounds begin before the step ends), None where
+    # it ran algorithm.max_sampling_rounds; single-turn only (the first conversation's)
+    spare: list[np.ndarray | None] | None = None
 
     @property
     def round_count(self) -> int:
@@ -138,7 +141,8 @@ def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
             rows = [np.concatenate(drawn[i][j], axis=1) for j in range(runs[i])]
         episodes = np.concatenate([rows[j][kept[i, j]] for j in range(runs[i])])  # [kept groups, rows of a group]
         trained.append(episodes[:quota].ravel())
-    return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill)
+    spare = [drawn[i][runs[i]][0] if runs[i] < max_rounds else None for i in range(gpus)]
+    return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill, spare)
 
 
 def lockstep_seconds(ranks: list[list[float]]) -> float:
@@ -164,6 +168,37 @@ def generation_seconds(sampling: Sampling, round_chunks: list[list[list[float]]]
     if sampling.fill == "global":
         return np.full(gpus, per_round.max(axis=0).sum())
     return np.repeat(per_round.sum(axis=1), group)
+
+
+def streams_rounds(run) -> bool:
+    """algorithm.sampling_rounds streamed on the torch engine (the only one that streams them)."""
+    return run.algorithm.sampling_rounds == "streamed" and run.rollout.engine == "torch"
+
+
+def streamed_chunks(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: DecodeCost) -> list:
+    """[gpu][round] -> decode batch seconds, as round_chunks, of rounds streamed through the slots
+    (allsync/producers/streamed.py): one round per GPU, its rounds' groups queued one after another and the next
+    round's (`Sampling.spare`) behind them, ending when the last row of the rounds the batch needs ends (the spare
+    round's rows take the slots that free before then, and are dropped)."""
+    out = []
+    for rounds, spare in zip(sampling.rounds, sampling.spare or [None] * len(sampling.rounds)):
+        needed = np.concatenate([waves[0] for waves in rounds])
+        groups = needed if spare is None else np.concatenate([needed, spare])
+        slots = run.rollout.decode_batch_size
+        finish = generation_timeline(
+            groups.ravel(), work.prompt_tokens, slot_room(slots, groups, work.prompt_tokens), cost, slots
+        )
+        out.append([[float(finish[: needed.size].max(initial=0.0))]])
+    return out
+
+
+def generate_phase(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: DecodeCost, ep: int) -> np.ndarray:
+    """Each GPU's generate seconds (generation_seconds): its rounds one after another, or streamed through its slots
+    (`streams_rounds`, `streamed_chunks`: one round that holds them all)."""
+    if streams_rounds(run):
+        one_round = Sampling([[[np.concatenate([w[0] for w in r])]] for r in sampling.rounds], [], sampling.fill)
+        return generation_seconds(one_round, streamed_chunks(run, sampling, work, kv_tokens, cost), ep)
+    return generation_seconds(sampling, round_chunks(run, sampling, work, kv_tokens, cost), ep)
 
 
 def generator_bytes(model_config: dict, ep: int, own_copy: bool, trainer_parts: dict | None) -> dict[str, int]:
@@ -218,14 +253,19 @@ def generator_cost(
     )
 
 
+def slot_room(slots: int, groups: np.ndarray, prompt_tokens: int) -> int:
+    """KV room that never stops the torch engine's `slots` slots from admitting `groups`' rows: each slot holds a row
+    at full length."""
+    return (slots + 1) * (prompt_tokens + int(groups.max(initial=0)) + ADMISSION_HEADROOM_TOKENS)
+
+
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:
     """Seconds of generating `groups` ([groups, group_size] response lengths), continuous batching: vLLM's within
     its KV room, the torch engine's over rollout.decode_batch slots that each hold a sequence at full length (the
     plan refuses a batch that does not fit), so it admits a row whenever a slot frees and never preempts."""
     if run.rollout.engine == "torch":
         slots = run.rollout.decode_batch_size
-        room = (slots + 1) * (prompt_tokens + int(groups.max(initial=0)) + ADMISSION_HEADROOM_TOKENS)
-        return [generate(groups, prompt_tokens, room, cost, max_sequences=slots)[0]]
+        return [generate(groups, prompt_tokens, slot_room(slots, groups, prompt_tokens), cost, max_sequences=slots)[0]]
     return [generate(groups, prompt_tokens, kv_tokens, cost)[0]]
 
 
@@ -412,12 +452,12 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     fixed = {"sleep transfers": plan.sleep_seconds} if plan.sleep_seconds else {}
     if run.rollout.engine == "vllm":
         fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
-    gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, cost), ep)
+    gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, cost, ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     if cost.fixed_shapes:
         out[0].note = assumed(cost)
     for schedule, variant in graphed_variants(run, model_config, cost):  # what the settings not set would give
-        gen = generation_seconds(sampling, round_chunks(run, sampling, work, plan.kv_cache_tokens, variant), ep)
+        gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, variant, ep)
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
         out[-1].schedule, out[-1].note = schedule, assumed(variant)
     r = run.rollout
@@ -458,7 +498,7 @@ def split_steps(
     own_copy = run.rollout.engine == "vllm"
     cost = generator_cost(run, model_config, hw, gen_ep, generator, own_copy)
     sampling = sampling_rounds(run, gen_gpus, work)
-    gen = generation_seconds(sampling, round_chunks(run, sampling, work, kv_tokens, cost), gen_ep)
+    gen = generate_phase(run, sampling, work, kv_tokens, cost, gen_ep)
     batch = np.concatenate(sampling.trained)
     per_trainer = [batch[i::train_gpus] for i in range(train_gpus)]
     routed_format = run.model.quant.plan().format_of("routed_experts")

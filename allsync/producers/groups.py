@@ -117,6 +117,11 @@ class GroupRounds:
 
     def collect(self, groups_wanted: int, version: int) -> tuple[list[Episode], torch.Tensor, dict]:
         c = self.context
+        if c.config.algorithm.sampling_rounds == "streamed":
+            from allsync.producers.streamed import collect_streamed  # it imports this module
+
+            episodes, stats = collect_streamed(self.producer, c, groups_wanted)
+            return episodes, stats.pop("group_index"), stats
         episodes, stats = collect_groups(
             self.producer,
             c.take_problems,

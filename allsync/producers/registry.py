@@ -38,6 +38,10 @@ class ProducerContext:
     groups: Any = (
         None  # allsync.launch.process_groups.Groups: rank, world size, the all-reduce dynamic sampling fills with
     )
+    # () -> a function that puts take_problems' position and torch's generator back where they are now (streamed
+    # rounds give back the rounds they began but did not need: allsync/producers/streamed.py)
+    rewind_point: Callable | None = None
+    longest_prompt: Callable | None = None  # () -> the most prompt tokens of any problem take_problems can give
 
 
 class Producer(Protocol):

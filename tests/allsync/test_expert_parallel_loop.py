@@ -269,3 +269,27 @@ def test_tool_agent_at_ep2_logs_the_ep1_steps(tmp_path):
         got,
         ("samples_generated", "episode_turns_sum", "episode_tool_calls_sum", "trained_tokens", "response_tokens"),
     )
+
+
+def test_streamed_rounds_with_global_filling_train_the_sequential_adapter_at_ep2_and_ep1(warm_tiny):
+    """algorithm.sampling_rounds streamed with global filling: at EP 2 the two ranks decode in lockstep while each
+    streams its rounds, at EP 1 each decodes alone (a rank with nothing left waits in the stream's all-reduce); both
+    stop together once their ended rounds fill the batch (one all-reduce per iteration of the slot loop). The same
+    sampled and trained numbers as sequential rounds, rank by rank; the same adapter at EP 2, and within 1e-5 of its
+    norm at EP 1 (the EP 2 = EP 1 tolerance above)."""
+    algorithm = {"sampling_fill": "global", "max_sampling_rounds": 4}
+    want, want_adapter, _ = run_steps(warm_tiny, 2, 2, algorithm=algorithm)
+    streamed = algorithm | {"sampling_rounds": "streamed"}
+    keys = ("samples_generated", "correct_sum", "response_tokens", "groups_kept", "sampling_rounds", "trained_tokens")
+    flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731
+    for ep in (2, 1):
+        got, got_adapter, _ = run_steps(warm_tiny, ep, 2, algorithm=streamed)
+        for step_want, step_got in zip(want, got):
+            for rank in range(2):
+                assert {k: step_got[rank][k] for k in keys} == {k: step_want[rank][k] for k in keys}, (ep, rank)
+        if ep == 2:
+            assert all(torch.equal(want_adapter[0][k], got_adapter[0][k]) for k in want_adapter[0])
+        else:
+            ep2, ep1 = flat(want_adapter[0]), flat(got_adapter[0])
+            assert float((ep1 - ep2).norm() / ep2.norm()) < 1e-5
+    assert max(step[0]["sampling_rounds"] for step in want) > 1

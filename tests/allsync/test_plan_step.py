@@ -421,6 +421,44 @@ def test_rounds_wait_for_the_slowest_rank_of_an_expert_parallel_group_or_of_all_
     assert generation_seconds(one_round, static, 2).tolist() == [6.0, 6.0]  # batch by batch: 2 + 3 + 1
 
 
+def test_streamed_rounds_end_a_step_sooner_than_sequential_rounds_and_train_the_same_rows():
+    """algorithm.sampling_rounds streamed (the torch engine): a GPU's rounds and the next one's groups queued through
+    its slots, the step ending when the last row of the needed rounds ends: the same trained rows, and on long-tailed
+    lengths over several rounds generation ends sooner than sequential rounds' (each waits for its own longest row):
+    the slowest GPU by at least 5%; a step of one round has no spare round."""
+    from dataclasses import replace
+
+    from allsync.plan.estimate import Workload, generate_phase, sampling_rounds
+    from allsync.plan.hardware import hardware
+    from allsync.plan.step_time import DecodeCost
+
+    config = {"num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    config |= {k: 64 for k in ("hidden_size", "q_lora_rank", "kv_lora_rank", "intermediate_size")}
+    config |= {"num_attention_heads": 2, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    config |= {"moe_intermediate_size": 32, "n_shared_experts": 1, "vocab_size": 1000}
+    cost = DecodeCost(config, hardware("h100"), 10**9, 10**9, 1000, 1, "nf4")
+    lengths = parse_lengths("lognormal:median=50,sigma=0.8")
+    for fill in ("worker", "global"):
+        run = sampling_run(fill)
+        run.rollout.engine, run.rollout.decode_batch = "torch", 8
+        streamed = replace(run, algorithm=replace(run.algorithm, sampling_rounds="streamed"))
+        work = Workload(lengths, 10, kept_groups=0.5, seed=3)
+        sampling = sampling_rounds(run, 8, work)
+        assert all(np.array_equal(a, b) for a, b in zip(sampling.trained, sampling_rounds(streamed, 8, work).trained))
+        assert min(len(r) for r in sampling.rounds) >= 2 and any(s is not None for s in sampling.spare)
+        one, many = (
+            generate_phase(run, sampling, work, 10**6, cost, 1),
+            generate_phase(streamed, sampling, work, 10**6, cost, 1),
+        )
+        # the spare round's rows cost a little where a GPU's needed rounds end together
+        assert many.max() < 0.95 * one.max() and many.sum() < 0.97 * one.sum(), (fill, one, many)
+    single = sampling_run(dynamic=False)
+    single.rollout.engine = "torch"
+    work = Workload(lengths, 10)
+    sampling = sampling_rounds(single, 8, work)
+    assert sampling.round_count == 1 and all(s is None for s in sampling.spare)
+
+
 def test_a_multi_conversation_episode_generates_its_conversations_in_turn_and_trains_them_all():
     from allsync.plan.estimate import Workload, conversation_caps, sampling_rounds
 
