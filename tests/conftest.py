@@ -17,9 +17,11 @@ def tiny_bf16(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_fp8(tmp_path_factory):
-    # tiny_bf16's model in FP8, its q_lora_rank (64) kept: the tests compare the two formats (vLLM, which wants whole
-    # 128-row scale blocks there, loads make-tiny's fp8 default, 128: tests/allsync/engines/test_vllm_engine.py)
-    return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny-fp8", TinySpec(seed=0, fp8=True, q_lora_rank=64))
+    # tiny_bf16's model in FP8, its q_lora_rank and experts' intermediate size (64) kept: the tests compare the two
+    # formats (vLLM, which wants whole 128-value scale blocks there, loads make-tiny's fp8 defaults, 128:
+    # tests/allsync/engines/test_vllm_engine.py)
+    spec = TinySpec(seed=0, fp8=True, q_lora_rank=64, moe_intermediate_size=64)
+    return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny-fp8", spec)
 
 
 @pytest.fixture(scope="session")
