@@ -111,16 +111,16 @@ class GroupRounds:
     """The worker's producer (allsync.producers.registry.Producer) for a producer of episode groups: each step
     collects the groups wanted with the run's dynamic sampling (`collect_groups`); keeps no state between steps."""
 
-    def __init__(self, producer: Any, context: Any):
-        """producer: generate(problems) -> episodes, evaluate(...), close(); context: the ProducerContext."""
-        self.producer, self.context = producer, context
+    def __init__(self, producer: Any, context: Any, collect_rounds: Callable | None = None):
+        """producer: generate(problems) -> episodes, evaluate(...), close(); context: the ProducerContext;
+        collect_rounds(producer, context, groups_wanted) -> what collect_groups returns, in its place (None:
+        collect_groups; allsync.producers.streamed.collect_streamed for algorithm.sampling_rounds streamed)."""
+        self.producer, self.context, self.collect_rounds = producer, context, collect_rounds
 
     def collect(self, groups_wanted: int, version: int) -> tuple[list[Episode], torch.Tensor, dict]:
         c = self.context
-        if c.config.algorithm.sampling_rounds == "streamed":
-            from allsync.producers.streamed import collect_streamed  # it imports this module
-
-            episodes, stats = collect_streamed(self.producer, c, groups_wanted)
+        if self.collect_rounds is not None:
+            episodes, stats = self.collect_rounds(self.producer, c, groups_wanted)
             return episodes, stats.pop("group_index"), stats
         episodes, stats = collect_groups(
             self.producer,

@@ -9,6 +9,7 @@ from allsync.episodes import Episode
 from allsync.engines.torch_engine import Sampling
 from allsync.producers.groups import GroupRounds
 from allsync.producers.registry import ProducerContext, refuse_memory_ablation, register_producer
+from allsync.producers.streamed import collect_streamed
 from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
 
@@ -77,7 +78,8 @@ class SingleTurnSettings:
         producer = SingleTurn(
             context.engine, context.encode_prompt, context.score, Sampling.for_training(r), r.group_size
         )
-        return GroupRounds(producer, context)
+        streamed = context.config.algorithm.sampling_rounds == "streamed"
+        return GroupRounds(producer, context, collect_streamed if streamed else None)
 
     def model_len(self, config, tokenizer, problems: list[Problem], max_position_embeddings: int) -> int:
         """Longest prompt + rollout.max_new_tokens."""
