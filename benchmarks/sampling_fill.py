@@ -11,8 +11,8 @@ worker (each worker fills its own quota; the step waits for the worker that need
 any worker ran), groups generated per step (all workers), median s/step (steps after the first) and the held-out
 accuracy at the end; and the ratios worker / global. --rounds sequential,streamed runs each also with
 algorithm.sampling_rounds streamed (the next round's rows queued behind the last's in the torch engine's slots; the
-same batch a step) and reports decode fill (tokens over slot-steps), slot-steps and rows dropped per step beside
-them. Writes OUT/summary.json.
+same batch a step) and reports decode fill (tokens over slot-steps), positions computed per trained token and rows
+dropped per step beside them. Writes OUT/summary.json.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def summarize(metrics_path: Path) -> dict:
         "rounds_per_step": statistics.mean(r["sampling_rounds"] for r in steps),
         "groups_generated_per_step": statistics.mean(r["groups_generated"] for r in steps),
         "seconds_per_step": statistics.median(r["step_seconds"] for r in steps[1:]),
-        "decode_fill": sum(r["decoded_tokens"] for r in steps) / sum(r["decode_slots"] for r in steps),
-        "slot_steps_per_step": statistics.mean(r["decode_slots"] for r in steps),
+        "decode_fill": statistics.mean(r["decode_fill"] for r in steps),
+        "positions_per_trained_token": statistics.mean(r["positions_per_trained_token"] for r in steps),
         "dropped_per_step": statistics.mean(r.get("samples_dropped", 0) for r in steps),
         "heldout_base": accuracy[0],
         "heldout_end": accuracy[-1],
@@ -90,12 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"{name}: recipes/dapo.py exited with {done.returncode}; see {out / f'{tag}.log'}")
         results[name] = summarize(run_dir / "metrics.jsonl")
         (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
-    header = f"{'run':<34} {'rounds/step':>11} {'groups/step':>11} {'fill':>5} {'slot-steps':>10} {'dropped':>7}"
+    header = f"{'run':<34} {'rounds/step':>11} {'groups/step':>11} {'fill':>5} {'pos/token':>9} {'dropped':>7}"
     print(f"\n{header} {'s/step':>7} {'held-out base -> end':>22}")
     for name, r in results.items():
         print(
             f"{name:<34} {r['rounds_per_step']:>11.2f} {r['groups_generated_per_step']:>11.1f} "
-            f"{r['decode_fill']:>5.2f} {r['slot_steps_per_step']:>10.0f} {r['dropped_per_step']:>7.1f} "
+            f"{r['decode_fill']:>5.2f} {r['positions_per_trained_token']:>9.2f} {r['dropped_per_step']:>7.1f} "
             f"{r['seconds_per_step']:>7.2f} {100 * r['heldout_base']:>10.1f}% -> {100 * r['heldout_end']:.1f}%"
         )
     for workers in [int(w) for w in args.workers.split(",")]:
@@ -109,9 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         for fill in fills if "streamed" in kinds and "sequential" in kinds else []:
             seq, streamed = results[f"{workers} workers, {fill}"], results[f"{workers} workers, {fill}, streamed"]
             print(
-                f"{workers} workers, {fill}: streamed rounds take {streamed['slot_steps_per_step'] / seq['slot_steps_per_step']:.2f}x "
-                f"the slot-steps and {streamed['seconds_per_step'] / seq['seconds_per_step']:.2f}x the s/step of "
-                "sequential rounds"
+                f"{workers} workers, {fill}: decode fill {seq['decode_fill']:.3f} -> {streamed['decode_fill']:.3f}, "
+                f"{streamed['seconds_per_step'] / seq['seconds_per_step']:.2f}x the s/step of sequential rounds"
             )
     return results
 
