@@ -175,7 +175,7 @@ def streams_rounds(run) -> bool:
     return run.algorithm.sampling_rounds == "streamed" and run.rollout.engine == "torch"
 
 
-def streamed_chunks(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: DecodeCost) -> list:
+def streamed_chunks(run, sampling: Sampling, work: Workload, cost: DecodeCost) -> list:
     """[gpu][round] -> decode batch seconds, as round_chunks, of rounds streamed through the slots
     (allsync/producers/streamed.py): one round per GPU, its rounds' groups queued one after another and the next
     round's (`Sampling.spare`) behind them, ending when the last row of the rounds the batch needs ends (the spare
@@ -197,7 +197,7 @@ def generate_phase(run, sampling: Sampling, work: Workload, kv_tokens: int, cost
     (`streams_rounds`, `streamed_chunks`: one round that holds them all)."""
     if streams_rounds(run):
         one_round = Sampling([[[np.concatenate([w[0] for w in r])]] for r in sampling.rounds], [], sampling.fill)
-        return generation_seconds(one_round, streamed_chunks(run, sampling, work, kv_tokens, cost), ep)
+        return generation_seconds(one_round, streamed_chunks(run, sampling, work, cost), ep)
     return generation_seconds(sampling, round_chunks(run, sampling, work, kv_tokens, cost), ep)
 
 

@@ -22,8 +22,13 @@ from allsync.tasks import Problem
 def group_batch(episodes: list[Episode], group_size: int, filter_metric: str) -> GroupBatch:
     """The episodes as groups; the metric dynamic sampling filters on is correctness (acc, as DAPO and
     verl) or the shaped reward (reward)."""
-    metric = torch.tensor([float(e.correct) if filter_metric == "acc" else e.reward for e in episodes])
+    metric = filter_values([e.correct for e in episodes], [e.reward for e in episodes], filter_metric)
     return GroupBatch(torch.arange(len(episodes)) // group_size, metric, episodes)
+
+
+def filter_values(correct: list[bool], rewards: list[float], filter_metric: str) -> torch.Tensor:
+    """Per sample, what algorithm.filter_metric filters on: correctness (acc) or the shaped reward (reward)."""
+    return torch.tensor([float(c) if filter_metric == "acc" else r for c, r in zip(correct, rewards)])
 
 
 def kept_counts(groups) -> Callable[[int], tuple[list[int], int]]:
@@ -75,6 +80,19 @@ def collect_groups(
             "group_index": batch.group_index,
         }
     try:
+        batch, stats = fill_groups(round_fn, groups_wanted, a, groups, rank)
+    finally:
+        serve_rounds(producer, groups)
+    return batch.payloads, stats | {"generated": generated}
+
+
+def fill_groups(round_fn, groups_wanted: int, algorithm, groups, rank: int) -> tuple[GroupBatch, dict]:
+    """Dynamic sampling over round_fn(j) (fill_batch_with_dynamic_sampling, the workers' kept counts shared with
+    global filling): the kept batch and the round's statistics but `generated`. At algorithm.max_sampling_rounds the
+    groups kept so far (on_sampling_cap partial, `sampling_cap_hits` 1), or the step fails (error)."""
+    a = algorithm
+    cap_hits = 0
+    try:
         share = kept_counts(groups) if a.sampling_fill == "global" else None
         batch, stats = fill_batch_with_dynamic_sampling(round_fn, groups_wanted, a.max_sampling_rounds, share)
         rounds, groups_generated = stats.rounds, stats.groups_generated
@@ -83,16 +101,13 @@ def collect_groups(
             raise RuntimeError(
                 f"worker {rank}: {exc} (algorithm.on_sampling_cap: error; partial trains on the groups kept)"
             ) from exc
-        batch, rounds, groups_generated = exc.kept, exc.rounds_run, exc.groups_generated
-        base["sampling_cap_hits"] = 1
-    finally:
-        serve_rounds(producer, groups)
-    return batch.payloads, {
-        **base,
+        batch, rounds, groups_generated, cap_hits = exc.kept, exc.rounds_run, exc.groups_generated, 1
+    return batch, {
+        "groups_wanted": groups_wanted,
+        "sampling_cap_hits": cap_hits,
         "groups_generated": groups_generated,
         "sampling_rounds": rounds,
         "groups_kept": batch.num_groups,
-        "generated": generated,
         "group_index": batch.group_index,
     }
 

@@ -22,20 +22,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from allsync.algorithms import DynamicSamplingExhausted, fill_batch_with_dynamic_sampling
 from allsync.algorithms.dynamic_sampling import keep_groups
 from allsync.engines.torch_engine import draw_seeds
 from allsync.episodes import Episode
-from allsync.producers.groups import group_batch, kept_counts
+from allsync.producers.groups import fill_groups, filter_values, group_batch
 
 
 @dataclass
 class StreamRound:
-    """One round of the stream: its problems, its rows [first, first + size), their results as they end."""
+    """One round of the stream: its problems, its rows' results as they end (round j holds rows [j R, (j + 1) R),
+    R = StreamedRounds.round_rows)."""
 
     problems: list
-    first: int
-    size: int
     rewind: object  # the context's rewind point after this round took its problems and seeds
     results: dict[int, tuple[list[int], str]] = field(default_factory=dict)  # row -> (tokens, finish reason)
     scores: tuple | None = None  # (rewards, correct) of its rows, once every row has ended
@@ -53,8 +51,9 @@ class StreamedRounds:
         a = context.config.algorithm
         self.max_rounds, self.filter_metric, self.fill = a.max_sampling_rounds, a.filter_metric, a.sampling_fill
         self.rounds: list[StreamRound] = []
+        self.round_rows = groups_wanted * producer.group_size  # rows of every round: its groups x group_size
         self.capacity = context.longest_prompt() + producer.sampling.max_new_tokens
-        self.most_rows = self.max_rounds * groups_wanted * producer.group_size
+        self.most_rows = self.max_rounds * self.round_rows
 
     # ---------------------------------------------------------------------------------------- RowSource
     def more(self, waiting: int, free: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -64,18 +63,16 @@ class StreamedRounds:
         problems = self.context.take_problems(self.quota)
         rows = [prompt for p in problems for prompt in [self.producer.encode(p)] * self.producer.group_size]
         seeds = draw_seeds(len(rows))
-        first = self.rounds[-1].first + self.rounds[-1].size if self.rounds else 0
-        self.rounds.append(StreamRound(problems, first, len(rows), self.context.rewind_point()))
+        self.rounds.append(StreamRound(problems, self.context.rewind_point()))
         return rows, seeds
 
     def ended(self, rows: list[int], result) -> None:
         """Each row's result kept in its round; a round whose rows have all ended is scored."""
-        size = self.rounds[0].size  # every round holds quota x group_size rows
         for row in rows:
-            stream_round = self.rounds[row // size]
-            stream_round.results[row] = result(row)
-            if len(stream_round.results) == stream_round.size:
-                self.score(stream_round)
+            j = row // self.round_rows
+            self.rounds[j].results[row] = result(row)
+            if len(self.rounds[j].results) == self.round_rows:
+                self.score(j)
 
     def stopped(self) -> bool:
         """Whether the rounds that have ended decide the batch (module docstring)."""
@@ -104,21 +101,25 @@ class StreamedRounds:
         """Rounds 0..c - 1 have all ended and been scored: c."""
         return next((j for j, r in enumerate(self.rounds) if r.scores is None), len(self.rounds))
 
-    def score(self, stream_round: StreamRound) -> None:
-        n = self.producer.group_size
-        rows = range(stream_round.first, stream_round.first + stream_round.size)
-        responses = [stream_round.results[r][0] for r in rows]
-        problems = [stream_round.problems[i // n] for i in range(stream_round.size)]
-        rewards, correct, _ = self.producer.score(problems, responses, [i // n for i in range(stream_round.size)])
+    def rows_of(self, j: int) -> range:
+        """Round j's rows."""
+        return range(j * self.round_rows, (j + 1) * self.round_rows)
+
+    def score(self, j: int) -> None:
+        """Round j's rewards, and the groups dynamic sampling keeps of it."""
+        n, stream_round = self.producer.group_size, self.rounds[j]
+        responses = [stream_round.results[r][0] for r in self.rows_of(j)]
+        problems = [stream_round.problems[i // n] for i in range(self.round_rows)]
+        group_index = torch.arange(self.round_rows) // n
+        rewards, correct, _ = self.producer.score(problems, responses, group_index.tolist())
         stream_round.scores = (rewards, correct)
-        metric = torch.tensor([float(c) if self.filter_metric == "acc" else r for r, c in zip(rewards, correct)])
-        group_index = torch.arange(stream_round.size) // n
+        metric = filter_values(correct, rewards, self.filter_metric)
         stream_round.kept = int(torch.unique(group_index[keep_groups(metric, group_index)]).numel())
 
-    def episodes(self, stream_round: StreamRound, rollout) -> list[Episode]:
-        """The round's episodes from the streamed call's rollout and the round's scores."""
-        rows = range(stream_round.first, stream_round.first + stream_round.size)
-        rewards, correct = stream_round.scores
+    def episodes(self, j: int, rollout) -> list[Episode]:
+        """Round j's episodes from the streamed call's rollout and the round's scores."""
+        rows = self.rows_of(j)
+        rewards, correct = self.rounds[j].scores
         routing = rollout.routing or [None] * len(rollout)
         return [
             Episode.single(
@@ -142,32 +143,13 @@ def collect_streamed(producer, context, groups_wanted: int) -> tuple[list[Episod
     stream = StreamedRounds(producer, context, groups_wanted)
     rollout = producer.engine.generate_streamed(stream, producer.group_size, producer.sampling)
     batches = [
-        group_batch(stream.episodes(r, rollout), producer.group_size, a.filter_metric)
-        for r in stream.rounds[: stream.ended_rounds()]
+        group_batch(stream.episodes(j, rollout), producer.group_size, a.filter_metric)
+        for j in range(stream.ended_rounds())
     ]
-    base = {"groups_wanted": groups_wanted, "sampling_cap_hits": 0}
-    share = kept_counts(context.groups) if a.sampling_fill == "global" else None
-    try:
-        batch, stats = fill_batch_with_dynamic_sampling(
-            lambda j: batches[j], groups_wanted, a.max_sampling_rounds, share
-        )
-        rounds, groups_generated = stats.rounds, stats.groups_generated
-    except DynamicSamplingExhausted as exc:
-        if a.on_sampling_cap == "error":
-            raise RuntimeError(
-                f"worker {context.groups.rank}: {exc} (algorithm.on_sampling_cap: error; partial trains on the groups "
-                "kept)"
-            ) from exc
-        batch, rounds, groups_generated = exc.kept, exc.rounds_run, exc.groups_generated
-        base["sampling_cap_hits"] = 1
+    batch, stats = fill_groups(lambda j: batches[j], groups_wanted, a, context.groups, context.groups.rank)
+    rounds = stats["sampling_rounds"]
     stream.rounds[rounds - 1].rewind()  # the rounds begun after the last needed one go back
-    used = stream.rounds[:rounds]
-    return batch.payloads, {
-        **base,
-        "groups_generated": groups_generated,
-        "sampling_rounds": rounds,
-        "groups_kept": batch.num_groups,
+    return batch.payloads, stats | {
         "generated": [e for b in batches[:rounds] for e in b.payloads],
-        "group_index": batch.group_index,
-        "samples_dropped": len(rollout) - sum(r.size for r in used),
+        "samples_dropped": len(rollout) - rounds * stream.round_rows,
     }
