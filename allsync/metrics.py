@@ -117,8 +117,13 @@ def aggregate(per_worker: list[dict]) -> dict:
             if (slots := sum(m.get("decode_slots", 0) for m in per_worker))
             else {}
         ),
-        # expert parallelism only: bytes sent to other ranks by the MoE all-to-alls (tokens, outputs, gradients)
-        **({"alltoall_bytes": total("alltoall_bytes")} if "alltoall_bytes" in per_worker[0] else {}),
+        # expert parallelism only: bytes sent to other ranks by the MoE all-to-alls (tokens, outputs, gradients), and
+        # the part sent to other nodes (an EP group over several nodes: moe_lora.expert_parallel's rail exchange)
+        **(
+            {key: total(key) for key in ("alltoall_bytes", "alltoall_bytes_across_nodes")}
+            if "alltoall_bytes" in per_worker[0]
+            else {}
+        ),
         **ratio_metrics(per_worker),
     }
 

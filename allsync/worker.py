@@ -143,7 +143,8 @@ class RLWorker:
         if self.device.type == "cpu":  # activations live in host memory: reuse it (10% of the default step)
             keep_freed_host_memory(config.parallel.workers_per_node)
         k = config.parallel.expert_parallel
-        self.layout = ExpertLayout(world_size, k, read_config(base)["n_routed_experts"]) if k > 1 else None
+        experts_total, per_node = read_config(base)["n_routed_experts"], config.parallel.workers_per_node
+        self.layout = ExpertLayout(world_size, k, experts_total, per_node) if k > 1 else None
         self.groups = Groups(rank, 1, self.layout)
         if world_size > 1 and (dist_address is not None or launcher):
             self.groups = connect(rank, world_size, dist_address, config.parallel.resolved_backend(), self.layout)
@@ -164,7 +165,9 @@ class RLWorker:
         if config.model.compute_copy:
             keep_compute_copies_within(self.model, _dtype(config.model.compute_dtype), self.device)
         self.dispatch_stats = (
-            shard_experts(self.model, self.groups.ep, self.layout, rank) if self.layout is not None else None
+            shard_experts(self.model, self.groups.ep, self.layout, rank, self.groups.node, self.groups.rail)
+            if self.layout is not None
+            else None
         )
         if self.layout is not None:
             held, m = self.layout.experts_of(rank), self.model

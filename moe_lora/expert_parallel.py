@@ -4,16 +4,23 @@ Layout (`ExpertLayout`, pure): W ranks, EP size k with k | W and k | E. Rank r s
 position j = r % k and holds experts [j E/k, (j+1) E/k), their LoRA A/B and their optimizer state (the
 equal contiguous blocks vLLM's LoRA slicing assumes). The ranks at position j of every EP group hold the
 same experts: the expert-data-parallel (EDP) group {j, j+k, j+2k, ...}. Expert-adapter gradients are summed
-over the EDP group only; every other LoRA gradient over all W ranks.
+over the EDP group only; every other LoRA gradient over all W ranks. Nodes hold `ranks_per_node` consecutive
+ranks; an EP group that spans n > 1 whole nodes (ranks_per_node | k) is split into node groups (its ranks on one
+node) and rails (its ranks at the same place on every node).
 
-One MoE layer on a rank with T tokens routed to top-k experts (`ExpertDispatch`):
-  1. the T*k assignments a = t*k + s are sorted by global expert, so destination rank e // (E/k) is sorted too
-  2. counts per destination go through an all-to-all: every rank learns how many rows each peer sends it
-  3. the token rows and their local expert ids go through an all-to-all (uneven splits)
-  4. the local experts run on the received rows, each with weight 1 (a row is one assignment)
-  5. the outputs come back through the all-to-all with the splits swapped
-  6. out_t = sum_s w_ts * y_(t,s) on the token's own rank, so the router weights' gradient stays local.
-Backward of an all-to-all is the all-to-all of the output gradient with the splits swapped (`_AllToAll`).
+One MoE layer on a rank with T tokens routed to top-k experts (`ExpertDispatch`, `route`), deduplicated: a token
+travels once to each rank that holds one or more of its experts, carrying the ids and router weights of the
+experts it meets there (the others padded with -1 and weight 0); that rank runs its experts on it and sends back
+one row, sum_j w_tj y_j over those experts, and the token's rank adds the rows it gets back:
+    out_t = sum over destinations d of sum_{j: e_tj on d} w_tj * expert_{e_tj}(x_t).
+A row per (token, destination rank) instead of per (token, expert): about 5.4 of 8 for DeepSeek-V3's routing at
+EP 16 (allsync.plan.step_time.expected_destinations). Across nodes the exchange is hierarchical (the way DeepEP's
+normal kernels go): a token crosses the network once per node that holds one of its experts, to the rank at its
+own place on that node (the rail all-to-all), which forwards it inside the node to the ranks holding the experts
+(the node all-to-all, NVLink on GPUs); the outputs come back the same way, summed at each hop. Each hop is one
+count exchange (one host read of the splits) and all-to-alls of uneven splits; backward of an all-to-all is the
+all-to-all of the output gradient with the splits swapped (`_AllToAll`), and the router weights' gradient comes
+back with it.
 
 Every rank of an EP group must enter every MoE layer the same number of times (forward and backward), also
 with no tokens of its own: the callers keep the ranks in lockstep (allsync.worker, allsync.engines.torch_engine).
@@ -33,11 +40,13 @@ from quant.modules import FrozenExperts
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Which rank holds which experts, and the EP / EDP groups (lists of global ranks)."""
+    """Which rank holds which experts, and the EP / EDP groups (lists of global ranks). ranks_per_node: the ranks
+    of one machine (None: every rank on one), which splits an EP group spanning nodes into node groups and rails."""
 
     world_size: int
     ep_size: int
     num_experts: int
+    ranks_per_node: int | None = None
 
     def __post_init__(self):
         if self.ep_size < 1 or self.world_size % self.ep_size:
@@ -52,6 +61,17 @@ class ExpertLayout:
     @property
     def edp_size(self) -> int:
         return self.world_size // self.ep_size
+
+    @property
+    def nodes_spanned(self) -> int:
+        """Whole nodes an EP group spans (1 inside a node, or when nodes do not split it evenly)."""
+        per_node = self.ranks_per_node or self.world_size
+        return self.ep_size // per_node if per_node < self.ep_size and self.ep_size % per_node == 0 else 1
+
+    @property
+    def hierarchical(self) -> bool:
+        """The dispatch crosses nodes by rail then node (both groups of more than one rank)."""
+        return self.nodes_spanned > 1 and self.ep_size // self.nodes_spanned > 1
 
     def position(self, rank: int) -> int:
         """j = r mod k: the rank's place in its EP group, which fixes its experts."""
@@ -68,54 +88,102 @@ class ExpertLayout:
     def edp_group(self, rank: int) -> list[int]:
         return list(range(self.position(rank), self.world_size, self.ep_size))
 
+    def node_group(self, rank: int) -> list[int]:
+        """The ranks of rank's EP group on rank's node (hierarchical layouts)."""
+        per_node = self.ep_size // self.nodes_spanned
+        first = rank - self.position(rank) % per_node
+        return list(range(first, first + per_node))
+
+    def rail_group(self, rank: int) -> list[int]:
+        """The ranks of rank's EP group at rank's place on each node, node by node (hierarchical layouts)."""
+        per_node = self.ep_size // self.nodes_spanned
+        first = rank - self.position(rank) + self.position(rank) % per_node
+        return list(range(first, first + self.ep_size, per_node))
+
 
 @dataclass
 class DispatchStats:
     """What this rank's all-to-alls moved, summed over calls: `assignments` routed (token, expert) pairs of its
-    own tokens in forward passes; rows it sent to other ranks in forward passes (tokens out, outputs back:
-    2 x assignments x (k-1)/k under uniform routing) and in backward passes (their gradients); all bytes sent
-    to other ranks. Rows a rank keeps for its own experts cost nothing."""
+    own tokens in forward passes; token rows it sent to other ranks in forward passes (tokens out, outputs back,
+    at every hop) and in backward passes (their gradients); all bytes sent to other ranks (rows, expert ids, router
+    weights), and the part of them sent to other nodes. Rows a rank keeps for its own experts cost nothing."""
 
     assignments: int = 0
     forward_rows_remote: int = 0
     backward_rows_remote: int = 0
     bytes_remote: int = 0
+    bytes_across_nodes: int = 0
     forward_rows_received: int = 0  # rows this rank received in forward passes: its experts' load, and its outputs back
 
     def take(self) -> dict:
         """The totals since the last take, then zeroed."""
         out = {
             "alltoall_bytes": self.bytes_remote,
+            "alltoall_bytes_across_nodes": self.bytes_across_nodes,
             "alltoall_forward_rows": self.forward_rows_remote,
             "alltoall_backward_rows": self.backward_rows_remote,
             "routed_assignments": self.assignments,
             "alltoall_received_rows": self.forward_rows_received,
         }
-        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = (
-            self.forward_rows_received
-        ) = 0
+        self.assignments = self.forward_rows_remote = self.backward_rows_remote = self.bytes_remote = 0
+        self.bytes_across_nodes = self.forward_rows_received = 0
         return out
 
 
-def all_to_all(
-    x: torch.Tensor,
-    send_splits: list[int],
-    recv_splits: list[int],
-    group,
-    stats: DispatchStats | None = None,
-    backward: bool = False,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class Hop:
+    """One stage of the dispatch: a process group (members in order) and which member an expert's rows go to,
+    member(e) = (e // span) mod size. other_node[m]: member m is on another node than this rank."""
+
+    group: object
+    size: int
+    span: int
+    other_node: tuple[bool, ...]
+
+    def member(self, experts: torch.Tensor) -> torch.Tensor:
+        """The member each expert id leads to (-1 for the padding id -1)."""
+        return torch.where(experts >= 0, torch.div(experts, self.span, rounding_mode="floor") % self.size, -1)
+
+    def count(self, stats: DispatchStats | None, x: torch.Tensor, send: list[int], recv: list[int], kind: str) -> None:
+        """Adds one exchange of x's rows to stats; kind: rows (token rows of a forward pass), gradients (their
+        backward), or bytes (ids and weights: bytes only)."""
+        if stats is None:
+            return
+        me = self.group.rank()
+        row_bytes = x[0].numel() * x.element_size() if len(x) else 0
+        remote = sum(send) - send[me]
+        stats.bytes_remote += remote * row_bytes
+        stats.bytes_across_nodes += sum(s for s, far in zip(send, self.other_node) if far) * row_bytes
+        if kind == "rows":
+            stats.forward_rows_remote += remote
+            stats.forward_rows_received += sum(recv)
+        elif kind == "gradients":
+            stats.backward_rows_remote += remote
+
+
+def hops_of(layout: ExpertLayout, rank: int, ep_group, node_group=None, rail_group=None) -> list[Hop]:
+    """The dispatch's hops for `rank`: the rail then the node group when the layout is hierarchical, else the whole
+    EP group."""
+    per_rank = layout.experts_per_rank
+    if not layout.hierarchical:
+        per_node = layout.ranks_per_node or layout.world_size
+        ranks = layout.ep_group(rank)
+        far = tuple(r // per_node != rank // per_node for r in ranks)
+        return [Hop(ep_group, layout.ep_size, per_rank, far)]
+    if node_group is None or rail_group is None:
+        raise ValueError(f"{layout} spans {layout.nodes_spanned} nodes: the dispatch needs its node and rail groups")
+    nodes, per_node = layout.nodes_spanned, layout.ep_size // layout.nodes_spanned
+    me = layout.position(rank) // per_node
+    return [
+        Hop(rail_group, nodes, per_rank * per_node, tuple(m != me for m in range(nodes))),
+        Hop(node_group, per_node, per_rank, (False,) * per_node),
+    ]
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """Rows x[sum(send_splits[:i]) : sum(send_splits[:i+1])] go to peer i; returns the rows received, peer by peer."""
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     group.alltoall_base(out, x.contiguous(), list(recv_splits), list(send_splits)).wait()
-    if stats is not None:
-        remote = sum(send_splits) - send_splits[group.rank()]
-        if backward:
-            stats.backward_rows_remote += remote
-        else:
-            stats.forward_rows_remote += remote
-            stats.forward_rows_received += sum(recv_splits)
-        stats.bytes_remote += remote * x[0].numel() * x.element_size() if len(x) else 0
     return out
 
 
@@ -123,49 +191,89 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all with autograd: backward sends the gradient rows back where they came from."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, stats):
-        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats = send_splits, recv_splits, group, stats
-        return all_to_all(x, send_splits, recv_splits, group, stats)
+    def forward(ctx, x, send_splits, recv_splits, hop, stats, kind):
+        ctx.send_splits, ctx.recv_splits, ctx.hop, ctx.stats, ctx.kind = send_splits, recv_splits, hop, stats, kind
+        hop.count(stats, x, send_splits, recv_splits, kind)
+        return all_to_all(x, send_splits, recv_splits, hop.group)
 
     @staticmethod
     def backward(ctx, grad):
-        return (
-            all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, backward=True),
-            None,
-            None,
-            None,
-            None,
-        )
+        ctx.hop.count(ctx.stats, grad, ctx.recv_splits, ctx.send_splits, "gradients" if ctx.kind == "rows" else "bytes")
+        return all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.hop.group), None, None, None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """out = zeros(n, ...).index_add(0, rows, values); backward gathers the gradient's rows. Saves only `rows`:
+    autograd's own index_add keeps `values` too (a [rows, hidden] copy per layer that backward never reads)."""
+
+    @staticmethod
+    def forward(ctx, values, rows, n):
+        ctx.save_for_backward(rows)
+        return values.new_zeros((n, *values.shape[1:])).index_add_(0, rows, values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None
+
+
+def route(x, experts, weights, hops: list[Hop], compute, stats: DispatchStats | None = None) -> torch.Tensor:
+    """out [n, H], out_r = sum_j weights[r, j] * expert_{experts[r, j]}(x_r) over the row's assignments (experts
+    [n, k] global ids, -1 = none; weights [n, k]), computed where the experts are: through hops[0] each row goes
+    once to each member that leads to one of its experts, carrying only those (the rest -1 / 0); the members route
+    what they received through the remaining hops, the last calls compute(x, experts, weights) on its own experts'
+    rows; each row's results come back through the same hops and are added up."""
+    if not hops:
+        return compute(x, experts, weights)
+    hop = hops[0]
+    with torch.no_grad():
+        member = hop.member(experts)
+        meets = member[:, None, :] == torch.arange(hop.size, device=x.device)[None, :, None]  # [n, size, k]
+        destination, rows = meets.any(-1).t().nonzero(as_tuple=True)  # (member, row) pairs, by member then row
+        carried = meets[rows, destination]  # [m, k]: the assignments each copy carries
+        send_counts = torch.bincount(destination, minlength=hop.size)
+        ones = [1] * hop.size
+        send, recv = send_counts.tolist(), all_to_all(send_counts, ones, ones, hop.group).tolist()  # one host read
+        sent_experts = torch.where(carried, experts.index_select(0, rows), -1)
+        hop.count(stats, sent_experts, send, recv, "bytes")
+        experts_received = all_to_all(sent_experts, send, recv, hop.group)
+    sent_weights = torch.where(carried, weights.index_select(0, rows), weights.new_zeros(()))
+    x_received = _AllToAll.apply(x.index_select(0, rows), send, recv, hop, stats, "rows")
+    weights_received = _AllToAll.apply(sent_weights, send, recv, hop, stats, "bytes")
+    y = route(x_received, experts_received, weights_received, hops[1:], compute, stats)
+    back = _AllToAll.apply(y, recv, send, hop, stats, "rows")
+    return _SumRows.apply(back, rows, x.shape[0])
 
 
 class ExpertDispatch:
-    """Routes a MoE layer's tokens to the ranks of `group` that hold their experts and combines the results.
+    """Routes a MoE layer's tokens to the ranks that hold their experts and combines the results (`route`).
 
-    group: a process group of the EP group's ranks, in EP order (rank i of the group holds block i)."""
+    group: a process group of the EP group's ranks, in EP order (rank i of the group holds block i); hops: the
+    dispatch's stages (`hops_of`; default the whole group in one)."""
 
-    def __init__(self, group, ep_size: int, experts_per_rank: int, stats: DispatchStats | None = None):
+    def __init__(
+        self,
+        group,
+        ep_size: int,
+        experts_per_rank: int,
+        stats: DispatchStats | None = None,
+        hops: list[Hop] | None = None,
+    ):
         self.group, self.ep_size, self.experts_per_rank = group, ep_size, experts_per_rank
         self.stats = stats if stats is not None else DispatchStats()
+        self.hops = hops if hops is not None else [Hop(group, ep_size, experts_per_rank, (False,) * ep_size)]
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, local_forward):
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        with torch.no_grad():
-            order = torch.argsort(flat, stable=True)  # assignments by expert, hence by destination rank
-            expert = flat[order]
-            destination = torch.div(expert, self.experts_per_rank, rounding_mode="floor")
-            local_ids = expert - destination * self.experts_per_rank
-            send_counts = torch.bincount(destination, minlength=self.ep_size)
-            recv_counts = all_to_all(send_counts, [1] * self.ep_size, [1] * self.ep_size, self.group)
-            send, recv = send_counts.tolist(), recv_counts.tolist()  # one host sync per layer: the splits
-            ids_received = all_to_all(local_ids, send, recv, self.group)
-        tokens = order // k
-        rows = _AllToAll.apply(hidden.index_select(0, tokens), send, recv, self.group, self.stats)
-        ones = torch.ones((rows.shape[0], 1), dtype=hidden.dtype, device=hidden.device)
-        outputs = _AllToAll.apply(local_forward(rows, ids_received[:, None], ones), recv, send, self.group, self.stats)
-        weights = top_k_weights.reshape(-1)[order].to(hidden.dtype)
-        self.stats.assignments += len(tokens)
-        return hidden.new_zeros(hidden.shape).index_add(0, tokens, outputs * weights[:, None])
+        """local_forward(x [n, H], local expert ids [n, k], weights [n, k]) of the experts held here; a padded slot
+        has the id one past the last local expert (quant.modules.group_tokens_by_expert leaves it out)."""
+        per_rank = self.experts_per_rank
+
+        def held_here(x, experts, weights):
+            local = torch.where(experts >= 0, experts % per_rank, per_rank)
+            return local_forward(x, local, weights.to(x.dtype))
+
+        self.stats.assignments += top_k_index.numel()
+        return route(hidden, top_k_index, top_k_weights, self.hops, held_here, self.stats)
 
     def gathered(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] of every rank of the group, in rank order: [W T, ...] (an all-to-all of equal splits: the same
@@ -185,11 +293,15 @@ class ExpertDispatch:
         return back.view(self.ep_size, tokens, -1).sum(0)
 
 
-def shard_experts(model: nn.Module, group, layout: ExpertLayout, rank: int) -> DispatchStats:
+def shard_experts(
+    model: nn.Module, group, layout: ExpertLayout, rank: int, node_group=None, rail_group=None
+) -> DispatchStats:
     """Give every routed-expert module of a model loaded with `experts=layout.experts_of(rank)` its dispatcher
-    (one shared DispatchStats). Checks that the loaded shard is this rank's."""
+    (one shared DispatchStats; hops_of: the node and rail groups when the layout is hierarchical). Checks that the
+    loaded shard is this rank's."""
     stats = DispatchStats()
     mine = layout.experts_of(rank)
+    hops = hops_of(layout, rank, group, node_group, rail_group)
     for name, module in model.named_modules():
         if isinstance(module, FrozenExperts):
             held = range(module.first_expert, module.first_expert + module.num_experts)
@@ -197,7 +309,7 @@ def shard_experts(model: nn.Module, group, layout: ExpertLayout, rank: int) -> D
                 raise ValueError(
                     f"{name} holds experts {held.start}..{held.stop - 1}; rank {rank} of {layout} owns {mine.start}..{mine.stop - 1}"
                 )
-            module.dispatch = ExpertDispatch(group, layout.ep_size, layout.experts_per_rank, stats)
+            module.dispatch = ExpertDispatch(group, layout.ep_size, layout.experts_per_rank, stats, hops)
     return stats
 
 

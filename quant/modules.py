@@ -36,11 +36,12 @@ def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple
 
     Assignment a = t*k + j goes to expert top_k_index[t, j]. Returns `order` (assignments sorted by
     expert, stable) and `counts[e]`, so expert e's assignments are order[sum(counts[:e]) : sum(counts[:e+1])]
-    and their tokens are order // k.
+    and their tokens are order // k. An id of num_experts (the expert-parallel dispatch's padding) is no expert: it
+    sorts last and no count holds it.
     """
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     return order, counts
 
 

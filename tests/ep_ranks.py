@@ -74,15 +74,24 @@ def lora_grads(module: LoRAExperts) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case, reduce_edp: bool, results) -> None:
+def run_rank(
+    rank: int,
+    world_size: int,
+    ep_size: int,
+    address: str,
+    case: Case,
+    reduce_edp: bool,
+    results,
+    ranks_per_node: int | None = None,
+) -> None:
     from allsync.launch.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
 
     torch.set_num_threads(1)
-    layout = ExpertLayout(world_size, ep_size, case.num_experts)
+    layout = ExpertLayout(world_size, ep_size, case.num_experts, ranks_per_node)
     groups = connect(rank, world_size, address, "gloo", layout)
     module = experts_module(case, layout.experts_of(rank), case.kernel)
-    shard_experts(module, groups.ep, layout, rank)
+    stats = shard_experts(module, groups.ep, layout, rank, groups.node, groups.rail)
     x, index, weights, grad_out = case.routing(rank, ep_size)
     x.requires_grad_(True)
     weights.requires_grad_(True)
@@ -91,7 +100,13 @@ def run_rank(rank: int, world_size: int, ep_size: int, address: str, case: Case,
     for p in module.adapter_parameters():
         if reduce_edp:
             groups.all_reduce(p.grad, "edp")
-    results[rank] = {"out": out.detach(), "dx": x.grad, "dw": weights.grad, "lora": lora_grads(module)}
+    results[rank] = {
+        "out": out.detach(),
+        "dx": x.grad,
+        "dw": weights.grad,
+        "lora": lora_grads(module),
+        "moved": stats.take(),
+    }
 
 
 # ------------------------------------------------------------------------------------------ whole model

@@ -51,6 +51,8 @@ class Groups:
     world: object | None = None
     ep: object | None = None
     edp: object | None = None
+    node: object | None = None  # the EP group's ranks on this node, when the EP group spans nodes (ExpertLayout)
+    rail: object | None = None  # the EP group's ranks at this rank's place on each node, likewise
     waited: float = 0.0
     device: torch.device = torch.device("cpu")
 
@@ -117,6 +119,10 @@ def connect(rank: int, world_size: int, address: str | None, backend: str, layou
     if layout is not None and layout.ep_size > 1:
         groups.ep = process_group(store, f"ep{rank // layout.ep_size}", layout.ep_group(rank), rank, backend)
         groups.edp = process_group(store, f"edp{layout.position(rank)}", layout.edp_group(rank), rank, backend)
+        if layout.hierarchical:
+            node, rail = layout.node_group(rank), layout.rail_group(rank)
+            groups.node = process_group(store, f"node{node[0]}", node, rank, backend)
+            groups.rail = process_group(store, f"rail{rail[0]}", rail, rank, backend)
     return groups
 
 

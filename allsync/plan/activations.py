@@ -30,7 +30,7 @@ import json
 import os
 import tempfile
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ import torch
 from allsync.plan.shapes import tiny_spec_fields
 
 TRACE_TOKENS = (32, 64)
-TRACE_VERSION = 2  # bump when the trainer's forward changes what it saves, so that cached traces are redone
+TRACE_VERSION = 3  # bump when the trainer's forward changes what it saves, so that cached traces are redone
 SHAPE_KEYS = (
     "num_experts_per_tok",
     "hidden_size",
@@ -82,6 +82,12 @@ class SavedBytes:
             return round(tokens * per_token + max(self.dense_const, self.moe_const))
         per_token = n_dense * self.dense + n_moe * self.moe + self.post
         return round(tokens * per_token + n_dense * self.dense_const + n_moe * self.moe_const)
+
+    def dispatched(self, one_row: SavedBytes, rows: float) -> SavedBytes:
+        """This single-rank trace's bytes when the MoE layer sends each token to `rows` ranks (allsync.plan.step_time.
+        expected_places: those holding its experts), from `one_row`, the expert-parallel trace over one rank (one row
+        per token): the MoE layer's per-token bytes moe + rows x (one_row.moe - moe)."""
+        return replace(one_row, moe=self.moe + rows * (one_row.moe - self.moe))
 
     def offloaded(self, config: dict, tokens: int, checkpointing: bool) -> int:
         """Host bytes activation offload holds for one forward + backward: every tensor the forward saves."""
@@ -151,8 +157,9 @@ def weight_storages(model) -> set[int]:
 @contextmanager
 def one_rank_expert_dispatch(model):
     """Every routed-expert module of `model` sends its tokens through moe_lora.expert_parallel.ExpertDispatch over a
-    one-rank gloo group: the expert-parallel path and what it saves for backward (one row per (token, expert)
-    assignment, dispatched and returned), without a second process. The module's own experts are the whole group's."""
+    one-rank gloo group: the expert-parallel path and what it saves for backward for one dispatched row per token
+    (SavedBytes.dispatched scales it to the rows a layout's tokens make), without a second process. The module's own
+    experts are the whole group's."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -306,7 +313,15 @@ class RunTraces:
 
     def at(self, expert_parallel: int) -> tuple[SavedBytes, SavedBytes | None]:
         """(the policy's trace, the critic's or None) for a layout with this expert-parallel size."""
+        from allsync.plan.step_time import expected_places
+
         args = (self.config, self.lora_rank, self.targets, self.compute_dtype)
-        ep = expert_parallel > 1
-        policy = saved_bytes(*args, expert_parallel=ep)
-        return policy, saved_bytes(*args, expert_parallel=ep, critic=True) if self.critic else None
+
+        def traced(critic: bool) -> SavedBytes:
+            single = saved_bytes(*args, critic=critic)
+            if expert_parallel <= 1:
+                return single
+            one_row = saved_bytes(*args, expert_parallel=True, critic=critic)
+            return single.dispatched(one_row, expected_places(self.config, expert_parallel))
+
+        return traced(False), traced(True) if self.critic else None

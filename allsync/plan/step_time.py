@@ -14,9 +14,10 @@ recomputed forward of activation checkpointing 1, the old-logprob forward of a s
 reference forward of a KL penalty 1; a critic's value forward 1, its forward 1 and backward 2 (recompute 1).
 The learner trains rows packed into forwards padded to their longest row (`forward_seconds`; estimate.train_phase
 packs them): seconds = FLOPs / (peak x hardware.train_efficiency at the forward's padded tokens), the efficiency
-measured on the real layers (hardware.py), plus the MoE all-to-all: per routed token and MoE layer, k copies of the hidden
-state (bf16) leave and come back, the share (EP - 1) / EP of them to other GPUs, once per forward-like pass and once
-in backward, at the group's per-GPU all-to-all bandwidth.
+measured on the real layers (hardware.py), plus the MoE all-to-all (`a2a_seconds_per_token`): per routed token and
+MoE layer, a copy of the hidden state (bf16) to each other GPU holding one of its experts and back (hierarchically,
+once per node across nodes), once per forward-like pass and once in backward, at NVLink's and the network's per-GPU
+all-to-all bandwidths.
 
 A decode step of B sequences holding C tokens of context in all reads the weights the generator holds (routed
 experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens of KV cache:
@@ -152,13 +153,56 @@ def train_passes(
     return flops, a2a
 
 
-def a2a_bytes_per_token(config: dict, expert_parallel: int) -> float:
-    """Bytes one token sends to and gets back from other GPUs in one pass over the MoE layers: k bf16 hidden states
-    out and back per layer, (EP - 1) / EP of them remote."""
+def expected_places(config: dict, places: int) -> float:
+    """Expected distinct places (`places` equal blocks of consecutive experts: the ranks of an EP group, or its nodes)
+    that hold one or more of a token's k experts, the routing taken uniform: topk_group of the n_group expert groups,
+    then k experts among the chosen groups' N = topk_group E / n_group (DeepSeek-V3's group-limited routing):
+
+        places x sum_j P(j of a block's m groups chosen) (1 - C(N - j s, k) / C(N, k))
+
+    with s the block's experts in each of its groups (a block inside one group: m = 1, s = E / places) and
+    P(j) hypergeometric, C(m, j) C(n_group - m, topk_group - j) / C(n_group, topk_group).
+    DeepSeek-V3 (256 experts, 8 groups, 4 chosen, top-8): 5.36 ranks of 16, 1.93 nodes of 2."""
+    from math import comb
+
+    experts, k = config["n_routed_experts"], config["num_experts_per_tok"]
+    groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
+    per_group, per_block = experts // groups, experts // places
+    block_groups, s = (1, per_block) if per_block <= per_group else (per_block // per_group, per_group)
+    pool = chosen * per_group
+    hit = sum(
+        comb(block_groups, j)
+        * comb(groups - block_groups, chosen - j)
+        / comb(groups, chosen)
+        * (1 - comb(pool - j * s, k) / comb(pool, k))
+        for j in range(min(block_groups, chosen) + 1)
+    )
+    return places * hit
+
+
+def a2a_seconds_per_token(config: dict, hw: Hardware, expert_parallel: int) -> float:
+    """Seconds of one token's all-to-all in one forward-like pass over the MoE layers, as moe_lora.expert_parallel
+    dispatches it: a row per (token, other rank holding one of its experts), h bf16 values and k ids and weights
+    (12 bytes each) out, h back; `expected_places` counts the ranks and nodes. An EP group inside a node moves
+    its D_rank (EP - 1) / EP rows at NVLink's rate; one over n whole nodes of g of its ranks each goes hierarchically,
+    the rail stage (a row per other node holding one of the token's experts, D_node (n - 1) / n) at the network's
+    rate, then the node stage (a row per other rank of that node holding one, D_rank (g - 1) / g) at NVLink's, one
+    after the other; a group the nodes do not split evenly, its flat rows at the network's rate."""
     if expert_parallel <= 1:
         return 0.0
-    per_layer = 2 * config["num_experts_per_tok"] * config["hidden_size"] * BF16
-    return moe_layers(config) * per_layer * (expert_parallel - 1) / expert_parallel
+    hidden, k = config["hidden_size"], config["num_experts_per_tok"]
+    row = 2 * hidden * BF16 + 12 * k  # out (with ids and weights) and back
+    ranks = expected_places(config, expert_parallel)
+    per_node = hw.gpus_per_node
+    if expert_parallel <= per_node:
+        seconds = ranks * (expert_parallel - 1) / expert_parallel * row / hw.nvlink_bytes_per_second
+    elif expert_parallel % per_node == 0:
+        nodes = expert_parallel // per_node
+        rail = expected_places(config, nodes) * (nodes - 1) / nodes * row / hw.network_bytes_per_second
+        seconds = rail + ranks * (per_node - 1) / per_node * row / hw.nvlink_bytes_per_second
+    else:
+        seconds = ranks * (expert_parallel - 1) / expert_parallel * row / hw.network_bytes_per_second
+    return moe_layers(config) * seconds
 
 
 def forward_seconds(config: dict, hw: Hardware, fmt: str, passes: tuple[int, int], ep: int, rows, longest) -> float:
@@ -168,7 +212,7 @@ def forward_seconds(config: dict, hw: Hardware, fmt: str, passes: tuple[int, int
     docstring)."""
     tokens = rows * longest
     flops = passes[0] * rows * float(sequence_forward_flops(config, longest))
-    a2a = passes[1] * tokens * a2a_bytes_per_token(config, ep) / hw.link_bytes_per_second(ep)
+    a2a = passes[1] * tokens * a2a_seconds_per_token(config, hw, ep)
     return flops / (hw.flops * hw.train_efficiency(fmt, tokens)) + a2a
 
 
@@ -241,8 +285,7 @@ class DecodeCost:
             self.hw.flops * self.hw.train_efficiency(self.routed_format),
             self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency,
             moe_layers(self.config) * self.hw.decode_a2a_seconds(self.expert_parallel),
-            a2a_bytes_per_token(self.config, self.expert_parallel)
-            / self.hw.link_bytes_per_second(self.expert_parallel),
+            a2a_seconds_per_token(self.config, self.hw, self.expert_parallel),
         )
 
 

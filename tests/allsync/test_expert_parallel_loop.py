@@ -123,14 +123,18 @@ def test_shared_outer_expert_lora_trains_the_same_adapter_at_ep2_as_at_ep1(warm_
 
 
 @pytest.mark.slow
-def test_shared_outer_at_ep4_one_expert_a_rank_trains_the_adapter_of_four_replicated_workers(warm_tiny):
+def test_shared_outer_at_ep4_over_two_nodes_trains_the_adapter_of_four_replicated_workers(warm_tiny):
     """Four workers (about 2 minutes on 2 cores): EP 4 holds one expert a rank, so each rank's gradient of a shared
-    factor comes from its one expert's tokens and the all-reduce over every rank sums them; the adapter equals four
-    replicated workers' (1e-5 of its norm)."""
+    factor comes from its one expert's tokens and the all-reduce over every rank sums them; the EP group spans two
+    nodes of two workers (parallel.nodes 2), so the tokens go rail then node (moe_lora.expert_parallel), and some
+    bytes cross nodes; the adapter equals four replicated workers' (1e-5 of its norm)."""
     shared = {"expert_layout": "shared_outer"}
-    four = {"workers_per_node": 4}
-    _, adapter1, _ = run_steps(warm_tiny, 1, 3, lora=shared, parallel=four)
-    _, adapter4, read4 = run_steps(warm_tiny, 4, 3, lora=shared, parallel=four)
+    _, adapter1, _ = run_steps(warm_tiny, 1, 3, lora=shared, parallel={"workers_per_node": 4})
+    metrics4, adapter4, read4 = run_steps(warm_tiny, 4, 3, lora=shared, parallel={"nodes": 2, "workers_per_node": 2})
+    moved = [m["alltoall_bytes_across_nodes"] for step in metrics4 for m in step]
+    assert all(b > 0 for b in moved) and all(
+        m["alltoall_bytes_across_nodes"] < m["alltoall_bytes"] for step in metrics4 for m in step
+    )
     assert [r["experts"] for r in read4] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     full1, full4 = adapter1[0], adapter4[0]
     flat = lambda tensors: torch.cat([tensors[k].flatten() for k in sorted(tensors)])  # noqa: E731

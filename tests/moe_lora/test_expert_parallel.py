@@ -7,6 +7,8 @@ import torch
 import torch.multiprocessing as mp
 
 from ep_ranks import (
+    HIDDEN,
+    TOP_K,
     Case,
     experts_module,
     lora_grads,
@@ -25,11 +27,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def run_ep(world_size: int, ep_size: int, case: Case, reduce_edp: bool = True) -> dict:
+def run_ep(world_size: int, ep_size: int, case: Case, reduce_edp: bool = True, ranks_per_node=None) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
         address = f"tcp://127.0.0.1:{free_port()}"
-        mp.spawn(run_rank, args=(world_size, ep_size, address, case, reduce_edp, results), nprocs=world_size)
+        args = (world_size, ep_size, address, case, reduce_edp, results, ranks_per_node)
+        mp.spawn(run_rank, args=args, nprocs=world_size)
         return dict(results)
 
 
@@ -84,6 +87,45 @@ def test_sharded_experts_equal_single_process(world_size, ep_size, fmt, kernel):
     assert_matches(world_size, ep_size, case, run_ep(world_size, ep_size, case))
 
 
+def distinct_places(case: Case, world_size: int, ep_size: int, experts_per_place: int) -> int:
+    """Sum over every rank's tokens of the distinct places (blocks of experts_per_place experts) its experts are
+    in, other than the token's own rank's place."""
+    total = 0
+    for r in range(world_size):
+        own = (r % ep_size) * (case.num_experts // ep_size) // experts_per_place
+        places = case.routing(r, ep_size)[1] // experts_per_place
+        total += sum(len(set(row.tolist()) - {own}) for row in places)
+    return total
+
+
+def test_dispatch_sends_each_token_once_per_rank_and_once_per_node():
+    """EP 4 over two nodes of two ranks: the rail + node exchange gives the single-process outputs and gradients,
+    and what crosses nodes is exactly one row per (token, other node holding one of its experts), out and back,
+    forward and backward (x, ids, router weights; the outputs' and inputs' gradients): fewer rows than one per
+    (token, rank on the other node), which a flat exchange sends. One node: a row per (token, other rank), out and
+    back, instead of one per (token, expert)."""
+    case = Case(num_experts=8, tokens_per_rank=[9, 12, 5, 10], fmt="nf4", kernel="grouped_mm")
+    hierarchical = run_ep(4, 4, case, ranks_per_node=2)
+    assert_matches(4, 4, case, hierarchical)
+    row, ids, weight = HIDDEN * 4, TOP_K * 8, TOP_K * 4  # fp32 rows, int64 ids, fp32 weights
+    per_node_pairs = distinct_places(case, 4, 4, experts_per_place=4)
+    moved = [hierarchical[r]["moved"] for r in range(4)]
+    assert sum(m["alltoall_bytes_across_nodes"] for m in moved) == per_node_pairs * (4 * row + ids + 2 * weight)
+    remote_ranks_on_other_node = sum(
+        len({e // 2 for e in index.tolist() if e // 4 != (r // 2)}) for r in range(4) for index in case.routing(r, 4)[1]
+    )
+    assert per_node_pairs < remote_ranks_on_other_node
+    flat = run_ep(4, 4, case)
+    assert_matches(4, 4, case, flat)
+    per_rank_pairs = distinct_places(case, 4, 4, experts_per_place=2)
+    assert sum(flat[r]["moved"]["alltoall_forward_rows"] for r in range(4)) == 2 * per_rank_pairs
+    assert sum(flat[r]["moved"]["alltoall_bytes_across_nodes"] for r in range(4)) == 0
+    assignments_remote = sum(
+        int((case.routing(r, 4)[1] // 2 != r).sum()) for r in range(4)
+    )  # a row per (token, expert) elsewhere
+    assert per_rank_pairs < assignments_remote
+
+
 def test_uneven_routing_with_idle_ranks():
     """Position 1's experts get no token from anyone, and rank 2 has no token of its own."""
     case = Case(num_experts=8, tokens_per_rank=[6, 4, 0, 3], fmt="nf4", idle_positions=(1,))
@@ -111,6 +153,12 @@ def test_layout():
         ExpertLayout(world_size=6, ep_size=6, num_experts=16)
     with pytest.raises(ValueError, match="divide the 8 workers"):
         ExpertLayout(world_size=8, ep_size=3, num_experts=12)
+    nodes = ExpertLayout(world_size=32, ep_size=16, num_experts=64, ranks_per_node=8)  # EP 16 over two nodes of 8
+    assert nodes.hierarchical and nodes.nodes_spanned == 2
+    assert nodes.node_group(21) == list(range(16, 24)) and nodes.rail_group(21) == [21, 29]
+    assert nodes.rail_group(29) == [21, 29] and nodes.node_group(29) == list(range(24, 32))
+    assert not ExpertLayout(32, 8, 64, ranks_per_node=8).hierarchical  # inside a node
+    assert not ExpertLayout(24, 12, 48, ranks_per_node=8).hierarchical  # nodes do not split it: flat
 
 
 @pytest.mark.parametrize("world_size, ep_size, fmt", [(2, 2, "nf4"), (4, 2, "fp8")], ids=["ep2-nf4", "ep2xedp2-fp8"])
