@@ -8,10 +8,11 @@ DeepSeek-V3 with NF4 routed experts through Ray workers, at expert_parallel 1, 2
     1/k of EP=1's (goal: within 5%);
   - checkpoint bytes each rank reads at load (the routed experts' share, and everything else);
   - all-to-all traffic per step: the rows a rank sends to other ranks (tokens out, outputs back, their
-    gradients) against routed assignments x hidden x dtype bytes, with the fraction that leaves the rank
-    ((k-1)/k under uniform routing);
+    gradients; a row per (token, rank holding one of its experts)) against routed assignments, with the fraction
+    a row per (token, expert) would send ((k-1)/k under uniform routing), and at EP 4 over two nodes of two
+    (parallel.nodes 2) the bytes that cross nodes;
   - step time at EP=2 against replicated experts (EP=1), both with 2 processes (goal <= 1.3x).
-EP=4 runs 4 processes. Last line: `EP=2 step time / replicated: R.RRx (goal <= 1.3x)`.
+EP=4 runs 4 processes (on one node, then on two). Last line: `EP=2 step time / replicated: R.RRx (goal <= 1.3x)`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from allsync.tasks import ArithmeticSpec, make_splits  # noqa: E402
 from moe_lora.tiny import TinySpec, make_tiny  # noqa: E402
 
 
-def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 0) -> dict:
+def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 0, nodes: int = 1) -> dict:
     config = parse_config(
         {
             "model": {"base": str(base), "compute_dtype": "float32", "quant": {"routed_experts": "nf4"}},
@@ -40,7 +41,7 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
             "rollout": {"prompts_per_step": 4 * workers, "group_size": 4, "max_new_tokens": 16},
             "algorithm": {"dynamic_sampling": False},
             "optim": {"lr": 1e-3},
-            "parallel": {"workers_per_node": workers, "expert_parallel": expert_parallel},
+            "parallel": {"nodes": nodes, "workers_per_node": workers // nodes, "expert_parallel": expert_parallel},
             "run": {"seed": seed},
         }
     )
@@ -57,6 +58,7 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
     steady = metrics[1:]  # the first step warms caches up
     return {
         "workers": workers,
+        "nodes": nodes,
         "expert_parallel": expert_parallel,
         "step_seconds": statistics.median(max(m["wall_seconds"] for m in step) for step in steady),
         "memory": memory,
@@ -73,6 +75,9 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
         "assignments": [
             statistics.mean(step[r].get("routed_assignments", 0) for step in steady) for r in range(workers)
         ],
+        "bytes_across_nodes": [
+            statistics.mean(step[r].get("alltoall_bytes_across_nodes", 0) for step in steady) for r in range(workers)
+        ],
     }
 
 
@@ -83,7 +88,7 @@ def report(results: list[dict], hidden: int) -> list[str]:
         "| EP | processes | routed experts + LoRA + AdamW per rank (bytes) | vs 1/k of EP=1 | checkpoint bytes read per rank (experts / all) | step s |",
         "|---|---|---|---|---|---|",
     ]
-    for r in results:
+    for r in results[:3]:
         held = [sum(m.values()) for m in r["memory"]]
         ideal = per_rank_one / r["expert_parallel"]
         worst = max(abs(h - ideal) / ideal for h in held)
@@ -94,16 +99,16 @@ def report(results: list[dict], hidden: int) -> list[str]:
         )
     lines.append("")
     lines.append(
-        "| EP | routed assignments / step (rank 0, all forward passes) | forward rows sent to other ranks "
-        "| / (2 x assignments) | uniform (k-1)/k | backward rows | bytes sent | bytes / row (hidden x 4) |"
+        "| EP | nodes | routed assignments / step (rank 0, all forward passes) | forward rows sent to other ranks "
+        "| / (2 x assignments) | a row per (token, expert): (k-1)/k | backward rows | bytes sent | of them to other nodes |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in results[1:]:
         k, a, fwd, bwd = r["expert_parallel"], r["assignments"][0], r["forward_rows"][0], r["backward_rows"][0]
-        sent = r["alltoall_bytes"][0]
+        sent, far = r["alltoall_bytes"][0], r["bytes_across_nodes"][0]
         lines.append(
-            f"| {k} | {a:,.0f} | {fwd:,.0f} | {fwd / max(2 * a, 1):.2f} | {(k - 1) / k:.2f} | {bwd:,.0f} | {sent:,.0f} | "
-            f"{sent / max(fwd + bwd, 1):.0f} ({hidden * 4}) |"
+            f"| {k} | {r['nodes']} | {a:,.0f} | {fwd:,.0f} | {fwd / max(2 * a, 1):.2f} | {(k - 1) / k:.2f} | {bwd:,.0f} "
+            f"| {sent:,.0f} | {far:,.0f} |"
         )
     return lines
 
@@ -118,6 +123,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = make_tiny(Path(tmp) / "tiny", spec)
         results = [run(base, 2, 1, args.steps), run(base, 2, 2, args.steps), run(base, 4, 4, args.steps)]
+        results.append(run(base, 4, 4, args.steps, nodes=2))  # EP 4 over two nodes of two: rail then node
     print("\n".join(report(results, spec.hidden_size)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

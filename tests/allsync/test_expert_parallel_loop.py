@@ -177,6 +177,7 @@ def seeded_start(base, lora: dict | None = None) -> dict[str, torch.Tensor]:
     return lora_state_dict(model)
 
 
+@pytest.mark.slow  # the default run keeps the single-turn, shared-outer and streamed EP 2 comparisons
 def test_tppo_windows_at_ep2_log_the_ep1_steps(warm_tiny):
     """The critic's path (its own LoRA, EGAE, whitening all-reduce, windows over an in-flight pool) in lockstep."""
     want, _, _ = run_steps(warm_tiny, 1, 3, tppo=True)
@@ -207,6 +208,7 @@ def assert_same_steps(want, got, keys) -> None:
                 assert abs(g[key] - w[key]) <= 1e-4 * max(abs(w[key]), 1e-3), (key, g[key], w[key])
 
 
+@pytest.mark.slow  # the default run keeps the single-turn, shared-outer and streamed EP 2 comparisons
 def test_multiconv_at_ep2_logs_the_ep1_steps(warm_tiny):
     """Multi-conversation episodes whose documents need 1-4 memory rounds: rank 0's rows need at most 3, rank
     1's 4, so under EP rank 0 serves rank 1's last round with nothing of its own (agreed_rounds)."""

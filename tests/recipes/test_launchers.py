@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.recipes.test_dapo_recipe import metrics
+from tests.recipes.test_dapo_recipe import metrics, recipe_main
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "dapo.py"
@@ -83,7 +83,9 @@ def ray_run(warm_tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
+@pytest.mark.parametrize(
+    "kind", [pytest.param("torchrun", marks=pytest.mark.slow), "accelerate"]
+)  # torchrun stays in the default run through the vLLM rollout and the two-node launch
 def test_spmd_launchers_log_the_ray_metrics(kind, warm_tiny, ray_run, tmp_path):
     out = tmp_path / "out"
     done = launch(kind, write_config(tmp_path / "c.yaml", warm_tiny, out))
@@ -129,22 +131,34 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
     assert got[3]["logprob_gap"] < 1e-4  # every rank loaded the adapter its engine samples with
 
 
-def test_launcher_world_size_must_match_the_config(warm_tiny, tmp_path):
+def launched_as_rank_0_of_2(monkeypatch) -> None:
+    """The environment torchrun --nproc_per_node 2 gives its first process (what recipes/dapo.py reads through
+    allsync.launch.spmd.spmd_environment); the refusals below run the recipe's main in this process with it, as the
+    recipe refuses before any work (the launches above run torchrun itself)."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_launcher_world_size_must_match_the_config(warm_tiny, tmp_path, monkeypatch, capsys):
     config = write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out")
     data = yaml.safe_load(config.read_text())
     data["parallel"]["workers_per_node"] = 4
     data["rollout"]["prompts_per_step"] = 8
     config.write_text(yaml.safe_dump(data))
-    done = launch("torchrun", config)
-    assert done.returncode != 0
-    assert "the launcher started 2 processes (WORLD_SIZE) but parallel.nodes x workers_per_node = 4" in done.stderr
+    launched_as_rank_0_of_2(monkeypatch)
+    code, stderr = recipe_main(["--config", config], capsys)
+    assert code != 0
+    assert "the launcher started 2 processes (WORLD_SIZE) but parallel.nodes x workers_per_node = 4" in stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_no_ray_under_a_launcher_is_refused(warm_tiny, tmp_path):
-    done = launch("torchrun", write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), "--no-ray")
-    assert done.returncode != 0
-    assert "--no-ray under torchrun / accelerate launch" in done.stderr
+def test_no_ray_under_a_launcher_is_refused(warm_tiny, tmp_path, monkeypatch, capsys):
+    launched_as_rank_0_of_2(monkeypatch)
+    code, stderr = recipe_main(
+        ["--config", write_config(tmp_path / "c.yaml", warm_tiny, tmp_path / "out"), "--no-ray"], capsys
+    )
+    assert code != 0
+    assert "--no-ray under torchrun / accelerate launch" in stderr
     assert not (tmp_path / "out").exists()
 
 
