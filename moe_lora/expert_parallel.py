@@ -235,11 +235,13 @@ def route(x, experts, weights, hops: list[Hop], compute, stats: DispatchStats | 
         ones = [1] * hop.size
         send, recv = send_counts.tolist(), all_to_all(send_counts, ones, ones, hop.group).tolist()  # one host read
         sent_experts = torch.where(carried, experts.index_select(0, rows), -1)
-        hop.count(stats, sent_experts, send, recv, "bytes")
-        experts_received = all_to_all(sent_experts, send, recv, hop.group)
     sent_weights = torch.where(carried, weights.index_select(0, rows), weights.new_zeros(()))
+    # the weights and the ids in one float32 exchange (ids are exact in float32 below 2^24): per hop one count
+    # exchange, this, the rows out and the rows back
+    meta = _AllToAll.apply(torch.cat([sent_weights.float(), sent_experts.float()], 1), send, recv, hop, stats, "bytes")
+    k = experts.shape[1]
+    weights_received, experts_received = meta[:, :k].to(weights.dtype), meta[:, k:].detach().long()
     x_received = _AllToAll.apply(x.index_select(0, rows), send, recv, hop, stats, "rows")
-    weights_received = _AllToAll.apply(sent_weights, send, recv, hop, stats, "bytes")
     y = route(x_received, experts_received, weights_received, hops[1:], compute, stats)
     back = _AllToAll.apply(y, recv, send, hop, stats, "rows")
     return _SumRows.apply(back, rows, x.shape[0])

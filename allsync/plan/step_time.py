@@ -182,8 +182,8 @@ def expected_places(config: dict, places: int) -> float:
 
 def a2a_seconds_per_token(config: dict, hw: Hardware, expert_parallel: int) -> float:
     """Seconds of one token's all-to-all in one forward-like pass over the MoE layers, as moe_lora.expert_parallel
-    dispatches it: a row per (token, other rank holding one of its experts), h bf16 values and k ids and weights
-    (12 bytes each) out, h back; `expected_places` counts the ranks and nodes. An EP group inside a node moves
+    dispatches it: a row per (token, other rank holding one of its experts), h bf16 values and k ids and k weights
+    (float32) out, h back; `expected_places` counts the ranks and nodes. An EP group inside a node moves
     its D_rank (EP - 1) / EP rows at NVLink's rate; one over n whole nodes of g of its ranks each goes hierarchically,
     the rail stage (a row per other node holding one of the token's experts, D_node (n - 1) / n) at the network's
     rate, then the node stage (a row per other rank of that node holding one, D_rank (g - 1) / g) at NVLink's, one
@@ -191,7 +191,7 @@ def a2a_seconds_per_token(config: dict, hw: Hardware, expert_parallel: int) -> f
     if expert_parallel <= 1:
         return 0.0
     hidden, k = config["hidden_size"], config["num_experts_per_tok"]
-    row = 2 * hidden * BF16 + 12 * k  # out (with ids and weights) and back
+    row = 2 * hidden * BF16 + 8 * k  # out (with k ids and k weights, float32) and back
     ranks = expected_places(config, expert_parallel)
     per_node = hw.gpus_per_node
     if expert_parallel <= per_node:

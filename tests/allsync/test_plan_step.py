@@ -738,7 +738,7 @@ def test_the_all_to_all_prices_a_row_per_rank_and_crosses_nodes_once_per_node():
     (token, expert) at the network's rate; inside a node (EP 8) all at NVLink's rate."""
     from allsync.plan.step_time import a2a_seconds_per_token, expected_places, moe_layers
 
-    hw, row = GPUS["h100"], 2 * 7168 * 2 + 12 * 8
+    hw, row = GPUS["h100"], 2 * 7168 * 2 + 8 * 8
     rail = expected_places(DEEPSEEK_V3, 2) / 2 * row / 43e9
     node = expected_places(DEEPSEEK_V3, 16) * 7 / 8 * row / 153e9
     assert a2a_seconds_per_token(DEEPSEEK_V3, hw, 16) == pytest.approx(58 * (rail + node))

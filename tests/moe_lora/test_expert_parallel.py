@@ -101,16 +101,16 @@ def distinct_places(case: Case, world_size: int, ep_size: int, experts_per_place
 def test_dispatch_sends_each_token_once_per_rank_and_once_per_node():
     """EP 4 over two nodes of two ranks: the rail + node exchange gives the single-process outputs and gradients,
     and what crosses nodes is exactly one row per (token, other node holding one of its experts), out and back,
-    forward and backward (x, ids, router weights; the outputs' and inputs' gradients): fewer rows than one per
+    forward and backward (x, the router weights and ids; the outputs', inputs' and weights' gradients): fewer rows than one per
     (token, rank on the other node), which a flat exchange sends. One node: a row per (token, other rank), out and
     back, instead of one per (token, expert)."""
     case = Case(num_experts=8, tokens_per_rank=[9, 12, 5, 10], fmt="nf4", kernel="grouped_mm")
     hierarchical = run_ep(4, 4, case, ranks_per_node=2)
     assert_matches(4, 4, case, hierarchical)
-    row, ids, weight = HIDDEN * 4, TOP_K * 8, TOP_K * 4  # fp32 rows, int64 ids, fp32 weights
+    row, meta = HIDDEN * 4, 2 * TOP_K * 4  # fp32 rows; k weights and k ids in float32
     per_node_pairs = distinct_places(case, 4, 4, experts_per_place=4)
     moved = [hierarchical[r]["moved"] for r in range(4)]
-    assert sum(m["alltoall_bytes_across_nodes"] for m in moved) == per_node_pairs * (4 * row + ids + 2 * weight)
+    assert sum(m["alltoall_bytes_across_nodes"] for m in moved) == per_node_pairs * (4 * row + 2 * meta)
     remote_ranks_on_other_node = sum(
         len({e // 2 for e in index.tolist() if e // 4 != (r // 2)}) for r in range(4) for index in case.routing(r, 4)[1]
     )
