@@ -227,6 +227,19 @@ def trace_saved_bytes(
     tokens go through the expert-parallel dispatch (`one_rank_expert_dispatch`), as every layout with EP > 1 trains.
     critic: the PPO / T-PPO critic's forward (allsync.critic.Critic over the policy's frozen weights) instead of the
     policy's."""
+    return trace_paths(config, lora_rank, targets, compute_dtype, (expert_parallel,), critic)[expert_parallel]
+
+
+def trace_paths(
+    config: dict,
+    lora_rank: int,
+    targets: tuple[str, ...],
+    compute_dtype: str,
+    expert_parallel: tuple[bool, ...],
+    critic: bool = False,
+) -> dict[bool, SavedBytes]:
+    """`trace_saved_bytes` for each expert_parallel path of `expert_parallel`, on one built model (the build is most
+    of a trace's time)."""
     from moe_lora.lora import LoRAConfig, attach_lora
     from moe_lora.tiny import make_tiny
     from quant.loader import QuantPlan, load_frozen_model
@@ -240,19 +253,22 @@ def trace_saved_bytes(
         from allsync.critic import Critic
 
         model = Critic(model, seed=0)
-    with one_rank_expert_dispatch(model) if expert_parallel else nullcontext():
-        first, second = (saved_per_layer(model, t, False, critic) for t in TRACE_TOKENS)
-    span = TRACE_TOKENS[1] - TRACE_TOKENS[0]
-    slope = {k: (second.get(k, 0) - first.get(k, 0)) / span for k in second}
-    const = {k: first.get(k, 0) - TRACE_TOKENS[0] * slope[k] for k in second}
-    return SavedBytes(
-        dense=slope["layer0"],
-        moe=slope["layer1"],
-        post=slope.get("post", 0.0),
-        layer_input=config["hidden_size"] * dtype.itemsize,
-        dense_const=max(const["layer0"], 0.0),
-        moe_const=max(const["layer1"], 0.0),
-    )
+    out = {}
+    for path in expert_parallel:
+        with one_rank_expert_dispatch(model) if path else nullcontext():
+            first, second = (saved_per_layer(model, t, False, critic) for t in TRACE_TOKENS)
+        span = TRACE_TOKENS[1] - TRACE_TOKENS[0]
+        slope = {k: (second.get(k, 0) - first.get(k, 0)) / span for k in second}
+        const = {k: first.get(k, 0) - TRACE_TOKENS[0] * slope[k] for k in second}
+        out[path] = SavedBytes(
+            dense=slope["layer0"],
+            moe=slope["layer1"],
+            post=slope.get("post", 0.0),
+            layer_input=config["hidden_size"] * dtype.itemsize,
+            dense_const=max(const["layer0"], 0.0),
+            moe_const=max(const["layer1"], 0.0),
+        )
+    return out
 
 
 def trace_key(config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str, **path: bool) -> str:
@@ -272,17 +288,25 @@ def saved_bytes(
     config: dict, lora_rank: int, targets: tuple[str, ...], compute_dtype: str = "bfloat16", **taken: bool
 ) -> SavedBytes:
     """`trace_saved_bytes` (taken: the path, its expert_parallel and critic), kept in the user's cache (~/.cache/allsync/plan/, a
-    JSON file per shape, rank, targets, dtype and path) so that only the first plan of a shape traces."""
-    key = trace_key(config, lora_rank, targets, compute_dtype, **taken)
-    path = cache_dir() / f"saved-{key}.json"
-    if path.exists():
-        return SavedBytes(**json.loads(path.read_text()))
-    result = trace_saved_bytes(config, lora_rank, targets, compute_dtype, **taken)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(result)) + "\n")
-    tmp.replace(path)
-    return result
+    JSON file per shape, rank, targets, dtype and path) so that only the first plan of a shape traces. The
+    expert-parallel path is traced with the single-rank one on the same model (`trace_paths`), both kept: its plans
+    read both (RunTraces.at)."""
+    ep, critic = taken.get("expert_parallel", False), taken.get("critic", False)
+
+    def cached(expert_parallel: bool) -> Path:
+        key = trace_key(config, lora_rank, targets, compute_dtype, expert_parallel=expert_parallel, critic=critic)
+        return cache_dir() / f"saved-{key}.json"
+
+    if cached(ep).exists():
+        return SavedBytes(**json.loads(cached(ep).read_text()))
+    paths = (False, True) if ep else (False,)  # the expert-parallel path's plans read the single-rank trace too
+    for expert_parallel, result in trace_paths(config, lora_rank, targets, compute_dtype, paths, critic).items():
+        path = cached(expert_parallel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(result)) + "\n")
+        tmp.replace(path)
+    return SavedBytes(**json.loads(cached(ep).read_text()))
 
 
 @dataclass(frozen=True)
@@ -318,10 +342,10 @@ class RunTraces:
         args = (self.config, self.lora_rank, self.targets, self.compute_dtype)
 
         def traced(critic: bool) -> SavedBytes:
-            single = saved_bytes(*args, critic=critic)
             if expert_parallel <= 1:
-                return single
-            one_row = saved_bytes(*args, expert_parallel=True, critic=critic)
+                return saved_bytes(*args, critic=critic)
+            one_row = saved_bytes(*args, expert_parallel=True, critic=critic)  # traces (and keeps) both paths
+            single = saved_bytes(*args, critic=critic)
             return single.dispatched(one_row, expected_places(self.config, expert_parallel))
 
         return traced(False), traced(True) if self.critic else None
