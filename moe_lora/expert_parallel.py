@@ -14,7 +14,7 @@ experts it meets there (the others padded with -1 and weight 0); that rank runs 
 one row, sum_j w_tj y_j over those experts, and the token's rank adds the rows it gets back:
     out_t = sum over destinations d of sum_{j: e_tj on d} w_tj * expert_{e_tj}(x_t).
 A row per (token, destination rank) instead of per (token, expert): about 5.4 of 8 for DeepSeek-V3's routing at
-EP 16 (allsync.plan.step_time.expected_destinations). Across nodes the exchange is hierarchical (the way DeepEP's
+EP 16 (allsync.plan.step_time.expected_places). Across nodes the exchange is hierarchical (the way DeepEP's
 normal kernels go): a token crosses the network once per node that holds one of its experts, to the rank at its
 own place on that node (the rail all-to-all), which forwards it inside the node to the ranks holding the experts
 (the node all-to-all, NVLink on GPUs); the outputs come back the same way, summed at each hop. Each hop is one
@@ -69,9 +69,14 @@ class ExpertLayout:
         return self.ep_size // per_node if per_node < self.ep_size and self.ep_size % per_node == 0 else 1
 
     @property
+    def group_ranks_per_node(self) -> int:
+        """The ranks of one EP group on each node it spans."""
+        return self.ep_size // self.nodes_spanned
+
+    @property
     def hierarchical(self) -> bool:
         """The dispatch crosses nodes by rail then node (both groups of more than one rank)."""
-        return self.nodes_spanned > 1 and self.ep_size // self.nodes_spanned > 1
+        return self.nodes_spanned > 1 and self.group_ranks_per_node > 1
 
     def position(self, rank: int) -> int:
         """j = r mod k: the rank's place in its EP group, which fixes its experts."""
@@ -90,13 +95,13 @@ class ExpertLayout:
 
     def node_group(self, rank: int) -> list[int]:
         """The ranks of rank's EP group on rank's node (hierarchical layouts)."""
-        per_node = self.ep_size // self.nodes_spanned
+        per_node = self.group_ranks_per_node
         first = rank - self.position(rank) % per_node
         return list(range(first, first + per_node))
 
     def rail_group(self, rank: int) -> list[int]:
         """The ranks of rank's EP group at rank's place on each node, node by node (hierarchical layouts)."""
-        per_node = self.ep_size // self.nodes_spanned
+        per_node = self.group_ranks_per_node
         first = rank - self.position(rank) + self.position(rank) % per_node
         return list(range(first, first + self.ep_size, per_node))
 
@@ -172,7 +177,7 @@ def hops_of(layout: ExpertLayout, rank: int, ep_group, node_group=None, rail_gro
         return [Hop(ep_group, layout.ep_size, per_rank, far)]
     if node_group is None or rail_group is None:
         raise ValueError(f"{layout} spans {layout.nodes_spanned} nodes: the dispatch needs its node and rail groups")
-    nodes, per_node = layout.nodes_spanned, layout.ep_size // layout.nodes_spanned
+    nodes, per_node = layout.nodes_spanned, layout.group_ranks_per_node
     me = layout.position(rank) // per_node
     return [
         Hop(rail_group, nodes, per_rank * per_node, tuple(m != me for m in range(nodes))),
@@ -251,19 +256,11 @@ class ExpertDispatch:
     """Routes a MoE layer's tokens to the ranks that hold their experts and combines the results (`route`).
 
     group: a process group of the EP group's ranks, in EP order (rank i of the group holds block i); hops: the
-    dispatch's stages (`hops_of`; default the whole group in one)."""
+    dispatch's stages (`hops_of`)."""
 
-    def __init__(
-        self,
-        group,
-        ep_size: int,
-        experts_per_rank: int,
-        stats: DispatchStats | None = None,
-        hops: list[Hop] | None = None,
-    ):
-        self.group, self.ep_size, self.experts_per_rank = group, ep_size, experts_per_rank
+    def __init__(self, group, ep_size: int, experts_per_rank: int, hops: list[Hop], stats: DispatchStats | None = None):
+        self.group, self.ep_size, self.experts_per_rank, self.hops = group, ep_size, experts_per_rank, hops
         self.stats = stats if stats is not None else DispatchStats()
-        self.hops = hops if hops is not None else [Hop(group, ep_size, experts_per_rank, (False,) * ep_size)]
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, local_forward):
         """local_forward(x [n, H], local expert ids [n, k], weights [n, k]) of the experts held here; a padded slot
@@ -311,7 +308,7 @@ def shard_experts(
                 raise ValueError(
                     f"{name} holds experts {held.start}..{held.stop - 1}; rank {rank} of {layout} owns {mine.start}..{mine.stop - 1}"
                 )
-            module.dispatch = ExpertDispatch(group, layout.ep_size, layout.experts_per_rank, stats, hops)
+            module.dispatch = ExpertDispatch(group, layout.ep_size, layout.experts_per_rank, hops, stats)
     return stats
 
 

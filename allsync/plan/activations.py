@@ -164,13 +164,14 @@ def one_rank_expert_dispatch(model):
 
     import torch.distributed as dist
 
-    from moe_lora.expert_parallel import ExpertDispatch
+    from moe_lora.expert_parallel import ExpertDispatch, ExpertLayout, hops_of
     from quant.modules import FrozenExperts
 
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
     experts = [m for m in model.modules() if isinstance(m, FrozenExperts)]
     for module in experts:
-        module.dispatch = ExpertDispatch(group, 1, module.num_experts)
+        hops = hops_of(ExpertLayout(1, 1, module.num_experts), 0, group)
+        module.dispatch = ExpertDispatch(group, 1, module.num_experts, hops)
     try:
         yield
     finally:
@@ -300,13 +301,14 @@ def saved_bytes(
     if cached(ep).exists():
         return SavedBytes(**json.loads(cached(ep).read_text()))
     paths = (False, True) if ep else (False,)  # the expert-parallel path's plans read the single-rank trace too
-    for expert_parallel, result in trace_paths(config, lora_rank, targets, compute_dtype, paths, critic).items():
+    traced = trace_paths(config, lora_rank, targets, compute_dtype, paths, critic)
+    for expert_parallel, result in traced.items():
         path = cached(expert_parallel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(result)) + "\n")
         tmp.replace(path)
-    return SavedBytes(**json.loads(cached(ep).read_text()))
+    return traced[ep]
 
 
 @dataclass(frozen=True)

@@ -302,7 +302,7 @@ def grad_sync_seconds(run, model_config: dict, hw: Hardware, gpus: int, ep: int)
     if "routed_experts" in targets:
         routed = routed_lora_values(model_config, run.lora.rank, experts, run.lora.expert_layout)[0]
     replicas = gpus // ep
-    link = hw.network_bytes_per_second if gpus > hw.gpus_per_node else hw.nvlink_bytes_per_second
+    link = hw.link_bytes_per_second(gpus)
     return allreduce_seconds((held - routed) * LORA_VALUE_BYTES, gpus, link) + allreduce_seconds(
         routed * LORA_VALUE_BYTES, replicas, link
     )

@@ -194,14 +194,13 @@ def a2a_seconds_per_token(config: dict, hw: Hardware, expert_parallel: int) -> f
     row = 2 * hidden * BF16 + 8 * k  # out (with k ids and k weights, float32) and back
     ranks = expected_places(config, expert_parallel)
     per_node = hw.gpus_per_node
-    if expert_parallel <= per_node:
-        seconds = ranks * (expert_parallel - 1) / expert_parallel * row / hw.nvlink_bytes_per_second
-    elif expert_parallel % per_node == 0:
+    if expert_parallel > per_node and expert_parallel % per_node == 0:
         nodes = expert_parallel // per_node
         rail = expected_places(config, nodes) * (nodes - 1) / nodes * row / hw.network_bytes_per_second
         seconds = rail + ranks * (per_node - 1) / per_node * row / hw.nvlink_bytes_per_second
-    else:
-        seconds = ranks * (expert_parallel - 1) / expert_parallel * row / hw.network_bytes_per_second
+    else:  # one flat exchange: NVLink's rate inside a node, the network's once it spans nodes
+        rows = ranks * (expert_parallel - 1) / expert_parallel
+        seconds = rows * row / hw.link_bytes_per_second(expert_parallel)
     return moe_layers(config) * seconds
 
 
