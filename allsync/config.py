@@ -134,6 +134,13 @@ class RolloutSection:
     # (prompt + max_new_tokens) positions). None: allsync.engines.torch_engine.DEFAULT_DECODE_BATCH (64). The default
     # run sets a worker's whole round (32 prompts x 4)
     decode_batch: int | None = None
+    # torch engine: the KV room of a worker's slots, in tokens, shared by them in pages of 64 positions
+    # (moe_lora.mla_decode.SlotKVCache): a row takes pages as it grows and gives them back when it ends, a row is
+    # admitted when its prompt fits the free pages with one to spare per live row, and when a step's rows need more
+    # pages than are free the latest admitted is preempted and later prefilled again with the tokens it had (vLLM's
+    # policy). decode_batch slots then hold as many rows as their actual lengths fit. None: every slot has room for
+    # a row at full length (decode_batch x (prompt + max_new_tokens)), never preempted
+    kv_cache_tokens: int | None = None
     # torch engine on a GPU: decode steps in fixed shapes (every slot, spans in 8 sizes per doubling, routed experts
     # without a host read: quant.fixed_shape_experts), each span's step captured once as a CUDA graph and replayed
     # (allsync/engines/graphs.py); under expert parallelism the experts' exchange is all-to-alls of equal splits.
@@ -253,6 +260,19 @@ class RolloutSection:
                 )
             if self.decode_batch < 1:
                 fail(f"rollout.decode_batch = {self.decode_batch}: must be >= 1")
+        if self.kv_cache_tokens is not None:
+            if self.engine != "torch":
+                fail(
+                    f"rollout.kv_cache_tokens = {self.kv_cache_tokens} with rollout.engine {self.engine}: vLLM sizes its "
+                    "own paged cache (rollout.gpu_memory_utilization)"
+                )
+            if isinstance(self.kv_cache_tokens, bool) or not isinstance(self.kv_cache_tokens, int):
+                fail(f"rollout.kv_cache_tokens = {self.kv_cache_tokens!r}: a whole number of tokens")
+            if self.kv_cache_tokens <= self.max_new_tokens:
+                fail(
+                    f"rollout.kv_cache_tokens = {self.kv_cache_tokens}: must hold more than one row's "
+                    f"rollout.max_new_tokens ({self.max_new_tokens}) and its prompt"
+                )
 
 
 @dataclass

@@ -239,6 +239,7 @@ class RLWorker:
                 decode_graphs=r.decode_graphs,
                 kv_cache_dtype=r.kv_cache_dtype,
                 attention_kernel=r.attention_kernel,
+                kv_cache_tokens=r.kv_cache_tokens,
                 frozen_expert_kernel=r.frozen_expert_kernel,
             )
         from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run

@@ -16,6 +16,9 @@ running maximum m, sum l and weighted sum o (online softmax) and writes o / l an
 
     out_bh = sum_k exp(lse_k - logsumexp_k lse_k) o_k               (an empty split: lse -inf, weight 0)
 
+The cache is read by page: position n of slot b is row n % page of page table[b, n // page] (a paged pool's block
+table; an unpaged pool is one page of `capacity` positions per slot, table[b] = [b]).
+
 The grid and every tensor depend on (slots, heads, span) only and the counts are read on the device, so a CUDA graph
 captures the step (allsync/engines/graphs.py). Triton's interpreter (TRITON_INTERPRET=1 before the first launch)
 runs the same kernel on CPU tensors, which is how the tests here check it against the torch path.
@@ -42,15 +45,18 @@ def _kernel(interpret: bool):
     @triton.jit
     def latent_decode(
         query,  # [slots, heads, r + d_rope]
-        latent,  # [slots, capacity, r] rows of c (FP8 or the compute dtype), stride_l* in elements
-        scales,  # [slots, capacity, r / group] float32 (FP8 only)
-        rope,  # [slots, capacity, d_rope]
+        latent,  # [pages, page, r] rows of c (FP8 or the compute dtype), stride_l* in elements
+        scales,  # [pages, page, r / group] float32 (FP8 only)
+        rope,  # [pages, page, d_rope]
+        table,  # [slots, width] int64: the page holding each slot's positions [j page, (j + 1) page)
         counts,  # [slots] int64: positions each slot reads
         out,  # [slots, splits, heads, r] float32
         lse,  # [slots, splits, heads] float32
         heads,
         chunk,
         scaling,
+        page,
+        stride_tb,
         stride_qb,
         stride_qh,
         stride_lb,
@@ -91,13 +97,15 @@ def _kernel(interpret: bool):
         for first in range(start, stop, BLOCK_N):
             offs_n = first + tl.arange(0, BLOCK_N)
             n_ok = offs_n < stop
+            pages = tl.load(table + slot * stride_tb + offs_n // page, mask=n_ok, other=0).to(tl.int64)
+            places = offs_n % page
             c = tl.load(
-                latent + slot * stride_lb + offs_n[:, None] * stride_ls + offs_r[None, :],
+                latent + pages[:, None] * stride_lb + places[:, None] * stride_ls + offs_r[None, :],
                 mask=n_ok[:, None] & r_ok[None, :],
                 other=0.0,
             )
             if FP8:  # as fp8_dequantize: q (exact in any float) times a rounded to the compute dtype, rounded to it
-                scale_rows = scales + slot * stride_sb + offs_n[:, None] * stride_ss
+                scale_rows = scales + pages[:, None] * stride_sb + places[:, None] * stride_ss
                 if RANK == RANK_P2:  # the position's RANK / GROUP scales, each spread over its GROUP values
                     offs_g = tl.arange(0, RANK // GROUP)
                     a = tl.load(scale_rows + offs_g[None, :], mask=n_ok[:, None], other=0.0).to(dtype).to(tl.float32)
@@ -107,7 +115,7 @@ def _kernel(interpret: bool):
                     a = tl.load(scale_rows + offs_r[None, :] // GROUP, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
                     c = (c.to(tl.float32) * a.to(dtype).to(tl.float32)).to(dtype)
             k_rope = tl.load(
-                rope + slot * stride_rb + offs_n[:, None] * stride_rs + offs_p[None, :],
+                rope + pages[:, None] * stride_rb + places[:, None] * stride_rs + offs_p[None, :],
                 mask=n_ok[:, None] & p_ok[None, :],
                 other=0.0,
             )
@@ -155,12 +163,17 @@ def latent_decode_attention(
     counts: torch.Tensor,
     scaling: float,
     span: int,
+    table: torch.Tensor | None = None,
+    page: int | None = None,
 ) -> torch.Tensor:
-    """The kernel's attention (module docstring): query [slots, H, r + d_rope] (absorbed); latent [slots, capacity, r]
-    (c: FP8 with `scales` [slots, capacity, r / group] float32, or the compute dtype with scales None); rope [slots,
-    capacity, d_rope]; counts [slots] (positions each slot reads, at most span) -> [slots, H, r] in query's dtype. The
-    last dimension of each cache tensor must be contiguous."""
+    """The kernel's attention (module docstring): query [slots, H, r + d_rope] (absorbed); latent [pages, page, r]
+    (c: FP8 with `scales` [pages, page, r / group] float32, or the compute dtype with scales None); rope [pages,
+    page, d_rope]; counts [slots] (positions each slot reads, at most span); table [slots, width] (int64, the pages
+    of each slot) -> [slots, H, r] in query's dtype. Without a table each slot is its own page: latent [slots,
+    capacity, r], and so on. The last dimension of each cache tensor must be contiguous."""
     slots, heads, width = query.shape
+    if table is None:
+        table, page = torch.arange(slots, device=query.device)[:, None], latent.shape[1]
     rank, rope_dim = latent.shape[-1], rope.shape[-1]
     if width != rank + rope_dim:
         raise ValueError(f"latent_decode_attention: query has {width} values a head, the cache {rank} + {rope_dim}")
@@ -179,12 +192,15 @@ def latent_decode_attention(
         latent,
         scale_tensor,
         rope,
+        table,
         counts,
         out,
         lse,
         heads,
         chunk,
         float(scaling),
+        page,
+        table.stride(0),
         query.stride(0),
         query.stride(1),
         latent.stride(0),

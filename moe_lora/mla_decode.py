@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -124,32 +125,70 @@ def _with_room(cached: torch.Tensor, new_states: torch.Tensor, capacity: int) ->
 FP8_GROUP = 128  # latent values sharing one scale (DeepSeek's FlashMLA FP8 cache: 4 tiles of 128 for kv_lora_rank 512)
 
 
+KV_PAGE_TOKENS = 64  # positions in a page of a paged SlotKVCache (a multiple of the kernel's 32-position blocks)
+
+
 class SlotKVCache(DynamicCache):
     """A fixed pool of `slots` rows for continuous batching, each with room for `capacity` positions: a row's cache
     lives in a slot from its prefill until it ends, and the next row's prefill then takes the slot. Per layer the
-    buffers hold what the two caches above hold (expanded keys and values, or the latent with an empty value),
-    [slots, H, capacity, d]; `lengths` [slots] counts each slot's cached positions. The live rows occupy the first
-    slots (`live`); a decode step writes each live slot's new position at its own length (`SlotLayer.update`) and
-    attends under `mask`: position p of slot s is seen when p <= lengths[s], up to `span` positions (the longest
-    live row's, so that attention reads no more than it needs). The engine fills slots from a prefill's cache
-    (`fill`), moves the last live slots into the holes of finished rows (`move`) and advances the lengths after
-    every decode forward (`advance`).
+    buffers hold what the two caches above hold (expanded keys and values, or the latent with an empty value) in
+    pages, [pages, H, page, d]; `table` [slots, capacity / page] names the page that holds each slot's positions
+    [j page, (j + 1) page), and `lengths` [slots] counts each slot's cached positions (`sizes` is the host's copy).
+    The live rows occupy the first slots (`live`); a decode step writes each live slot's new position at its own
+    length (`SlotLayer.update`) and attends under `mask`: position p of slot s is seen when p <= lengths[s], up to
+    `span` positions (the longest live row's, so that attention reads no more than it needs). The engine fills
+    slots from a prefill's cache (`fill`), moves the last live slots into the holes of finished rows (`move`) and
+    advances the lengths after every decode forward (`advance`, `grow`).
+
+    pages None: each slot is one page of `capacity` positions (page = capacity, table[s] = [s]): every slot can
+    hold a row at full length, and attention reads views of the buffers. pages N (rollout.kv_cache_tokens): N pages
+    of KV_PAGE_TOKENS positions shared by the slots, as vLLM's paged cache shares blocks, plus page 0, a scratch page
+    that every position no row owns maps to (a free slot's writes in a fixed-shape step, a prefill's right padding):
+    a slot takes pages as its row grows (`fill`, `reserve`) and gives them back when the row ends or is preempted
+    (`release`), so the pool holds as many rows as their actual lengths fit, not as many as fit at full length.
+    `can_admit` and `pages_short` say when the pages run out (the engine preempts then, allsync/engines/slots.py).
 
     fp8_rank r (rollout.kv_cache_dtype fp8; the latent only): each layer keeps the latent's first r values (c_s) in
     float8_e4m3fn with one float32 scale per FP8_GROUP of them, and k_rope_s as computed (`FP8LatentLayer`).
 
     kernel (rollout.attention_kernel triton; the latent only): a decode step attends with
-    moe_lora.latent_attention's kernel, each slot reading its own `counts` positions as stored, instead of the live
-    slots' buffers up to the span under `mask`."""
+    moe_lora.latent_attention's kernel, each slot reading its own `counts` positions as stored (through `table`),
+    instead of the live slots' buffers up to the span under `mask`."""
 
-    def __init__(self, slots: int, capacity: int, fp8_rank: int | None = None, kernel: bool = False):
+    def __init__(
+        self, slots: int, capacity: int, fp8_rank: int | None = None, kernel: bool = False, pages: int | None = None
+    ):
         super().__init__()
         self.slots, self.capacity, self.fp8_rank, self.kernel = slots, capacity, fp8_rank, kernel
+        self.paged = pages is not None
+        self.page = KV_PAGE_TOKENS if self.paged else capacity
+        self.page_count = pages + 1 if self.paged else slots  # buffer pages (the scratch page 0 when paged)
+        self.width = -(-capacity // self.page)  # table columns: the most pages a slot can hold
+        if self.paged and pages < self.width + 1:
+            raise ValueError(
+                f"a paged KV pool of {pages} pages of {self.page} positions cannot admit one row of {capacity:,} "
+                f"positions: it needs {self.width} pages and one to spare"
+            )
+        self.free = list(range(pages, 0, -1)) if self.paged else []  # free pages (pop() takes the lowest)
+        self.owned: list[list[int]] = [[] for _ in range(slots)]  # each slot's pages in order (paged)
+        self.owned_count = np.zeros(slots, dtype=np.int64)  # len(owned[s])
+        self.sizes = np.zeros(slots, dtype=np.int64)  # positions each slot holds (the host's copy of lengths; paged)
         self.lengths: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None
         self.live, self.span = 0, 0
         self.mask: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # kernel: positions each stepped slot reads
         self.latent = False  # the buffers hold the latent (filled from a LatentKVCache)
+
+    def _on(self, device: torch.device) -> None:
+        """lengths and table on `device` (at the first fill or restore)."""
+        if self.lengths is not None:
+            return
+        self.lengths = torch.zeros(self.slots, dtype=torch.long, device=device)
+        if self.paged:
+            self.table = torch.zeros(self.slots, self.width, dtype=torch.long, device=device)
+        else:
+            self.table = torch.arange(self.slots, device=device)[:, None]
 
     def new_layer(self, keys: torch.Tensor, values: torch.Tensor) -> "SlotLayer":
         """A layer for states shaped like keys [., H, ., d] and values [., H, ., d_v] (what this pool stores of them)."""
@@ -161,40 +200,100 @@ class SlotKVCache(DynamicCache):
         parts = [(keys.shape[1], keys.shape[-1], keys.dtype), (values.shape[1], values.shape[-1], values.dtype)]
         return SlotLayer(self, parts, keys.device)
 
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page)
+
+    def can_admit(self, positions: list[int], live: int) -> bool:
+        """Whether rows holding `positions` each (and the one each decode step writes next) fit the free pages with
+        one page to spare for each of the `live` rows there would be: vLLM's admission watermark, so that a row just
+        admitted is not the next step's preemption. Always, unpaged."""
+        if not self.paged:
+            return True
+        return sum(self.pages_for(p + 1) for p in positions) + live <= len(self.free)
+
+    def pages_short(self, live: int) -> int:
+        """Pages the first `live` slots' next positions need beyond the free ones (> 0: preempt; 0 unpaged)."""
+        if not self.paged:
+            return 0
+        return int((self.sizes[:live] >= self.owned_count[:live] * self.page).sum()) - len(self.free)
+
+    def reserve(self, live: int) -> None:
+        """Pages for the position each of the first `live` slots writes next (before a decode step)."""
+        if self.paged:
+            full = np.flatnonzero(self.sizes[:live] >= self.owned_count[:live] * self.page)
+            self._take({int(s): int(self.sizes[s]) + 1 for s in full})
+
+    def _take(self, positions: dict[int, int]) -> None:
+        """Slot s owns pages for its first positions[s] positions (one table write for all new pages)."""
+        if not self.paged:
+            return
+        new = []
+        for slot, count in positions.items():
+            owned = self.owned[slot]
+            while len(owned) * self.page < count:
+                new.append((slot, len(owned), self.free[-1]))
+                owned.append(self.free.pop())
+            self.owned_count[slot] = len(owned)
+        if new:
+            where = torch.tensor([(s, j) for s, j, _ in new], device=self.table.device).T
+            self.table[where[0], where[1]] = torch.tensor([p for _, _, p in new], device=self.table.device)
+
+    def release(self, slots: list[int]) -> None:
+        """These slots' rows are gone (ended or preempted): their pages go back to the free list and their table
+        rows to the scratch page."""
+        if not self.paged or not slots:
+            return
+        for slot in slots:
+            self.sizes[slot] = 0
+            self.free.extend(reversed(self.owned[slot]))
+            self.owned[slot] = []
+            self.owned_count[slot] = 0
+        self.table[torch.tensor(slots, device=self.table.device)] = 0
+
+    def grow(self, live: int) -> None:
+        """The host's sizes after a decode step of the first `live` slots (advance is the device's)."""
+        self.sizes[:live] += 1
+
     def fill(self, start: int, source: DynamicCache, which: torch.Tensor, lengths: torch.Tensor) -> None:
         """Slots start, start + 1, ... get rows `which` of a prefill's cache (ExpandedKVCache or LatentKVCache of
         right-padded prompts: a row's positions [0, lengths) are its own) and those lengths."""
         self.latent = isinstance(source, LatentKVCache)
+        self._on(lengths.device)
         width = source.get_seq_length()
         end = start + len(which)
+        sizes = lengths.tolist()
+        self.sizes[start:end] = sizes
+        self._take(dict(zip(range(start, end), sizes)))
+        slots = torch.arange(start, end, device=lengths.device)
+        positions = torch.arange(width, device=lengths.device)
         for index, layer in enumerate(source.layers):
             if index == len(self.layers):
                 self.layers.append(self.new_layer(layer.keys, layer.values))
-            self.layers[index].write(
-                (slice(start, end), slice(None), slice(0, width)), layer.keys[which], layer.values[which]
-            )
-        if self.lengths is None:
-            self.lengths = torch.zeros(self.slots, dtype=torch.long, device=lengths.device)
+            self.layers[index].write(slots, positions, layer.keys[which], layer.values[which])
         self.lengths[start:end] = lengths
 
     def saved(self, slot: int, length: int) -> "SavedRow":
         """A copy of slot `slot`'s first `length` positions, every layer, as stored (for `restore` in a later pool)."""
+        pages = self.table[slot, : self.pages_for(length)]
         return SavedRow(
-            [tuple(b[slot, :, :length].clone() for b in layer.buffers) for layer in self.layers], self.latent
+            [tuple(layer.gather(b, pages[None], length)[0].clone() for b in layer.buffers) for layer in self.layers],
+            self.latent,
         )
 
     def restore(self, start: int, rows: list["SavedRow"]) -> None:
         """Slots start, start + 1, ... get the positions `rows` saved (`saved`), and their lengths."""
         self.latent = rows[0].latent
+        device = rows[0].buffers[0][0].device
+        self._on(device)
+        self.sizes[start : start + len(rows)] = [row.length for row in rows]
+        self._take({slot: row.length for slot, row in enumerate(rows, start)})
         for index, parts in enumerate(rows[0].buffers):
             if index == len(self.layers):
                 self.layers.append(self.restored_layer(parts))
             layer = self.layers[index]
             for slot, row in enumerate(rows, start):
-                for buffer, part in zip(layer.buffers, row.buffers[index]):
-                    buffer[slot, :, : row.length] = part
-        if self.lengths is None:
-            self.lengths = torch.zeros(self.slots, dtype=torch.long, device=rows[0].buffers[0][0].device)
+                positions = torch.arange(row.length, device=device)
+                layer.store(torch.tensor([slot], device=device), positions, [p[None] for p in row.buffers[index]])
         self.lengths[start : start + len(rows)] = torch.tensor([row.length for row in rows])
 
     def restored_layer(self, parts: tuple[torch.Tensor, ...]) -> "SlotLayer":
@@ -206,14 +305,23 @@ class SlotKVCache(DynamicCache):
         return SlotLayer(self, [(p.shape[0], p.shape[-1], p.dtype) for p in parts], parts[0].device)
 
     def move(self, sources: list[int], targets: list[int], span: int) -> None:
-        """Slot targets[i] takes slot sources[i]'s first `span` positions (at least what they hold) and length."""
+        """Slot targets[i] takes slot sources[i]'s row (its first `span` positions, at least what it holds) and length;
+        the targets were released. Paged, the pages change hands (table rows); unpaged, the positions are copied."""
         if not sources:
             return
         src = torch.tensor(sources, device=self.lengths.device)
         dst = torch.tensor(targets, device=self.lengths.device)
-        for layer in self.layers:
-            for buffer in layer.buffers:
-                buffer[dst, :, :span] = buffer[src, :, :span]
+        if self.paged:
+            self.table[dst] = self.table[src]
+            self.table[src] = 0
+        else:
+            for layer in self.layers:
+                for buffer in layer.buffers:
+                    buffer[dst, :, :span] = buffer[src, :, :span]
+        for s, t in zip(sources, targets):
+            self.sizes[t], self.sizes[s] = self.sizes[s], 0
+            self.owned[t], self.owned[s] = self.owned[s], []
+            self.owned_count[t], self.owned_count[s] = self.owned_count[s], 0
         self.lengths[dst] = self.lengths[src]
 
     def begin_step(self, live: int, span: int, live_slots: torch.Tensor | None = None) -> None:
@@ -254,43 +362,71 @@ class SavedRow:
 
 
 class SlotLayer(DynamicLayer):
-    """One layer of a SlotKVCache: one buffer [slots, H, capacity, d] per (H, d, dtype) of `parts` (keys and values,
+    """One layer of a SlotKVCache: one buffer [pages, H, page, d] per (H, d, dtype) of `parts` (keys and values,
     shaped like a prefill layer's)."""
 
     def __init__(self, pool: SlotKVCache, parts: list[tuple[int, int, torch.dtype]], device: torch.device):
         super().__init__()
         self.pool = pool
         self.buffers = tuple(
-            torch.zeros(pool.slots, heads, pool.capacity, dim, dtype=dtype, device=device)
+            torch.zeros(pool.page_count, heads, pool.page, dim, dtype=dtype, device=device)
             for heads, dim, dtype in parts
         )
         self.dtype, self.device, self.is_initialized = parts[0][2], device, True
         self.keys, self.values = self.buffers[0], self.buffers[-1]
 
-    def write(self, index: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Positions buffer[index] (index over [slots, H, capacity]) get these keys and values."""
-        self.buffers[0][index] = keys
-        self.buffers[1][index] = values
+    def stored(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """What the buffers keep of keys and values ([n, H, w, d] each): themselves."""
+        return [keys, values]
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Positions `positions` [w] (or [n, w]) of slots `slots` [n] get these keys and values [n, H, w, d]."""
+        self.store(slots, positions, self.stored(keys, values))
+
+    def store(self, slots: torch.Tensor, positions: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Positions of slots (`write`) get `parts` as stored, [n, H, w, d_i] each: page table[s, p // page], place
+        p % page (a position no page of the slot holds: the scratch page)."""
+        pool = self.pool
+        positions = positions.expand(len(slots), -1) if positions.dim() == 1 else positions
+        pages = pool.table[slots[:, None], positions // pool.page]
+        places = positions % pool.page
+        for buffer, part in zip(self.buffers, parts):
+            buffer[pages, :, places] = part.transpose(1, 2)
+
+    def gather(self, buffer: torch.Tensor, pages: torch.Tensor, span: int) -> torch.Tensor:
+        """[n, H, span, d]: the first `span` positions held by `pages` [n, span / page] (each row a slot's pages in
+        order) of `buffer`."""
+        rows = buffer[pages]  # [n, pages, H, page, d]
+        return rows.transpose(1, 2).flatten(2, 3)[:, :, :span]
+
+    def read_buffers(self, live: int, span: int) -> list[torch.Tensor]:
+        """Every buffer's first `live` slots up to `span` positions: views of an unpaged pool, gathered pages of a
+        paged one."""
+        if not self.pool.paged:
+            return [b[:live, :, :span] for b in self.buffers]
+        pages = self.pool.table[:live, : self.pool.pages_for(span)]
+        return [self.gather(b, pages, span) for b in self.buffers]
 
     def read(self, live: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `live` slots' keys and values up to `span` positions, as attention reads them."""
-        return self.buffers[0][:live, :, :span], self.buffers[1][:live, :, :span]
+        keys, values = self.read_buffers(live, span)
+        return keys, values
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Each live slot's one new position (key_states [live, H, 1, d]) written at its own length."""
         pool = self.pool
         slots = torch.arange(pool.live, device=key_states.device)
-        self.write((slots, slice(None), pool.lengths[: pool.live]), key_states[:, :, 0], value_states[:, :, 0])
+        self.write(slots, pool.lengths[: pool.live, None], key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """`append`, then the live slots' keys and values up to the span."""
         self.append(key_states, value_states)
         return self.read(self.pool.live, self.pool.span)
 
-    def stored_latent(self, live: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The first `live` slots' latent as stored, for moe_lora.latent_attention: (c [live, capacity, r], None,
-        k_rope [live, capacity, d_rope]) of a latent pool (its keys buffer holds [c ; k_rope]; r = kv_lora_rank)."""
-        latent = self.buffers[0][:live, 0]
+    def stored_latent(self, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The pool's latent as stored, by page, for moe_lora.latent_attention: (c [pages, page, r], None,
+        k_rope [pages, page, d_rope]) of a latent pool (its keys buffer holds [c ; k_rope]; r = kv_lora_rank)."""
+        latent = self.buffers[0][:, 0]
         return latent[..., :rank], None, latent[..., rank:]
 
     def get_seq_length(self) -> int:
@@ -309,23 +445,22 @@ class FP8LatentLayer(SlotLayer):
         group = fp8_group(rank)
         super().__init__(pool, [(1, rank, FP8_DTYPE), (1, rank // group, torch.float32), (1, rope, dtype)], device)
         self.rank, self.group, self.dtype = rank, group, dtype  # dtype: what `read` gives attention
-        self.empty_values = torch.zeros(pool.slots, 1, pool.capacity, 0, dtype=dtype, device=device)
+        self.empty_values = torch.zeros(pool.slots, 1, pool.capacity, 0, dtype=dtype, device=device)  # [slots, ...]
         self.values = self.empty_values
 
-    def write(self, index: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def stored(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """(c in FP8, its scales, k_rope) of the latent keys [n, 1, w, r + d_rope]."""
         quantized, scales = fp8_quantize(keys[..., : self.rank], self.group)
-        self.buffers[0][index] = quantized
-        self.buffers[1][index] = scales
-        self.buffers[2][index] = keys[..., self.rank :]
+        return [quantized, scales, keys[..., self.rank :]]
 
-    def stored_latent(self, live: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(c in FP8 [live, capacity, r], its scales [live, capacity, r / group], k_rope [live, capacity, d_rope])."""
-        return tuple(b[:live, 0] for b in self.buffers)
+    def stored_latent(self, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(c in FP8 [pages, page, r], its scales [pages, page, r / group], k_rope [pages, page, d_rope])."""
+        return tuple(b[:, 0] for b in self.buffers)
 
     def read(self, live: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The live slots' latent up to `span` in the compute dtype, [live, 1, span, r + d_rope]: c = q a written into
         its first r values, k_rope copied after them (no concatenation)."""
-        quantized, scales, rope = (b[:live, :, :span] for b in self.buffers)
+        quantized, scales, rope = self.read_buffers(live, span)
         latent = rope.new_empty(*rope.shape[:-1], self.rank + rope.shape[-1])
         fp8_dequantize(quantized, scales, self.group, self.dtype, out=latent[..., : self.rank])
         latent[..., self.rank :] = rope
@@ -403,10 +538,12 @@ def mla_decode_forward(
         query, up_v = absorbed_query(attn, q_pass, q_rot)
         out_latent = latent_decode_attention(
             query[:, :, 0],
-            *layer.stored_latent(batch_size, attn.kv_lora_rank),
+            *layer.stored_latent(attn.kv_lora_rank),
             past_key_values.counts,
             attn.scaling,
             past_key_values.span,
+            table=past_key_values.table[:batch_size],
+            page=past_key_values.page,
         )
         attn_output = up_v.expand(out_latent[:, :, None]).transpose(1, 2).reshape(batch_size, seq_length, -1)
         return attn.o_proj(attn_output), None

@@ -27,6 +27,7 @@ decides when the stream stops; the rows still queued or live then are dropped (f
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -197,6 +198,7 @@ def decode_in_slots(
     fp8_rank: int | None = None,
     kernel: bool = False,
     source: RowSource | None = None,
+    pages: int | None = None,
 ) -> Decoded:
     """Sample one response to each of `rows` (prompts, consecutive equal ones prefilled once) with `slots` KV slots
     (module docstring). seeds [rows] int64: each row's sampling stream. expanded: the slots hold expanded MLA keys
@@ -209,7 +211,9 @@ def decode_in_slots(
     (SlotKVCache; with expanded False). kernel: decode steps attend with moe_lora.latent_attention's kernel (SlotKVCache;
     with expanded False). source: a RowSource whose rows are appended to `rows` (their seeds to `seeds`) as they
     arrive; the loop then ends when it says stop (under lockstep, once no rank has rows left), `rows` holding every row
-    it gave."""
+    it gave. pages: the slots share this many KV pages (SlotKVCache's paged pool, rollout.kv_cache_tokens), taken as
+    rows grow: a row is admitted when its positions fit the free pages with one to spare per live row, and when a
+    decode step's rows need more pages than are free, the latest admitted live rows are preempted (`preempt`)."""
     device = model.device
     total, limit = len(rows), sampling.max_new_tokens
     if limit < 1 and source is None:
@@ -223,16 +227,19 @@ def decode_in_slots(
     capacity = source.capacity if source is not None else max(map(len, rows), default=1) + limit
     if fixed_step is not None and lockstep is not None:  # every rank's MoE layers take the same T = slots, and the
         # ranks agree on each step's span, which must fit every rank's pool
-        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank, kernel)
+        pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank, kernel, pages)
     else:
         most = total if source is None else source.most_rows
-        pool = SlotKVCache(max(min(slots, most), 1), capacity, fp8_rank, kernel)
+        pool = SlotKVCache(max(min(slots, most), 1), capacity, fp8_rank, kernel, pages)
     live: list[int] = []  # live[i]: the row in slot i (on the device: live_rows)
     live_rows = torch.zeros(0, dtype=torch.long, device=device)
     last = torch.zeros(0, dtype=torch.long, device=device)  # each live slot's last token
     longest = 0  # the most positions a live slot holds
     out = Decoded([], [], [], 0, 0, 0, [], [])
-    resumed = resumed or {}
+    resumed = dict(resumed or {})
+    preempted: dict[int, int] = {}  # a preempted row -> the positions it held (recomputed at its next prefill)
+    admitted: dict[int, int] = {}  # a live row -> when it was admitted (the latest goes first when pages run out)
+    admissions = itertools.count()
     step = fixed_step(model, pool, sampling) if fixed_step is not None else None
     every_slot = torch.arange(pool.slots, device=device)
 
@@ -267,9 +274,7 @@ def decode_in_slots(
         return torch.stack([chosen == eos_id, counts[index] >= limit])
 
     def finish(ended: list[list[int]]) -> None:
-        """Free the slots of the live rows that ended (ended: [eos, limit, positions held] per live slot); the last
-        live slots move into the holes, so the live rows stay the first slots."""
-        nonlocal live, live_rows, last, longest
+        """Free the slots of the live rows that ended (ended: [eos, limit, positions held] per live slot)."""
         eos, full, held = ended
         gone = [i for i in range(len(live)) if eos[i] or full[i]]
         for i in gone:
@@ -278,10 +283,19 @@ def decode_in_slots(
                 out.saved[live[i]] = pool.saved(i, held[i])
         if source is not None and gone:
             source.ended([live[i] for i in gone], result)
+        vacate(gone, held)
+
+    def vacate(gone: list[int], held: list[int]) -> None:
+        """Free slots `gone` (live slot indices; held: positions per live slot): the last live slots move into the
+        holes, so the live rows stay the first slots."""
+        nonlocal live, live_rows, last, longest
         stay = len(live) - len(gone)
+        for i in gone:
+            admitted.pop(live[i], None)
         gone_set = set(gone)
         holes = [i for i in gone if i < stay]
         movers = [i for i in range(stay, len(live)) if i not in gone_set]
+        pool.release(gone)
         if holes:
             pool.move(movers, holes, max(held[m] for m in movers))
             src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
@@ -290,6 +304,35 @@ def decode_in_slots(
                 live[h], held[h] = live[m], held[m]
         live, live_rows, last = live[:stay], live_rows[:stay], last[:stay]
         longest = max(held[:stay], default=0)
+
+    def preempt() -> None:
+        """While the live rows' next positions need more pages than are free, the latest admitted live row leaves
+        its slot and goes back to the front of the queue with the tokens it has (vLLM's recompute preemption: its
+        next prefill is its prompt and those tokens; its draws continue where they were, being counted per token)."""
+        while pool.pages_short(len(live)) > 0:
+            i = max(range(len(live)), key=lambda j: admitted[live[j]])
+            row = live[i]
+            preempted[row] = int(pool.sizes[i])
+            resumed.pop(row, None)
+            queue.appendleft(row)
+            vacate([i], [int(n) for n in pool.sizes[: len(live)]])
+        pool.reserve(len(live))
+
+    def prompt_of(row: int) -> list[int]:
+        """What a row's prefill computes: its prompt, and for a preempted row the tokens it had."""
+        if row in preempted:
+            return rows[row] + tokens[row, : int(counts[row])].tolist()
+        return rows[row]
+
+    def admissible(room: int) -> int:
+        """How many rows at the front of the queue take a slot now: at most `room`, as many as the pool's pages
+        admit (SlotKVCache.can_admit)."""
+        held = []
+        for r in list(queue)[:room]:  # a preempted row's prefill: the positions it held and the token it sampled last
+            held.append(resumed[r].length if r in resumed else preempted[r] + 1 if r in preempted else len(rows[r]))
+            if not pool.can_admit(held, len(live) + len(held)):
+                return len(held) - 1
+        return len(held)
 
     def serve_other_ranks() -> None:
         """A one-token forward, so that this rank's MoE layers take part in the other ranks' all-to-alls. With a
@@ -337,7 +380,7 @@ def decode_in_slots(
                 new_rows, new_seeds = source.more(len(queue), pool.slots - len(live))
                 if new_rows:
                     extend(new_rows, new_seeds)
-        admit = min(len(queue), pool.slots - len(live))
+        admit = admissible(min(len(queue), pool.slots - len(live)))
         if lockstep is not None:
             agreed = lockstep.max_over_ranks(2 * int(admit > 0) + int(admit > 0 or bool(live)))
             any_admit, any_live = agreed >= 2, agreed >= 1
@@ -349,6 +392,7 @@ def decode_in_slots(
             break
         if admit:
             taken = [queue.popleft() for _ in range(admit)]
+            admitted.update((r, next(admissions)) for r in taken)
             back, new = [r for r in taken if r in resumed], [r for r in taken if r not in resumed]
             if back:  # saved positions into slots: fed their last token at this iteration's decode step
                 pool.restore(len(live), [resumed[r] for r in back])
@@ -357,7 +401,8 @@ def decode_in_slots(
                 live, live_rows, last = live + back, torch.cat([live_rows, index]), torch.cat([last, last_tokens])
                 longest = max(longest, *(resumed[r].length for r in back))
         if admit and new:
-            distinct, repeats = runs_of_equal([rows[r] for r in new])
+            prompts = [prompt_of(r) for r in new]
+            distinct, repeats = runs_of_equal(prompts)
             ids, lengths = right_pad(distinct, pad_id, device)
             cache = (ExpandedKVCache if expanded else LatentKVCache)(reserve=0)
             call = calls()
@@ -375,15 +420,20 @@ def decode_in_slots(
             index = torch.tensor(new, device=device)
             chosen, chosen_lp = sample_rows(scores[which], seeds[index], counts[index], sampling)
             ended = take(index, chosen, chosen_lp)
-            out.prefills.append((call, new, which.tolist(), ids.shape[1]))
+            # the positions whose routing this prefill records first: a preempted row's last one (the rest were
+            # recorded before it was preempted)
+            spans = [(preempted[r], preempted.pop(r) + 1) if r in preempted else (0, len(rows[r])) for r in new]
+            out.prefills.append((call, new, which.tolist(), ids.shape[1], spans))
             out.positions += ids.numel()
-            held = [longest] * len(live) + [len(rows[r]) for r in new]
+            held = [longest] * len(live) + [len(p) for p in prompts]
             flags = [[False] * len(live) + f for f in ended.tolist()]
             live, live_rows, last = live + new, torch.cat([live_rows, index]), torch.cat([last, chosen])
             longest = max(held)
             finish([*flags, held])  # rows whose first token ended them
         elif any_admit and lockstep is not None:  # lockstep: serve the other ranks' prefill
             serve_other_ranks()
+        if live:
+            preempt()
         if live:
             call = calls()
             if step is None:
@@ -397,6 +447,7 @@ def decode_in_slots(
             out.decode_slots += pool.slots
             out.decoded_tokens += len(live)
             last = chosen
+            pool.grow(len(live))
             finish(torch.cat([ended.long(), pool.lengths[None, : len(live)]]).tolist())
         elif any_live and lockstep is not None:  # lockstep: serve the other ranks' decode step
             serve_other_ranks() if step is None else fixed_shape_decode()

@@ -37,7 +37,7 @@ import torch
 from allsync.engines.graphs import graphed_step
 from allsync.engines.slots import decode_in_slots
 from moe_lora.lora import lora_merged, lora_modules
-from moe_lora.mla_decode import expanded_cache_fits, install_mla_decode
+from moe_lora.mla_decode import KV_PAGE_TOKENS, expanded_cache_fits, install_mla_decode
 from moe_lora.routing import moe_layers, recording
 
 DEFAULT_DECODE_BATCH = 64  # rows decoded together when rollout.decode_batch is not set
@@ -95,6 +95,7 @@ class TorchEngine:
         kv_cache_dtype: str = "auto",
         attention_kernel: str = "torch",
         frozen_expert_kernel: str = "dequantize",
+        kv_cache_tokens: int | None = None,
     ):
         """batch_size (rollout.decode_batch): KV slots, samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
@@ -103,12 +104,15 @@ class TorchEngine:
         (moe_lora.mla_decode.FP8LatentLayer; the latent cache even where the expanded one would be smaller).
         attention_kernel (rollout.attention_kernel): triton attends to the latent slots with moe_lora.latent_attention's
         kernel, each slot's own positions as stored. frozen_expert_kernel (rollout.frozen_expert_kernel): triton
-        multiplies the routed experts of the fixed-shape step with quant.fused_experts' kernel, reading their NF4."""
+        multiplies the routed experts of the fixed-shape step with quant.fused_experts' kernel, reading their NF4.
+        kv_cache_tokens (rollout.kv_cache_tokens): the slots share that many positions in pages (None: each slot room
+        for a row at full length)."""
         if decode_graphs:
             check_graphable(model)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.decode_graphs = decode_graphs
         self.batch_size = batch_size or DEFAULT_DECODE_BATCH
+        self.kv_pages = -(-kv_cache_tokens // KV_PAGE_TOKENS) if kv_cache_tokens is not None else None
         self.lockstep = lockstep
         self.merge_lora = merge_lora
         self.adapter_version = 0
@@ -235,6 +239,7 @@ class TorchEngine:
                 self.kv_fp8_rank,
                 self.attention_kernel,
                 source,
+                self.kv_pages,
             )
         self.model.train(was_training)
         self.positions += decoded.positions
@@ -323,27 +328,47 @@ def sample_routing(record, rows: list[list[int]], decoded, known: dict | None = 
     prompt's positions in its prefill's call (right-padded distinct prompts, `width` positions each; a resumed
     row's prompt but its last token from `known`, what an earlier call recorded), then the call of every decode
     forward it was live in (its slot's entry: the token it was fed, response token s - 1 at its s-th forward); the
-    last response token is never fed. A row never prefilled (dropped from a streamed call's queue) gets None."""
-    prompt_part: list = [None] * len(rows)
+    last response token is never fed. A row preempted and prefilled again (a paged pool, decode_in_slots) records its
+    last held position in that prefill, between the decode forwards before and after it. A row never prefilled
+    (dropped from a streamed call's queue) gets None."""
+    first: list = [None] * len(rows)
     for r, routing in (known or {}).items():
-        prompt_part[r] = routing
-    for call, new, which, width in decoded.prefills:
+        first[r] = routing
+    again: dict[int, list] = {}  # row -> [(call, the position a repeated prefill recorded)]
+    for call, new, which, width, spans in decoded.prefills:
         entries = record.call(call)
         entries = entries.view(-1, width, *entries.shape[1:])
-        for r, d in zip(new, which):
-            prompt_part[r] = entries[d, : len(rows[r])]
-    shape = next((p for p in prompt_part if p is not None), None)
+        for r, d, (start, end) in zip(new, which, spans):
+            if first[r] is None:
+                first[r] = entries[d, start:end]
+            else:
+                again.setdefault(r, []).append((call, entries[d, start:end]))
+    shape = next((p for p in first if p is not None), None)
     if shape is None:  # no row was prefilled (a streamed call stopped before any)
         return [None] * len(rows)
     fed = [torch.zeros(0, *shape.shape[1:], dtype=shape.dtype)] * len(rows)
+    fed_calls = [torch.zeros(0, dtype=torch.long)] * len(rows)
     if decoded.decodes:
         # a fixed-shape step records every slot: the live ones are the first
         entries = torch.cat([record.call(call)[: len(live)] for call, live in decoded.decodes]).cpu()
         owner = torch.tensor([r for _, live in decoded.decodes for r in live])
+        calls = torch.tensor([call for call, live in decoded.decodes for _ in live])
         order = torch.argsort(owner, stable=True)  # each row's entries, in the order of its forwards
-        fed = list(torch.split(entries[order], torch.bincount(owner, minlength=len(rows)).tolist()))
-    # a streamed call's row dropped before its prefill has none
-    return [torch.cat([prompt_part[r].cpu(), fed[r]]) if prompt_part[r] is not None else None for r in range(len(rows))]
+        counts = torch.bincount(owner, minlength=len(rows)).tolist()
+        fed = list(torch.split(entries[order], counts))
+        fed_calls = list(torch.split(calls[order], counts))
+    out = []
+    for r in range(len(rows)):
+        if first[r] is None:  # a streamed call's row dropped before its prefill has none
+            out.append(None)
+            continue
+        pieces, done = [first[r].cpu()], 0
+        for call, entry in again.get(r, []):  # the decode forwards before that prefill, then its position
+            before = int((fed_calls[r] < call).sum())
+            pieces += [fed[r][done:before], entry.cpu()]
+            done = before
+        out.append(torch.cat([*pieces, fed[r][done:]]))
+    return out
 
 
 # Settings of a checkpoint's generation_config that would make transformers' generate() sample from something

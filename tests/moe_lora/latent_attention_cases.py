@@ -22,7 +22,8 @@ def kernel_matches_reference(device: str = "cpu") -> None:
     """Slots of 1, all and some positions (splits past a slot's count read nothing), heads not a multiple of 16, a
     rank and rotary width that are not powers of two and DeepSeek-V3's 512 + 64; the latent in the compute dtype and
     in FP8 (each compared with the FP8 values dequantized as the torch path reads them); float32 to 1e-5 of the
-    output's scale, bfloat16 within its rounding."""
+    output's scale, bfloat16 within its rounding; the same cache in shuffled pages read through a block table: the
+    same output, bit for bit."""
     gen = torch.Generator().manual_seed(0)
     for heads, capacity, rank, rope, counts in ((20, 70, 96, 24, [1, 70, 33]), (16, 600, 512, 64, [5, 600, 131, 257])):
         slots = len(counts)
@@ -44,6 +45,28 @@ def kernel_matches_reference(device: str = "cpu") -> None:
                 assert out.dtype == dtype and out.shape == (slots, heads, rank)
                 error = float((out.float() - want).abs().max() / want.abs().max())
                 assert error < tolerance, (heads, rank, dtype, fp8, error)
+                stored = (quantized, scales, cache[..., rank:]) if fp8 else (cache[..., :rank], None, cache[..., rank:])
+                assert torch.equal(paged(q, stored, counts, capacity, gen), out), (heads, rank, dtype, fp8)
+
+
+def paged(query, stored, counts, capacity, gen, page: int = 64):
+    """The kernel over the same positions scattered into pages of `page` positions in a shuffled order, read through
+    a block table (a paged SlotKVCache's layout, page 0 unused as its scratch page)."""
+    slots = query.shape[0]
+    width = -(-capacity // page)
+    order = torch.randperm(slots * width, generator=gen) + 1
+    table = order.view(slots, width).to(query.device)
+    pages = []
+    for part in stored:
+        if part is None:
+            pages.append(None)
+            continue
+        padded = torch.zeros(slots, width * page, part.shape[-1], dtype=part.dtype, device=part.device)
+        padded[:, :capacity] = part
+        buffer = torch.zeros(slots * width + 1, page, part.shape[-1], dtype=part.dtype, device=part.device)
+        buffer[table.flatten()] = padded.view(slots * width, page, -1)
+        pages.append(buffer)
+    return latent_decode_attention(query, *pages, counts, 0.07, capacity, table=table, page=page)
 
 
 def twelve_rows(checkpoint: str, device: str):
@@ -72,7 +95,7 @@ def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> No
 
     model, rows, seeds, sampling, eos = twelve_rows(checkpoint, device)
 
-    def decoded(kernel: bool, fp8: bool, fixed_step):
+    def decoded(kernel: bool, fp8: bool, fixed_step, pages=None):
         out = decode_in_slots(
             model,
             rows,
@@ -85,6 +108,7 @@ def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> No
             fixed_step=fixed_step,
             fp8_rank=512 if fp8 else None,
             kernel=kernel,
+            pages=pages,
         )
         return out.tokens, out.logprobs, out.reasons
 
@@ -92,3 +116,8 @@ def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> No
         torch_path = decoded(False, fp8, None)
         assert len({len(t) for t in torch_path[0]}) >= 3
         assert_same_rows(decoded(True, fp8, fixed_step), torch_path, atol=2e-5)
+        if not fp8:
+            # a paged pool (rollout.kv_cache_tokens): 4 pages for 3 slots admit two rows at a time, the kernel reading
+            # through the block table (a fixed-shape step's free slot its scratch page). Not in FP8, where other
+            # batches' float rounding moves latent values across FP8 steps and logprobs by ~1e-3
+            assert_same_rows(decoded(True, fp8, FixedShapeStep, pages=4), torch_path, atol=2e-5)

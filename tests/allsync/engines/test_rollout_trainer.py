@@ -99,12 +99,12 @@ def assert_same_rows(got, want, atol):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
 
 
-def decode(model, rows, seeds, sampling, eos_id, slots, expanded):
+def decode(model, rows, seeds, sampling, eos_id, slots, expanded, pages=None):
     from allsync.engines.slots import decode_in_slots
     from moe_lora.mla_decode import install_mla_decode
 
     install_mla_decode(model)
-    out = decode_in_slots(model, rows, seeds, sampling, eos_id, 2, slots, expanded)
+    out = decode_in_slots(model, rows, seeds, sampling, eos_id, 2, slots, expanded, pages=pages)
     return out.tokens, out.logprobs, out.reasons
 
 
@@ -174,6 +174,53 @@ def test_each_row_samples_what_it_samples_alone(model):
     alone = [decode(model, [r], seeds[i : i + 1], sampling, eos, slots=1, expanded=True) for i, r in enumerate(rows)]
     assert_same_rows(pooled, tuple([x for a in alone for x in a[k]] for k in range(3)), atol=2e-5)
     assert_same_rows(pooled, reference_samples(model, rows, seeds, sampling, eos), atol=2e-5)
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_a_paged_pool_preempts_and_each_row_samples_what_it_samples_alone(model, expanded):
+    """Issue 48 (rollout.kv_cache_tokens): 4 slots sharing 4 pages of 64 positions, rows of up to 3 pages: at most
+    two rows fit at once, and rows are preempted when their next page is not free, then prefilled again with the
+    tokens they had. Each row's tokens, logprobs and finish reason equal the unpaged pool's (every slot at full
+    length), whose rows each equal a solo decode (test above)."""
+    from allsync.engines.slots import decode_in_slots
+    from moe_lora.mla_decode import install_mla_decode
+
+    install_mla_decode(model)
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
+    rows = [p for p in prompts for _ in range(2)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=150)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(4))
+    unpaged = decode_in_slots(model, rows, seeds, sampling, 1, 2, 4, expanded)
+    paged = decode_in_slots(model, rows, seeds, sampling, 1, 2, 4, expanded, pages=4)
+    assert max(map(len, unpaged.tokens)) > 2 * 64  # rows take three pages
+    assert paged.positions > unpaged.positions  # preempted rows were prefilled again
+    assert_same_rows(
+        (paged.tokens, paged.logprobs, paged.reasons), (unpaged.tokens, unpaged.logprobs, unpaged.reasons), atol=2e-5
+    )
+
+
+def test_a_paged_engine_records_each_rows_routing_once_through_preemptions(model):
+    """A preempted row's routing (what the trainer replays) is its prompt's, then one entry per fed token, the one
+    its second prefill fed taken from that prefill: equal to the unpaged engine's, entry for entry."""
+    prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90]]
+    sampling = Sampling(temperature=1.0, max_new_tokens=150)
+    out = {}
+    for tokens in (None, 256):
+        engine = TorchEngine(model, eos_id=1, pad_id=2, batch_size=4, kv_cache_tokens=tokens)
+        torch.manual_seed(5)
+        out[tokens] = engine.generate(prompts, 2, sampling), engine.positions
+    (unpaged, unpaged_positions), (paged, paged_positions) = out[None], out[256]
+    assert paged_positions > unpaged_positions and paged.response_ids == unpaged.response_ids
+    assert [r.shape for r in paged.routing] == [r.shape for r in unpaged.routing]
+    assert all(torch.equal(a, b) for a, b in zip(paged.routing, unpaged.routing))
+
+
+def test_a_paged_pool_refuses_room_for_less_than_one_row():
+    from moe_lora.mla_decode import SlotKVCache
+
+    with pytest.raises(ValueError, match="cannot admit one row of 200 positions"):
+        SlotKVCache(4, 200, pages=4)
+    SlotKVCache(4, 200, pages=5)
 
 
 def test_generation_configs_that_change_the_sampled_distribution_are_refused():
