@@ -185,9 +185,8 @@ def streamed_chunks(run, sampling: Sampling, work: Workload, cost: DecodeCost) -
         needed = np.concatenate([waves[0] for waves in rounds])
         groups = needed if spare is None else np.concatenate([needed, spare])
         slots = run.rollout.decode_batch_size
-        finish = generation_timeline(
-            groups.ravel(), work.prompt_tokens, slot_room(slots, groups, work.prompt_tokens), cost, slots
-        )
+        room, headroom = torch_kv_room(run, groups, work.prompt_tokens)
+        finish = generation_timeline(groups.ravel(), work.prompt_tokens, room, cost, slots, headroom)
         out.append([[float(finish[: needed.size].max(initial=0.0))]])
     return out
 
@@ -259,13 +258,28 @@ def slot_room(slots: int, groups: np.ndarray, prompt_tokens: int) -> int:
     return (slots + 1) * (prompt_tokens + int(groups.max(initial=0)) + ADMISSION_HEADROOM_TOKENS)
 
 
+def torch_kv_room(run, groups: np.ndarray, prompt_tokens: int) -> tuple[int, int]:
+    """(KV room in tokens, admission headroom per running row) of the torch engine's slots: slot_room's when each
+    slot holds a row at full length; with rollout.kv_cache_tokens the pages the slots share (moe_lora.mla_decode.
+    SlotKVCache), less half a page per slot (a row's last page is half empty on average), a page of headroom a row
+    (the engine admits a row when its pages and one more per live row are free)."""
+    from moe_lora.mla_decode import KV_PAGE_TOKENS
+
+    slots, tokens = run.rollout.decode_batch_size, run.rollout.kv_cache_tokens
+    if tokens is None:
+        return slot_room(slots, groups, prompt_tokens), ADMISSION_HEADROOM_TOKENS
+    return tokens - slots * KV_PAGE_TOKENS // 2, KV_PAGE_TOKENS
+
+
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:
     """Seconds of generating `groups` ([groups, group_size] response lengths), continuous batching: vLLM's within
     its KV room, the torch engine's over rollout.decode_batch slots that each hold a sequence at full length (the
-    plan refuses a batch that does not fit), so it admits a row whenever a slot frees and never preempts."""
+    plan refuses a batch that does not fit), so it admits a row whenever a slot frees and never preempts, or that
+    share rollout.kv_cache_tokens in pages (`torch_kv_room`), preempting as vLLM does."""
     if run.rollout.engine == "torch":
+        room, headroom = torch_kv_room(run, groups, prompt_tokens)
         slots = run.rollout.decode_batch_size
-        return [generate(groups, prompt_tokens, slot_room(slots, groups, prompt_tokens), cost, max_sequences=slots)[0]]
+        return [generate(groups, prompt_tokens, room, cost, slots, headroom)[0]]
     return [generate(groups, prompt_tokens, kv_tokens, cost)[0]]
 
 
@@ -284,10 +298,15 @@ def round_chunks(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: 
 
 
 def generate(
-    groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost, max_sequences: int = 1024
+    groups: np.ndarray,
+    prompt_tokens: int,
+    kv_tokens: int,
+    cost: DecodeCost,
+    max_sequences: int = 1024,
+    headroom: int = ADMISSION_HEADROOM_TOKENS,
 ) -> tuple[float, np.ndarray]:
     """(seconds until the GPU's last response, each group's finish seconds sorted)."""
-    finish = generation_timeline(groups.ravel(), prompt_tokens, kv_tokens, cost, max_sequences)
+    finish = generation_timeline(groups.ravel(), prompt_tokens, kv_tokens, cost, max_sequences, headroom)
     finish = finish.reshape(groups.shape).max(axis=1)
     return float(finish.max()), np.sort(finish)
 

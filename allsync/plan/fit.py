@@ -217,6 +217,24 @@ def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[st
     }
 
 
+def paged_problems(rollout, kv_tokens: int, kv_token: int, sequence_tokens: int, problems: list[str]) -> None:
+    """rollout.kv_cache_tokens (the torch engine's slots sharing pages) against the generate phase's room and one
+    full-length row (moe_lora.mla_decode.SlotKVCache admits one when its pages and one more are free)."""
+    from moe_lora.mla_decode import KV_PAGE_TOKENS
+
+    tokens = rollout.kv_cache_tokens
+    if tokens > kv_tokens:
+        problems.append(
+            f"rollout.kv_cache_tokens {tokens:,} ({tokens * kv_token / 1e9:.1f} GB) is more than the generate phase "
+            f"leaves: room for {kv_tokens:,} tokens"
+        )
+    if tokens < sequence_tokens + KV_PAGE_TOKENS:
+        problems.append(
+            f"rollout.kv_cache_tokens {tokens:,} cannot admit one row of {sequence_tokens:,} tokens (prompt + "
+            f"rollout.max_new_tokens) and the page the engine keeps free"
+        )
+
+
 def tokens_per_forward(run, sequences: int, sequence_tokens: int) -> int:
     """The tokens of one training forward: optim.max_tokens_per_forward (a longer sequence is a forward of its own),
     or without a budget a minibatch's sequences at full length."""
@@ -276,7 +294,9 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
             f"({'an agent row at full length' if layout.row_tokens else 'prompt + rollout.max_new_tokens'}) "
             f"needs {generate / 1e9:.1f} GB, {(generate - usable) / 1e9:.1f} GB more than {margin}"
         )
-    if not vllm and r.decode_batch_size * sequence_tokens > kv_tokens:
+    if not vllm and r.kv_cache_tokens is not None:
+        paged_problems(r, kv_tokens, kv_token, sequence_tokens, problems)
+    elif not vllm and r.decode_batch_size * sequence_tokens > kv_tokens:
         problems.append(
             f"rollout.decode_batch {r.decode_batch_size} x {sequence_tokens:,} tokens of KV cache (the torch engine's "
             f"KV slots at full length) need {r.decode_batch_size * sequence_tokens * kv_token / 1e9:.1f} GB; the "

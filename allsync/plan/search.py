@@ -3,7 +3,8 @@
 Enumerated:
     engines                                        the config's and the other (torch: the trainer's own model, one
                                                    copy of the base, with and without rollout.decode_graphs, its
-                                                   rollout.decode_batch or as many KV slots as fit (at most 64),
+                                                   rollout.decode_batch or 64 KV slots, sharing the KV room in
+                                                   pages where 64 rows at full length do not fit,
                                                    its KV cache in the compute dtype and in FP8
                                                    (rollout.kv_cache_dtype); vLLM: its own copy or the trainer's
                                                    tensors)
@@ -89,7 +90,8 @@ class Candidate:
                 f"(EP {lay['trainer_expert_parallel']}{offload})"
             )
         fp8 = ", FP8" if lay.get("kv_cache") == "fp8" else ""
-        slots = f" ({lay['decode_batch']} KV slots{fp8})" if lay.get("decode_batch") else ""
+        paged = f" sharing {lay['kv_cache_tokens']:,} tokens" if lay.get("kv_cache_tokens") else ""
+        slots = f" ({lay['decode_batch']} KV slots{paged}{fp8})" if lay.get("decode_batch") else ""
         return f"engine {lay['engine']}{slots}, EP {lay['expert_parallel']}, colocation {lay['colocation']}{offload}"
 
     def to_json(self) -> dict:
@@ -103,12 +105,22 @@ def divisors(n: int, experts: int) -> list[int]:
 
 
 def planned_with_slots(run, model_config, layout: Layout, traces: RunTraces):
-    """(run, its plan on `layout`): the torch engine without rollout.decode_batch gets as many KV slots as fit, at
-    most DEFAULT_DECODE_BATCH (at least 1); any other run as it is."""
+    """(run, its plan on `layout`): the torch engine without rollout.decode_batch gets DEFAULT_DECODE_BATCH slots,
+    each with room for a row at full length where that many fit, else sharing the generate phase's KV room in pages
+    (rollout.kv_cache_tokens, whole pages; at least 1 slot where not one row fits); any other run as it is."""
+    from moe_lora.mla_decode import KV_PAGE_TOKENS
+
     plan = plan_run(run, model_config, layout, traces)
-    if run.rollout.engine == "torch" and run.rollout.decode_batch is None:
-        slots = max(min(DEFAULT_DECODE_BATCH, plan.sequences_at_once), 1)
-        run = replace(run, rollout=replace(run.rollout, decode_batch=slots))
+    r = run.rollout
+    if r.engine == "torch" and r.decode_batch is None:
+        if plan.sequences_at_once >= DEFAULT_DECODE_BATCH or r.kv_cache_tokens is not None:
+            r = replace(r, decode_batch=DEFAULT_DECODE_BATCH)
+        elif plan.kv_cache_tokens >= plan.sequence_tokens + KV_PAGE_TOKENS:
+            room = plan.kv_cache_tokens // KV_PAGE_TOKENS * KV_PAGE_TOKENS
+            r = replace(r, decode_batch=DEFAULT_DECODE_BATCH, kv_cache_tokens=room)
+        else:
+            r = replace(r, decode_batch=max(plan.sequences_at_once, 1))
+        run = replace(run, rollout=r)
         plan = plan_run(run, model_config, layout, traces)
     return run, plan
 
@@ -129,6 +141,7 @@ def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, wor
             described = {
                 "engine": run.rollout.engine,
                 "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
+                "kv_cache_tokens": here.rollout.kv_cache_tokens,
                 "kv_cache": run.rollout.kv_cache_dtype,
                 "gpus": gpus,
                 "expert_parallel": ep,
@@ -225,17 +238,25 @@ KV_CACHES = {"torch": ("auto", "fp8"), "vllm": ("auto",)}  # rollout.kv_cache_dt
 
 def with_engine(run, engine: str, kv_cache_dtype: str | None = None):
     """`run` generating with `engine`: the other engine's own settings back to their defaults (the torch engine's
-    decode_batch, decode_graphs, merge_lora, kv_cache_dtype and algorithm.old_logprobs engine; vLLM's
+    decode_batch, kv_cache_tokens, decode_graphs, merge_lora, kv_cache_dtype and algorithm.old_logprobs engine; vLLM's
     gpu_memory_utilization and sync_probe_tolerance); kv_cache_dtype given: that KV cache (the torch engine's)."""
     r, algorithm = run.rollout, run.algorithm
     if engine == "vllm" and engine != r.engine:
-        r = replace(r, engine=engine, decode_batch=None, decode_graphs=False, merge_lora=False, kv_cache_dtype="auto")
+        r = replace(
+            r,
+            engine=engine,
+            decode_batch=None,
+            kv_cache_tokens=None,
+            decode_graphs=False,
+            merge_lora=False,
+            kv_cache_dtype="auto",
+        )
         algorithm = replace(algorithm, old_logprobs="recompute")  # only the torch engine's are the trainer's
     elif engine != r.engine:
         r = replace(r, engine=engine, gpu_memory_utilization=None, sync_probe_tolerance=None)
     if kv_cache_dtype is not None and kv_cache_dtype != r.kv_cache_dtype:
-        # another cache holds another number of full-length slots: rollout.decode_batch as many as fit
-        r = replace(r, kv_cache_dtype=kv_cache_dtype, decode_batch=None)
+        # another cache holds another number of tokens: rollout.decode_batch and kv_cache_tokens as planned_with_slots
+        r = replace(r, kv_cache_dtype=kv_cache_dtype, decode_batch=None, kv_cache_tokens=None)
     return run if r is run.rollout else replace(run, rollout=r, algorithm=algorithm)
 
 

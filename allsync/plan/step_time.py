@@ -302,14 +302,19 @@ def decode_attention_flops_per_token(config: dict, latent: bool) -> float:
 
 
 def generation_timeline(
-    lengths, prompt_tokens: int, kv_capacity_tokens: int, cost: DecodeCost, max_sequences: int = 1024
+    lengths,
+    prompt_tokens: int,
+    kv_capacity_tokens: int,
+    cost: DecodeCost,
+    max_sequences: int = 1024,
+    headroom: int = ADMISSION_HEADROOM_TOKENS,
 ):
     """When each of one GPU's sequences (response `lengths`, prompts of `prompt_tokens`) finishes generating under
     continuous batching with `kv_capacity_tokens` of KV cache, as vLLM schedules it: sequences are admitted first
     come first served while their context fits, the cache fills as they grow, and when it is full the latest admitted
-    is preempted, goes back to the front of the queue (admission leaves ADMISSION_HEADROOM_TOKENS per running
-    sequence free, vLLM's block of 16 tokens, so a preempted sequence is not readmitted at once) and on readmission recomputes its context (a prefill of its
-    prompt and the tokens it had). Event-driven: between two events (a finish, a full cache, an admission) the batch
+    is preempted, goes back to the front of the queue (admission leaves `headroom` tokens per running sequence free:
+    vLLM's block of 16 tokens, the torch engine's page of 64, so a preempted sequence is not readmitted at once) and
+    on readmission recomputes its context (a prefill of its prompt and the tokens it had). Event-driven: between two events (a finish, a full cache, an admission) the batch
     is fixed and a decode step costs `cost.decode_step_seconds` at the interval's mean context. A fixed-shape step
     (`cost.fixed_shapes`, the torch engine's CUDA graphs: allsync.engines.slots.FixedShapeStep) steps every slot of its
     pool, P = min(max_sequences, sequences), free ones included, and each slot reads the span the longest live row
@@ -355,7 +360,7 @@ def generation_timeline(
         while (
             queue
             and len(active) < max_sequences
-            and used + prompt_tokens + done[queue[0]] + (len(active) + 1) * ADMISSION_HEADROOM_TOKENS
+            and used + prompt_tokens + done[queue[0]] + (len(active) + 1) * headroom
             <= kv_capacity_tokens
         ):
             i = queue.popleft()
