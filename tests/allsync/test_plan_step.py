@@ -176,11 +176,28 @@ def test_the_torch_engine_admits_a_row_whenever_one_of_its_slots_frees():
     admission a prefill; static batches of 2 would have taken 5 + 7 steps."""
     from allsync.plan.estimate import generate_chunks
 
-    run = SimpleNamespace(rollout=SimpleNamespace(engine="torch", decode_batch_size=2))
+    run = SimpleNamespace(rollout=SimpleNamespace(engine="torch", decode_batch_size=2, kv_cache_tokens=None))
     lengths = np.array([[5], [2], [7], [1]])
     seconds = generate_chunks(run, lengths, 10, 0, fixed_cost())
     prefill = 0.01
     assert seconds == pytest.approx([4 * prefill + 2 + 7])  # the last row ends at step 9, not 12
+
+
+def test_slots_sharing_pages_hold_rows_at_their_real_lengths():
+    """rollout.kv_cache_tokens (issue 48): rows of 500, 200, 700, 100 tokens after prompts of 100. 4 slots sharing
+    2,000 tokens in pages hold all four at once (their contexts never pass 1,200 together) and finish when 4
+    full-length slots (3,200 tokens) do, at step 700; 2 full-length slots take 900 steps. 4 slots sharing 1,000
+    tokens run out and preempt (a row prefilled again with its tokens): slower than 2,000, faster than 2 slots."""
+    from allsync.plan.estimate import generate_chunks
+
+    def seconds(slots, tokens=None):
+        run = SimpleNamespace(rollout=SimpleNamespace(engine="torch", decode_batch_size=slots, kv_cache_tokens=tokens))
+        return generate_chunks(run, np.array([[500], [200], [700], [100]]), 100, 0, fixed_cost())[0]
+
+    prefills = 4 * 0.1  # 100-token prompts at 0.001 s a token
+    assert seconds(4, 2000) == pytest.approx(prefills + 700) and seconds(4) == pytest.approx(prefills + 700)
+    assert seconds(2) == pytest.approx(prefills + 900)
+    assert seconds(4) < seconds(4, 1000) < seconds(2)
 
 
 @dataclass(frozen=True)
@@ -577,12 +594,14 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     )
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
-    # the torch engine with each KV cache: FP8 holds more full-length slots than bf16 in the same memory
-    slots = {
-        kv: max(c["layout"]["decode_batch"] for c in torch_engine if c["layout"].get("kv_cache") == kv)
+    # the torch engine with each KV cache: 64 slots sharing the KV room in pages where 64 full-length rows do not fit
+    # (rollout.kv_cache_tokens), FP8 holding more tokens than bf16 in the same memory
+    room = {
+        kv: max(c["layout"]["kv_cache_tokens"] or 0 for c in torch_engine if c["layout"].get("kv_cache") == kv)
         for kv in ("auto", "fp8")
     }
-    assert slots["fp8"] > slots["auto"]
+    assert room["fp8"] > room["auto"] > 0 and room["fp8"] % 64 == 0
+    assert {c["layout"]["decode_batch"] for c in torch_engine if "colocation" in c["layout"]} == {64}
     # the config's own layout (EP 16, sleep, activations offloaded) is among them, at the step time the plan printed
     own = [
         c
