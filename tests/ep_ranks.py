@@ -218,7 +218,8 @@ def run_decode_rank(
     rank: int, world_size: int, address: str, checkpoint: str, fmt: str, cases: list, sampling, eos: int, results
 ) -> None:
     """Rank `rank` of the tiny model at EP = world_size decoding its rows of each case (rows, seeds per rank) in 3 KV
-    slots in lockstep, with the live-slot step and with the fixed-shape step: (tokens, logprobs, reasons) of each."""
+    slots in lockstep, with the live-slot step, with the fixed-shape step and with the fixed-shape step over 4 shared
+    pages: (tokens, logprobs, reasons) of each."""
     from allsync.engines.slots import FixedShapeStep, decode_in_slots
     from allsync.launch.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
@@ -236,3 +237,8 @@ def run_decode_rank(
         for fixed in (None, FixedShapeStep):
             out = decode_in_slots(model, rows[rank], seeds[rank], sampling, eos, 2, 3, True, groups, fixed_step=fixed)
             results[(rank, i, fixed is not None)] = (out.tokens, out.logprobs, out.reasons)
+        # fixed-shape steps over 4 shared pages (rollout.kv_cache_tokens): two rows at a time on a rank
+        out = decode_in_slots(
+            model, rows[rank], seeds[rank], sampling, eos, 2, 3, True, groups, fixed_step=FixedShapeStep, pages=4
+        )
+        results[(rank, i, "paged")] = (out.tokens, out.logprobs, out.reasons)

@@ -347,6 +347,7 @@ def decode_in_slots(
         pool.fill(
             0, cache, torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device)
         )
+        pool.release([0])  # a paged pool: slot 0 stays free, its page back in the pool
 
     def fixed_shape_decode() -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-shape step over every slot (the live ones first, a free one fed a pad token and row 0's draws),

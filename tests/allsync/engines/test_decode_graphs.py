@@ -221,8 +221,9 @@ def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, cache):
 def test_fixed_shape_steps_under_expert_parallelism_sample_what_one_process_samples(tiny_bf16):
     """EP 2 over gloo (each rank holds 4 of the 8 experts; the fixed-shape exchange gathers both ranks' tokens and
     sends each its experts' shares back): each rank's rows, decoded in lockstep in fixed-shape steps, equal one process
-    holding every expert (tokens, finish reasons; logprobs within float32 noise), and so does the live-slot lockstep;
-    also when one rank has no rows at all (it serves the other's steps with free slots only)."""
+    holding every expert (tokens, finish reasons; logprobs within float32 noise), and so do the live-slot lockstep and
+    fixed-shape steps over a paged pool that admits two rows at a time (rollout.kv_cache_tokens); also when one rank
+    has no rows at all (it serves the other's steps with free slots only)."""
     import torch.multiprocessing as mp
 
     from allsync.launch.group import free_port
@@ -248,7 +249,7 @@ def test_fixed_shape_steps_under_expert_parallelism_sample_what_one_process_samp
         for rank in range(2):
             out = decode_in_slots(model, rows[rank], seeds[rank], sampling, eos, 2, 3, True)
             want = (out.tokens, out.logprobs, out.reasons)
-            for fixed in (False, True):
+            for fixed in (False, True, "paged"):
                 assert_same_rows(got[(rank, i, fixed)], want, atol=2e-5)
-    lengths = {len(t) for (_, _, fixed), (tokens, _, _) in got.items() if fixed for t in tokens}
+    lengths = {len(t) for (_, _, fixed), (tokens, _, _) in got.items() if fixed is True for t in tokens}
     assert len(lengths) >= 2, lengths  # rows end at different steps
