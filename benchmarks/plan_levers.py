@@ -26,6 +26,9 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     read from their NF4 bytes, without a bf16 copy of every held expert; assumed likewise)
     streamed rounds + algorithm.sampling_rounds streamed (allsync/producers/streamed.py: dynamic sampling's next round
                     queued behind the last in the slots, so a step waits for one tail instead of one per round)
+    paged KV        + rollout.kv_cache_tokens (64 slots sharing the KV room in pages of 64 positions, a row preempted
+                    when they run out: as many rows at once as their real lengths fit, not as many as fit at full
+                    length; moe_lora.mla_decode.SlotKVCache)
 
 A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
 and marked; vLLM's layouts, whose generate phase has no KV room for one sequence inside the 10% margin, are priced
@@ -87,20 +90,23 @@ STAGES = [
     ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
     ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
     ("streamed rounds", lambda run: _set(run, "algorithm", sampling_rounds="streamed"), "resident"),
+    ("paged KV", lambda run: run, "resident"),  # planned_with_slots pages the slots from here on
 ]
+PAGED_FROM = "paged KV"
 
 
 SHIPPED_MARGIN = 0.05  # vLLM's layouts: at the 10% margin its generate phase has no KV room for one sequence
 
 
-def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload]) -> dict:
+def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload], paged: bool) -> dict:
     """One stage on `gpus` GPUs at the config's expert parallelism: its fit and its all-sync step for each of `works`
-    (draws of one step's lengths and kept groups; the torch engine's KV slots as many as fit, at most
-    DEFAULT_DECODE_BATCH: allsync.plan.search.planned_with_slots, as `allsync plan --search` gives them)."""
+    (draws of one step's lengths and kept groups; the torch engine's KV slots as many full-length ones as fit, at
+    most DEFAULT_DECODE_BATCH, or with `paged` that many sharing the KV room in pages:
+    allsync.plan.search.planned_with_slots, as `allsync plan --search` gives them)."""
     layout = Layout(
         gpus, run.parallel.expert_parallel, hw.memory_bytes, colocation, 1024, hw.host_link_bytes_per_second
     )
-    run, plan = planned_with_slots(run, DEEPSEEK_V3, layout, traces)
+    run, plan = planned_with_slots(run, DEEPSEEK_V3, layout, traces, paged)
     fits = plan.fits
     if plan.kv_cache_tokens < plan.sequence_tokens and run.rollout.engine == "vllm":
         layout = replace(layout, margin=SHIPPED_MARGIN)  # priced as it was shipped; it still does not fit
@@ -118,6 +124,7 @@ def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload
         "note": step.note,
         "train_bytes": plan.train_bytes,
         "decode_batch": run.rollout.decode_batch if run.rollout.engine == "torch" else None,
+        "kv_cache_tokens": run.rollout.kv_cache_tokens,
     }
 
 
@@ -127,12 +134,13 @@ def waterfall(gpus: int, hw, lengths, seeds: int) -> list[dict]:
     run = _set(run, "rollout", prompts_per_step=prompts)
     traces = RunTraces.of(run, DEEPSEEK_V3)
     works = [Workload(lengths, 1024, kept_share(run, None), seed=seed) for seed in range(seeds)]
-    out = []
+    out, paged = [], False
     for name, change, colocation in STAGES:
         run = change(run)
+        paged = paged or name == PAGED_FROM
         out.append(
             {"stage": name, "colocation": colocation, "prompts": prompts}
-            | stage_plan(run, gpus, colocation, hw, traces, works)
+            | stage_plan(run, gpus, colocation, hw, traces, works, paged)
         )
     return out
 

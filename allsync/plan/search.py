@@ -104,10 +104,11 @@ def divisors(n: int, experts: int) -> list[int]:
     return [k for k in range(1, g + 1) if g % k == 0]
 
 
-def planned_with_slots(run, model_config, layout: Layout, traces: RunTraces):
+def planned_with_slots(run, model_config, layout: Layout, traces: RunTraces, paged: bool = True):
     """(run, its plan on `layout`): the torch engine without rollout.decode_batch gets DEFAULT_DECODE_BATCH slots,
     each with room for a row at full length where that many fit, else sharing the generate phase's KV room in pages
-    (rollout.kv_cache_tokens, whole pages; at least 1 slot where not one row fits); any other run as it is."""
+    (rollout.kv_cache_tokens, whole pages; at least 1 slot where not one row fits); not `paged`: as many full-length
+    slots as fit, at most DEFAULT_DECODE_BATCH (at least 1). Any other run as it is."""
     from moe_lora.mla_decode import KV_PAGE_TOKENS
 
     plan = plan_run(run, model_config, layout, traces)
@@ -115,7 +116,7 @@ def planned_with_slots(run, model_config, layout: Layout, traces: RunTraces):
     if r.engine == "torch" and r.decode_batch is None:
         if plan.sequences_at_once >= DEFAULT_DECODE_BATCH or r.kv_cache_tokens is not None:
             r = replace(r, decode_batch=DEFAULT_DECODE_BATCH)
-        elif plan.kv_cache_tokens >= plan.sequence_tokens + KV_PAGE_TOKENS:
+        elif paged and plan.kv_cache_tokens >= plan.sequence_tokens + KV_PAGE_TOKENS:
             room = plan.kv_cache_tokens // KV_PAGE_TOKENS * KV_PAGE_TOKENS
             r = replace(r, decode_batch=DEFAULT_DECODE_BATCH, kv_cache_tokens=room)
         else:
