@@ -266,8 +266,6 @@ class RolloutSection:
                     f"rollout.kv_cache_tokens = {self.kv_cache_tokens} with rollout.engine {self.engine}: vLLM sizes its "
                     "own paged cache (rollout.gpu_memory_utilization)"
                 )
-            if isinstance(self.kv_cache_tokens, bool) or not isinstance(self.kv_cache_tokens, int):
-                fail(f"rollout.kv_cache_tokens = {self.kv_cache_tokens!r}: a whole number of tokens")
             if self.kv_cache_tokens <= self.max_new_tokens:
                 fail(
                     f"rollout.kv_cache_tokens = {self.kv_cache_tokens}: must hold more than one row's "

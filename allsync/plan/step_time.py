@@ -360,8 +360,7 @@ def generation_timeline(
         while (
             queue
             and len(active) < max_sequences
-            and used + prompt_tokens + done[queue[0]] + (len(active) + 1) * headroom
-            <= kv_capacity_tokens
+            and used + prompt_tokens + done[queue[0]] + (len(active) + 1) * headroom <= kv_capacity_tokens
         ):
             i = queue.popleft()
             active.append(i)

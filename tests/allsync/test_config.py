@@ -92,6 +92,15 @@ def test_defaults_are_valid_and_nested_values_parse():
         ({"rollout": {"decode_batch": 0}}, r"rollout\.decode_batch = 0: must be >= 1"),
         ({"rollout": {"decode_batch": 32, "engine": "vllm"}}, r"rollout\.decode_batch = 32 with rollout\.engine vllm"),
         (
+            {"rollout": {"kv_cache_tokens": 4096, "engine": "vllm"}},
+            r"rollout\.kv_cache_tokens = 4096 with rollout\.engine vllm",
+        ),
+        ({"rollout": {"kv_cache_tokens": 1.5e5}}, r"'rollout\.kv_cache_tokens' = 150000\.0 is not of type int"),
+        (
+            {"rollout": {"kv_cache_tokens": 64, "max_new_tokens": 64}},
+            r"rollout\.kv_cache_tokens = 64: must hold more than one row's rollout\.max_new_tokens \(64\)",
+        ),
+        (
             {"rollout": {"merge_lora": True, "engine": "vllm"}, "model": {"compute_copy": True}},
             r"rollout\.merge_lora with rollout\.engine vllm",
         ),

@@ -9,8 +9,9 @@ from benchmarks.plan_levers import STAGES, main
 
 def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
     """One draw on 48 H100: every stage priced; balancing the ranks and old logprobs from the engine shorten only the
-    train phase, FP8 KV only generation (more KV slots inside the margin: 17 -> 30, and 36 with shared-outer LoRA); the shipped vLLM layout does not fit at the margin,
-    the torch engine's layouts do."""
+    train phase, FP8 KV only generation (more KV slots inside the margin: 17 -> 30, and 36 with shared-outer LoRA), and
+    so does sharing the room in pages (64 slots); the shipped vLLM layout does not fit at the margin, the torch
+    engine's layouts do."""
     out, png = tmp_path / "levers.json", tmp_path / "levers.png"
     result = main(["--gpus", "48", "--seeds", "1", "--json", str(out), "--png", str(png)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and png.stat().st_size > 10_000
@@ -23,11 +24,15 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         ("engine logprobs", "FP8 KV", "generate"),
         ("shared-outer LoRA", "latent kernel", "generate"),  # each slot reads its own FP8 positions, once
         ("latent kernel", "expert kernel", "generate"),  # the NF4 experts read once, no bf16 copy
+        ("streamed rounds", "paged KV", "generate"),  # 64 slots share the room of 36 full-length rows
     ):
         other = "generate" if part == "train" else "train"
         assert stages[after]["parts"][part] < stages[before]["parts"][part]
         assert stages[after]["parts"][other] == pytest.approx(stages[before]["parts"][other])
     slots = [stages[name]["decode_batch"] for name in ("engine logprobs", "FP8 KV", "shared-outer LoRA")]
     assert slots == [17, 30, 36]  # FP8 KV: more slots in the same room; shared-outer LoRA: more room
+    paged = stages["paged KV"]
+    assert paged["decode_batch"] == 64 and paged["kv_cache_tokens"] % 64 == 0 and paged["fits"]
+    assert stages["streamed rounds"]["kv_cache_tokens"] is None
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])

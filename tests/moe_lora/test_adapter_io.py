@@ -289,7 +289,6 @@ def test_a_shared_outer_merged_export_equals_a_fold_of_the_layers_own_factors(ti
         read_adapter(tmp_path / "compact", read_config(tiny_bf16)), tiny_bf16, tmp_path / "m", dtype="bf16"
     )
     ref = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
-    inter = read_config(tiny_bf16)["moe_intermediate_size"]
     for name, m in model.named_modules():
         if not isinstance(m, LoRAExperts):
             continue
