@@ -166,8 +166,8 @@ class SlotKVCache(DynamicCache):
         self.width = -(-capacity // self.page)  # table columns: the most pages a slot can hold
         if self.paged and pages < self.width + 1:
             raise ValueError(
-                f"a paged KV pool of {pages} pages of {self.page} positions cannot admit one row of {capacity:,} "
-                f"positions: it needs {self.width} pages and one to spare"
+                f"a paged KV pool of {pages} pages of {self.page} positions (rollout.kv_cache_tokens) cannot admit one "
+                f"row of {capacity:,} positions: it needs {self.width} pages and one to spare"
             )
         self.free = list(range(pages, 0, -1)) if self.paged else []  # free pages (pop() takes the lowest)
         self.owned: list[list[int]] = [[] for _ in range(slots)]  # each slot's pages in order (paged)
@@ -203,13 +203,11 @@ class SlotKVCache(DynamicCache):
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page)
 
-    def can_admit(self, positions: list[int], live: int) -> bool:
-        """Whether rows holding `positions` each (and the one each decode step writes next) fit the free pages with
-        one page to spare for each of the `live` rows there would be: vLLM's admission watermark, so that a row just
-        admitted is not the next step's preemption. Always, unpaged."""
-        if not self.paged:
-            return True
-        return sum(self.pages_for(p + 1) for p in positions) + live <= len(self.free)
+    def can_admit(self, pages: int, live: int) -> bool:
+        """Whether rows needing `pages` pages in all (each its positions and the one its next decode step writes)
+        fit the free pages with one page to spare for each of the `live` rows there would be: vLLM's admission
+        watermark, so that a row just admitted is not the next step's preemption. Always, unpaged."""
+        return not self.paged or pages + live <= len(self.free)
 
     def pages_short(self, live: int) -> int:
         """Pages the first `live` slots' next positions need beyond the free ones (> 0: preempt; 0 unpaged)."""

@@ -89,7 +89,8 @@ class Decoded:
     positions: int
     decode_slots: int
     decoded_tokens: int
-    prefills: list[tuple[int, list[int], list[int], int]]  # (record call, rows, distinct prompt of each row, width)
+    # (record call, rows, distinct prompt of each row, width, (first, end) of the positions each row records there)
+    prefills: list[tuple[int, list[int], list[int], int, list[tuple[int, int]]]]
     decodes: list[tuple[int, list[int]]]  # (record call, the row in each live slot)
     # with keep: each row that reached max_new_tokens, its slot's positions (its prompt and tokens but the last), to
     # continue it without a prefill (decode_in_slots' `resumed`)
@@ -225,8 +226,9 @@ def decode_in_slots(
     reasons = [""] * total
     queue = collections.deque(range(total))
     capacity = source.capacity if source is not None else max(map(len, rows), default=1) + limit
-    if fixed_step is not None and lockstep is not None:  # every rank's MoE layers take the same T = slots, and the
-        # ranks agree on each step's span, which must fit every rank's pool
+    if lockstep is not None and (fixed_step is not None or pages is not None):
+        # fixed shapes: every rank's MoE layers take the same T = slots, and the ranks agree on each step's span, which
+        # must fit every rank's pool; pages: every rank's pool admits the longest row of any rank, or all refuse
         pool = SlotKVCache(slots, lockstep.max_over_ranks(capacity), fp8_rank, kernel, pages)
     else:
         most = total if source is None else source.most_rows
@@ -327,12 +329,16 @@ def decode_in_slots(
     def admissible(room: int) -> int:
         """How many rows at the front of the queue take a slot now: at most `room`, as many as the pool's pages
         admit (SlotKVCache.can_admit)."""
-        held = []
-        for r in list(queue)[:room]:  # a preempted row's prefill: the positions it held and the token it sampled last
-            held.append(resumed[r].length if r in resumed else preempted[r] + 1 if r in preempted else len(rows[r]))
-            if not pool.can_admit(held, len(live) + len(held)):
-                return len(held) - 1
-        return len(held)
+        if not pool.paged:
+            return room
+        pages = 0
+        for taken, r in enumerate(itertools.islice(queue, room)):
+            # the positions its prefill (or restore) fills: a preempted row's held ones and the token it sampled last
+            held = resumed[r].length if r in resumed else preempted[r] + 1 if r in preempted else len(rows[r])
+            pages += pool.pages_for(held + 1)
+            if not pool.can_admit(pages, len(live) + taken + 1):
+                return taken
+        return room
 
     def serve_other_ranks() -> None:
         """A one-token forward, so that this rank's MoE layers take part in the other ranks' all-to-alls. With a

@@ -329,8 +329,10 @@ def sample_routing(record, rows: list[list[int]], decoded, known: dict | None = 
     row's prompt but its last token from `known`, what an earlier call recorded), then the call of every decode
     forward it was live in (its slot's entry: the token it was fed, response token s - 1 at its s-th forward); the
     last response token is never fed. A row preempted and prefilled again (a paged pool, decode_in_slots) records its
-    last held position in that prefill, between the decode forwards before and after it. A row never prefilled
-    (dropped from a streamed call's queue) gets None."""
+    last held position in that prefill, between the decode forwards before and after it; its earlier positions keep
+    the experts of their first forwards (the second prefill recomputes their keys and values, equal to float
+    rounding, so a router near a tie could pick otherwise there). A row never prefilled (dropped from a streamed
+    call's queue) gets None."""
     first: list = [None] * len(rows)
     for r, routing in (known or {}).items():
         first[r] = routing

@@ -261,14 +261,16 @@ def slot_room(slots: int, groups: np.ndarray, prompt_tokens: int) -> int:
 def torch_kv_room(run, groups: np.ndarray, prompt_tokens: int) -> tuple[int, int]:
     """(KV room in tokens, admission headroom per running row) of the torch engine's slots: slot_room's when each
     slot holds a row at full length; with rollout.kv_cache_tokens the pages the slots share (moe_lora.mla_decode.
-    SlotKVCache), less half a page per slot (a row's last page is half empty on average), a page of headroom a row
-    (the engine admits a row when its pages and one more per live row are free)."""
+    SlotKVCache), less half a page per slot (a row's last page is half empty on average) but never less than the
+    longest row and its page (the engine refuses a room that cannot admit one; the plan says so, fit.paged_problems),
+    a page of headroom a row (the engine admits a row when its pages and one more per live row are free)."""
     from moe_lora.mla_decode import KV_PAGE_TOKENS
 
     slots, tokens = run.rollout.decode_batch_size, run.rollout.kv_cache_tokens
     if tokens is None:
         return slot_room(slots, groups, prompt_tokens), ADMISSION_HEADROOM_TOKENS
-    return tokens - slots * KV_PAGE_TOKENS // 2, KV_PAGE_TOKENS
+    longest = prompt_tokens + int(groups.max(initial=0)) + KV_PAGE_TOKENS
+    return max(tokens - slots * KV_PAGE_TOKENS // 2, longest), KV_PAGE_TOKENS
 
 
 def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:

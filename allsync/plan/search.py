@@ -114,13 +114,16 @@ def planned_with_slots(run, model_config, layout: Layout, traces: RunTraces, pag
     plan = plan_run(run, model_config, layout, traces)
     r = run.rollout
     if r.engine == "torch" and r.decode_batch is None:
-        if plan.sequences_at_once >= DEFAULT_DECODE_BATCH or r.kv_cache_tokens is not None:
+        full_length = min(DEFAULT_DECODE_BATCH, plan.sequences_at_once)  # slots that fit at full length
+        room = plan.kv_cache_tokens // KV_PAGE_TOKENS * KV_PAGE_TOKENS  # whole pages
+        if r.kv_cache_tokens is not None:
             r = replace(r, decode_batch=DEFAULT_DECODE_BATCH)
-        elif paged and plan.kv_cache_tokens >= plan.sequence_tokens + KV_PAGE_TOKENS:
-            room = plan.kv_cache_tokens // KV_PAGE_TOKENS * KV_PAGE_TOKENS
+        elif full_length >= min(DEFAULT_DECODE_BATCH, plan.sequences) or not paged:
+            r = replace(r, decode_batch=max(full_length, 1))  # every row this GPU decodes at once fits unpaged
+        elif room >= plan.sequence_tokens + KV_PAGE_TOKENS:
             r = replace(r, decode_batch=DEFAULT_DECODE_BATCH, kv_cache_tokens=room)
         else:
-            r = replace(r, decode_batch=max(plan.sequences_at_once, 1))
+            r = replace(r, decode_batch=max(full_length, 1))
         run = replace(run, rollout=r)
         plan = plan_run(run, model_config, layout, traces)
     return run, plan

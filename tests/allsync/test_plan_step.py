@@ -198,6 +198,9 @@ def test_slots_sharing_pages_hold_rows_at_their_real_lengths():
     assert seconds(4, 2000) == pytest.approx(prefills + 700) and seconds(4) == pytest.approx(prefills + 700)
     assert seconds(2) == pytest.approx(prefills + 900)
     assert seconds(4) < seconds(4, 1000) < seconds(2)
+    # 64 slots in the room of one longest row and its page: half a page a slot is not taken off below that (the
+    # schedule would otherwise have no room for the longest row), rows preempted in turn, all of them finishing
+    assert seconds(4) < seconds(64, 100 + 700 + 64) < float("inf")
 
 
 @dataclass(frozen=True)
