@@ -122,9 +122,10 @@ def random_latent_pool(
     model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
     pool = SlotKVCache(rows, capacity, model.config.kv_lora_rank if fp8 else None, kernel)
     pool.fill(0, probe, torch.zeros(rows, dtype=torch.long, device=device), torch.ones(rows, device=device).long())
+    slots, positions = torch.arange(rows, device=device), torch.arange(context, device=device)
     for layer, source in zip(pool.layers, probe.layers):
         latent = torch.randn(rows, 1, context, source.keys.shape[-1], dtype=source.keys.dtype, device=device)
-        layer.write((slice(None), slice(None), slice(0, context)), latent, latent[..., :0])
+        layer.write(slots, positions, latent, latent[..., :0])
     pool.lengths.fill_(context)
     return pool
 

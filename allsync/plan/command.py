@@ -89,6 +89,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-link", help="GPU-host bandwidth for sleep mode (default 25GB/s)")
     p.add_argument("--host-memory", default="2TB", help="host memory of one node (default %(default)s)")
     p.add_argument(
+        "--decode-flops-share",
+        type=float,
+        help="share of the peak a decode step's FLOPs run at (assumed; default: the training share measured on an "
+        "H200, until a GPU measures the decode kernels)",
+    )
+    p.add_argument(
         "--margin",
         type=float,
         default=DEFAULT_MARGIN,
@@ -169,7 +175,10 @@ def hardware_of(args: argparse.Namespace):
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
     links = parse_interconnect(args.interconnect) if args.interconnect else {}
-    return replace(hw, gpus_per_node=args.gpus_per_node, **links)
+    share = args.decode_flops_share
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"--decode-flops-share {share}: a share of the peak, in (0, 1]")
+    return replace(hw, gpus_per_node=args.gpus_per_node, decode_flops_share=share, **links)
 
 
 def model_config_of(run, shape: str | None) -> dict:
@@ -270,6 +279,7 @@ def run_plan(args: argparse.Namespace) -> None:
     plan = plan_run(run, model_config, layout, traces)
     print(format_plan(plan))
     out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
+    out["decode_flops_share"] = hw.decode_flops_share  # None: the training share
     out["response_lengths"] = work.lengths.description
     out["kept_groups"], out["conversations"], out["turns"] = work.kept_groups, work.conversations, work.turns
     out["train_efficiency_points"] = {  # (tokens per forward, share of the peak), measured (hardware.py)
@@ -299,6 +309,10 @@ def format_steps(steps, work, hw, fits: bool) -> str:
     """The estimated step time of the planned layout, per schedule that applies to it."""
     head = "estimated step time" + ("" if fits else " (if it fit)")
     lines = [f"{head} on {hw.name} GPUs, responses {work.lengths.description}, prompts {work.prompt_tokens:,} tokens:"]
+    if hw.decode_flops_share is None:
+        lines.append("  (decode FLOPs at the training share of the peak, measured on an H200; --decode-flops-share)")
+    else:
+        lines.append(f"  (decode FLOPs at {hw.decode_flops_share:.0%} of the peak: --decode-flops-share, assumed)")
     for s in steps:
         built = ("" if s.built else ", modelled, not built") + (f" ({s.note})" if s.note else "")
         parts = ", ".join(f"{k} {v:,.0f} s" for k, v in s.parts.items() if v >= 0.5)

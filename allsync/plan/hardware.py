@@ -14,6 +14,11 @@ Sources:
                                           and NF4's
     decode_bandwidth_efficiency           assumed 0.7 of HBM bandwidth for a decode step's weight and KV reads (not
                                           measured here: the lent GPUs have no vLLM)
+    decode_flops_share                    assumed: the share of the peak a decode step's FLOPs run at (the weights'
+                                          matmuls of its rows, the latent attention's 17 MFLOP a cached token at
+                                          DeepSeek-V3's shape); None takes train_efficiency's (the measured training
+                                          share) until a GPU measures the decode kernels (`allsync plan
+                                          --decode-flops-share`)
     a2a bandwidth (training, prefill)     DeepEP's normal kernels as its README reports them on H800 + 400 Gb/s
                                           InfiniBand: about 153 GB/s per GPU inside a node (NVLink), 43 GB/s across
                                           nodes (RDMA)
@@ -57,6 +62,7 @@ class Hardware:
     network_bytes_per_second: float = 43e9  # all-to-all and all-reduce, per GPU, across nodes
     host_link_bytes_per_second: float = 25e9  # GPU <-> host (sleep mode's transfers)
     decode_bandwidth_efficiency: float = 0.7  # assumed
+    decode_flops_share: float | None = None  # assumed; None: train_efficiency's (module docstring)
 
     def train_efficiency(self, routed_format: str, tokens: float | None = None) -> float:
         """The share of the peak a training forward of `tokens` (padded) tokens reaches (None: the largest measured
@@ -66,6 +72,11 @@ class Hardware:
             return points[-1][1]
         sizes, shares = zip(*points)
         return float(np.interp(np.log(tokens), np.log(sizes), shares))
+
+    def decode_flops(self, routed_format: str) -> float:
+        """FLOP/s of a decode step: decode_flops_share of the peak, or the training share (module docstring)."""
+        share = self.decode_flops_share if self.decode_flops_share is not None else self.train_efficiency(routed_format)
+        return self.flops * share
 
     def link_bytes_per_second(self, group: int) -> float:
         """Per-GPU bandwidth of a collective over `group` GPUs: NVLink inside a node, the network once it spans

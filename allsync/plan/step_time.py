@@ -22,7 +22,9 @@ all-to-all bandwidths.
 A decode step of B sequences holding C tokens of context in all reads the weights the generator holds (routed
 experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens of KV cache:
 
-    t = max(bytes / (HBM x decode_bandwidth_efficiency), FLOPs / (peak x train_efficiency)) + MoE layers x a2a latency
+    t = max(bytes / (HBM x decode_bandwidth_efficiency), FLOPs / Hardware.decode_flops) + MoE layers x a2a latency
+
+(decode_flops: peak x decode_flops_share, assumed, or x train_efficiency, the measured training share, by default)
 
 The torch engine's step is not near that roofline: measured eager on the real layers it is host-bound, 25-44x the
 copy-bandwidth roofline (torch_decode.py), so its `measured` step is the floor: t = max(roofline, measured) + a2a.
@@ -275,13 +277,14 @@ class DecodeCost:
 
     @functools.cached_property
     def _rates(self) -> tuple[float, ...]:
-        """What every step reads (the plan asks millions of times): F(0), dF/dc, FLOP/s at the training efficiency,
+        """What every step reads (the plan asks millions of times): F(0), dF/dc, a decode step's FLOP/s (Hardware.
+        decode_flops: the training efficiency unless --decode-flops-share),
         decode's HBM bytes/s, a decode step's all-to-all latency, a prefilled token's all-to-all seconds."""
         f0, slope = flop_coefficients(self.config)
         return (
             f0,
             slope,
-            self.hw.flops * self.hw.train_efficiency(self.routed_format),
+            self.hw.decode_flops(self.routed_format),
             self.hw.hbm_bytes_per_second * self.hw.decode_bandwidth_efficiency,
             moe_layers(self.config) * self.hw.decode_a2a_seconds(self.expert_parallel),
             a2a_seconds_per_token(self.config, self.hw, self.expert_parallel),

@@ -259,6 +259,15 @@ def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache,
         "all-sync with rollout.decode_graphs, rollout.attention_kernel triton and rollout.frozen_expert_kernel triton"
     )
     assert experts["step_seconds"] / 3600 == pytest.approx(2.17, abs=0.01) and "stored bytes once" in experts["note"]
+    # the decode FLOPs are priced at the training share of the peak (26.4%) until a GPU measures the decode kernels;
+    # at half the peak (--decode-flops-share 0.5, assumed) the same config: 1.77 h
+    assert plan["decode_flops_share"] is None
+    half = ["--decode-flops-share", "0.5", "--json", str(out)]
+    assert main(["plan", "--config", config, "--shape", "deepseek-v3", *half]) == 0
+    faster = json.loads(out.read_text())
+    assert faster["decode_flops_share"] == 0.5
+    assert faster["schedules"][3]["step_seconds"] / 3600 == pytest.approx(1.77, abs=0.01)
+    assert "decode FLOPs at 50% of the peak" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

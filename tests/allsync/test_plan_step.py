@@ -640,6 +640,8 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         (["--host-memory", "much"], r"--host-memory 'much'"),
         (["--prompts-per-step", "500"], r"--gpus 48: rollout.prompts_per_step = 500 does not split"),
         (["--gpus", "0"], r"--gpus 0: must be >= 1"),
+        (["--decode-flops-share", "0"], r"--decode-flops-share 0.0: a share of the peak, in \(0, 1\]"),
+        (["--decode-flops-share", "nan"], r"--decode-flops-share nan: a share of the peak"),
         (["--expert-parallel", "0"], r"--expert-parallel 0: must be >= 1"),
         (["--response-lengths", "lognormal:median=nan,sigma=0.6"], r"--response-lengths 'lognormal:median=nan"),
         (["--response-lengths", "lognormal:median=6000,sigma=nan"], r"--response-lengths 'lognormal:median=6000"),
