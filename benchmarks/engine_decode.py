@@ -231,6 +231,20 @@ def decode_steps(
     }
 
 
+def decode_model(ckpt: Path, name: str, device: str):
+    """The checkpoint loaded by the trainer's loader in plan `name` (bf16 on a GPU, float32 on the CPU), LoRA rank 16
+    on the 671B config's targets (grouped_mm on CUDA) with seeded factors, the MLA decode installed, in eval mode."""
+    from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = load_frozen_model(ckpt, PLANS[name], progress=False, device=device, compute_dtype=dtype)
+    kernel = "grouped_mm" if device.startswith("cuda") else "loop"
+    attach_lora(model, LoRAConfig(16, 32.0, TARGETS, expert_kernel=kernel))
+    seeded_init_(model, 0)
+    install_mla_decode(model)
+    return model.eval()
+
+
 def measure_plan(
     ckpt: Path,
     name: str,
@@ -244,17 +258,10 @@ def measure_plan(
     attentions=("torch",),
     expert_kernels=("dequantize",),
 ):
-    from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
-
     memory = Memory(device)
     free(memory)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = load_frozen_model(ckpt, PLANS[name], progress=False, device=device, compute_dtype=dtype)
-    kernel = "grouped_mm" if device.startswith("cuda") else "loop"
-    attach_lora(model, LoRAConfig(16, 32.0, TARGETS, expert_kernel=kernel))
-    seeded_init_(model, 0)
-    model.eval()
-    install_mla_decode(model)
+    model = decode_model(ckpt, name, device)
+    dtype = model.dtype
     element = torch.tensor([], dtype=dtype).element_size()
     cases = []
     for r in rows:

@@ -47,14 +47,15 @@ def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tens
 
 def dequantized(weights: list[list[QuantizedWeight]], dtype: torch.dtype) -> torch.Tensor:
     """Every expert's frozen weights of the given projections, dequantized to `dtype` and stacked along the output:
-    [E, sum of their out, in] (gate and up: [E, 2I, H]), written expert by expert into one buffer (no second copy)."""
+    [E, sum of their out, in] (gate and up: [E, 2I, H]), each weight dequantized in place in one buffer (no
+    temporary: QuantizedWeight.dequantize(out=))."""
     first = [w[0] for w in weights]
     rows = sum(w.shape[0] for w in first)
     out = torch.empty(len(weights[0]), rows, first[0].shape[1], dtype=dtype, device=first[0].data.device)
     for e, experts in enumerate(zip(*weights)):
         start = 0
         for w in experts:
-            out[e, start : start + w.shape[0]] = w.dequantize(dtype)
+            w.dequantize(dtype, out=out[e, start : start + w.shape[0]])
             start += w.shape[0]
     return out
 

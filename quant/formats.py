@@ -59,8 +59,17 @@ EXACT_FP8_DTYPES = (
 )  # hold every e4m3 value, and a float32 product rounds to them
 
 
+def fp8_whole_blocks(shape, block: int = FP8_BLOCK) -> bool:
+    """A weight of this shape is whole block x block tiles (DeepSeek-V3's are)."""
+    return shape[0] % block == 0 and shape[1] % block == 0
+
+
 def fp8_block_dequantize(
-    q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: int = FP8_BLOCK,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W[i, j] = float(Q[i, j]) * scale_inv[i // block, j // block], computed in float32 and rounded once to `dtype`.
 
@@ -68,7 +77,8 @@ def fp8_block_dequantize(
     Computed blockwise, without a full-size scale tensor: Q [R, C] (zero-padded to whole blocks) is
     converted to `dtype` (exact: e4m3's values are bf16/fp16/fp32 values), viewed as [R/b, b, C/b, b] and
     multiplied in place by the float32 scale_inv[:, None, :, None] (the product in float32, stored in `dtype`):
-    the same values as the float32 result converted to `dtype`, with no float32 copy of W in between.
+    the same values as the float32 result converted to `dtype`, with no float32 copy of W in between. `out`
+    (contiguous [R, C] in `dtype`, whole blocks only): converted and scaled there.
     """
     if dtype not in EXACT_FP8_DTYPES:
         return fp8_block_dequantize(q, scale_inv, block).to(dtype)
@@ -78,7 +88,11 @@ def fp8_block_dequantize(
         raise ValueError(
             f"scale_inv has shape {list(scale_inv.shape)}, a [{out_dim}, {in_dim}] weight in {block}x{block} blocks needs [{rows}, {cols}]"
         )
-    if out_dim == rows * block and in_dim == cols * block:
+    if out is not None:
+        if not fp8_whole_blocks((out_dim, in_dim), block) or out.shape != q.shape or out.dtype != dtype:
+            raise ValueError(f"fp8_block_dequantize: out must be [{out_dim}, {in_dim}] {dtype} of whole blocks")
+        w = out.copy_(q)
+    elif out_dim == rows * block and in_dim == cols * block:
         w = q.to(dtype, copy=True)  # a copy of our own, so scaling it in place is safe
     else:
         w = torch.zeros(rows * block, cols * block, dtype=dtype, device=q.device)
@@ -134,8 +148,19 @@ class QuantizedWeight:
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """W in `dtype` (the kept compute copy when it has that dtype: the same values, computed once)."""
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+        """W in `dtype` (the kept compute copy when it has that dtype: the same values, computed once); with `out`
+        (contiguous, W's shape and `dtype`) written there: an FP8 or NF4 weight dequantized in place, without a
+        temporary (quant.fixed_shape_experts stacks the experts so)."""
+        if out is not None and self.compute_copy is None:
+            if self.fmt == "fp8" and dtype in EXACT_FP8_DTYPES and fp8_whole_blocks(self.shape):
+                return fp8_block_dequantize(self.data, self.scale, dtype=dtype, out=out)
+            if self.fmt == "nf4" and self.nf4_state.dtype == dtype and self.data.is_cuda:  # bitsandbytes 0.50.2: no
+                # CPU kernel of dequantize_4bit.out
+                _bnb_functional().dequantize_4bit(self.data, flat_state(self.nf4_state), out=out.view(-1))
+                return out
+        if out is not None:
+            return out.copy_(self.dequantize(dtype))
         if self.compute_copy is not None and self.compute_copy.dtype == dtype:
             return self.compute_copy
         if self.fmt == "bf16":

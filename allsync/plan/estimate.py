@@ -41,13 +41,13 @@ from allsync.plan.step_time import (
     forward_seconds,
     generation_timeline,
     decode_attention_flops_per_token,
-    moe_layers,
     train_passes,
 )
-from allsync.plan.torch_decode import EAGER_H200
+from allsync.plan.torch_decode import EAGER_H200, GRAPHED_H200
 from allsync.plan.weights import (
     FROZEN_PARTS,
     LORA_VALUE_BYTES,
+    dequantized_values,
     engine_bytes,
     held_experts,
     lora_values,
@@ -232,9 +232,10 @@ def generator_cost(
     attention = decode_attention_flops_per_token(model_config, latent=not expanded)
     measured = EAGER_H200 if engine == "torch" else None  # the torch engine as measured (eager), torch_decode.py
     graphs = engine == "torch" and (run.rollout.decode_graphs if decode_graphs is None else decode_graphs)
-    # every held expert's gate, up and down: 3 h moe_inter values each
-    per_expert = 3 * model_config["hidden_size"] * model_config["moe_intermediate_size"]
-    held = moe_layers(model_config) * model_config["n_routed_experts"] // ep * per_expert
+    # the quantized weights a fixed-shape step dequantizes (the torch engine holds the trainer's)
+    routed_values, other_values = dequantized_values(
+        model_config, run.model.quant.plan(), held_experts(model_config, ep)
+    )
     return DecodeCost(
         model_config,
         hw,
@@ -246,9 +247,11 @@ def generator_cost(
         attention,
         measured,
         graphs,
-        held,
+        routed_values,
+        other_values,
         own_positions=kernel == "triton",
         experts_read_once=engine == "torch" and run.rollout.frozen_expert_kernel == "triton",
+        graphed=GRAPHED_H200 if engine == "torch" else None,
     )
 
 
@@ -413,14 +416,20 @@ def schedule_with(keys: list[str]) -> str:
     return "all-sync with " + (" and ".join(keys) if len(keys) < 3 else ", ".join(keys[:-1]) + " and " + keys[-1])
 
 
-def assumed(cost: DecodeCost) -> str:
-    """What a fixed-shape step's price assumes (the notes beside a schedule)."""
+def graphed_note(cost: DecodeCost) -> str:
+    """What a fixed-shape step's price rests on (the note beside a schedule): the graphed step as measured on an H200,
+    its time over the roofline of its weights and of its cache (torch_decode.GRAPHED_H200)."""
+    kernels = ("triton" if cost.experts_read_once else "dequantize", "triton" if cost.own_positions else "torch")
+    low, kv = cost.graphed.factors(cost.routed_format, *kernels, 0)
+    high, _ = cost.graphed.factors(cost.routed_format, *kernels, float("inf"))
     reads = [
-        "whose attention reads each slot's own positions as stored" if cost.own_positions else "",
-        "reading the experts' stored bytes once" if cost.experts_read_once else "",
+        "attention reading each slot's own positions as stored" if cost.own_positions else "",
+        "the NF4 experts' stored bytes once, by their kernel" if cost.experts_read_once else "",
     ]
-    return f"decode assumed at the roofline of fixed-shape steps {' and '.join(r for r in reads if r)}".rstrip() + (
-        ", not yet measured on a GPU"
+    how = "; ".join(r for r in reads if r)
+    return (
+        f"graphed fixed-shape steps as measured on an H200{' (' + how + ')' if how else ''}: {low:.3g}-{high:.3g}x "
+        f"the weights' roofline, {kv:.3g}x the cache's"
     )
 
 
@@ -476,11 +485,11 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, cost, ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     if cost.fixed_shapes:
-        out[0].note = assumed(cost)
+        out[0].note = graphed_note(cost)
     for schedule, variant in graphed_variants(run, model_config, cost):  # what the settings not set would give
         gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, variant, ep)
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
-        out[-1].schedule, out[-1].note = schedule, assumed(variant)
+        out[-1].schedule, out[-1].note = schedule, graphed_note(variant)
     r = run.rollout
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(

@@ -29,12 +29,15 @@ experts: the share a step's tokens touch, 1 - (1 - k / E)^(B x EP)) and C tokens
 The torch engine's step is not near that roofline: measured eager on the real layers it is host-bound, 25-44x the
 copy-bandwidth roofline (torch_decode.py), so its `measured` step is the floor: t = max(roofline, measured) + a2a.
 With rollout.decode_graphs (`fixed_shapes`: CUDA graphs of fixed-shape steps, allsync/engines/graphs.py) the host's
-share is assumed gone, not measured yet: every held expert is dequantized at every step, its bf16 copy written and
-read back, so
+share is gone, and every held quantized weight is dequantized at every step, its bf16 copy written and read back:
 
-    routed bytes = stored bytes of every held expert + 2 x 2 bytes x its parameters    (no measured floor)
-                   stored bytes of every held expert          (rollout.frozen_expert_kernel triton: read once)
+    weights bytes = stored bytes of every held weight + 2 x 2 bytes x the quantized ones' parameters
+                    (the routed experts' not counted with rollout.frozen_expert_kernel triton: read once, as stored)
+    t = max(FLOPs / decode_flops, w(B) x weights bytes / bandwidth + kv x cache bytes / bandwidth) + a2a
 
+with w and kv the graphed step's measured time over those two rooflines on an H200 (torch_decode.GRAPHED_H200:
+weights 2.2-2.6x with the dequantizing experts, 22-33x with the NF4 expert kernel; cache 5.0x on the torch path,
+44x with the latent kernel),
 and the step is that of every slot of the pool, free ones included, each reading the span the longest live row needs
 (allsync.engines.slots.span_bucket): B = slots and C = slots x span (`generation_timeline`), not the live rows'
 own contexts.
@@ -58,7 +61,7 @@ import numpy as np
 
 from allsync.engines.slots import span_bucket
 from allsync.plan.hardware import Hardware
-from allsync.plan.torch_decode import TorchDecodeRates
+from allsync.plan.torch_decode import GraphedDecodeFactors, TorchDecodeRates
 
 BF16 = 2
 ADMISSION_HEADROOM_TOKENS = 16
@@ -240,15 +243,18 @@ class DecodeCost:
     # the torch engine's measured step (torch_decode.py), a floor under the roofline; None: the roofline alone
     measured: TorchDecodeRates | None = None
     # the torch engine's fixed-shape steps as CUDA graphs (rollout.decode_graphs): every held expert's
-    # routed_params dequantized each step, at the roofline (assumed until measured; `measured` is not applied)
+    # routed_params and every other quantized weight's other_params dequantized each step (`measured` is not applied)
     fixed_shapes: bool = False
     routed_params: float = 0.0
+    other_params: float = 0.0
     # rollout.attention_kernel triton: a fixed-shape step's attention reads each slot's own positions (a free slot one),
     # not every slot up to the span (generation_timeline); kv_bytes_per_token is then the stored bytes
     own_positions: bool = False
     # rollout.frozen_expert_kernel triton: a fixed-shape step reads every held expert's stored bytes once
     # (quant.fused_experts), without the dequantized copy routed_params counts
     experts_read_once: bool = False
+    # the graphed step's measured time over this roofline (torch_decode.GRAPHED_H200); None: the roofline alone
+    graphed: GraphedDecodeFactors | None = None
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -259,13 +265,22 @@ class DecodeCost:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
         f0, slope, flops_per_second, bytes_per_second, a2a_seconds, _ = self._rates
         per_cached = slope if self.attention_flops_per_cached_token is None else self.attention_flops_per_cached_token
-        if self.fixed_shapes:  # every held expert, its bf16 copy written and read back (unless the kernel reads it)
-            routed = self.routed_bytes + (0 if self.experts_read_once else 2 * BF16 * self.routed_params)
-        else:
-            routed = self.routed_bytes * self.touched(batch)
-        nbytes = routed + self.other_bytes + context * self.kv_bytes_per_token
-        roofline = max(nbytes / bytes_per_second, (batch * f0 + per_cached * context) / flops_per_second)
-        if self.measured is not None and not self.fixed_shapes:
+        compute = (batch * f0 + per_cached * context) / flops_per_second
+        cache = context * self.kv_bytes_per_token / bytes_per_second
+        if self.fixed_shapes:  # every held weight, each quantized one's bf16 copy written and read back
+            copies = self.other_params + (0 if self.experts_read_once else self.routed_params)
+            weights = (self.routed_bytes + self.other_bytes + 2 * BF16 * copies) / bytes_per_second
+            if self.graphed is not None:
+                kernels = (
+                    "triton" if self.experts_read_once else "dequantize",
+                    "triton" if self.own_positions else "torch",
+                )
+                w, kv = self.graphed.factors(self.routed_format, *kernels, batch)
+                return max(compute, w * weights + kv * cache) + a2a_seconds
+            return max(compute, weights + cache) + a2a_seconds
+        weights = (self.routed_bytes * self.touched(batch) + self.other_bytes) / bytes_per_second
+        roofline = max(weights + cache, compute)
+        if self.measured is not None:
             measured = self.measured.step_seconds(self.config, batch, context, self.expert_parallel, self.routed_format)
             roofline = max(roofline, measured)
         return roofline + a2a_seconds

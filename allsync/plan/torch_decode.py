@@ -139,3 +139,105 @@ EAGER_H200 = TorchDecodeRates(
     per_expert={"fp8": _FP8_EXPERT, "nf4": _NF4_EXPERT, "bf16": _FP8_EXPERT, "int8": _NF4_EXPERT},
     rest=((32, 0.0028), (256, 0.00629)),
 )
+
+
+# The fixed-shape step as CUDA graphs (rollout.decode_graphs), measured on the H200 on 2026-11-28
+# (benchmarks/measured/engine_decode_h200_graphed_nf4.json and _fp8.json): its time over the plan's own roofline of it.
+GRAPHED_STAND_IN = {"bf16": "fp8", "int8": "nf4"}  # formats not measured: FP8's and NF4's factors, as the eager rates
+
+
+@dataclass(frozen=True)
+class GraphedDecodeFactors:
+    """A graphed decode step's measured time over the plan's roofline of its two parts (step_time.DecodeCost):
+
+        t = w(format, expert kernel, B) x weights bytes / bandwidth + kv(attention kernel) x cache bytes / bandwidth
+
+    weights bytes: every held weight as stored plus the compute-dtype copy each quantized one is dequantized into,
+    written and read back (none for NF4 experts that rollout.frozen_expert_kernel triton reads as stored); cache bytes:
+    what the step's attention moves (allsync.plan.fit.kv_step_bytes_per_token); bandwidth: the Hardware's HBM x
+    decode_bandwidth_efficiency. w is measured at two row counts and interpolated in B (the nearest beyond); kv is one
+    number per attention kernel. The factors hold what the roofline leaves out (kernel launches inside the graph, the
+    float32 scores of the torch path, the latent kernel's head blocks re-reading each position, the dequantize
+    temporaries) and are taken to hold at every width and depth and on the H100 (scaled by its bandwidth)."""
+
+    weights: dict[tuple[str, str], tuple[tuple[float, float], ...]]  # (format, expert kernel) -> ((rows, w), ...)
+    kv: dict[str, float]  # attention kernel (torch, triton) -> factor
+
+    def factors(self, fmt: str, expert_kernel: str, attention: str, rows: float) -> tuple[float, float]:
+        """(w, kv) of a step of `rows` slots."""
+        key = (GRAPHED_STAND_IN.get(fmt, fmt), expert_kernel)
+        return interpolate(self.weights[key], rows), self.kv[attention]
+
+
+def fit_graphed(measured: dict, weights_seconds: dict, kv_seconds: dict) -> GraphedDecodeFactors:
+    """The factors (GraphedDecodeFactors) from benchmarks/engine_decode.py's JSON of graphed steps, given the plan's
+    roofline of the measured model: weights_seconds[(plan, expert kernel)] (the weights part of one step) and
+    kv_seconds[attention] (the cache part per row and cached position). kv: per (plan, expert kernel, attention,
+    rows) measured at two contexts, the slope over the roofline's, averaged by attention; w: per (plan, expert kernel,
+    rows), each case's time less its fitted cache part over the weights part, averaged over its cases."""
+    cases = [(p["plan"], c) for p in measured["plans"] for c in p["cases"] if "oom" not in c and c["mode"] == "graphed"]
+    by = {}
+    for plan, c in cases:
+        by.setdefault((plan, c["expert_kernel"], c["attention"], c["rows"]), []).append(c)
+    slopes = {}
+    for (_, _, attention, rows), group in by.items():
+        short, long = min(group, key=lambda c: c["context"]), max(group, key=lambda c: c["context"])
+        if long["context"] > short["context"]:
+            slope = (long["step_ms"] - short["step_ms"]) / 1000 / (rows * (long["context"] - short["context"]))
+            slopes.setdefault(attention, []).append(slope / kv_seconds[attention])
+    if not slopes:
+        raise ValueError("fit_graphed: no graphed case was measured at two contexts")
+    kv = {attention: statistics.mean(s) for attention, s in slopes.items()}
+    kv.update({a: max(kv.values()) for a in ("torch", "triton") if a not in kv})  # not measured: the slower one's
+    weights: dict = {}
+    for plan, c in cases:
+        cache = kv[c["attention"]] * kv_seconds[c["attention"]] * c["rows"] * c["context"]
+        w = (c["step_ms"] / 1000 - cache) / weights_seconds[(plan, c["expert_kernel"])]
+        weights.setdefault((plan, c["expert_kernel"]), {}).setdefault(c["rows"], []).append(w)
+    return GraphedDecodeFactors(
+        {key: tuple((r, statistics.mean(ws)) for r, ws in sorted(by_rows.items())) for key, by_rows in weights.items()},
+        kv,
+    )
+
+
+def graphed_roofline_inputs(model_config: dict, plans: dict, hw) -> tuple[dict, dict]:
+    """(weights_seconds, kv_seconds) of fit_graphed for the measured model (`model_config`, one GPU holding every
+    expert, its weights in `plans`: name -> QuantPlan) on `hw`, FP8 latent slots: the plan's roofline, as
+    step_time.DecodeCost prices a fixed-shape step."""
+    from allsync.plan.fit import kv_step_bytes_per_token
+    from allsync.plan.weights import dequantized_values, frozen_bytes
+
+    bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
+    weights = {}
+    for name, plan in plans.items():
+        stored = sum(frozen_bytes(model_config, plan).values())
+        routed, other = dequantized_values(model_config, plan)
+        for kernel in ("dequantize", "triton"):
+            copies = other + (0 if kernel == "triton" and plan.format_of("routed_experts") == "nf4" else routed)
+            weights[(name, kernel)] = (stored + 2 * 2 * copies) / bandwidth
+    kv = {a: kv_step_bytes_per_token(model_config, "torch", "fp8", a) / bandwidth for a in ("torch", "triton")}
+    return weights, kv
+
+
+def rounded_graphed(factors: GraphedDecodeFactors, digits: int = 3) -> GraphedDecodeFactors:
+    """The factors to `digits` significant digits (what the constant below holds)."""
+
+    def r(x: float) -> float:
+        return float(f"{x:.{digits}g}")
+
+    return GraphedDecodeFactors(
+        {key: tuple((x, r(y)) for x, y in points) for key, points in factors.weights.items()},
+        {a: r(f) for a, f in factors.kv.items()},
+    )
+
+
+# fit_graphed of the H200's graphed steps (the JSONs above, the fp8 plan's appended to the nf4 plan's) on the H200
+# preset, rounded to 3 digits (tests/allsync/test_plan_step.py refits it)
+GRAPHED_H200 = GraphedDecodeFactors(
+    weights={
+        ("nf4", "dequantize"): ((32, 2.22), (256, 2.59)),
+        ("nf4", "triton"): ((32, 21.6), (256, 33.2)),
+        ("fp8", "dequantize"): ((32, 6.22), (256, 6.62)),
+    },
+    kv={"torch": 4.96, "triton": 43.8},
+)

@@ -120,6 +120,20 @@ def frozen_bytes(config: dict, plan: QuantPlan, compute_dtype: str = "bfloat16",
     return dict(out)
 
 
+def dequantized_values(config: dict, plan: QuantPlan, experts: range | None = None) -> tuple[int, int]:
+    """(routed, other): how many values of quantized weights (any format but bf16) a worker holding routed experts
+    `experts` (None: all) holds, the routed experts' apart: what a dequantize-then-multiply forward (quant.formats.
+    frozen_linear, quant.fixed_shape_experts.dequantized) writes in the compute dtype and reads back at every call."""
+    routed = other = 0
+    for kind, n in tensor_kinds(config, experts):
+        if n and kind.quantizable and plan.format_of(kind.group) != "bf16":
+            if kind.routed:
+                routed += n * math.prod(kind.shape)
+            else:
+                other += n * math.prod(kind.shape)
+    return routed, other
+
+
 def lora_values(
     config: dict, rank: int, targets: tuple[str, ...], experts: range | None = None, expert_layout: str = "per_expert"
 ) -> int:

@@ -313,22 +313,47 @@ def test_the_torch_engines_step_is_its_measured_time_where_that_is_above_the_roo
     assert measured.decode_step_seconds(16, 1000) - measured.decode_step_seconds(16, 0) == pytest.approx(61 * 3.42e-6)
 
 
-def test_decode_graphs_are_planned_at_the_roofline_of_the_fixed_shape_step():
-    """rollout.decode_graphs (assumed, not measured): no measured floor, and every held expert read and dequantized
-    each step, its bf16 copy written and read back: routed bytes + 4 bytes a parameter, whatever the batch."""
-    from allsync.plan.torch_decode import EAGER_H200
+def test_decode_graphs_are_planned_as_measured_over_the_fixed_shape_steps_roofline():
+    """rollout.decode_graphs: no eager floor; every held quantized weight dequantized each step, its bf16 copy written
+    and read back (routed and other: 4 bytes a parameter, whatever the batch), that roofline times the H200's measured
+    factor for the weights (interpolated in the rows) and the cache's (GRAPHED_H200); without factors the roofline."""
+    from allsync.plan.torch_decode import EAGER_H200, GRAPHED_H200
 
     hw = GPUS["h100"]
-    params = 58 * 16 * 3 * 7168 * 2048  # EP 16: 16 experts a MoE layer
+    params, other = 58 * 16 * 3 * 7168 * 2048, 10**9  # EP 16: 16 experts a MoE layer
     args = (DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 16, "nf4")
-    graphed = DecodeCost(*args, measured=EAGER_H200, fixed_shapes=True, routed_params=params)
+    shapes = dict(measured=EAGER_H200, fixed_shapes=True, routed_params=params, other_params=other)
+    roofline, graphed = DecodeCost(*args, **shapes), DecodeCost(*args, **shapes, graphed=GRAPHED_H200)
     bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
     a2a = 58 * hw.decode_a2a_seconds(16)
-    for batch in (1, 16):
-        expected = (20e9 + 4 * params + 20e9 + 1000 * 70272) / bandwidth + a2a
-        assert graphed.decode_step_seconds(batch, 1000) == pytest.approx(expected, rel=1e-9)
-    eager = DecodeCost(*args, measured=EAGER_H200)
-    assert graphed.decode_step_seconds(16, 0) < eager.decode_step_seconds(16, 0) / 5
+    weights, cache = (20e9 + 20e9 + 4 * (params + other)) / bandwidth, 1000 * 70272 / bandwidth
+    for batch, w in ((1, 2.22), (32, 2.22), (144, (2.22 + 2.59) / 2), (256, 2.59)):  # below the FLOPs bound
+        assert roofline.decode_step_seconds(batch, 1000) == pytest.approx(weights + cache + a2a, rel=1e-9)
+        assert graphed.decode_step_seconds(batch, 1000) == pytest.approx(w * weights + 4.96 * cache + a2a, rel=1e-9)
+    # the latent kernel's factor on its own positions' stored bytes; the NF4 expert kernel's without the routed copy
+    kernels = DecodeCost(*args, **shapes, graphed=GRAPHED_H200, own_positions=True, experts_read_once=True)
+    read_once = (20e9 + 20e9 + 4 * other) / bandwidth
+    assert kernels.decode_step_seconds(32, 1000) == pytest.approx(21.6 * read_once + 43.8 * cache + a2a, rel=1e-9)
+
+
+def test_the_graphed_decode_factors_are_the_h200_measurement_refitted():
+    """allsync.plan.torch_decode.GRAPHED_H200 is fit_graphed of benchmarks/engine_decode.py's graphed H200 runs (NF4
+    and FP8 plans) against the plan's roofline of the two real-width layers on the H200 preset (3 digits), and the
+    factors give every measured graphed step within 10%."""
+    from allsync.plan.torch_decode import GRAPHED_H200, fit_graphed, graphed_roofline_inputs, rounded_graphed
+    from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, v3_config
+
+    measured = json.loads((MEASURED.parent / "engine_decode_h200_graphed_nf4.json").read_text())
+    measured["plans"] += json.loads((MEASURED.parent / "engine_decode_h200_graphed_fp8.json").read_text())["plans"]
+    weights, kv = graphed_roofline_inputs(v3_config(REAL_V3_TWO_LAYERS, 20480 + 16), PLANS, GPUS["h200"])
+    assert rounded_graphed(fit_graphed(measured, weights, kv)) == GRAPHED_H200
+    graphed = [(p["plan"], c) for p in measured["plans"] for c in p["cases"] if c["mode"] == "graphed"]
+    assert len(graphed) == 20
+    for plan, case in graphed:
+        w, f = GRAPHED_H200.factors(plan, case["expert_kernel"], case["attention"], case["rows"])
+        cache = kv[case["attention"]] * case["rows"] * case["context"]
+        seconds = w * weights[(plan, case["expert_kernel"])] + f * cache
+        assert seconds * 1000 == pytest.approx(case["step_ms"], rel=0.1), case
 
 
 def test_a_decode_step_is_bound_by_the_weights_it_reads():
@@ -573,28 +598,25 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         assert all(p <= 0.95 * 81089 * 2**20 for p in peaks)
         if c["layout"]["engine"] == "vllm":
             assert c["not_built"]  # no 671B vLLM layout runs in the loop today: its expert parallelism is not wired in
-    # issue 46: the torch engine's layouts beside vLLM's (one copy of the base, as many KV slots as fit), eager as
-    # measured and with rollout.decode_graphs at the roofline (said to be assumed)
+    # issue 46: the torch engine's layouts beside vLLM's (one copy of the base, as many KV slots as fit), eager and
+    # with rollout.decode_graphs, both as measured on an H200 (allsync.plan.torch_decode)
     torch_engine = [c for c in ranked if c["layout"]["engine"] == "torch"]
     assert torch_engine and all(c["layout"]["decode_batch"] >= 1 for c in torch_engine if "colocation" in c["layout"])
     graphed = [c for c in torch_engine if c["schedule"] == "all-sync with rollout.decode_graphs"]
     eager = [c for c in torch_engine if c["schedule"] == "all-sync"]
-    assert graphed and all("not yet measured" in c["note"] for c in graphed)
+    assert graphed and all("as measured on an H200" in c["note"] for c in graphed)
     assert min(c["step_seconds"] for c in graphed) < min(c["step_seconds"] for c in eager)
     assert any(not c["not_built"] for c in eager)  # the torch engine at EP 16 with offload runs in the loop today
-    # and with the latent attention kernel (rollout.attention_kernel triton, assumed too): each slot reads its own
-    # positions as stored, not every slot up to the longest row's span
+    # and with the latent attention kernel (rollout.attention_kernel triton): each slot reads its own positions as
+    # stored, not every slot up to the longest row's span, but 43.8x that roofline as measured: slower here
     kernel = [c for c in torch_engine if c["schedule"].endswith("and rollout.attention_kernel triton")]
-    assert kernel and all("own positions" in c["note"] and "not yet measured" in c["note"] for c in kernel)
-    assert min(c["step_seconds"] for c in kernel) < min(c["step_seconds"] for c in graphed)
-    # and with the NF4 experts read by their kernel too (rollout.frozen_expert_kernel triton, assumed)
+    assert kernel and all("own positions" in c["note"] and "43.8x the cache's" in c["note"] for c in kernel)
+    assert min(c["step_seconds"] for c in kernel) > min(c["step_seconds"] for c in graphed)
+    # and with the NF4 experts read by their kernel too (rollout.frozen_expert_kernel triton): 21.6-33.2x the roofline
     experts = [c for c in torch_engine if c["schedule"].endswith("rollout.frozen_expert_kernel triton")]
     assert experts and all("stored bytes once" in c["note"] for c in experts)
-    assert min(c["step_seconds"] for c in experts) < min(c["step_seconds"] for c in kernel)
-    assert (
-        "fastest layout the loop runs today: all-sync with rollout.decode_graphs, rollout.attention_kernel triton and "
-        "rollout.frozen_expert_kernel triton, engine torch" in text
-    )
+    assert min(c["step_seconds"] for c in experts) > min(c["step_seconds"] for c in kernel)
+    assert "fastest layout the loop runs today: all-sync with rollout.decode_graphs, engine torch" in text
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
     # the torch engine with each KV cache: 64 slots sharing the KV room in pages where 64 full-length rows do not fit

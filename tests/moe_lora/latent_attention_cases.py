@@ -72,17 +72,19 @@ def paged(query, stored, counts, capacity, gen, page: int = 64):
 def twelve_rows(checkpoint: str, device: str):
     """(model, rows, seeds, sampling, eos) of the engine checks: the tiny model with random LoRA, 12 rows (4 samples
     of 3 prompts) of at most 10 tokens, an end token frequent enough that they end at different steps."""
+    from allsync.engines.slots import decode_in_slots
     from allsync.engines.torch_engine import Sampling
     from tests.allsync.engines.test_decode_graphs import lora_model
     from tests.allsync.engines.test_kv_fp8 import PROMPTS
-    from tests.allsync.engines.test_rollout_trainer import frequent_stop_token
+    from tests.allsync.engines.test_rollout_trainer import most_varied_stop_token
 
     model = lora_model(checkpoint, "nf4", device=device)
     rows = [p for p in PROMPTS for _ in range(4)]
     sampling = Sampling(temperature=1.0, max_new_tokens=10)
-    eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
     seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
-    return model, rows, seeds, sampling, eos
+    # the end token chosen from these rows' own draws on this device (no token ends them): they stop at different steps
+    unstopped = decode_in_slots(model, rows, seeds, sampling, -1, 2, 3, False)
+    return model, rows, seeds, sampling, most_varied_stop_token(unstopped.tokens)
 
 
 def engine_decodes_as_the_torch_path(checkpoint: str, device: str = "cpu") -> None:

@@ -101,6 +101,22 @@ def test_formats_error_and_bytes(fmt, max_rel_rms, max_bytes_per_param):
     assert qw.nbytes / qw.numel <= max_bytes_per_param + 1e-9
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_into_a_slice_of_a_stack_writes_the_same_values(fmt, dtype, device):
+    """QuantizedWeight.dequantize(out=): written in place into a slice of a stacked buffer (quant.fixed_shape_experts
+    stacks every expert so, without a temporary for FP8, and for NF4 on CUDA), bit for bit what dequantize returns,
+    the rest of the buffer untouched."""
+    w = torch.randn(256, 128, generator=torch.Generator().manual_seed(5))
+    qw = quantize_weight(w.to(device), fmt)
+    stack = torch.full((3, 512, 128), 7.0, dtype=dtype, device=device)
+    written = qw.dequantize(dtype, out=stack[1, 256:])
+    assert written.data_ptr() == stack[1, 256:].data_ptr()
+    assert torch.equal(stack[1, 256:], qw.dequantize(dtype))
+    assert bool((stack[0] == 7).all()) and bool((stack[1, :256] == 7).all()) and bool((stack[2] == 7).all())
+
+
 def test_nf4_double_quant_is_smaller():
     w = torch.randn(256, 512)
     single, double = quantize_weight(w, "nf4"), quantize_weight(w, "nf4", double_quant=True)

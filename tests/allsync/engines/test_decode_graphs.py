@@ -78,7 +78,7 @@ def test_span_buckets_cover_every_length_with_little_overshoot():
     assert len(set(spans.values())) == 8 + 8 * 5 + 3  # 64..512 by 64, 8 a doubling to 16,384, then 18,432 .. 21,504
 
 
-def record_decode(model, rows, seeds, sampling, eos, slots, expanded, fixed_step=None, fp8_rank=None):
+def record_decode(model, rows, seeds, sampling, eos, slots, expanded, fixed_step=None, fp8_rank=None, pages=None):
     """decode_in_slots under a routing record: (tokens, logprobs, reasons) and each row's recorded routing."""
     with recording(model) as record:
         out = decode_in_slots(
@@ -94,6 +94,7 @@ def record_decode(model, rows, seeds, sampling, eos, slots, expanded, fixed_step
             lambda: len(record),
             fixed_step,
             fp8_rank=fp8_rank,
+            pages=pages,
         )
     return (out.tokens, out.logprobs, out.reasons), sample_routing(record, rows, out)
 
@@ -168,15 +169,17 @@ def test_the_fixed_shape_step_reads_nothing_on_the_host_and_keeps_its_shapes(tin
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("cache", ["expanded", "latent", "fp8"])
+@pytest.mark.parametrize("cache", ["expanded", "latent", "fp8", "paged"])
 def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, cache):
     """On a GPU in bfloat16: TorchEngine(decode_graphs=True) replays CUDA graphs of the fixed-shape step: the same tokens,
     logprobs and recorded routing as the fixed-shape step run eagerly (the same kernels), bit for bit; with the
     adapters and without; and close to the live-slot step (another summation order in bfloat16). With the expanded
-    cache, the latent one, and the latent one in FP8 (rollout.kv_cache_dtype)."""
+    cache, the latent one, the latent one in FP8 (rollout.kv_cache_dtype), and the latent one in pages of 64
+    positions read through the slots' block table (rollout.kv_cache_tokens: 4 pages for 3 slots)."""
     from allsync.engines.graphs import GraphedStep
 
     expanded, fp8_rank = cache == "expanded", 512 if cache == "fp8" else None
+    pages = 4 if cache == "paged" else None
     model = lora_model(tiny_bf16, "nf4", dtype=torch.bfloat16, device="cuda")
     prompts = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
     rows = [p for p in prompts for _ in range(4)]
@@ -184,7 +187,9 @@ def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, cache):
     seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
     for disabled in (False, True):
         with adapters_disabled(model) if disabled else torch.no_grad():
-            eager, eager_routing = record_decode(model, rows, seeds, sampling, 1, 3, expanded, FixedShapeStep, fp8_rank)
+            eager, eager_routing = record_decode(
+                model, rows, seeds, sampling, 1, 3, expanded, FixedShapeStep, fp8_rank, pages
+            )
             captured = {}
 
             def graphed(m, pool, s, record=None):
@@ -205,11 +210,12 @@ def test_captured_graphs_replay_the_fixed_shape_step(tiny_bf16, cache):
                     lambda: len(record),
                     lambda m, p, s: graphed(m, p, s, record),
                     fp8_rank=fp8_rank,
+                    pages=pages,
                 )
             assert len(captured["step"].graphs) >= 1
             assert (out.tokens, out.logprobs, out.reasons) == eager
             assert all(torch.equal(a, b) for a, b in zip(sample_routing(record, rows, out), eager_routing))
-            live, _ = record_decode(model, rows, seeds, sampling, 1, 3, expanded, fp8_rank=fp8_rank)
+            live, _ = record_decode(model, rows, seeds, sampling, 1, 3, expanded, fp8_rank=fp8_rank, pages=pages)
             same = sum(a == b for a, b in zip(live[0], eager[0]))
             assert same >= len(rows) // 2, (same, len(rows))
     engine = TorchEngine(model, eos_id=1, pad_id=2, batch_size=3, decode_graphs=True)

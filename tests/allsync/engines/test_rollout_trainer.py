@@ -63,7 +63,12 @@ def frequent_stop_token(model, prompts, n, sampling, seed) -> int:
     """A token whose first occurrence falls at the most different positions of these samples: used as eos,
     the same seed then gives responses that stop at different lengths (a random tiny model rarely says eos)."""
     torch.manual_seed(seed)
-    rows = TorchEngine(model, eos_id=1, pad_id=2).generate(prompts, n, sampling).response_ids
+    return most_varied_stop_token(TorchEngine(model, eos_id=1, pad_id=2).generate(prompts, n, sampling).response_ids)
+
+
+def most_varied_stop_token(rows: list[list[int]]) -> int:
+    """Of the tokens in these responses (and not in all of them), the one whose first occurrence falls at the most
+    different positions: as eos, these rows would stop at that many different lengths."""
     positions = {t: {row.index(t) for row in rows if t in row} for t in {t for row in rows for t in row}}
     counts = Counter(t for row in rows for t in set(row))
     return max(positions, key=lambda t: (len(positions[t]) if counts[t] < len(rows) else 0, counts[t]))
