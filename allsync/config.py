@@ -144,7 +144,8 @@ class RolloutSection:
     # torch engine on a GPU: decode steps in fixed shapes (every slot, spans in 8 sizes per doubling, routed experts
     # without a host read: quant.fixed_shape_experts), each span's step captured once as a CUDA graph and replayed
     # (allsync/engines/graphs.py); under expert parallelism the experts' exchange is all-to-alls of equal splits.
-    # Needs parallel.device cuda and bfloat16. Off until a GPU has measured it against the eager step (BENCHMARKS.md)
+    # Needs parallel.device cuda and bfloat16. On an H200 at DeepSeek-V3's width 1.2-2.0x faster than the eager step,
+    # but every held quantized weight is dequantized at every step: `allsync plan` says which is faster for a layout
     decode_graphs: bool = False
     # torch engine: what its KV slots store. auto: the compute dtype. fp8: MLA's latent with c_s in float8_e4m3fn (a
     # float32 scale per 128 values) and k_rope as computed, 656 bytes a token and layer at DeepSeek-V3's shape against
@@ -155,12 +156,13 @@ class RolloutSection:
     # to the longest live row's span (an FP8 cache back into the compute dtype first) under a mask. triton: a kernel
     # that reads each slot's own positions as stored, FP8 bytes dequantized in registers (moe_lora/latent_attention.py;
     # needs the latent cache: DeepSeek-V3's head count, or kv_cache_dtype fp8). Runs on a GPU, or on CPU tensors in
-    # Triton's interpreter (TRITON_INTERPRET=1, slowly: tests). Off until a GPU has measured it (BENCHMARKS.md)
+    # Triton's interpreter (TRITON_INTERPRET=1, slowly: tests). On an H200 slower than torch at 20k positions
+    # (BENCHMARKS.md)
     attention_kernel: str = "torch"
     # torch engine with decode_graphs: how the fixed-shape decode step multiplies the frozen routed experts.
     # dequantize: every held expert to the compute dtype at every step, then torch's grouped_mm. triton: a grouped GEMM
     # that reads the NF4 bytes and dequantizes them in registers (quant/fused_experts.py; NF4 experts without
-    # double_quant): no copy of the experts written and read back. Off until a GPU has measured it (BENCHMARKS.md)
+    # double_quant): no copy of the experts written and read back. On an H200 2.3x slower than dequantize (BENCHMARKS.md)
     frozen_expert_kernel: str = "dequantize"
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)

@@ -2,6 +2,8 @@
 
     python -m benchmarks.engine_decode [--plans nf4,fp8] [--rows 32,64,128,256] [--contexts 1024,8192,20480]
                                        [--steps 8] [--device cuda] [--modes eager,fixed,graphed] [--json out.json]
+                                       [--kv-cache auto,fp8] [--attention torch,triton] [--expert-kernel dequantize,triton]
+                                       [--attention-blocks 16x32x8,64x32x8]
 
 The checkpoint of benchmarks/v3_layer_memory.py (real shapes, two decoder layers: one dense, one MoE with 256
 routed experts; random weights in the real FP8 format) is loaded by the trainer's loader in each plan (nf4: routed
@@ -15,7 +17,8 @@ tokens would cost far more than the decode it sets up, and decode time does not 
 layer and the rest (embedding, final norm, lm_head over the vocabulary, sampling, the host read), and R / step
 tokens per second. --modes: the engine's live-slot step (eager), the fixed-shape step run eagerly (fixed: every
 slot, the routed experts without a host read, all of them dequantized) and its CUDA graphs (graphed, one per span of
-allsync.engines.slots.span_bucket; rollout.decode_graphs).
+allsync.engines.slots.span_bucket; rollout.decode_graphs). --attention-blocks: the latent kernel's cuts to time
+(moe_lora.latent_attention.KernelBlocks: heads per program, positions per block, warps), each a case of its own.
 
 Roofline: a decode step must read at least the weights it uses and the cache it attends over,
 
@@ -43,6 +46,7 @@ from allsync.engines.slots import FixedShapeStep, decode_forward, sample_rows, s
 from allsync.engines.torch_engine import Sampling
 from allsync.plan.torch_decode import expected_touched
 from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, TARGETS, Memory, free, v3_config, write_checkpoint
+from moe_lora.latent_attention import KernelBlocks, kernel_blocks
 from moe_lora.mla_decode import LatentKVCache, SlotKVCache, fp8_latent_bytes, install_mla_decode
 from quant.checkpoint_io import atomic_write_text
 from quant.loader import byte_report, load_frozen_model
@@ -257,6 +261,7 @@ def measure_plan(
     kv_caches=("auto",),
     attentions=("torch",),
     expert_kernels=("dequantize",),
+    attention_blocks=(KernelBlocks(),),
 ):
     memory = Memory(device)
     free(memory)
@@ -267,16 +272,20 @@ def measure_plan(
     for r in rows:
         for c in contexts:
             variants = [(m, k, a, x) for m in modes for k in kv_caches for a in attentions for x in expert_kernels]
-            for mode, kv, attention, experts in variants:
+            for mode, kv, attention, experts, blocks in [
+                (*v, b) for v in variants for b in (attention_blocks if v[2] == "triton" else (None,))
+            ]:
                 if experts == "triton" and mode == "eager":
                     continue  # the kernel is the fixed-shape step's
                 free(memory)
                 use_expert_kernel(model, experts)
+                labels = {"expert_kernel": experts} | ({"blocks": blocks_name(blocks)} if blocks else {})
                 try:
-                    case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
-                    case["expert_kernel"] = experts
+                    with kernel_blocks(blocks or KernelBlocks()):
+                        case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
+                    case |= labels
                 except torch.OutOfMemoryError as e:
-                    oom = {"mode": mode, "kv_cache": kv, "attention": attention, "expert_kernel": experts}
+                    oom = {"mode": mode, "kv_cache": kv, "attention": attention} | labels
                     oom |= {"rows": r, "context": c}
                     oom["oom"] = str(e).split("\n")[0][:200]
                     cases.append(oom)
@@ -293,9 +302,26 @@ def measure_plan(
     return {"plan": name, "compute_dtype": str(dtype).replace("torch.", ""), "cases": cases}
 
 
+def blocks_name(blocks: KernelBlocks) -> str:
+    """HxNxW: the latent kernel's heads per program, positions per block and warps (--attention-blocks)."""
+    return f"{blocks.heads}x{blocks.positions}x{blocks.warps}"
+
+
+def blocks_of(text: str) -> list[KernelBlocks]:
+    """--attention-blocks HxNxW[,HxNxW...] (KernelBlocks refuses what is not a power of two)."""
+    try:
+        out = [KernelBlocks(*(int(v) for v in item.split("x"))) for item in text.split(",")]
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--attention-blocks: use HEADSxPOSITIONSxWARPS[,...], got {text!r} ({e})") from None
+    if any(len(item.split("x")) != 3 for item in text.split(",")):
+        raise SystemExit(f"--attention-blocks: use HEADSxPOSITIONSxWARPS[,...], got {text!r}")
+    return out
+
+
 def format_case(plan: str, case: dict) -> str:
+    attention = case.get("attention", "torch") + (f"[{case['blocks']}]" if "blocks" in case else "")
     head = (
-        f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} {case.get('attention', 'torch'):6} "
+        f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} {attention:6} "
         f"{case.get('expert_kernel', 'dequantize'):10} "
         f"rows {case['rows']:4} context {case['context']:6}"
     )
@@ -334,8 +360,14 @@ def main(argv=None) -> dict:
         default="dequantize",
         help="rollout.frozen_expert_kernel (fixed and graphed steps): dequantize, triton, or both",
     )
+    ap.add_argument(
+        "--attention-blocks",
+        default=blocks_name(KernelBlocks()),
+        help="the latent kernel's heads per program, positions per block and warps to time, HxNxW[,HxNxW...]",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    attention_blocks = blocks_of(args.attention_blocks)
     modes, kv_caches, attentions = args.modes.split(","), args.kv_cache.split(","), args.attention.split(",")
     expert_kernels = args.expert_kernel.split(",")
     if any(x not in ("dequantize", "triton") for x in expert_kernels):
@@ -388,6 +420,7 @@ def main(argv=None) -> dict:
                 kv_caches,
                 attentions,
                 expert_kernels,
+                attention_blocks,
             )
         )
         if args.json:

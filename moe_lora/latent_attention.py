@@ -10,8 +10,9 @@ head h, the absorbed query q_bh = [q_nope_h W_UK_h ; q_rope_h] (r + d_rope value
     score_bhs = scaling (q_bh[:r] . c_bs + q_bh[r:] . k_rope_bs)     c_bs = q_bs,g a_bs,g in an FP8 cache (per group g)
     out_bh    = sum_{s < n_b} softmax_s(score_bh)_s c_bs                                               [r]
 
-Split over positions (flash decoding): program (b, k, j) takes heads [16 j, 16 j + 16) and positions
-[k c, (k + 1) c) of slot b, c = ceil(span / splits), stopping at n_b (a program past it reads nothing). Each keeps a
+Split over positions (flash decoding): program (b, k, j) takes heads [h j, h j + h) and positions
+[k c, (k + 1) c) of slot b (h = KernelBlocks.heads), c = ceil(span / splits), stopping at n_b (a program past it
+reads nothing). Each keeps a
 running maximum m, sum l and weighted sum o (online softmax) and writes o / l and lse = m + log l; the splits combine as
 
     out_bh = sum_k exp(lse_k - logsumexp_k lse_k) o_k               (an empty split: lse -inf, weight 0)
@@ -26,14 +27,46 @@ runs the same kernel on CPU tensors, which is how the tests here check it agains
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import torch
 
 from quant.fused_experts import interpreted
 
-HEADS_PER_PROGRAM = 16  # tl.dot's smallest M
-POSITIONS_PER_BLOCK = 32
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+    """How the kernel cuts its work: heads per program (BLOCK_H, at least tl.dot's smallest M, 16; each program reads
+    and dequantizes its positions once, so a slot's positions are read heads / BLOCK_H times), positions per block
+    of the inner loop (BLOCK_N) and warps per program."""
+
+    heads: int = 16
+    positions: int = 32
+    warps: int = 8
+
+    def __post_init__(self):
+        for name in ("heads", "positions", "warps"):
+            value = getattr(self, name)
+            if value < (16 if name != "warps" else 1) or value & (value - 1):
+                raise ValueError(
+                    f"KernelBlocks.{name} = {value}: a power of two, at least {16 if name != 'warps' else 1}"
+                )
+
+
+BLOCKS = KernelBlocks()  # what the engine runs (kernel_blocks sets others for a sweep: benchmarks/engine_decode.py)
+
+
+@contextlib.contextmanager
+def kernel_blocks(blocks: KernelBlocks):
+    """Run the kernel with `blocks` inside the block (the module's BLOCKS restored after)."""
+    global BLOCKS
+    before, BLOCKS = BLOCKS, blocks
+    try:
+        yield blocks
+    finally:
+        BLOCKS = before
 
 
 @functools.cache
@@ -186,7 +219,8 @@ def latent_decode_attention(
     out = torch.empty(slots, splits, heads, rank, dtype=torch.float32, device=query.device)
     lse = torch.empty(slots, splits, heads, dtype=torch.float32, device=query.device)
     scale_tensor = scales if fp8 else rope  # any pointer: the FP8 branch is compiled out
-    grid = (-(-heads // HEADS_PER_PROGRAM), splits, slots)
+    blocks = BLOCKS
+    grid = (-(-heads // blocks.heads), splits, slots)
     _kernel(interpreted())[grid](
         query,
         latent,
@@ -216,9 +250,9 @@ def latent_decode_attention(
         GROUP=group,
         FP8=fp8,
         SPLITS=splits,
-        BLOCK_H=HEADS_PER_PROGRAM,
-        BLOCK_N=POSITIONS_PER_BLOCK,
-        num_warps=8,  # a [16, r] float32 accumulator and the [32, r] latent block: fewer registers a thread
+        BLOCK_H=blocks.heads,
+        BLOCK_N=blocks.positions,
+        num_warps=blocks.warps,  # 8: a [16, r] float32 accumulator and the [32, r] latent block, fewer registers a thread
         num_stages=2,
         PRECISION="ieee" if query.dtype == torch.float32 or interpreted() else "tf32",  # float32: no TF32 rounding
         UPCAST=interpreted() and query.dtype != torch.float32,

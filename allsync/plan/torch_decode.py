@@ -143,6 +143,7 @@ EAGER_H200 = TorchDecodeRates(
 
 # The fixed-shape step as CUDA graphs (rollout.decode_graphs), measured on the H200 on 2026-11-28
 # (benchmarks/measured/engine_decode_h200_graphed_nf4.json and _fp8.json): its time over the plan's own roofline of it.
+FITTED_BLOCKS = "16x32x8"  # the latent kernel's cuts the fit reads (benchmarks/engine_decode.py --attention-blocks)
 GRAPHED_STAND_IN = {"bf16": "fp8", "int8": "nf4"}  # formats not measured: FP8's and NF4's factors, as the eager rates
 
 
@@ -175,7 +176,12 @@ def fit_graphed(measured: dict, weights_seconds: dict, kv_seconds: dict) -> Grap
     kv_seconds[attention] (the cache part per row and cached position). kv: per (plan, expert kernel, attention,
     rows) measured at two contexts, the slope over the roofline's, averaged by attention; w: per (plan, expert kernel,
     rows), each case's time less its fitted cache part over the weights part, averaged over its cases."""
-    cases = [(p["plan"], c) for p in measured["plans"] for c in p["cases"] if "oom" not in c and c["mode"] == "graphed"]
+    cases = [
+        (p["plan"], c)
+        for p in measured["plans"]
+        for c in p["cases"]
+        if "oom" not in c and c["mode"] == "graphed" and c.get("blocks", FITTED_BLOCKS) == FITTED_BLOCKS
+    ]
     by = {}
     for plan, c in cases:
         by.setdefault((plan, c["expert_kernel"], c["attention"], c["rows"]), []).append(c)

@@ -66,6 +66,10 @@ def test_the_fixed_shape_step_is_timed_like_the_eager_one(tmp_path):
     )
     cases = both["plans"][0]["cases"]
     assert [c["kv_cache"] for c in cases] == ["auto", "fp8"] and cases[1]["bytes_read"] < cases[0]["bytes_read"]
+    for bad in ("24x32x8", "16x32", "16xax8"):  # the latent kernel's cuts: powers of two, all three given
+        with pytest.raises(SystemExit, match="--attention-blocks"):
+            main(["--device", "cpu", "--ckpt", str(tmp_path / "refused"), "--attention-blocks", bad])
+    assert not (tmp_path / "refused").exists()
     with pytest.raises(SystemExit, match="--modes graphed: CUDA graphs need --device cuda"):
         main(["--device", "cpu", "--modes", "graphed"])
     with pytest.raises(SystemExit, match="--attention/--expert-kernel triton: Triton needs --device cuda"):

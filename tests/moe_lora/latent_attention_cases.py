@@ -69,6 +69,36 @@ def paged(query, stored, counts, capacity, gen, page: int = 64):
     return latent_decode_attention(query, *pages, counts, 0.07, capacity, table=table, page=page)
 
 
+def other_blocks_give_the_same_attention(device: str = "cpu") -> None:
+    """KernelBlocks (heads per program, positions per block, warps; what benchmarks/engine_decode.py sweeps): 32 and
+    64 heads a program (more heads than the slots have, masked), 16 and 64 positions a block, each the reference's
+    output in float32 to 1e-5, over FP8 latents in shuffled pages too; refused when not a power of two."""
+    from moe_lora.latent_attention import KernelBlocks, kernel_blocks
+
+    gen = torch.Generator().manual_seed(1)
+    heads, capacity, rank, rope, counts = 40, 150, 128, 32, [1, 150, 77]
+    counts = torch.tensor(counts, device=device)
+    query = torch.randn(len(counts), heads, rank + rope, generator=gen).to(device)
+    latent = torch.randn(len(counts), capacity, rank + rope, generator=gen).to(device)
+    expected = reference(query, latent, counts, 0.07, rank)
+    quantized, scales = fp8_quantize(latent[..., :rank], 128)
+    read = torch.cat((fp8_dequantize(quantized, scales, 128, torch.float32), latent[..., rank:]), dim=-1)
+    expected_fp8 = reference(query, read, counts, 0.07, rank)
+    for blocks in (KernelBlocks(32, 16, 4), KernelBlocks(64, 64, 8), KernelBlocks(16, 64, 2)):
+        with kernel_blocks(blocks):
+            out = latent_decode_attention(query, latent[..., :rank], None, latent[..., rank:], counts, 0.07, capacity)
+            assert torch.allclose(out, expected, atol=1e-5, rtol=0), (blocks, float((out - expected).abs().max()))
+            shuffled = paged(query, (quantized, scales, latent[..., rank:]), counts, capacity, gen)
+            assert torch.allclose(shuffled, expected_fp8, atol=1e-5, rtol=0), blocks
+    for bad in ({"heads": 24}, {"positions": 8}, {"warps": 3}):
+        try:
+            KernelBlocks(**bad)
+        except ValueError as e:
+            assert next(iter(bad)) in str(e)
+        else:
+            raise AssertionError(f"KernelBlocks({bad}) was accepted")
+
+
 def twelve_rows(checkpoint: str, device: str):
     """(model, rows, seeds, sampling, eos) of the engine checks: the tiny model with random LoRA, 12 rows (4 samples
     of 3 prompts) of at most 10 tokens, an end token frequent enough that they end at different steps."""

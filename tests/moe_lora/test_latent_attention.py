@@ -27,7 +27,11 @@ def interpreted(tiny_bf16):
         return None
     return run_interpreted(
         CASES,
-        {"kernel": "kernel_matches_reference()", "engine": f"engine_decodes_as_the_torch_path({str(tiny_bf16)!r})"},
+        {
+            "kernel": "kernel_matches_reference()",
+            "blocks": "other_blocks_give_the_same_attention()",
+            "engine": f"engine_decodes_as_the_torch_path({str(tiny_bf16)!r})",
+        },
     )
 
 
@@ -36,6 +40,13 @@ def test_the_kernel_matches_softmax_attention_over_each_slots_own_positions(inte
         cases.kernel_matches_reference("cuda")
     else:
         assert "kernel" not in interpreted, interpreted["kernel"]
+
+
+def test_other_kernel_blocks_give_the_same_attention(interpreted):
+    if interpreted is None:
+        cases.other_blocks_give_the_same_attention("cuda")
+    else:
+        assert "blocks" not in interpreted, interpreted["blocks"]
 
 
 def test_the_engine_decodes_with_the_kernel_what_it_decodes_without(tiny_bf16, interpreted):
