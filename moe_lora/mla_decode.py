@@ -582,22 +582,27 @@ def absorbed_attention(attn: DeepseekV3Attention, q_nope, q_rot, latent, attenti
     [B, 1, S, r + d_rope] (the cache, these T tokens last) -> [B, H, T, d_v].
 
     The H heads share the key, so heads and new tokens fold into one batched product: [B, H T, r + d_rope] x
-    [B, r + d_rope, S]. attention_mask is transformers' (a boolean or additive [B, 1, T, S] mask) or None, then
+    [B, r + d_rope, S], scaled in the product's epilogue (baddbmm's alpha) and written once in the compute dtype;
+    the mask is applied in place and softmax (accumulating in float32) writes the weights in the compute dtype: a
+    decode step moves H (2 + 2 x 2 + 2 x 2) bytes a cached position for its scores in bf16, not the 3.5x that
+    float32 scores would. attention_mask is transformers' (a boolean or additive [B, 1, T, S] mask) or None, then
     token t sees the `cached` positions and the new ones up to itself."""
     batch, heads, new, _ = q_nope.shape
     rank = attn.kv_lora_rank
     query, up_v = absorbed_query(attn, q_nope, q_rot)
     query = query.reshape(batch, heads * new, -1)
     keys = latent.squeeze(1)
-    scores = torch.bmm(query, keys.transpose(1, 2)).view(batch, heads, new, -1).float().mul_(attn.scaling)
+    unused = query.new_zeros(1, 1, 1)  # beta = 0: baddbmm does not read it
+    scores = torch.baddbmm(unused, query, keys.transpose(1, 2), beta=0, alpha=attn.scaling)
+    scores = scores.view(batch, heads, new, -1)
     if attention_mask is None and new > 1:
         span = torch.arange(keys.shape[1], device=keys.device)
         attention_mask = span[None, :] <= cached + torch.arange(new, device=keys.device)[:, None]
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         scores = scores.masked_fill_(~attention_mask, float("-inf"))
     elif attention_mask is not None:
-        scores = scores.add_(attention_mask)
-    probs = torch.softmax(scores, dim=-1).to(query.dtype).view(batch, heads * new, -1)
+        scores = scores.add_(attention_mask.to(scores.dtype))
+    probs = torch.softmax(scores, dim=-1).view(batch, heads * new, -1)
     out_latent = torch.bmm(probs, keys[..., :rank]).view(batch, heads, new, rank)
     return up_v.expand(out_latent)
 
