@@ -584,8 +584,8 @@ def absorbed_attention(attn: DeepseekV3Attention, q_nope, q_rot, latent, attenti
     The H heads share the key, so heads and new tokens fold into one batched product: [B, H T, r + d_rope] x
     [B, r + d_rope, S], scaled in the product's epilogue (baddbmm's alpha) and written once in the compute dtype;
     the mask is applied in place and softmax (accumulating in float32) writes the weights in the compute dtype: a
-    decode step moves H (2 + 2 x 2 + 2 x 2) bytes a cached position for its scores in bf16, not the 3.5x that
-    float32 scores would. attention_mask is transformers' (a boolean or additive [B, 1, T, S] mask) or None, then
+    decode step moves 12 H bytes a cached position for its scores in bf16 (written, masked, softmaxed, read), not the
+    40 H that float32 scores moved. attention_mask is transformers' (a boolean or additive [B, 1, T, S] mask) or None, then
     token t sees the `cached` positions and the new ones up to itself."""
     batch, heads, new, _ = q_nope.shape
     rank = attn.kv_lora_rank

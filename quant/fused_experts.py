@@ -13,7 +13,9 @@ float32 absmax per 64 consecutive elements; the 16-value NF4 code table):
     y[a, n]   = sum_k x[a, k] W_e[n, k]                              for the rows a of expert e
 
 Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (a decode step's ~18 rows a
-expert take one pass over the weight tile; more rows re-read it), K in blocks of B_K. The grid (N / B_N, E) and every
+expert take one pass over the weight tile; more rows re-read it), K in blocks of B_K. With K even (DeepSeek-V3's 7,168
+and 2,048) each byte is read once and gives two columns: the high nibbles multiply the rows' even columns and the
+low ones the odd, two products of B_K / 2 each (the same sums, in another order). The grid (N / B_N, E) and every
 tensor depend on (rows, E, N, K) only and the offsets are read on the device, so a CUDA graph captures it. The experts'
 bytes must be one tensor a projection: `stack_nf4_experts` copies them into [E, ...] buffers once and leaves each
 QuantizedWeight a view of its row (the same values; the other kernels read them as before). Triton's interpreter
@@ -108,6 +110,7 @@ def _kernel(interpret: bool):
         BLOCK_K: tl.constexpr,
         UPCAST: tl.constexpr,
         PRECISION: tl.constexpr,
+        PAIRED: tl.constexpr,
     ):
         column_block, expert = tl.program_id(0), tl.program_id(1)
         first = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
@@ -120,7 +123,31 @@ def _kernel(interpret: bool):
             offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
             m_ok = offs_m < last
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            if PAIRED:  # K even: byte j of row n holds columns 2 j (high nibble) and 2 j + 1 (low), one absmax block
+                for k0 in range(0, K, BLOCK_K):
+                    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # the row's bytes [k0 / 2, (k0 + B_K) / 2)
+                    j_ok = offs_j < K // 2
+                    w_ok = n_ok[:, None] & j_ok[None, :]
+                    pair = offs_n[:, None].to(tl.int64) * (K // 2) + offs_j[None, :]  # [B_N, B_K / 2]: byte index
+                    byte = tl.load(packed_e + pair, mask=w_ok, other=0).to(tl.int32)
+                    a = tl.load(absmax_e + (2 * pair) // QBLOCK, mask=w_ok, other=0.0)
+                    high = tl.load(code + (byte >> 4)) * a
+                    low = tl.load(code + (byte & 15)) * a
+                    bits = high.to(tl.uint32, bitcast=True)  # each rounded to bfloat16 as below
+                    high = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    bits = low.to(tl.uint32, bitcast=True)
+                    low = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    x_rows = x + offs_m[:, None] * stride_xa + 2 * offs_j[None, :]
+                    x_ok = m_ok[:, None] & j_ok[None, :]
+                    even = tl.load(x_rows, mask=x_ok, other=0.0)
+                    odd = tl.load(x_rows + 1, mask=x_ok, other=0.0)
+                    if UPCAST:
+                        even, odd = even.to(tl.float32), odd.to(tl.float32)
+                    else:
+                        high, low = high.to(even.dtype), low.to(even.dtype)
+                    acc += tl.dot(even, tl.trans(high), input_precision=PRECISION)
+                    acc += tl.dot(odd, tl.trans(low), input_precision=PRECISION)
+            for k0 in range(0, K if not PAIRED else 0, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = offs_k < K
                 xt = tl.load(
@@ -182,5 +209,6 @@ def nf4_grouped_mm(x: torch.Tensor, stacked: StackedNF4, offsets: torch.Tensor) 
         BLOCK_K=BLOCK_K,
         UPCAST=interpreted() and x.dtype != torch.float32,
         PRECISION="ieee" if x.dtype == torch.float32 or interpreted() else "tf32",
+        PAIRED=k % 2 == 0 and stacked.blocksize % 2 == 0,
     )
     return out

@@ -12,11 +12,12 @@ from quant.fused_experts import nf4_grouped_mm, stack_nf4_experts
 
 def kernel_matches_dequantized_matmul(device: str = "cpu") -> None:
     """Experts of DeepSeek-like and odd shapes (rows that are not whole 64-value blocks, N and K not multiples of the
-    tiles), an expert with no rows, one with more rows than a tile, rows past the last offset: each expert's rows
+    tiles, K even, read a byte a pair of columns, and odd, a nibble at a time), an expert with no rows, one with more rows than a tile, rows past the last offset: each expert's rows
     times its dequantized W^T, float32 to float32 rounding, bfloat16 within its output rounding; stacking leaves every
     weight's dequantized values unchanged."""
     gen = torch.Generator().manual_seed(0)
-    for experts, n, k, counts in ((4, 40, 96, [3, 0, 20, 5]), (3, 128, 64, [17, 1, 40]), (2, 64, 16, [5, 5])):
+    cases = ((4, 40, 96, [3, 0, 20, 5]), (3, 128, 64, [17, 1, 40]), (2, 64, 16, [5, 5]), (2, 64, 33, [4, 9]))
+    for experts, n, k, counts in cases:  # K even: each byte's two nibbles as a pair of columns; K = 33: one by one
         weights = [quantize_weight(torch.randn(n, k, generator=gen).to(device), "nf4") for _ in range(experts)]
         before = [w.dequantize(torch.float32) for w in weights]
         stacked = stack_nf4_experts(weights)
