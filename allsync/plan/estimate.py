@@ -418,7 +418,9 @@ def schedule_with(keys: list[str]) -> str:
 
 def graphed_note(cost: DecodeCost) -> str:
     """What a fixed-shape step's price rests on (the note beside a schedule): the graphed step as measured on an H200,
-    its time over the roofline of its weights and of its cache (torch_decode.GRAPHED_H200)."""
+    its time over the roofline of its weights and of its cache (torch_decode.GRAPHED_H200), or the roofline alone."""
+    if cost.graphed is None:
+        return "fixed-shape steps at their roofline (no measured factors)"
     kernels = ("triton" if cost.experts_read_once else "dequantize", "triton" if cost.own_positions else "torch")
     low, kv = cost.graphed.factors(cost.routed_format, *kernels, 0)
     high, _ = cost.graphed.factors(cost.routed_format, *kernels, float("inf"))
