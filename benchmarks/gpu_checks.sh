@@ -1,0 +1,25 @@
+#!/bin/bash
+# The checks waiting for the next lent GPU (BENCHMARKS.md, "GPU checks"), as one device call from the repository root:
+#   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=520)
+# Each part is bounded by `timeout`, so that one hang leaves the others' output; logs and JSONs go to $OUT.
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/pip.txt" 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+part() {  # part NAME SECONDS COMMAND...: the command's output in $OUT/NAME.txt, its exit status last
+    local name=$1 seconds=$2
+    shift 2
+    timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
+    echo "rc $?" >> "$OUT/$name.txt"
+}
+part pytest 150 python3 -m pytest -q -p no:cacheprovider -rs tests/moe_lora/test_latent_attention.py \
+    tests/quant/test_quant_formats.py tests/quant/test_fused_experts.py tests/allsync/engines/test_decode_graphs.py
+part profile 70 python3 -m benchmarks.decode_profile --cases 32x1024,256x20480 --json "$OUT/decode_profile_nf4.json"
+part profile_latent 50 python3 -m benchmarks.decode_profile --cases 256x20480 --attention triton \
+    --json "$OUT/decode_profile_nf4_latent.json"
+part graphed 100 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
+    --modes graphed --kv-cache auto,fp8 --expert-kernel dequantize,triton --json "$OUT/engine_decode_h200_graphed_2.json"
+part blocks 90 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
+    --modes graphed --kv-cache fp8 --attention triton --attention-blocks 16x32x8,32x32x8,64x32x8,64x16x8 \
+    --json "$OUT/engine_decode_h200_blocks.json"
