@@ -39,7 +39,9 @@ from allsync.plan.activations import RunTraces
 from allsync.plan.weights import (
     FROZEN_PARTS,
     critic_bytes,
+    dequantized_values,
     engine_bytes,
+    frozen_bytes,
     held_experts,
     lora_values,
     stored_plan,
@@ -371,3 +373,19 @@ def format_plan(plan: Plan) -> str:
         f"{plan.gpu_memory_bytes / 1e9:.1f} GB less the {lay['margin']:.0%} margin)"
     )
     return "\n".join(lines)
+
+
+def graphed_roofline_inputs(model_config: dict, plans: dict, hw) -> tuple[dict, dict]:
+    """(weights_seconds, kv_seconds) of fit_graphed for the measured model (`model_config`, one GPU holding every
+    expert, its weights in `plans`: name -> QuantPlan) on `hw`, FP8 latent slots: the plan's roofline, as
+    step_time.DecodeCost prices a fixed-shape step (torch_decode.fit_graphed's inputs)."""
+    bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
+    weights = {}
+    for name, plan in plans.items():
+        stored = sum(frozen_bytes(model_config, plan).values())
+        routed, other = dequantized_values(model_config, plan)
+        for kernel in ("dequantize", "triton"):
+            copies = other + (0 if kernel == "triton" and plan.format_of("routed_experts") == "nf4" else routed)
+            weights[(name, kernel)] = (stored + 2 * 2 * copies) / bandwidth
+    kv = {a: kv_step_bytes_per_token(model_config, "torch", "fp8", a) / bandwidth for a in ("torch", "triton")}
+    return weights, kv

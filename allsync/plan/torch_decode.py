@@ -206,25 +206,6 @@ def fit_graphed(measured: dict, weights_seconds: dict, kv_seconds: dict) -> Grap
     )
 
 
-def graphed_roofline_inputs(model_config: dict, plans: dict, hw) -> tuple[dict, dict]:
-    """(weights_seconds, kv_seconds) of fit_graphed for the measured model (`model_config`, one GPU holding every
-    expert, its weights in `plans`: name -> QuantPlan) on `hw`, FP8 latent slots: the plan's roofline, as
-    step_time.DecodeCost prices a fixed-shape step."""
-    from allsync.plan.fit import kv_step_bytes_per_token
-    from allsync.plan.weights import dequantized_values, frozen_bytes
-
-    bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
-    weights = {}
-    for name, plan in plans.items():
-        stored = sum(frozen_bytes(model_config, plan).values())
-        routed, other = dequantized_values(model_config, plan)
-        for kernel in ("dequantize", "triton"):
-            copies = other + (0 if kernel == "triton" and plan.format_of("routed_experts") == "nf4" else routed)
-            weights[(name, kernel)] = (stored + 2 * 2 * copies) / bandwidth
-    kv = {a: kv_step_bytes_per_token(model_config, "torch", "fp8", a) / bandwidth for a in ("torch", "triton")}
-    return weights, kv
-
-
 def rounded_graphed(factors: GraphedDecodeFactors, digits: int = 3) -> GraphedDecodeFactors:
     """The factors to `digits` significant digits (what the constant below holds)."""
 

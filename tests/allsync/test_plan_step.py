@@ -340,7 +340,8 @@ def test_the_graphed_decode_factors_are_the_h200_measurement_refitted():
     """allsync.plan.torch_decode.GRAPHED_H200 is fit_graphed of benchmarks/engine_decode.py's graphed H200 runs (NF4
     and FP8 plans) against the plan's roofline of the two real-width layers on the H200 preset (3 digits), and the
     factors give every measured graphed step within 10%."""
-    from allsync.plan.torch_decode import GRAPHED_H200, fit_graphed, graphed_roofline_inputs, rounded_graphed
+    from allsync.plan.fit import graphed_roofline_inputs
+    from allsync.plan.torch_decode import GRAPHED_H200, fit_graphed, rounded_graphed
     from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, v3_config
 
     measured = json.loads((MEASURED.parent / "engine_decode_h200_graphed_nf4.json").read_text())
