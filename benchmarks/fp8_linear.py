@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.engine_decode import ints
 from quant.checkpoint_io import atomic_write_text
 from quant.formats import FP8_DTYPE, fp8_block_dequantize, fp8_block_quantize
 
@@ -120,16 +121,6 @@ def measure(name: str, shape: tuple[int, int], rows: int, repeats: int, bandwidt
         except Exception as e:  # noqa: BLE001 - reported: what this GPU's torch cannot run is a result
             case[f"{mode}_error_message"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
     return case
-
-
-def ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{flag}: comma-separated integers, got {text!r}") from None
-    if min(values) < 1:
-        raise SystemExit(f"{flag}: every value must be at least 1, got {text!r}")
-    return values
 
 
 def main(argv=None) -> dict:
