@@ -168,20 +168,33 @@ def kv_bytes_per_token(model_config: dict, engine: str = "vllm", kv_cache_dtype:
     return mla_kv_bytes_per_token(model_config)
 
 
+SCORE_BYTES_PER_HEAD = 12  # the torch path's bf16 scores a cached position and head: written, masked, softmaxed, read
+
+
 def kv_step_bytes_per_token(
     model_config: dict, engine: str = "vllm", kv_cache_dtype: str = "auto", attention_kernel: str = "torch"
 ) -> int:
-    """Bytes a decode step moves per cached token: its stored bytes (kv_bytes_per_token), read once; the torch
-    engine's FP8 latent is read back into the compute dtype before attention (FP8LatentLayer.read), per layer: the
-    stored bytes + the bf16 conversion written and read (2 x 2 r) + the latent written (2 (r + d_rope)) + attention's
-    read of it (2 (r + d_rope)); DeepSeek-V3: 656 + 2,048 + 1,152 + 1,152 = 5,008 against 1,152. With
-    rollout.attention_kernel triton (moe_lora/latent_attention.py) the kernel reads the stored bytes once."""
+    """Bytes a decode step moves per cached token: its stored bytes (kv_bytes_per_token), read once, for vLLM, the
+    latent kernel (rollout.attention_kernel triton, moe_lora/latent_attention.py: each position read once as stored,
+    the scores in registers) and the expanded cache. The torch engine's latent path (moe_lora.mla_decode.
+    absorbed_attention) per layer: the latent read by the scores' product (2 (r + d_rope)) and c by the weighted sum
+    (2 r), and the H heads' bf16 scores (SCORE_BYTES_PER_HEAD H); an FP8 latent is first read back into the compute
+    dtype (FP8LatentLayer.read): the stored bytes + the conversion written and read (2 x 2 r) + the latent written
+    (2 (r + d_rope)). DeepSeek-V3: bf16 1,152 + 1,024 + 1,536 = 3,712; FP8 656 + 2,048 + 1,152 + 1,152 + 1,024 +
+    1,536 = 7,568 (against 1,152 and 656 stored)."""
     stored = kv_bytes_per_token(model_config, engine, kv_cache_dtype)
-    if not (engine == "torch" and kv_cache_dtype == "fp8") or attention_kernel == "triton":
+    if (
+        engine != "torch"
+        or attention_kernel == "triton"
+        or decode_cache_is_expanded(model_config, engine, kv_cache_dtype)
+    ):
         return stored
     c = model_config
     rank, latent = c["kv_lora_rank"], c["kv_lora_rank"] + c["qk_rope_head_dim"]
-    return stored + c["num_hidden_layers"] * (2 * 2 * rank + 2 * 2 * latent)
+    reads = 2 * rank + SCORE_BYTES_PER_HEAD * c["num_attention_heads"]
+    if kv_cache_dtype != "fp8":
+        return stored + c["num_hidden_layers"] * reads
+    return stored + c["num_hidden_layers"] * (2 * 2 * rank + 2 * 2 * latent + reads)
 
 
 def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[str, int]:

@@ -36,7 +36,7 @@ share is gone, and every held quantized weight is dequantized at every step, its
     t = max(FLOPs / decode_flops, w(B) x weights bytes / bandwidth + kv x cache bytes / bandwidth) + a2a
 
 with w and kv the graphed step's measured time over those two rooflines on an H200 (torch_decode.GRAPHED_H200:
-weights 2.2-2.6x with the dequantizing experts, 22-33x with the NF4 expert kernel; cache 5.0x on the torch path,
+weights 2.2-2.6x with the dequantizing experts, 22-33x with the NF4 expert kernel; cache 3.3x on the torch path (its latent reads and 128 heads' scores counted),
 44x with the latent kernel),
 and the step is that of every slot of the pool, free ones included, each reading the span the longest live row needs
 (allsync.engines.slots.span_bucket): B = slots and C = slots x span (`generation_timeline`), not the live rows'

@@ -226,5 +226,5 @@ GRAPHED_H200 = GraphedDecodeFactors(
         ("nf4", "triton"): ((32, 21.6), (256, 33.2)),
         ("fp8", "dequantize"): ((32, 6.22), (256, 6.62)),
     },
-    kv={"torch": 4.96, "triton": 43.8},
+    kv={"torch": 3.28, "triton": 43.8},
 )

@@ -241,14 +241,14 @@ def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache,
     assert plan["step_seconds"] / 3600 == pytest.approx(16.25, abs=0.01)
     assert len(plan["schedules"][0]["step_seconds_per_draw"]) == 5
     # with rollout.decode_graphs, the fixed-shape step as measured graphed on an H200 (2026-11-28: 2.22-2.59x the
-    # roofline of its weights with each quantized one's bf16 copy, 4.96x that of its cache; allsync.plan.torch_decode.
-    # GRAPHED_H200), every slot reading the longest live row's span: 20.04 h, slower than eager (every held expert
+    # roofline of its weights with each quantized one's bf16 copy, 3.28x that of its cache; allsync.plan.torch_decode.
+    # GRAPHED_H200), every slot reading the longest live row's span: 20.03 h, slower than eager (every held expert
     # dequantized at every step); training 3,302 s (algorithm.old_logprobs engine: no old-logprob forward; the
     # all-to-all a row per (token, rank holding one of its experts), once per node across)
     graphed = plan["schedules"][1]
     assert graphed["schedule"] == "all-sync with rollout.decode_graphs" and "as measured on an H200" in graphed["note"]
-    assert graphed["step_seconds"] / 3600 == pytest.approx(20.04, abs=0.01)
-    assert [round(s / 3600, 2) for s in graphed["step_seconds_per_draw"]][0] == 16.54
+    assert graphed["step_seconds"] / 3600 == pytest.approx(20.03, abs=0.01)
+    assert [round(s / 3600, 2) for s in graphed["step_seconds_per_draw"]][0] == 16.53
     # and with the latent attention kernel (rollout.attention_kernel triton, measured: 43.8x the roofline of reading
     # each slot's own positions of the FP8 latent as stored): 12.07 h
     kernel = plan["schedules"][2]
