@@ -421,9 +421,7 @@ def graphed_note(cost: DecodeCost) -> str:
     its time over the roofline of its weights and of its cache (torch_decode.GRAPHED_H200), or the roofline alone."""
     if cost.graphed is None:
         return "fixed-shape steps at their roofline (no measured factors)"
-    kernels = ("triton" if cost.experts_read_once else "dequantize", "triton" if cost.own_positions else "torch")
-    low, kv = cost.graphed.factors(cost.routed_format, *kernels, 0)
-    high, _ = cost.graphed.factors(cost.routed_format, *kernels, float("inf"))
+    (low, kv), (high, _) = cost.graphed_factors(0), cost.graphed_factors(float("inf"))
     reads = [
         "attention reading each slot's own positions as stored" if cost.own_positions else "",
         "the NF4 experts' stored bytes once, by their kernel" if cost.experts_read_once else "",

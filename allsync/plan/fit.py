@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from allsync.plan.activations import RunTraces
+from allsync.plan.step_time import DecodeCost
 from allsync.plan.weights import (
     FROZEN_PARTS,
     critic_bytes,
@@ -395,10 +396,23 @@ def graphed_roofline_inputs(model_config: dict, plans: dict, hw) -> tuple[dict, 
     bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
     weights = {}
     for name, plan in plans.items():
-        stored = sum(frozen_bytes(model_config, plan).values())
+        parts = frozen_bytes(model_config, plan)
+        routed_bytes, fmt = parts.get("routed_experts", 0), plan.format_of("routed_experts")
         routed, other = dequantized_values(model_config, plan)
         for kernel in ("dequantize", "triton"):
-            copies = other + (0 if kernel == "triton" and plan.format_of("routed_experts") == "nf4" else routed)
-            weights[(name, kernel)] = (stored + 2 * 2 * copies) / bandwidth
+            cost = DecodeCost(
+                model_config,
+                hw,
+                routed_bytes=routed_bytes,
+                other_bytes=sum(parts.values()) - routed_bytes,
+                kv_bytes_per_token=0,
+                expert_parallel=1,
+                routed_format=fmt,
+                fixed_shapes=True,
+                routed_params=routed,
+                other_params=other,
+                experts_read_once=kernel == "triton" and fmt == "nf4",
+            )  # fmt: the NF4 kernel reads NF4 experts only
+            weights[(name, kernel)] = cost.fixed_shape_weight_bytes() / bandwidth
     kv = {a: kv_step_bytes_per_token(model_config, "torch", "fp8", a) / bandwidth for a in ("torch", "triton")}
     return weights, kv

@@ -261,21 +261,27 @@ class DecodeCost:
         k, experts = self.config["num_experts_per_tok"], self.config["n_routed_experts"]
         return 1.0 - (1.0 - k / experts) ** (batch * max(self.expert_parallel, 1))
 
+    def fixed_shape_weight_bytes(self) -> float:
+        """Bytes a fixed-shape step moves for its weights: every held one as stored, each quantized one's bf16 copy
+        written and read back (the routed experts' not with rollout.frozen_expert_kernel triton: read as stored)."""
+        copies = self.other_params + (0 if self.experts_read_once else self.routed_params)
+        return self.routed_bytes + self.other_bytes + 2 * BF16 * copies
+
+    def graphed_factors(self, batch: float) -> tuple[float, float]:
+        """(w, kv) of `graphed` for this cost's routed format and decode kernels, at `batch` slots."""
+        kernels = ("triton" if self.experts_read_once else "dequantize", "triton" if self.own_positions else "torch")
+        return self.graphed.factors(self.routed_format, *kernels, batch)
+
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """One decode step of `batch` sequences holding `context` tokens of context in all (module docstring)."""
         f0, slope, flops_per_second, bytes_per_second, a2a_seconds, _ = self._rates
         per_cached = slope if self.attention_flops_per_cached_token is None else self.attention_flops_per_cached_token
         compute = (batch * f0 + per_cached * context) / flops_per_second
         cache = context * self.kv_bytes_per_token / bytes_per_second
-        if self.fixed_shapes:  # every held weight, each quantized one's bf16 copy written and read back
-            copies = self.other_params + (0 if self.experts_read_once else self.routed_params)
-            weights = (self.routed_bytes + self.other_bytes + 2 * BF16 * copies) / bytes_per_second
+        if self.fixed_shapes:
+            weights = self.fixed_shape_weight_bytes() / bytes_per_second
             if self.graphed is not None:
-                kernels = (
-                    "triton" if self.experts_read_once else "dequantize",
-                    "triton" if self.own_positions else "torch",
-                )
-                w, kv = self.graphed.factors(self.routed_format, *kernels, batch)
+                w, kv = self.graphed_factors(batch)
                 return max(compute, w * weights + kv * cache) + a2a_seconds
             return max(compute, weights + cache) + a2a_seconds
         weights = (self.routed_bytes * self.touched(batch) + self.other_bytes) / bytes_per_second
