@@ -88,11 +88,12 @@ def fp8_block_dequantize(
         raise ValueError(
             f"scale_inv has shape {list(scale_inv.shape)}, a [{out_dim}, {in_dim}] weight in {block}x{block} blocks needs [{rows}, {cols}]"
         )
+    whole = fp8_whole_blocks(q.shape, block)
     if out is not None:
-        if not fp8_whole_blocks((out_dim, in_dim), block) or out.shape != q.shape or out.dtype != dtype:
+        if not whole or out.shape != q.shape or out.dtype != dtype:
             raise ValueError(f"fp8_block_dequantize: out must be [{out_dim}, {in_dim}] {dtype} of whole blocks")
         w = out.copy_(q)
-    elif out_dim == rows * block and in_dim == cols * block:
+    elif whole:
         w = q.to(dtype, copy=True)  # a copy of our own, so scaling it in place is safe
     else:
         w = torch.zeros(rows * block, cols * block, dtype=dtype, device=q.device)

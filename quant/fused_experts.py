@@ -147,26 +147,28 @@ def _kernel(interpret: bool):
                         high, low = high.to(even.dtype), low.to(even.dtype)
                     acc += tl.dot(even, tl.trans(high), input_precision=PRECISION)
                     acc += tl.dot(odd, tl.trans(low), input_precision=PRECISION)
-            for k0 in range(0, K if not PAIRED else 0, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                xt = tl.load(
-                    x + offs_m[:, None] * stride_xa + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                element = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [B_N, B_K]: i = n K + k
-                w_ok = n_ok[:, None] & k_ok[None, :]
-                byte = tl.load(packed_e + (element >> 1), mask=w_ok, other=0).to(tl.int32)
-                nibble = tl.where((element & 1) == 0, byte >> 4, byte & 15)
-                w = tl.load(code + nibble) * tl.load(absmax_e + element // QBLOCK, mask=w_ok, other=0.0)
-                # rounded to the nearest bfloat16 (ties to even), as dequantize_4bit gives it (the stored dtype),
-                # kept in float32; written out because the interpreter's conversion truncates
-                bits = w.to(tl.uint32, bitcast=True)
-                w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-                if UPCAST:  # the interpreter's tl.dot mishandles bfloat16: the same products, exact in float32
-                    xt = xt.to(tl.float32)
-                else:
-                    w = w.to(xt.dtype)  # exact: w is a bfloat16 value
-                acc += tl.dot(xt, tl.trans(w), input_precision=PRECISION)
+            else:  # K odd: element i's byte is i / 2, its nibble by the parity of i
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < K
+                    xt = tl.load(
+                        x + offs_m[:, None] * stride_xa + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+                    )
+                    element = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [B_N, B_K]: i = n K + k
+                    w_ok = n_ok[:, None] & k_ok[None, :]
+                    byte = tl.load(packed_e + (element >> 1), mask=w_ok, other=0).to(tl.int32)
+                    nibble = tl.where((element & 1) == 0, byte >> 4, byte & 15)
+                    a = tl.load(absmax_e + element // QBLOCK, mask=w_ok, other=0.0)
+                    # rounded to the nearest bfloat16 (ties to even), as dequantize_4bit gives it (the stored
+                    # dtype), kept in float32; written out (not a jitted helper: the interpreter cannot call one defined
+                    # here) because the interpreter's conversion truncates
+                    bits = (tl.load(code + nibble) * a).to(tl.uint32, bitcast=True)
+                    w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    if UPCAST:  # the interpreter's tl.dot mishandles bfloat16: the same products, exact in float32
+                        xt = xt.to(tl.float32)
+                    else:
+                        w = w.to(xt.dtype)  # exact: w is a bfloat16 value
+                    acc += tl.dot(xt, tl.trans(w), input_precision=PRECISION)
             tl.store(
                 out + offs_m[:, None] * stride_oa + offs_n[None, :],
                 acc.to(out.dtype.element_ty),
