@@ -271,10 +271,15 @@ def measure_plan(
     cases = []
     for r in rows:
         for c in contexts:
-            variants = [(m, k, a, x) for m in modes for k in kv_caches for a in attentions for x in expert_kernels]
-            for mode, kv, attention, experts, blocks in [
-                (*v, b) for v in variants for b in (attention_blocks if v[2] == "triton" else (None,))
-            ]:
+            variants = [
+                (m, k, a, x, b)
+                for m in modes
+                for k in kv_caches
+                for a in attentions
+                for x in expert_kernels
+                for b in (attention_blocks if a == "triton" else (None,))  # the cuts are the latent kernel's
+            ]
+            for mode, kv, attention, experts, blocks in variants:
                 if experts == "triton" and mode == "eager":
                     continue  # the kernel is the fixed-shape step's
                 free(memory)
@@ -309,13 +314,13 @@ def blocks_name(blocks: KernelBlocks) -> str:
 
 def blocks_of(text: str) -> list[KernelBlocks]:
     """--attention-blocks HxNxW[,HxNxW...] (KernelBlocks refuses what is not a power of two)."""
+    items = [item.split("x") for item in text.split(",")]
     try:
-        out = [KernelBlocks(*(int(v) for v in item.split("x"))) for item in text.split(",")]
-    except (TypeError, ValueError) as e:
+        if any(len(item) != 3 for item in items):
+            raise ValueError("three numbers each")
+        return [KernelBlocks(*map(int, item)) for item in items]
+    except ValueError as e:
         raise SystemExit(f"--attention-blocks: use HEADSxPOSITIONSxWARPS[,...], got {text!r} ({e})") from None
-    if any(len(item.split("x")) != 3 for item in text.split(",")):
-        raise SystemExit(f"--attention-blocks: use HEADSxPOSITIONSxWARPS[,...], got {text!r}")
-    return out
 
 
 def format_case(plan: str, case: dict) -> str:
