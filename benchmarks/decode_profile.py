@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
-from allsync.engines.torch_engine import Sampling
-from benchmarks.engine_decode import decode_model, random_latent_pool, step_function, use_expert_kernel
+from benchmarks.engine_decode import decode_model, decode_setup, use_expert_kernel
 from benchmarks.v3_layer_memory import REAL_V3_TWO_LAYERS, v3_config, write_checkpoint
 from quant.checkpoint_io import atomic_write_text
 
@@ -57,12 +56,7 @@ def profile_case(model, rows: int, context: int, attention: str, expert_kernel: 
     """The fixed-shape step of `rows` live rows over `context` positions under torch.profiler (module docstring)."""
     cuda = model.device.type == "cuda"
     use_expert_kernel(model, expert_kernel)
-    sampling = Sampling(max_new_tokens=steps + 2, temperature=1.0, top_p=1.0)
-    pool = random_latent_pool(model, rows, context, context + steps + 3, fp8=True, kernel=attention == "triton")
-    step = step_function(model, pool, sampling, "fixed")
-    last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
-    seeds = torch.arange(rows, device=model.device)
-    counts = torch.zeros(rows, dtype=torch.long, device=model.device)
+    step, last, seeds, counts = decode_setup(model, rows, context, steps + 2, "fixed", True, attention)
     last, _ = step(last, seeds, counts, context + 1)  # compiles the Triton kernels, warms the allocator
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()

@@ -181,6 +181,18 @@ def step_function(model, pool: SlotKVCache, sampling: Sampling, mode: str):
     return lambda last, seeds, counts, needed: step(last, live, seeds, counts, span_bucket(needed, pool.capacity))
 
 
+def decode_setup(model, rows: int, context: int, steps: int, mode: str, fp8: bool, attention: str):
+    """(step, last, seeds, counts) for `steps` decode steps of `rows` live rows over `context` random cached positions
+    (random_latent_pool with room for them), stepped as `mode` steps (step_function): each row's last token, its
+    sampling seed and its drawn-token count."""
+    sampling = Sampling(max_new_tokens=steps, temperature=1.0, top_p=1.0)
+    pool = random_latent_pool(model, rows, context, context + steps + 1, fp8, attention == "triton")
+    last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
+    seeds = torch.arange(rows, device=model.device)
+    counts = torch.zeros(rows, dtype=torch.long, device=model.device)
+    return step_function(model, pool, sampling, mode), last, seeds, counts
+
+
 @torch.no_grad()
 def decode_steps(
     model,
@@ -196,12 +208,7 @@ def decode_steps(
     """Median seconds of a decode step of `rows` live rows over `context` cached positions, split into the layers
     and the rest (module docstring; a graphed step is one replay, not split)."""
     device = str(model.device)
-    sampling = Sampling(max_new_tokens=steps + warmup, temperature=1.0, top_p=1.0)
-    pool = random_latent_pool(model, rows, context, context + steps + warmup + 1, fp8, attention == "triton")
-    last = torch.randint(3, model.config.vocab_size, (rows,), device=model.device)
-    seeds = torch.arange(rows, device=model.device)
-    counts = torch.zeros(rows, dtype=torch.long, device=model.device)
-    step_fn = step_function(model, pool, sampling, mode)
+    step_fn, last, seeds, counts = decode_setup(model, rows, context, steps + warmup, mode, fp8, attention)
     clock = Clock(device)
     hooks = layer_clock(model, clock) if mode != "graphed" else []
     step_seconds, layer_seconds = [], []
