@@ -410,11 +410,9 @@ class AlgorithmSection:
                 f"algorithm.gamma = {self.gamma}, algorithm.lam = {self.lam} and algorithm.value_lam = "
                 f"{self.value_lam} must be in [0, 1]"
             )
-        if self.policy_loss == "nlft":
-            fail(
-                "algorithm.policy_loss nlft: NLFT trains on judged examples whose token weights it computes itself "
-                "(python recipes/nlft.py), not on a rollout's advantages; use clipped"
-            )
+        loss = get("policy_loss", self.policy_loss)
+        if loss.rollout_refusal is not None:
+            fail(f"algorithm.policy_loss {self.policy_loss}: {loss.rollout_refusal}")
         if self.value_pretrain_steps < 0:
             fail(f"algorithm.value_pretrain_steps = {self.value_pretrain_steps}: must be >= 0")
         if not self.uses_critic and (self.value_pretrain_steps or self.value_lam != 1.0):

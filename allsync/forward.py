@@ -266,9 +266,7 @@ class LossSettings:
 class LossStats:
     """Token sums of one micro-batch (divide by the global token count for means)."""
 
-    clipfrac_high: float
-    clipfrac_low: float
-    approx_kl: float  # k1 between the policy and the sampling policy (old logprobs)
+    policy: dict[str, float]  # the policy loss's logged statistics (PolicyLossEntry.logged), mean x tokens
     entropy: float  # policy entropy at the rollout temperature
     kl_ref: float  # KL to the reference policy (the kl_estimator's value); 0 without reference logprobs
     logprobs: torch.Tensor | None = None  # [B, L-1] the forward's token logprobs, detached
@@ -308,7 +306,8 @@ def minibatch_loss(
     if settings.tis_level is not None:
         tis, capped = tis_weights(old_logprobs, engine_logprobs, mask, settings.tis_level, settings.tis_cap)
         advantages = advantages * tis
-    loss, stats = get("policy_loss", settings.policy_loss)(
+    policy_loss = get("policy_loss", settings.policy_loss)
+    loss, stats = policy_loss(
         out.logprobs,
         old_logprobs,
         advantages,
@@ -331,9 +330,7 @@ def minibatch_loss(
         kl_ref = float((kl.detach() * mask).sum())
     tokens = float(mask.sum())
     sums = LossStats(
-        float(stats.clipfrac_high) * tokens,
-        float(stats.clipfrac_low) * tokens,
-        float(stats.approx_kl) * tokens,
+        {name: float(stats[name]) * tokens for name in policy_loss.logged},
         float((out.entropy * mask).sum()),
         kl_ref,
         out.logprobs.detach(),

@@ -33,6 +33,7 @@ from allsync.critic import Critic, ValueTargets, critic_loss
 from allsync.episodes import Episode, flatten
 from allsync.balance import balanced
 from allsync.train_batch import TrainBatch
+from allsync.metrics import loss_stat_key
 from allsync.forward import (
     LossSettings,
     SequenceBatch,
@@ -259,15 +260,19 @@ class Learner:
         return self.current_logprobs(batch) if self.recomputes_old_logprobs else engine_logprobs
 
     # ------------------------------------------------------------------------------ batches
-    def episode_batch(self, episodes: list[Episode], group_index: torch.Tensor) -> TrainBatch:
-        """Group baselines (GRPO / Dr.GRPO) over the episodes' rewards: one advantage per episode, copied to
-        every trained token of each of its segments (allsync.algorithms.episodes); with
+    def episode_batch(
+        self, episodes: list[Episode], group_index: torch.Tensor, batch_sums: torch.Tensor | None = None
+    ) -> TrainBatch:
+        """Group baselines (GRPO / Dr.GRPO / REINFORCE++-baseline) over the episodes' rewards: one advantage per
+        episode, copied to every trained token of each of its segments (allsync.algorithms.episodes); with
         producer.credit final (multiconv) only the answer segments train. DAPO's overlong filter masks a
-        whole episode whose answer was cut at the token budget."""
+        whole episode whose answer was cut at the token budget. batch_sums: the estimator's sums over every
+        worker's episodes (`estimator_batch_sums`), for an estimator that declares them."""
         a = self.config.algorithm
         rows = flatten(episodes)
         rewards = torch.tensor([e.reward for e in episodes])
-        episode_advantages = get("advantage", a.advantage)(rewards, group_index).to(self.device)
+        whole_batch = {"sums": batch_sums} if batch_sums is not None else {}
+        episode_advantages = get("advantage", a.advantage)(rewards, group_index, **whole_batch).to(self.device)
         batch = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id, rows.routing).to(self.device)
         engine_logprobs = scatter_response_values(rows.engine_logprobs, batch)  # before the masks below make gaps
         episode_of_row = torch.tensor(rows.episode_of_row, device=self.device)
@@ -293,6 +298,16 @@ class Learner:
             engine_mask=engine_mask,
             segment_kinds=[s.kind for s in rows.segments],
         )
+
+    def estimator_batch_sums(self, episodes: list[Episode], group_index: torch.Tensor) -> torch.Tensor | None:
+        """The advantage estimator's whole-batch sums (AdvantageEstimator.batch_sums) of this worker's episodes,
+        summed over every worker; None for an estimator without them. Every rank calls it, with episodes or
+        none (the all-reduce is collective: a rank that kept no group still takes part)."""
+        estimator = get("advantage", self.config.algorithm.advantage)
+        if estimator.batch_sums is None:
+            return None
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+        return self.all_reduce(estimator.batch_sums(rewards, group_index.cpu()).to(self.device))
 
     def critic_batch(self, episodes: list[Episode]) -> TrainBatch:
         """PPO / T-PPO (producer.kind windows): one-segment episodes, each a response so far whose loss mask marks the
@@ -455,7 +470,11 @@ class Learner:
             if self.recomputes_old_logprobs:
                 self.current_logprobs(idle)
             self.reference_logprobs(idle)
-        make_batch = self.critic_batch if self.critic is not None else lambda e: self.episode_batch(e, group_index)
+        if self.critic is not None:
+            make_batch = self.critic_batch
+        else:
+            batch_sums = self.estimator_batch_sums(episodes, group_index)  # every rank: a collective
+            make_batch = lambda e: self.episode_batch(e, group_index, batch_sums)  # noqa: E731
         with replaying(self.model, self.config.algorithm.routing_replay) as routing:
             self.model.routing_replay = routing  # forward_pass hands it each batch's recorded experts
             try:
@@ -484,9 +503,8 @@ class Learner:
             group["lr"] = warmup_lr(group["base_lr"], step, c.optim.warmup_steps)
         out = {
             "loss_sum": 0.0,
-            "clipfrac_high_sum": 0.0,
-            "clipfrac_low_sum": 0.0,
-            "kl_sum": 0.0,
+            # the policy loss's own statistics (PolicyLossEntry.logged), token sums; allsync.metrics divides
+            **{loss_stat_key(name): 0.0 for name in get("policy_loss", self.loss_settings.policy_loss).logged},
             "entropy_sum": 0.0,
             "kl_ref_sum": 0.0,
             "logprob_gap": 0.0,
@@ -649,9 +667,8 @@ class Learner:
         out["loss_sum"] += float(loss.detach())
         if value_loss_share is not None:
             out["value_loss_sum"] = out.get("value_loss_sum", 0.0) + float(value_loss_share)
-        out["clipfrac_high_sum"] += sums.clipfrac_high
-        out["clipfrac_low_sum"] += sums.clipfrac_low
-        out["kl_sum"] += sums.approx_kl
+        for name, token_sum in sums.policy.items():
+            out[loss_stat_key(name)] += token_sum
         out["entropy_sum"] += sums.entropy
         out["kl_ref_sum"] += sums.kl_ref
         if "tis_sum" in out:

@@ -7,10 +7,18 @@ from pathlib import Path
 
 from quant.checkpoint_io import atomic_write_text
 
+LOSS_STAT_PREFIX = "loss_stat_"
+
+
+def loss_stat_key(name: str) -> str:
+    """A worker's token sum of the policy loss's statistic `name` (PolicyLossEntry.logged); the run metric `name`
+    is the sum over workers over the trained tokens."""
+    return LOSS_STAT_PREFIX + name
+
 
 def aggregate(per_worker: list[dict]) -> dict:
     """Worker sums -> run metrics. Means over samples finished this step (reward, accuracy, length) or over
-    trained tokens (clip fractions, approx_kl, entropy, kl_ref). utilization = busy / wall per worker, where
+    trained tokens (the policy loss's statistics, e.g. clip fractions and approx_kl; entropy, kl_ref). utilization = busy / wall per worker, where
     busy excludes the time a worker waits in the learner's all-reduces for the others (allsync.health.monitor.Timeline;
     the MoE all-to-alls of expert parallelism are inside forward and backward and count as busy)."""
     total = lambda key: sum(m[key] for m in per_worker)  # noqa: E731
@@ -32,9 +40,10 @@ def aggregate(per_worker: list[dict]) -> dict:
     )
     per_token = (
         {  # absent when no token was trained this step
-            "clipfrac_high": total("clipfrac_high_sum") / tokens,
-            "clipfrac_low": total("clipfrac_low_sum") / tokens,
-            "approx_kl": total("kl_sum") / tokens,
+            **{  # the policy loss's own statistics (the clipped loss: clipfrac_high, clipfrac_low, approx_kl)
+                key[len(LOSS_STAT_PREFIX) :]: sum(m.get(key, 0.0) for m in per_worker) / tokens
+                for key in sorted({k for m in per_worker for k in m if k.startswith(LOSS_STAT_PREFIX)})
+            },
             "entropy": total("entropy_sum") / tokens,
             "kl_ref": total("kl_ref_sum") / tokens,
             # algorithm.tis: the mean importance weight and the share of tokens the cap cut

@@ -7,10 +7,12 @@ from .advantages import (
     estimators_that,
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    batch_normalized_advantages,
     drgrpo_advantages,
     egae,
     gae,
     grpo_advantages,
+    group_centered_sums,
     split_advantage_sums,
     whiten_advantages,
     whitening_sums,
@@ -26,7 +28,7 @@ from .dynamic_sampling import (
     first_appearance_rank,
     keep_groups,
 )
-from .policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossStats, policy_loss
+from .policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossEntry, policy_loss
 from .nlft import nlft_policy_loss, nlft_signed_weights  # registers the nlft policy loss
 from .registry import REGISTRIES, get
 from .regularizers import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_penalty
@@ -51,6 +53,8 @@ __all__ = [
     "whitening_sums",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
+    "batch_normalized_advantages",
+    "group_centered_sums",
     "estimators_that",
     "POLICY_LOSSES",
     "PolicyLoss",
@@ -64,7 +68,7 @@ __all__ = [
     "DynamicSamplingStats",
     "GroupBatch",
     "InFlight",
-    "PolicyLossStats",
+    "PolicyLossEntry",
     "UnknownNameError",
     "ValueLossStats",
     "WindowAdvance",

@@ -1,4 +1,9 @@
-"""Advantage estimators: GRPO / Dr.GRPO (group-relative) and GAE / T-PPO's EGAE.
+"""Advantage estimators: GRPO / Dr.GRPO (group-relative), REINFORCE++-baseline (group mean, batch spread) and
+GAE / T-PPO's EGAE, registered by name in ADVANTAGE_ESTIMATORS (algorithm.advantage) as AdvantageEstimator entries.
+
+To add one (one module and its test): its function and an AdvantageEstimator entry saying what it needs,
+registered with `ADVANTAGE_ESTIMATORS["name"] = AdvantageEstimator(...)` in a module imported by allsync.algorithms.
+A formula over the whole batch declares `batch_sums` (the learner all-reduces them), never per-worker statistics.
 
 All functions are pure torch: no distributed calls, no I/O, inputs are never
 modified and the outputs carry no autograd history (advantages are targets).
@@ -197,6 +202,40 @@ def whitening_sums(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.stack([(m * a).sum(), (m * a * a).sum(), m.sum()])
 
 
+def group_centered_sums(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[sum c, sum c^2, N] in float64 over the episodes, c_i = r_i - mean_g (the group-centered reward): the sums
+    :func:`batch_normalized_advantages` needs, which add over workers that hold whole groups (zeros for none)."""
+    if rewards.numel() == 0:
+        return torch.zeros(3, dtype=torch.float64, device=rewards.device)
+    centered = _group_stats(rewards, group_index)[0]
+    return torch.stack([centered.sum(), (centered * centered).sum(), centered.new_tensor(float(centered.numel()))])
+
+
+def batch_normalized_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, sums: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++-baseline: the group mean as the baseline, the whole batch's spread as the scale::
+
+        c_i = r_i - mean_g                                   (the group-centered reward)
+        mu = sum(c) / N,  sigma = sqrt(sum(c^2) / N - mu^2)  over the batch's N episodes
+        A_i = (c_i - mu) / (sigma + eps)
+
+    Unlike GRPO's per-group std, a group whose rewards barely differ keeps small advantages. ``sums`` =
+    :func:`group_centered_sums` over the whole batch (the learner all-reduces every worker's; mu is 0 when every
+    group is whole); default: these episodes' own. A constant group gets exactly 0. Returns [N] in rewards' dtype
+    (float32 for integer rewards)."""
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    sums = group_centered_sums(rewards, group_index) if sums is None else sums.to(torch.float64)
+    centered, _, constant = _group_stats(rewards, group_index)
+    count = sums[2].clamp_min(1)
+    mean = sums[0] / count
+    sigma = torch.sqrt((sums[1] / count - mean**2).clamp_min(0))
+    advantages = (centered - mean) / (sigma + eps)
+    return torch.where(constant, torch.zeros_like(advantages), advantages).to(out_dtype)
+
+
 @dataclass(frozen=True)
 class AdvantageEstimator:
     """An advantage rule and what it asks of the rest of the loop, so that checks and the learner ask the estimator
@@ -207,12 +246,18 @@ class AdvantageEstimator:
     needs_critic: values from a learned critic (PPO): compute(token_rewards, values, mask, ...) per token.
     bootstraps_cut: T-PPO's: a response cut at a generation window gets advantages from V at the cut. Such an
         estimator runs with producer.window, and only such an estimator can (the others need whole responses).
+    batch_sums: a formula over the whole batch (e.g. its reward spread), which workers holding parts of it must
+        agree on: batch_sums(rewards [N], group_index [N]) -> float64 [k], sums that add over workers (zeros for a
+        worker with no episode). The learner sums them over every worker before any batch is built (every rank
+        calls it, kept groups or none) and calls compute(rewards, group_index, sums=total): N workers then compute
+        what one worker holding the whole batch computes. None: the formula is per group (exact on any split).
     """
 
     compute: Callable[..., torch.Tensor]
     needs_groups: bool
     needs_critic: bool
     bootstraps_cut: bool = False
+    batch_sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, *args, **kwargs):
         return self.compute(*args, **kwargs)
@@ -221,6 +266,9 @@ class AdvantageEstimator:
 ADVANTAGE_ESTIMATORS = {
     "grpo": AdvantageEstimator(grpo_advantages, needs_groups=True, needs_critic=False),
     "drgrpo": AdvantageEstimator(drgrpo_advantages, needs_groups=True, needs_critic=False),
+    "reinforce_pp_baseline": AdvantageEstimator(
+        batch_normalized_advantages, needs_groups=True, needs_critic=False, batch_sums=group_centered_sums
+    ),
     "gae": AdvantageEstimator(gae, needs_groups=False, needs_critic=True),
     "egae": AdvantageEstimator(egae, needs_groups=False, needs_critic=True, bootstraps_cut=True),
 }

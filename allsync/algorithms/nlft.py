@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .aggregation import Number, aggregate_loss
-from .policy_loss import POLICY_LOSSES, PolicyLossStats, _masked_mean
+from .policy_loss import POLICY_LOSSES, PolicyLossEntry, _masked_mean
 
 SALIENCY_RATIO = 1.5
 SALIENT_MIN_PROBABILITY = 0.01
@@ -95,9 +95,10 @@ def nlft_policy_loss(
     *,
     norm_length: int | None = None,
     episode_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, PolicyLossStats]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The `nlft` policy loss: aggregate_loss(nlft_terms(logprobs, advantages), mask, agg, ...), `advantages` being
-    the signed NLFT weights; no ratio and no clip (the clip settings are ignored: a supervised loss)."""
+    the signed NLFT weights; no ratio and no clip (the clip settings are ignored: a supervised loss). Statistics:
+    approx_kl, mean(old_logprobs - logprobs) over the unmasked tokens."""
     loss = aggregate_loss(
         nlft_terms(logprobs, advantages),
         mask,
@@ -107,12 +108,15 @@ def nlft_policy_loss(
         norm_length=norm_length,
         episode_tokens=episode_tokens,
     )
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    kl = _masked_mean(old_logprobs - logprobs.detach(), mask > 0)
-    return loss, PolicyLossStats(zero, zero, zero, kl, zero)
+    return loss, {"approx_kl": _masked_mean(old_logprobs - logprobs.detach(), mask > 0)}
 
 
-POLICY_LOSSES["nlft"] = nlft_policy_loss
+POLICY_LOSSES["nlft"] = PolicyLossEntry(
+    nlft_policy_loss,
+    logged=("approx_kl",),
+    rollout_refusal="NLFT trains on judged examples whose token weights it computes itself (python recipes/nlft.py), "
+    "not on a rollout's advantages; use clipped",
+)
 
 
 def nlft_loss(

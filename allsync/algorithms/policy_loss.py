@@ -1,13 +1,18 @@
-"""Policy losses behind one signature (`PolicyLoss`), registered by name in POLICY_LOSSES (algorithm.policy_loss).
+"""Policy losses behind one signature (`PolicyLoss`), registered by name in POLICY_LOSSES (algorithm.policy_loss)
+as a `PolicyLossEntry`: the function, the statistics it logs and the settings it needs.
 
     clipped   PPO's clipped surrogate with DAPO's clip-higher and the dual clip (policy_loss)
+    nlft      NLFT's weighted likelihood / unlikelihood (allsync.algorithms.nlft; recipes/nlft.py only)
 
-To add one: a function with PolicyLoss's signature, registered below; the trainer calls it for every micro-batch.
+To add one (one module and its test): a function with PolicyLoss's signature returning (loss, {statistic: token
+mean}), registered with `POLICY_LOSSES["name"] = PolicyLossEntry(function, logged=(...), aggregations=(...))` in a
+module imported by allsync.algorithms; the trainer calls it for every micro-batch, the config checks ask its entry
+and the run's metrics log each of its `logged` statistics under its own name (the token mean over every worker).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -15,23 +20,6 @@ import torch
 from .aggregation import Number, aggregate_loss
 
 LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass(frozen=True)
-class PolicyLossStats:
-    """Diagnostics of one :func:`policy_loss` call, 0-dim detached tensors.
-
-    Fractions and KLs are means over the micro-batch's unmasked tokens.
-    """
-
-    clipfrac_high: torch.Tensor  # A > 0 and r > 1 + clip_high (upper clip active)
-    clipfrac_low: torch.Tensor  # A < 0 and r < 1 - clip_low (lower clip active)
-    clipfrac_dual: torch.Tensor  # A < 0 and the dual bound -c*A is active
-    approx_kl: torch.Tensor  # k1: mean(old_logprobs - logprobs)
-    approx_kl_k3: torch.Tensor  # k3: mean(r - 1 - log r), r = exp(logprobs - old_logprobs)
-
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return asdict(self)
 
 
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -54,7 +42,7 @@ def policy_loss(
     *,
     norm_length: int | None = None,
     episode_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, PolicyLossStats]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss (PPO/DAPO) aggregated over tokens.
 
     Per token, with r = exp(clamp(logprobs - old_logprobs, -20, 20))::
@@ -77,7 +65,10 @@ def policy_loss(
         norm_length: T_max of seq-mean-token-sum-norm (default ``mask.shape[-1]``).
         episode_tokens: [B] tokens of each row's episode, for episode-mean-token-mean.
     Returns:
-        (scalar loss, :class:`PolicyLossStats`).
+        (scalar loss, statistics): 0-dim detached means over the unmasked tokens of
+        clipfrac_high (A > 0 and r > 1 + clip_high: the upper clip active), clipfrac_low (A < 0 and
+        r < 1 - clip_low), clipfrac_dual (A < 0 and the dual bound -c A active), approx_kl (k1:
+        mean(old_logprobs - logprobs)) and approx_kl_k3 (mean(r - 1 - log r)).
     """
     if not (logprobs.shape == old_logprobs.shape == mask.shape) or logprobs.dim() != 2:
         raise ValueError(
@@ -108,13 +99,13 @@ def policy_loss(
 
     with torch.no_grad():
         valid = mask != 0
-        stats = PolicyLossStats(
-            clipfrac_high=_masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(ratio.dtype), valid),
-            clipfrac_low=_masked_mean((negative & (ratio < 1.0 - clip_low)).to(ratio.dtype), valid),
-            clipfrac_dual=_masked_mean(dual_active.to(ratio.dtype), valid),
-            approx_kl=_masked_mean(-log_ratio, valid),
-            approx_kl_k3=_masked_mean(ratio - 1.0 - log_ratio, valid),
-        )
+        stats = {
+            "clipfrac_high": _masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(ratio.dtype), valid),
+            "clipfrac_low": _masked_mean((negative & (ratio < 1.0 - clip_low)).to(ratio.dtype), valid),
+            "clipfrac_dual": _masked_mean(dual_active.to(ratio.dtype), valid),
+            "approx_kl": _masked_mean(-log_ratio, valid),
+            "approx_kl_k3": _masked_mean(ratio - 1.0 - log_ratio, valid),
+        }
     return loss, stats
 
 
@@ -122,7 +113,7 @@ class PolicyLoss(Protocol):
     """What the trainer calls for each micro-batch: [B, T] token logprobs of the policy being trained (with
     gradient) and of the sampling policy, per-token advantages and the response mask; the clip settings; the
     aggregation (allsync.algorithms.aggregation) with the global normalizers. Returns the loss, scaled as this
-    micro-batch's share of the batch, and its detached statistics."""
+    micro-batch's share of the batch, and its statistics: {name: 0-dim detached mean over the unmasked tokens}."""
 
     def __call__(
         self,
@@ -139,7 +130,31 @@ class PolicyLoss(Protocol):
         *,
         norm_length: int | None,
         episode_tokens: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, PolicyLossStats]: ...
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {"clipped": policy_loss}
+@dataclass(frozen=True)
+class PolicyLossEntry:
+    """A registered policy loss and what it asks of the rest of the loop, so that the config checks, the trainer
+    and the metrics ask the entry instead of naming the loss. Calling it calls `compute`.
+
+    logged: the statistics of `compute`'s dict that become run metrics under their own names, each the token mean
+        over every worker's trained tokens (the trainer sums mean x tokens per micro-batch; allsync.metrics divides).
+    aggregations: the algorithm.loss_agg values the loss is defined for (None: every one); another is refused at
+        config load naming both keys.
+    rollout_refusal: why the loss cannot train on a rollout's advantages (None: it can); a config naming it is
+        refused with this text.
+    """
+
+    compute: PolicyLoss
+    logged: tuple[str, ...]
+    aggregations: tuple[str, ...] | None = None
+    rollout_refusal: str | None = None
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.compute(*args, **kwargs)
+
+
+POLICY_LOSSES: dict[str, PolicyLossEntry] = {
+    "clipped": PolicyLossEntry(policy_loss, logged=("clipfrac_high", "clipfrac_low", "approx_kl")),
+}

@@ -30,9 +30,6 @@ ROLLOUT_KEYS = (
 )
 TRAIN_KEYS = (
     "loss_sum",
-    "clipfrac_high_sum",
-    "clipfrac_low_sum",
-    "kl_sum",
     "entropy_sum",
     "kl_ref_sum",
     "logprob_gap",

@@ -187,7 +187,7 @@ def test_tppo_windows_at_ep2_log_the_ep1_steps(warm_tiny):
         for w, g in zip(step_want, step_got):
             for key in ("samples_generated", "continuing", "trained_tokens", "correct_sum", "response_tokens"):
                 assert g[key] == w[key], key
-            for key in ("loss_sum", "grad_norm", "kl_sum"):
+            for key in ("loss_sum", "grad_norm", "loss_stat_approx_kl"):
                 assert abs(g[key] - w[key]) <= 1e-4 * max(abs(w[key]), 1e-3), (key, g[key], w[key])
 
 

@@ -33,8 +33,9 @@ def config(base, workers=1, lr=1e-3, minibatches=2, **algorithm):
     )
 
 
-def groups(seed: int, count: int, size: int = 3) -> tuple[list[Episode], torch.Tensor]:
-    """`count` groups of `size` synthetic samples with mixed rewards and different lengths."""
+def groups(seed: int, count: int, size: int = 3, spread: bool = False) -> tuple[list[Episode], torch.Tensor]:
+    """`count` groups of `size` synthetic samples with mixed rewards and different lengths; spread: group g's rewards
+    scaled by g + 1 (groups of different spreads: a batch's spread is not any part's)."""
     gen = torch.Generator().manual_seed(seed)
     samples, index = [], []
     for g in range(count):
@@ -43,7 +44,13 @@ def groups(seed: int, count: int, size: int = 3) -> tuple[list[Episode], torch.T
             response = torch.randint(8, 200, (2 + (g + k) % 4,), generator=gen).tolist()
             samples.append(
                 Episode.single(
-                    prompt, response, [0.0] * len(response), "stop", float((g + k) % 2), bool((g + k) % 2), 0
+                    prompt,
+                    response,
+                    [0.0] * len(response),
+                    "stop",
+                    float((g + k) % 2) * (g + 1 if spread else 1),
+                    bool((g + k) % 2),
+                    0,
                 )
             )
             index.append(g)
@@ -62,17 +69,19 @@ def trained(worker: RLWorker, samples, index) -> dict:
     return out
 
 
-def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16):
+@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp_baseline"])
+def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16, advantage):
     """Three real RL updates (2 AdamW steps each, lr 1e-3, weight decay 0.1): two Ray workers with half the
-    batch each apply the one-worker gradient of the whole batch, and reach its adapter.
+    batch each apply the one-worker gradient of the whole batch, and reach its adapter. REINFORCE++-baseline
+    scales by the whole batch's reward spread: the workers sum their halves' (AdvantageEstimator.batch_sums).
 
     Float sums in another order differ by ~1e-4 of the largest gradient entry (per-token terms with +-
     advantages cancel), and Adam turns an entry whose gradient is within that noise of 0 into +-lr, so the
     adapters agree entry by entry except for such entries: >= 99% within 1e-6 (a rank missing from the
     all-reduce or another minibatch split moves most entries by ~lr)."""
-    batches = [groups(seed, 4) for seed in range(3)]
-    single = RLWorker(config(tiny_bf16), PROBLEMS)
-    pair = RayGroup(config(tiny_bf16, workers=2), PROBLEMS)
+    batches = [groups(seed, 4, spread=True) for seed in range(3)]
+    single = RLWorker(config(tiny_bf16, advantage=advantage), PROBLEMS)
+    pair = RayGroup(config(tiny_bf16, workers=2, advantage=advantage), PROBLEMS)
     flat = lambda tensors: torch.cat([t.flatten() for t in tensors])  # noqa: E731
     try:
         import ray
@@ -93,24 +102,27 @@ def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16
     finally:
         pair.shutdown()
     assert all(torch.equal(t, theirs[k]) for k, t in got.items())  # the replicas are identical
-    moved = flat(expected.values()) - flat(adapter(RLWorker(config(tiny_bf16), PROBLEMS)).values())
+    moved = flat(expected.values()) - flat(adapter(RLWorker(config(tiny_bf16, advantage=advantage), PROBLEMS)).values())
     diff = (flat(got.values()) - flat(expected.values())).abs()
     assert float((moved.abs() > 1e-4).float().mean()) > 0.5  # most entries moved by ~lr
     assert float((diff <= 1e-6).float().mean()) >= 0.99, f"{int((diff > 1e-6).sum())} of {diff.numel()} entries differ"
     assert float(diff.max()) < 0.5 * 1e-3
 
 
-def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf16):
+@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp_baseline"])
+def test_a_rank_with_zero_samples_leaves_the_update_of_the_others_exact(tiny_bf16, advantage):
     """Rank 1 kept no group this step: the update is exactly rank 0's samples trained alone. The single worker
-    computes with one thread like the Ray workers (a 2-thread matmul rounds differently: seen 1e-5 apart)."""
+    computes with one thread like the Ray workers (a 2-thread matmul rounds differently: seen 1e-5 apart). An
+    estimator with whole-batch sums (REINFORCE++-baseline) gets them from both ranks, the empty one included
+    (without it rank 0 would wait in the all-reduce forever)."""
     samples, index = groups(0, 2)
     threads = torch.get_num_threads()
     try:
-        single = RLWorker(config(tiny_bf16), PROBLEMS, threads=1)
+        single = RLWorker(config(tiny_bf16, advantage=advantage), PROBLEMS, threads=1)
         trained(single, samples, index)
     finally:
         torch.set_num_threads(threads)
-    pair = RayGroup(config(tiny_bf16, workers=2), PROBLEMS)
+    pair = RayGroup(config(tiny_bf16, workers=2, advantage=advantage), PROBLEMS)
     try:
         import ray
 
@@ -419,9 +431,9 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
     assert outs[0]["logprob_gap"] == gap
     for key in (
         "loss_sum",
-        "clipfrac_high_sum",
-        "clipfrac_low_sum",
-        "kl_sum",
+        "loss_stat_clipfrac_high",
+        "loss_stat_clipfrac_low",
+        "loss_stat_approx_kl",
         "entropy_sum",
         "logprob_gap",
         "grad_norm",
@@ -456,7 +468,14 @@ def test_old_logprobs_from_the_torch_engine_skip_the_forward_and_give_the_recomp
     engine.learner.current_logprobs = lambda *a: passes.append(1) or original(*a)
     outs = [trained(w, samples, index) for w in (recompute, engine)]
     assert not passes and not engine.learner.recomputes_old_logprobs
-    for key in ("loss_sum", "clipfrac_high_sum", "clipfrac_low_sum", "kl_sum", "grad_norm", "trained_tokens"):
+    for key in (
+        "loss_sum",
+        "loss_stat_clipfrac_high",
+        "loss_stat_clipfrac_low",
+        "loss_stat_approx_kl",
+        "grad_norm",
+        "trained_tokens",
+    ):
         assert outs[0][key] == outs[1][key], key
     a, b = adapter(recompute), adapter(engine)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -3,7 +3,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allsync.algorithms import drgrpo_advantages, egae, gae, grpo_advantages
+from allsync.algorithms import (
+    batch_normalized_advantages,
+    drgrpo_advantages,
+    egae,
+    gae,
+    get,
+    group_centered_sums,
+    grpo_advantages,
+)
 
 
 def test_grpo_hand_example():
@@ -114,3 +122,31 @@ def test_gae_does_not_track_gradients():
     values = torch.randn(2, 3, requires_grad=True)
     adv, ret = gae(torch.zeros(2, 3), values, torch.ones(2, 3), 1.0, 1.0)
     assert not adv.requires_grad and not ret.requires_grad
+
+
+def test_reinforce_pp_baseline_hand_example():
+    """Groups [1, 0] and [1, 1, 1, 0]: c = [0.5, -0.5, 0.25, 0.25, 0.25, -0.75]; sum c = 0, sum c^2 = 1.25 over
+    6 episodes, sigma = sqrt(1.25 / 6); a constant group [2, 2] adds two zeros and counts in N."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 2.0, 2.0])
+    index = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2])
+    sigma = (1.25 / 8) ** 0.5
+    expected = torch.tensor([0.5, -0.5, 0.25, 0.25, 0.25, -0.75, 0.0, 0.0]) / (sigma + 1e-6)
+    assert torch.allclose(batch_normalized_advantages(rewards, index), expected, atol=1e-6)
+    assert torch.equal(group_centered_sums(rewards, index), torch.tensor([0.0, 1.25, 8.0], dtype=torch.float64))
+
+
+def test_batch_sums_make_two_halves_compute_the_whole_batch():
+    """Workers holding whole groups: the sums of the halves add to the whole's, and each half computes with them
+    exactly what the whole batch computes (its own sums alone would scale by its own spread: not the same)."""
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 3, (24,), generator=gen).float()
+    index = torch.arange(24) // 4
+    estimator = get("advantage", "reinforce_pp_baseline")
+    whole = estimator(rewards, index)
+    halves = [(rewards[:8], index[:8]), (rewards[8:], index[8:] - 2)]
+    total = sum(estimator.batch_sums(r, g) for r, g in halves)
+    assert torch.allclose(total, estimator.batch_sums(rewards, index))
+    assert torch.allclose(torch.cat([estimator(r, g, sums=total) for r, g in halves]), whole, atol=1e-6)
+    assert not torch.allclose(torch.cat([estimator(r, g) for r, g in halves]), whole, atol=1e-3)
+    empty = torch.zeros(0)
+    assert torch.equal(estimator.batch_sums(empty, empty.long()), torch.zeros(3, dtype=torch.float64))

@@ -31,14 +31,14 @@ def test_clip_high_positive_advantage_is_clipped_with_zero_gradient():
     loss, grad, stats = _single_token(1.5, 1.0)
     assert loss == pytest.approx(-1.28)
     assert grad == 0.0
-    assert stats.clipfrac_high.item() == 1.0 and stats.clipfrac_low.item() == 0.0
+    assert stats["clipfrac_high"].item() == 1.0 and stats["clipfrac_low"].item() == 0.0
 
 
 def test_clip_low_negative_advantage_is_clipped_with_zero_gradient():
     loss, grad, stats = _single_token(0.5, -1.0)
     assert loss == pytest.approx(0.8)  # -A * (1 - 0.2)
     assert grad == 0.0
-    assert stats.clipfrac_low.item() == 1.0 and stats.clipfrac_high.item() == 0.0
+    assert stats["clipfrac_low"].item() == 1.0 and stats["clipfrac_high"].item() == 0.0
 
 
 def test_unclipped_token_has_ppo_gradient():
@@ -51,10 +51,10 @@ def test_dual_clip_bounds_negative_advantage_loss():
     loss, grad, stats = _single_token(10.0, -1.0, clip_c=3.0)
     assert loss == pytest.approx(3.0)
     assert grad == 0.0
-    assert stats.clipfrac_dual.item() == 1.0
+    assert stats["clipfrac_dual"].item() == 1.0
     loss_no_dual, _, stats_no_dual = _single_token(10.0, -1.0)
     assert loss_no_dual == pytest.approx(10.0)
-    assert stats_no_dual.clipfrac_dual.item() == 0.0
+    assert stats_no_dual["clipfrac_dual"].item() == 0.0
 
 
 def test_dual_clip_rejects_c_not_above_one():
@@ -75,13 +75,13 @@ def test_clip_fractions_and_kl_on_hand_made_batch():
     logprobs = old + ratios.log()
     _, stats = policy_loss(logprobs, old, adv, mask, clip_c=3.0)
     # 7 valid tokens. high: (0,0) r1.5 A+, (1,2) r2 A+ -> 2 ; low: (0,2) r.5 A- -> 1 ; dual: (0,3) r10 A- -> 1
-    assert stats.clipfrac_high.item() == pytest.approx(2 / 7)
-    assert stats.clipfrac_low.item() == pytest.approx(1 / 7)
-    assert stats.clipfrac_dual.item() == pytest.approx(1 / 7)
+    assert stats["clipfrac_high"].item() == pytest.approx(2 / 7)
+    assert stats["clipfrac_low"].item() == pytest.approx(1 / 7)
+    assert stats["clipfrac_dual"].item() == pytest.approx(1 / 7)
     valid_ratios = torch.tensor([1.5, 1.0, 0.5, 10.0, 0.5, 1.5, 2.0], dtype=torch.float64)
-    assert stats.approx_kl.item() == pytest.approx((-valid_ratios.log()).mean().item())
-    assert stats.approx_kl_k3.item() == pytest.approx((valid_ratios - 1 - valid_ratios.log()).mean().item())
-    assert all(v.dim() == 0 and not v.requires_grad for v in stats.as_dict().values())
+    assert stats["approx_kl"].item() == pytest.approx((-valid_ratios.log()).mean().item())
+    assert stats["approx_kl_k3"].item() == pytest.approx((valid_ratios - 1 - valid_ratios.log()).mean().item())
+    assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
 
 
 def test_token_advantages_and_broadcast_advantages_agree():

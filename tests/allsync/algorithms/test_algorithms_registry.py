@@ -12,7 +12,7 @@ def test_lookup_by_name():
     assert get("advantage", "drgrpo").compute is alg.drgrpo_advantages
     assert get("advantage", "gae").compute is alg.gae
     assert get("advantage", "egae").compute is alg.egae
-    assert get("policy_loss", "clipped") is alg.policy_loss
+    assert get("policy_loss", "clipped").compute is alg.policy_loss
     assert get("kl", "k3") is alg.kl_k3
     assert get("reward_shaping", "overlong") is alg.shape_overlong
     assert get("reward_shaping", "length") is alg.shape_length

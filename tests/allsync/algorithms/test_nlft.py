@@ -80,4 +80,4 @@ def test_the_registered_policy_loss_is_nlft_loss_with_signed_weights():
     loss.backward()
     reference.backward()
     assert loss.item() == pytest.approx(reference.item(), abs=1e-12) and loss.item() > 0
-    assert torch.allclose(a.grad, b.grad, atol=1e-12) and float(stats.approx_kl) == 0.0
+    assert torch.allclose(a.grad, b.grad, atol=1e-12) and float(stats["approx_kl"]) == 0.0
