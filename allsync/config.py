@@ -954,11 +954,7 @@ def check_across_sections(c: RunConfig, fail) -> None:
     if c.task.needs_producer not in (None, c.producer.kind):
         fail(f"task.name {c.task.name} needs producer.kind {c.task.needs_producer} ({c.task.needs_producer_because})")
     c.producer.check_with(c, fail)
-    if c.optim.balance_ranks and c.producer.kind == "multiconv":
-        fail(
-            "optim.balance_ranks with producer.kind multiconv: its per-segment logprob gaps are measured on the rows a "
-            "worker generated, which balancing moves; use one or the other"
-        )
+    check_loss_aggregation(c, fail)
     check_algorithm_with_rollout(c, fail)
     check_batch_split(c, fail)
     check_task_with_reward(c, fail)
@@ -1050,15 +1046,15 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
             f"algorithm.sampling_rounds streamed with rollout.engine {r.engine}: rounds stream through the torch "
             "engine's KV slots (vLLM's generate takes one batch at a time; use sequential)"
         )
-    if a.sampling_rounds == "streamed" and c.producer.kind != "single_turn":
+    if a.sampling_rounds == "streamed" and not c.producer.streams_rounds:
         fail(
-            f"algorithm.sampling_rounds streamed with producer.kind {c.producer.kind}: only single-turn groups stream "
-            "so far (an episode of several generate calls does not; use sequential)"
+            f"algorithm.sampling_rounds streamed with producer.kind {c.producer.kind}: only groups of one generate call "
+            f"per episode stream so far (producer.kind {producers_that('streams_rounds')}; use sequential)"
         )
-    if a.routing_replay and c.producer.kind != "single_turn":
+    if a.routing_replay and not c.producer.carries_routing:
         fail(
-            f"algorithm.routing_replay with producer.kind {c.producer.kind}: only single-turn episodes carry the "
-            "engine's experts to the trainer so far (use producer.kind single_turn)"
+            f"algorithm.routing_replay with producer.kind {c.producer.kind}: only one-segment episodes carry the "
+            f"engine's experts to the trainer so far (use producer.kind {producers_that('carries_routing')})"
         )
     if a.overlong is not None and a.overlong.max_len > r.max_new_tokens:
         fail(f"algorithm.overlong.max_len = {a.overlong.max_len} exceeds rollout.max_new_tokens = {r.max_new_tokens}")
@@ -1066,6 +1062,24 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
         fail(
             f"reward.length with algorithm.advantage {a.advantage}: the length reward compares the responses "
             "of a group, and T-PPO's windows finish responses one by one, not in groups"
+        )
+
+
+def producers_that(attribute: str) -> str:
+    """The registered producers whose settings class has `attribute` true, for a refusal's hint (never a hand list)."""
+    return " or ".join(kind for kind, cls in producer_classes().items() if getattr(cls, attribute))
+
+
+def check_loss_aggregation(c: RunConfig, fail) -> None:
+    """The policy loss takes the aggregation the run gives it (PolicyLossEntry.aggregations)."""
+    from allsync.algorithms import get
+
+    loss = get("policy_loss", c.algorithm.policy_loss)
+    agg = c.producer.loss_aggregation(c.algorithm.loss_agg)
+    if loss.aggregations is not None and agg not in loss.aggregations:
+        fail(
+            f"algorithm.policy_loss {c.algorithm.policy_loss} with the aggregation {agg} (algorithm.loss_agg, or the "
+            f"producer's weighting): the loss is defined for {' or '.join(loss.aggregations)}"
         )
 
 
@@ -1086,17 +1100,23 @@ def check_batch_split(c: RunConfig, fail) -> None:
 
 
 def check_task_with_reward(c: RunConfig, fail) -> None:
-    """reasoning-gym tasks score with their own reward; the warm start needs a generated task."""
+    """A reward that reads one task's own metadata (TaskDefaults.reward_needs_task) scores that task only, and that
+    task scores with it (or a reward.function); the warm start needs a task with a teacher."""
     t, rw = c.task, c.reward
-    if (rw.name == "reasoning_gym" and rw.function is None) != (t.name == "reasoning_gym" and rw.function is None):
-        fail(
-            f"reward.name = {rw.name!r} with task.name = {t.name!r}: reasoning-gym tasks score with their generator's own "
-            f"score_answer (reward.name: reasoning_gym), which needs a reasoning-gym task's metadata"
+    if rw.function is None:
+        owner = next(
+            (name for name, cls in TASKS.items() if cls.reward_needs_task and cls.default_reward == rw.name), None
         )
-    if c.model.warm_start and t.name == "dataset":
+        if (owner is not None and owner != t.name) or (t.reward_needs_task and rw.name != t.default_reward):
+            fail(
+                f"reward.name = {rw.name!r} with task.name = {t.name!r}: task {owner or t.name} scores with its own "
+                f"reward (reward.name: {TASKS[owner or t.name].default_reward}), which reads that task's metadata"
+            )
+    if c.model.warm_start and not t.has_teacher:
         fail(
-            "model.warm_start with task.name dataset: the warm start supervises `Answer: N` replies on a generated task "
-            "(arithmetic or reasoning_gym); give a model.base that exists and set model.warm_start: false"
+            f"model.warm_start with task.name {t.name}: the warm start supervises a task's teacher replies, and this "
+            f"task has none (tasks with one: {', '.join(n for n, cls in TASKS.items() if cls.has_teacher)}); give a "
+            "model.base that exists and set model.warm_start: false"
         )
 
 

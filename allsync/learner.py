@@ -20,7 +20,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from allsync.algorithms import (
-    credit_mask,
     egae,
     get,
     overlong_filter_mask,
@@ -54,7 +53,6 @@ from moe_lora.lora import adapters_disabled
 from moe_lora.routing import replaying
 
 # producer.weighting (multiconv) -> the loss aggregation it means (allsync.algorithms.aggregation)
-WEIGHTING_AGGREGATION = {"token": "token-mean", "episode": "episode-mean-token-mean"}
 
 
 def flat_gradients(
@@ -151,15 +149,10 @@ def step_skipping(optimizer: torch.optim.Optimizer, skipped: list[torch.nn.Param
             p.grad = grad
 
 
-def multiconv_settings(config):
-    """The producer's settings when it is multi-conversation (producer.kind multiconv), else None."""
-    return config.producer if config.producer.kind == "multiconv" else None
-
-
 def loss_settings(config) -> LossSettings:
-    """The policy loss's settings; producer.weighting picks the aggregation with producer.kind multiconv."""
-    a, mc = config.algorithm, multiconv_settings(config)
-    agg = WEIGHTING_AGGREGATION[mc.weighting] if mc is not None else a.loss_agg
+    """The policy loss's settings; the producer says the aggregation (ProducerDefaults.loss_aggregation)."""
+    a = config.algorithm
+    agg = config.producer.loss_aggregation(a.loss_agg)
     tis = {"tis_level": a.tis.level, "tis_cap": a.tis.cap} if a.tis is not None else {}
     return LossSettings(
         a.clip_low,
@@ -265,7 +258,7 @@ class Learner:
     ) -> TrainBatch:
         """Group baselines (GRPO / Dr.GRPO / REINFORCE++-baseline) over the episodes' rewards: one advantage per
         episode, copied to every trained token of each of its segments (allsync.algorithms.episodes); with
-        producer.credit final (multiconv) only the answer segments train. DAPO's overlong filter masks a
+        the producer picks the rows that train (multiconv's producer.credit final: the answer segments). DAPO's overlong filter masks a
         whole episode whose answer was cut at the token budget. batch_sums: the estimator's sums over every
         worker's episodes (`estimator_batch_sums`), for an estimator that declares them."""
         a = self.config.algorithm
@@ -279,10 +272,10 @@ class Learner:
         if (masks := rows.loss_masks) is not None:  # tool observations: not chosen by the policy, not trained
             batch.response_mask = batch.response_mask * scatter_response_values(masks, batch)
         engine_mask = batch.response_mask
-        if (mc := multiconv_settings(self.config)) is not None:
-            batch.response_mask = credit_mask(
-                batch.response_mask, torch.tensor(rows.is_answer, device=self.device), mc.credit
-            )
+        # the tokens the producer trains (multiconv's producer.credit final: the answer segments' only)
+        batch.response_mask = self.config.producer.trained_mask(
+            batch.response_mask, torch.tensor(rows.is_answer, device=self.device)
+        )
         if a.overlong is not None and a.overlong.filter_truncated:
             reasons = ["length" if cut else "stop" for cut in rows.truncated_episode]
             batch.response_mask = overlong_filter_mask(reasons, batch.response_mask)
@@ -604,7 +597,7 @@ class Learner:
                     f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "
                     f"(> {c.rollout.logprob_gap_warn}): check adapter sync and engine kernels"
                 )
-        if tb is not None and tb.segment_kinds is not None and multiconv_settings(c) is not None:
+        if tb is not None and tb.segment_kinds is not None and c.producer.reports_segment_gaps:
             out.update(segment_gaps(tb.segment_kinds, gap))
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)

@@ -311,12 +311,11 @@ def settings_for_run(config) -> WarmStartSettings:
     data (the task's splits draw the held-out problems first, from the seed alone)."""
     from dataclasses import replace
 
-    agent = config.producer if config.producer.kind == "agent" else None
+    agent = config.producer if config.producer.uses_tools else None  # the tool calls the task teaches
     spec = replace(DEFAULT_SPEC, tool_tokens=True) if agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
     evaluation = EvalSettings(heldout_size=config.task.heldout_size)
-    long_replies = getattr(config.task, "reasoning", "none") != "none"  # a digit-by-digit sum before the answer
-    if agent is not None or long_replies:  # longer than arithmetic's "Answer: N" + eos
-        evaluation = replace(evaluation, max_new_tokens=config.rollout.max_new_tokens)
+    if (budget := config.task.eval_reply_tokens(config.rollout.max_new_tokens)) is not None:  # longer replies
+        evaluation = replace(evaluation, max_new_tokens=budget)
     return WarmStartSettings(
         spec,
         config.task.warm_start_task(agent),

@@ -375,13 +375,12 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
 
     greedy = heldout_accuracy(group, splits.heldout, 1)
     record(step, {"heldout_greedy_accuracy": greedy})
-    ablation = None
-    if config.producer.kind == "multiconv":  # how much the answers owe to the memory the episodes wrote
-        n = config.run.eval_samples
-        ablation = {mode: heldout_accuracy(group, splits.heldout, n, mode) for mode in ("blank", "gold")}
-        record(
-            step, {"heldout_accuracy_blank_memory": ablation["blank"], "heldout_accuracy_gold_memory": ablation["gold"]}
-        )
+    ablation = {  # multiconv: how much the answers owe to the memory the episodes wrote (blank, gold)
+        mode: heldout_accuracy(group, splits.heldout, config.run.eval_samples, mode)
+        for mode in config.producer.memory_ablations
+    }
+    if ablation:
+        record(step, {f"heldout_accuracy_{mode}_memory": accuracy for mode, accuracy in ablation.items()})
     tensors = group.call_for_rank0("full_adapter_tensors")  # every rank: expert blocks are gathered
     group.shutdown()  # before the summary, so that nothing the workers print comes after it
     if not ctl:
@@ -410,9 +409,10 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
     print(f"held-out accuracy is {metric_name(config)} on {len(splits.heldout)} problems")
     if base_tools is not None:
         print(f"held-out tool-call rate: base {100 * base_tools:.1f}% -> trained {100 * tools:.1f}%")
-    if ablation is not None:
+    if ablation:
         print(
-            f"memory ablation: own {100 * accuracy:.1f}%, blanked {100 * ablation['blank']:.1f}%, gold {100 * ablation['gold']:.1f}%"
+            f"memory ablation: own {100 * accuracy:.1f}%, "
+            + ", ".join(f"{mode} {100 * share:.1f}%" for mode, share in ablation.items())
         )
     print(f"held-out accuracy: base {100 * base_accuracy:.1f}% -> trained {100 * accuracy:.1f}%")
     return 0

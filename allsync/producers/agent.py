@@ -28,7 +28,7 @@ from allsync.envs import EnvError, check_observation
 from allsync.envs.tool_calls import parse_tool_calls
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import GroupRounds
-from allsync.producers.registry import ProducerContext, refuse_memory_ablation, register_producer
+from allsync.producers.registry import ProducerContext, ProducerDefaults, refuse_memory_ablation, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, chat_messages, model_len_needed, reward_row
 
@@ -347,11 +347,12 @@ def agent_records(conversations: list[Conversation], problem_ids: list[int], n: 
 
 @register_producer
 @dataclass
-class AgentSettings:
+class AgentSettings(ProducerDefaults):
     """producer.kind agent: multi-turn tool agents; an environment answers each reply until it says done."""
 
     kind: str = field(default="agent", init=False)
     logs_episode_info: ClassVar[bool] = True
+    uses_tools: ClassVar[bool] = True
     env: str = ""  # "package.module:Class" with reset(row) and step(assistant_text) (allsync/envs/__init__.py)
     tools: list[dict] = field(
         default_factory=list

@@ -24,10 +24,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from allsync.algorithms import estimators_that
+from allsync.algorithms import credit_mask, estimators_that
 from allsync.episodes import Episode, Segment
 from allsync.producers.groups import GroupRounds
-from allsync.producers.registry import ProducerContext, register_producer
+from allsync.producers.registry import ProducerContext, ProducerDefaults, register_producer
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import Problem, model_len_needed
 from allsync.tasks.conversations import (
@@ -168,14 +168,19 @@ class MultiConversation:
         return info
 
 
+WEIGHTING_AGGREGATION = {"token": "token-mean", "episode": "episode-mean-token-mean"}  # producer.weighting
+
+
 @register_producer
 @dataclass
-class MultiConvSettings:
+class MultiConvSettings(ProducerDefaults):
     """producer.kind multiconv: the final answer's reward trains every memory segment (task memory_recall, or
     dataset rows with a context cut every chunk_tokens)."""
 
     kind: str = field(default="multiconv", init=False)
     logs_episode_info: ClassVar[bool] = True
+    reports_segment_gaps: ClassVar[bool] = True  # memory writes and answers: a gap per kind
+    memory_ablations: ClassVar[tuple[str, ...]] = ("blank", "gold")  # how much the answers owe to the memory written
     memory_tokens: int | None = None  # the most tokens of one memory write (required)
     chunk_tokens: int | None = (
         None  # dataset rows with a context: tokens per chunk read (memory_recall gives its chunks)
@@ -190,7 +195,7 @@ class MultiConvSettings:
 
         if self.credit not in CREDIT_RULES:
             fail(f"producer.credit = {self.credit!r}: use all (every segment trains) or final (only the answer)")
-        if self.weighting not in ("token", "episode"):
+        if self.weighting not in WEIGHTING_AGGREGATION:
             fail(f"producer.weighting = {self.weighting!r}: use token or episode")
         if self.memory_tokens is None or self.memory_tokens < 1:
             fail(
@@ -199,8 +204,21 @@ class MultiConvSettings:
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             fail(f"producer.chunk_tokens = {self.chunk_tokens}: must be >= 1")
 
+    def loss_aggregation(self, loss_agg: str) -> str:
+        """producer.weighting's aggregation (algorithm.loss_agg must be left at its default)."""
+        return WEIGHTING_AGGREGATION[self.weighting]
+
+    def trained_mask(self, response_mask, is_answer):
+        """producer.credit: every segment's tokens (all) or only the answer segments' (final)."""
+        return credit_mask(response_mask, is_answer, self.credit)
+
     def check_with(self, config, fail) -> None:
         a, task = config.algorithm, config.task.name
+        if config.optim.balance_ranks:
+            fail(
+                "optim.balance_ranks with producer.kind multiconv: its per-segment logprob gaps are measured on the rows "
+                "a worker generated, which balancing moves; use one or the other"
+            )
         if not a.estimator.needs_groups:
             fail(
                 f"producer.kind multiconv with algorithm.advantage {a.advantage}: the final reward trains every segment "

@@ -10,6 +10,10 @@ whose default is the producer's name), registered with `@register_producer`. It 
     model_len(config, tokenizer, problems, max_position_embeddings) -> int
                                          the longest sequence it builds, which the rollout engine must hold
     logs_episode_info: bool              (class attribute) its episodes' info (segments, turns, ...) is logged
+
+and, from `ProducerDefaults` (which a settings class subclasses, overriding what differs), what the rest of the loop
+asks of it instead of naming it: the policy loss's aggregation, which rows' tokens train, the per-segment logprob
+gaps, the held-out memory ablations, tools in the warm start, streamed rounds and the engine's expert record.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 PRODUCERS: dict[str, type] = {}
 DEFAULT_PRODUCER = "single_turn"
@@ -72,6 +76,37 @@ class Producer(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
     def close(self) -> None: ...
+
+
+class ProducerDefaults:
+    """What the learner, the warm start and the config checks ask of a producer's settings, answered for a producer of
+    one-segment episodes without tools; a settings class subclasses it and overrides what differs.
+
+    logs_episode_info: its episodes' info (segments, turns, ...) is logged.
+    reports_segment_gaps: the engine/trainer logprob gap is reported per segment kind (logprob_gap_<kind>).
+    memory_ablations: the memories the held-out answers are also scored with at the end of a run
+        (heldout_accuracy_<memory>_memory), besides the episode's own.
+    uses_tools: the warm start adds tool-call tokens, teaches the task's tool calls with these settings and
+        evaluates with rollout.max_new_tokens.
+    streams_rounds: algorithm.sampling_rounds streamed can run it (one generate call per episode).
+    carries_routing: its episodes carry the engine's experts to the trainer (algorithm.routing_replay).
+    """
+
+    logs_episode_info: ClassVar[bool] = False
+    reports_segment_gaps: ClassVar[bool] = False
+    memory_ablations: ClassVar[tuple[str, ...]] = ()
+    uses_tools: ClassVar[bool] = False
+    streams_rounds: ClassVar[bool] = False
+    carries_routing: ClassVar[bool] = False
+
+    def loss_aggregation(self, loss_agg: str) -> str:
+        """The aggregation of the policy loss (allsync.algorithms.aggregation): algorithm.loss_agg."""
+        return loss_agg
+
+    def trained_mask(self, response_mask, is_answer):
+        """Which of the batch's response tokens train ([B, T]; is_answer [B] bool: the row is an episode's answer
+        segment): all of them."""
+        return response_mask
 
 
 class ProducerSettings(Protocol):

@@ -8,7 +8,7 @@ from typing import ClassVar
 from allsync.episodes import Episode
 from allsync.engines.torch_engine import Sampling
 from allsync.producers.groups import GroupRounds
-from allsync.producers.registry import ProducerContext, refuse_memory_ablation, register_producer
+from allsync.producers.registry import ProducerContext, ProducerDefaults, refuse_memory_ablation, register_producer
 from allsync.producers.streamed import collect_streamed
 from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
@@ -56,11 +56,12 @@ def engine_answers(
 
 @register_producer
 @dataclass
-class SingleTurnSettings:
+class SingleTurnSettings(ProducerDefaults):
     """producer.kind single_turn (the default): each problem's prompt answered rollout.group_size times."""
 
     kind: str = field(default="single_turn", init=False)
-    logs_episode_info: ClassVar[bool] = False
+    streams_rounds: ClassVar[bool] = True
+    carries_routing: ClassVar[bool] = True
 
     def check(self, fail) -> None:
         pass

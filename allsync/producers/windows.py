@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
 
 import torch
 
 from allsync.algorithms import InFlight, WindowAdvance, advance_window, estimators_that
 from allsync.engines.torch_engine import Sampling
 from allsync.episodes import Episode, Segment
-from allsync.producers.registry import ProducerContext, register_producer
+from allsync.producers.registry import ProducerContext, ProducerDefaults, register_producer
 from allsync.producers.single_turn import engine_answers
 from allsync.tasks import Problem, longest_prompt_tokens, model_len_needed
 
@@ -165,12 +164,11 @@ class WindowPool:
 
 @register_producer
 @dataclass
-class WindowsSettings:
+class WindowsSettings(ProducerDefaults):
     """producer.kind windows: PPO with a critic over in-flight responses; `window` tokens per step (T-PPO, with
     algorithm.advantage egae), or None for whole responses (PPO, gae)."""
 
     kind: str = field(default="windows", init=False)
-    logs_episode_info: ClassVar[bool] = False
     window: int | None = None  # tokens generated per step for every in-flight response; None: to the end
 
     def check(self, fail) -> None:

@@ -149,8 +149,6 @@ class ArithmeticTask(GeneratedTask):
 
     name: str = field(default="arithmetic", init=False)
     default_reward: ClassVar[str] = "arithmetic"  # "Answer: N" equals the sum, 0/1
-    needs_producer: ClassVar[str | None] = None
-    needs_producer_because: ClassVar[str] = ""
     min_digits: int = 1
     max_digits: int = 3
     ops: list[str] = field(default_factory=lambda: ["+"])
@@ -164,3 +162,7 @@ class ArithmeticTask(GeneratedTask):
 
     def spec(self) -> ArithmeticSpec:
         return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)
+
+    def eval_reply_tokens(self, max_new_tokens: int) -> int | None:
+        """Verbose reasoning (a digit-by-digit sum before the answer) is evaluated with rollout.max_new_tokens."""
+        return max_new_tokens if self.reasoning != "none" else None

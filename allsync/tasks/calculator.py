@@ -78,6 +78,10 @@ class CalculatorTask(GeneratedTask):
     def spec(self) -> CalculatorSpec:
         return CalculatorSpec(self.a_digits, self.b_digits, self.teacher_tool_rate)
 
+    def eval_reply_tokens(self, max_new_tokens: int) -> int:
+        """A tool call is longer than `Answer: N` (53 tokens with the tiny model's tools): rollout.max_new_tokens."""
+        return max_new_tokens
+
     def warm_start_task(self, agent=None) -> CalculatorSpec:
         """The spec with the agent's tool schemas, which the prompts list: the warm start must see the same."""
         spec = self.spec()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from allsync.tasks.problems import Problem, Splits, check_template
-from allsync.tasks.registry import register_task
+from allsync.tasks.registry import TaskDefaults, register_task
 
 
 def unique_rows(files: list[str], template: str | None, excluded: set[str]) -> tuple[list, list[str], int]:
@@ -62,13 +62,12 @@ def dataset_splits(
 
 @register_task
 @dataclass
-class DatasetTask:
+class DatasetTask(TaskDefaults):
     """task.name dataset: task.train_files and task.eval_files; no warm start (a dataset has no teacher)."""
 
     name: str = field(default="dataset", init=False)
     default_reward: ClassVar[str] = "math_dapo"  # DAPO's +1/-1 on the last "Answer:" line
-    needs_producer: ClassVar[str | None] = None
-    needs_producer_because: ClassVar[str] = ""
+    has_teacher: ClassVar[bool] = False  # rows of a file: no generator to teach the warm start from
     train_files: list[str] = field(default_factory=list)  # parquet / JSONL / JSON (evals/datasets.py)
     eval_files: list[str] = field(default_factory=list)  # the held-out evaluation rows
     template: str | None = None  # "dapo_math" (DAPO's math prompt) or a text with {problem}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from allsync.tasks.problems import Problem, Splits, answer_examples, check_template, encode_problems, template_text
-from allsync.tasks.registry import register_task
+from allsync.tasks.registry import TaskDefaults, register_task
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,12 @@ def reasoning_gym_splits(
 
 @register_task
 @dataclass
-class ReasoningGymTask:
+class ReasoningGymTask(TaskDefaults):
     """task.name reasoning_gym: task.dataset names the generator, task.dataset_args its settings."""
 
     name: str = field(default="reasoning_gym", init=False)
     default_reward: ClassVar[str] = "reasoning_gym"  # the generator's own score_answer
-    needs_producer: ClassVar[str | None] = None
-    needs_producer_because: ClassVar[str] = ""
+    reward_needs_task: ClassVar[bool] = True  # it reads the generator's metadata
     dataset: str | None = None  # the generator's name (reasoning_gym.create_dataset), e.g. chain_sum
     dataset_args: dict[str, int | float | str | bool | list] = field(default_factory=dict)  # its settings
     template: str | None = None  # "dapo_math" (DAPO's math prompt) or a text with {problem}

@@ -4,11 +4,19 @@ the settings class that holds the section's other keys.
 A task's settings class is a dataclass whose fields are its YAML keys (plus `name`, a field with init=False
 whose default is the task's name), registered with `@register_task`. It provides:
 
-    default_reward, needs_producer  (class attributes) reward.name when the config names none; the producer.kind
-                                    the task must run with, or None (and needs_producer_because: why)
+    default_reward                  (class attribute) reward.name when the config names none
     check(fail)                     refuse a bad value, naming the key (fail(message) raises)
     splits() -> (Splits, lines)     the training and held-out problems, and report lines for the log
     warm_start_task(agent)          what the warm start supervises (a WarmStartTask), or None when it cannot
+
+and, from `TaskDefaults` (subclass it and override what differs), what the loop asks of a task instead of naming it:
+
+    needs_producer, needs_producer_because   the producer.kind the task must run with (None: any), and why
+    has_teacher                     the warm start can supervise it (warm_start_task gives a WarmStartTask)
+    reward_needs_task               default_reward reads this task's own metadata (no other task can score with it,
+                                    and this task scores with no other reward but a reward.function)
+    eval_reply_tokens(max_new)      the token budget of the warm start's held-out evaluation: None for the
+                                    default (12, `Answer: NNN` + eos), else e.g. rollout.max_new_tokens
 
 A WarmStartTask is a frozen dataclass whose fields are the warm start's settings of the task (they go into the
 warm start's cache key, warm_start.json), with
@@ -20,7 +28,7 @@ warm start's cache key, warm_start.json), with
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from allsync.tasks.problems import Problem, Splits
 
@@ -35,11 +43,29 @@ class WarmStartTask(Protocol):
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]: ...
 
 
+class TaskDefaults:
+    """The answers of a task with short `Answer: N` replies that any producer runs and any reward scores (see the
+    module docstring); a task's settings class subclasses it and overrides what differs."""
+
+    needs_producer: ClassVar[str | None] = None
+    needs_producer_because: ClassVar[str] = ""
+    has_teacher: ClassVar[bool] = True
+    reward_needs_task: ClassVar[bool] = False
+
+    def eval_reply_tokens(self, max_new_tokens: int) -> int | None:
+        """The warm start's evaluation budget: None, the default (a short `Answer: N` reply)."""
+        return None
+
+
 class TaskSettings(Protocol):
     name: str
     default_reward: str
     needs_producer: str | None
     needs_producer_because: str
+    has_teacher: bool
+    reward_needs_task: bool
+
+    def eval_reply_tokens(self, max_new_tokens: int) -> int | None: ...
 
     def check(self, fail) -> None: ...
 
@@ -48,7 +74,7 @@ class TaskSettings(Protocol):
     def warm_start_task(self, agent=None) -> WarmStartTask | None: ...
 
 
-class GeneratedTask:
+class GeneratedTask(TaskDefaults):
     """The side of a generated task's settings that follows from its `spec()` (a WarmStartTask): the spec's
     validation as the check, its seeded splits of task.train_size / heldout_size / seed, and the spec as what the
     warm start supervises."""
