@@ -7,8 +7,10 @@ the file and the dotted key (with a suggestion for a misspelt key); nothing fall
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -593,6 +595,9 @@ class RunSection:
     )
     step_timeout: float | None = None  # seconds a step may take before its workers count as lost (None: wait)
     export: str = "peft"  # the trained adapter at the end: peft (vLLM serves it) | merged (full bf16 checkpoint)
+    # modules imported before the rest of the config is read, in every process of the run: a task, producer, policy
+    # loss or advantage estimator of your own registers itself there (README, "To add"), e.g. [my_project.tasks]
+    imports: list[str] = field(default_factory=list)
 
     def check(self, fail) -> None:
         if not 0 < self.eval_top_p <= 1:
@@ -798,7 +803,31 @@ def _build_named_section(section: str, data, source: str):
     return _build(classes[name], {k: v for k, v in data.items() if k != name_key}, section, source)
 
 
+def import_extensions(modules, source: str = "<config>") -> None:
+    """Import run.imports' modules (each registers its task, producer, policy loss or estimator on import), from
+the Python path or the directory the run is started in (as `python -m` would; `python recipes/dapo.py` puts only
+recipes/ on the path); a name that is not such a module is a ConfigError naming it."""
+    if not modules:
+        return
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"{source}: run.imports must be a list of module names, got {modules!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"{source}: run.imports: cannot import {module!r} ({exc})") from exc
+
+
+def run_imports(data) -> list[str] | None:
+    """run.imports of a config's raw mapping (None when absent; a malformed section is refused by _build)."""
+    run = data.get("run") if isinstance(data, dict) else None
+    return run.get("imports") if isinstance(run, dict) else None
+
+
 def parse_config(data: dict, source: str = "<config>") -> RunConfig:
+    import_extensions(run_imports(data), source)
     config = _build(RunConfig, data or {}, "", source)
     validate(config, source)
     return config
@@ -824,7 +853,9 @@ def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, Config
     wrong in a section itself (an unknown key, a wrong type, a value out of range such as rollout.max_new_tokens 0)
     has no plan and raises, but for the parallel section, which the plan's --gpus / --expert-parallel may replace
     (the plan checks the sizes it uses)."""
-    config = _build(RunConfig, read_yaml(path), "", str(path))
+    data = read_yaml(path)
+    import_extensions(run_imports(data), str(path))
+    config = _build(RunConfig, data, "", str(path))
 
     def fail(msg: str):
         raise ConfigError(f"{path}: {msg}")

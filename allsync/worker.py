@@ -28,7 +28,7 @@ import torch
 
 from allsync.algorithms import get
 from allsync.checkpoint import write_probe
-from allsync.config import ConfigError, RunConfig
+from allsync.config import ConfigError, RunConfig, import_extensions
 from allsync.launch.devices import keep_freed_host_memory, worker_device
 from allsync.launch.process_groups import Groups, connect
 from allsync.episodes import Episode, episode_info_sums, stale_versions
@@ -135,6 +135,7 @@ class RLWorker:
         max_model_len: the vLLM engine's context (longest prompt + rollout.max_new_tokens, see
         allsync.tasks.model_len_needed); None computes it from `problems`. attempt: 0 for a run's first start, n
         after its n-th restart (fault drills, allsync/health/faults.py, fire only in the first)."""
+        import_extensions(config.run.imports)  # a worker process registers the run's own extensions too
         self.config, self.rank, self.world_size, self.launcher = config, rank, world_size, launcher
         if threads:
             torch.set_num_threads(threads)

@@ -1,0 +1,115 @@
+"""A contributor's extensions in their own modules only (tests/fixtures/: a task, a policy loss, an advantage
+estimator with whole-batch sums and a producer), named by a config's run.imports: the recipe runs them at two
+workers, the estimator's two workers make one worker's update, and the checks ask their entries."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from allsync.config import ConfigError, parse_config
+from tests.allsync.test_update_correctness import PROBLEMS, adapter, groups, trained
+
+RECIPE = Path(__file__).parents[2] / "recipes" / "dapo.py"
+FIXTURES = ["tests.fixtures.reverse_word", "tests.fixtures.sequence_loss", "tests.fixtures.batch_baseline"]
+EXTENSIONS = FIXTURES + ["tests.fixtures.hinted_turn"]
+
+
+def extension_config(base: Path, out_dir: Path, workers: int = 2) -> dict:
+    return {
+        "model": {"base": str(base), "quant": {"routed_experts": "nf4"}},
+        "lora": {"rank": 4, "alpha": 8},
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 16},
+        "algorithm": {
+            "advantage": "batch_mean_baseline",
+            "policy_loss": "gspo",
+            "loss_agg": "seq-mean-token-mean",
+            "dynamic_sampling": False,
+        },
+        "optim": {"lr": 1e-3, "minibatches": 2},
+        "parallel": {"workers_per_node": workers},
+        "task": {"name": "reverse_word", "train_size": 200, "heldout_size": 8},
+        "producer": {"kind": "hinted"},
+        "run": {"out_dir": str(out_dir), "steps": 2, "eval_every": 2, "export": "merged", "imports": EXTENSIONS},
+    }
+
+
+def test_the_fixture_extensions_run_two_steps_at_two_workers(warm_tiny, ray_cluster, tmp_path):
+    """recipes/dapo.py with the four fixture modules at two Ray workers (each worker imports run.imports): 2 steps,
+    the GSPO loss's own statistic logged under its name, the clipped loss's absent."""
+    out = tmp_path / "out"
+    config = tmp_path / "extensions.yaml"
+    config.write_text(yaml.safe_dump(extension_config(warm_tiny, out)))
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    done = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(config)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained_rows = [r for r in rows if r.get("trained_tokens")]
+    assert [r["step"] for r in trained_rows] == [1, 2]
+    assert all("sequence_clipfrac" in r and "clipfrac_high" not in r for r in trained_rows)
+
+
+def test_the_fixture_estimator_on_two_workers_makes_the_one_worker_update(tiny_bf16):
+    """batch_mean_baseline's baseline is the whole batch's mean reward: two Ray workers holding groups of different
+    rewards sum their batch_sums and apply the one-worker gradient (without the sums they would not: each half's
+    own mean differs)."""
+    from allsync.launch.ray_actors import RayGroup
+
+    def config(workers):
+        return parse_config(
+            {
+                "model": {"base": str(tiny_bf16), "quant": {"routed_experts": "nf4"}},
+                "lora": {"rank": 4, "alpha": 8},
+                "run": {"export": "merged", "imports": FIXTURES},
+                "rollout": {"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 6},
+                "optim": {"lr": 1e-3, "minibatches": 2},
+                "parallel": {"workers_per_node": workers},
+                "algorithm": {"advantage": "batch_mean_baseline", "dynamic_sampling": False},
+            }
+        )
+
+    from allsync.worker import RLWorker
+
+    samples, index = groups(0, 4, spread=True)
+    single = RLWorker(config(1), PROBLEMS)
+    order = [i for g in (0, 2, 1, 3) for i in range(3 * g, 3 * g + 3)]  # minibatch m = each rank's m-th part
+    trained(single, [samples[i] for i in order], torch.tensor([index[i] for i in order]))
+    pair = RayGroup(config(2), PROBLEMS)
+    try:
+        import ray
+
+        ray.get(
+            [
+                pair.workers[0].train.remote(samples[:6], index[:6]),
+                pair.workers[1].train.remote(samples[6:], index[6:] - 2),
+            ]
+        )
+        got = adapter(pair)
+    finally:
+        pair.shutdown()
+    expected = adapter(single)
+    diff = torch.cat([(got[k] - expected[k]).abs().flatten() for k in expected])
+    assert float((diff <= 1e-6).float().mean()) >= 0.99, f"{int((diff > 1e-6).sum())} of {diff.numel()} entries differ"
+
+
+def test_the_checks_ask_the_fixture_entries(tiny_bf16):
+    """The loss's entry says its aggregation, the registry names the new estimator, a bad run.imports is named."""
+    base = {"model": {"base": str(tiny_bf16)}, "run": {"imports": FIXTURES}}
+    with pytest.raises(
+        ConfigError, match=r"algorithm.policy_loss gspo with the aggregation token-mean .*seq-mean-token-mean"
+    ):
+        parse_config({**base, "algorithm": {"policy_loss": "gspo"}})
+    with pytest.raises(ConfigError, match=r"algorithm.advantage: unknown advantage 'nope'.*batch_mean_baseline"):
+        parse_config({**base, "algorithm": {"advantage": "nope"}})
+    with pytest.raises(ConfigError, match=r"run.imports: cannot import 'tests.fixtures.nothing_here'"):
+        parse_config({"run": {"imports": ["tests.fixtures.nothing_here"]}})
+    task = parse_config({**base, "task": {"name": "reverse_word", "max_letters": 4}}).task
+    splits, _ = task.splits()
+    assert all(p.answer == p.prompt.split(": ")[1][::-1] and len(p.answer) <= 4 for p in splits.heldout)
