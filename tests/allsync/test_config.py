@@ -267,7 +267,7 @@ def float_settings() -> list[tuple[dict, str]]:
     import dataclasses
     import typing
 
-    from allsync.config import _dataclass_of, _holds_float
+    from allsync.config.parsing import _dataclass_of, _holds_float
     from allsync.producers.registry import ProducerSettings, producer_classes
     from allsync.tasks import TASKS, TaskSettings
 
