@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from allsync.config import ConfigError, RunConfig, config_with_model_checks, load_config
+from allsync.config import ConfigError, RunConfig, check_reply_budget, config_with_model_checks, load_config
 from allsync.metrics import MetricsLog, aggregate, plot_run
 from allsync.checkpoint import (
     CheckpointStateError,
@@ -250,10 +250,12 @@ def rank0_first(build, launched) -> None:
 
 def engine_model_len(config: RunConfig, model_config: dict, problems, source: str) -> int:
     """The longest sequence the run's producer can build (its settings' model_len), checked against the
-    checkpoint's max_position_embeddings."""
+    checkpoint's max_position_embeddings; and the task's longest correct reply against rollout.max_new_tokens
+    and the overlong window (allsync.config.check_reply_budget)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.base)
+    check_reply_budget(config, tokenizer, problems, source)
     try:
         return config.producer.model_len(config, tokenizer, problems, model_config.get("max_position_embeddings", 0))
     except ValueError as exc:

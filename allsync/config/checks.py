@@ -286,3 +286,22 @@ def config_with_model_checks(config: RunConfig, model_config: dict, source: str)
             f"{source}: parallel.expert_parallel = {config.parallel.expert_parallel} does not divide the "
             f"{experts} routed experts of {config.model.base}"
         )
+
+
+def check_reply_budget(config: RunConfig, tokenizer, problems: list, source: str) -> None:
+    """What needs the tokenizer: the task's longest correct reply (TaskSettings.longest_reply) fits in
+    rollout.max_new_tokens, and DAPO's overlong window (rewards fall from max_len - cache_len tokens on) starts after
+    it, so that no correct reply is cut or penalized for its length. ConfigError naming the keys."""
+    tokens, reply = config.task.longest_reply(tokenizer, problems)
+    r, overlong = config.rollout, config.algorithm.overlong
+    if tokens > r.max_new_tokens:
+        raise ConfigError(
+            f"{source}: rollout.max_new_tokens = {r.max_new_tokens} with task.name {config.task.name}: its longest "
+            f"correct reply is {tokens} tokens with eos ({reply[:60]!r}), which would be cut; raise it to >= {tokens}"
+        )
+    if overlong is not None and tokens > overlong.max_len - overlong.cache_len:
+        raise ConfigError(
+            f"{source}: algorithm.overlong.max_len = {overlong.max_len} and cache_len = {overlong.cache_len} with task.name "
+            f"{config.task.name}: the shaping penalizes replies past {overlong.max_len - overlong.cache_len} tokens and "
+            f"its longest correct reply is {tokens} ({reply[:60]!r}); make max_len - cache_len >= {tokens}"
+        )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from allsync.tasks.problems import ANSWER_PREFIX, Problem, Splits, answer_examples, encode_problems, generated_splits
-from allsync.tasks.registry import GeneratedTask, register_task
+from allsync.tasks.registry import GeneratedTask, longest_reply, register_task
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -162,6 +162,14 @@ class ArithmeticTask(GeneratedTask):
 
     def spec(self) -> ArithmeticSpec:
         return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)
+
+    def longest_reply(self, tokenizer, problems: list[Problem]) -> tuple[int, str]:
+        """Verbose reasoning: the verbose reply of the largest operands with the most restatements; else the
+        longest `Answer: N`."""
+        if self.reasoning == "none":
+            return super().longest_reply(tokenizer, problems)
+        top = 10**self.max_digits - 1
+        return longest_reply(tokenizer, [verbose_reply(top, top, MAX_RESTATEMENTS)])
 
     def eval_reply_tokens(self, max_new_tokens: int) -> int | None:
         """Verbose reasoning (a digit-by-digit sum before the answer) is evaluated with rollout.max_new_tokens."""

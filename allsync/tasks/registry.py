@@ -17,6 +17,9 @@ and, from `TaskDefaults` (subclass it and override what differs), what the loop 
                                     and this task scores with no other reward but a reward.function)
     eval_reply_tokens(max_new)      the token budget of the warm start's held-out evaluation: None for the
                                     default (12, `Answer: NNN` + eos), else e.g. rollout.max_new_tokens
+    longest_reply(tokenizer, problems)  (tokens, text) of the longest correct reply one generate call writes, eos
+                                    included: `Answer: <the longest answer>` by default; the run refuses a
+                                    rollout.max_new_tokens or an overlong window that would cut or penalize it
 
 A WarmStartTask is a frozen dataclass whose fields are the warm start's settings of the task (they go into the
 warm start's cache key, warm_start.json), with
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
-from allsync.tasks.problems import Problem, Splits
+from allsync.tasks.problems import Problem, Splits, format_response
 
 TASKS: dict[str, type] = {}
 
@@ -56,6 +59,10 @@ class TaskDefaults:
         """The warm start's evaluation budget: None, the default (a short `Answer: N` reply)."""
         return None
 
+    def longest_reply(self, tokenizer, problems: list[Problem]) -> tuple[int, str]:
+        """The `Answer: <answer>` reply of the problems' longest answer: (its tokens + eos, its text)."""
+        return longest_reply(tokenizer, {format_response(p.answer) for p in problems})
+
 
 class TaskSettings(Protocol):
     name: str
@@ -66,6 +73,8 @@ class TaskSettings(Protocol):
     reward_needs_task: bool
 
     def eval_reply_tokens(self, max_new_tokens: int) -> int | None: ...
+
+    def longest_reply(self, tokenizer, problems: list[Problem]) -> tuple[int, str]: ...
 
     def check(self, fail) -> None: ...
 
@@ -90,6 +99,16 @@ class GeneratedTask(TaskDefaults):
 
     def warm_start_task(self, agent=None) -> WarmStartTask:
         return self.spec()
+
+
+def longest_reply(tokenizer, replies) -> tuple[int, str]:
+    """(tokens + 1 for eos, text) of the reply that encodes to the most tokens; (0, "") for none."""
+    replies = sorted(replies)
+    if not replies:
+        return 0, ""
+    counts = [len(ids) + 1 for ids in tokenizer(replies, add_special_tokens=False)["input_ids"]]
+    best = max(range(len(replies)), key=counts.__getitem__)
+    return counts[best], replies[best]
 
 
 def register_task(cls: type) -> type:

@@ -113,3 +113,32 @@ def test_the_checks_ask_the_fixture_entries(tiny_bf16):
     task = parse_config({**base, "task": {"name": "reverse_word", "max_letters": 4}}).task
     splits, _ = task.splits()
     assert all(p.answer == p.prompt.split(": ")[1][::-1] and len(p.answer) <= 4 for p in splits.heldout)
+
+
+def test_a_copy_of_the_default_config_with_another_task_is_refused_where_its_replies_do_not_fit(tiny_bf16):
+    """tiny_cpu.yaml with only task: reverse_word (4-6 letters): `Answer: fedcba` + eos is 15 tokens, and the overlong
+    window (max_len 16, cache_len 4) penalizes replies past 12, so correct answers would lose reward: refused naming
+    the keys; with the window moved, rollout.max_new_tokens 16 still holds it; at 14 it would be cut."""
+    from transformers import AutoTokenizer
+
+    from allsync.config import check_reply_budget, read_yaml
+
+    data = read_yaml(Path(__file__).parents[2] / "recipes" / "configs" / "tiny_cpu.yaml")
+    data["model"] = {**data["model"], "base": str(tiny_bf16), "warm_start": False}
+    data["run"] = {**data["run"], "imports": ["tests.fixtures.reverse_word"]}
+    data["task"] = {"name": "reverse_word", "min_letters": 4, "max_letters": 6, "train_size": 50, "heldout_size": 20}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
+
+    def check(**changes):
+        config = parse_config({**data, **changes})
+        splits, _ = config.task.splits()
+        check_reply_budget(config, tokenizer, splits.train + splits.heldout, "copy.yaml")
+
+    with pytest.raises(
+        ConfigError, match=r"algorithm.overlong.max_len = 16 and cache_len = 4 .* longest correct reply is 15"
+    ):
+        check()
+    algorithm = {**data["algorithm"], "overlong": {"max_len": 16, "cache_len": 1, "factor": 1.0}}
+    check(algorithm=algorithm)
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens = 14 .* 15 tokens with eos"):
+        check(algorithm={**algorithm, "overlong": None}, rollout={**data["rollout"], "max_new_tokens": 14})
