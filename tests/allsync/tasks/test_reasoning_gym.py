@@ -118,7 +118,7 @@ def test_the_recipe_trains_on_a_reasoning_gym_task(warm_tiny, tmp_path):
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    recipe = Path(__file__).parents[2] / "recipes" / "dapo.py"
+    recipe = Path(__file__).parents[3] / "recipes" / "dapo.py"
     done = subprocess.run(
         [sys.executable, str(recipe), "--config", str(path), "--no-ray"], capture_output=True, text=True, timeout=600
     )
