@@ -159,16 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             config.run.out_dir = args.out_dir
         if (Path(config.model.base) / "config.json").exists():  # before the warm start (work) when the base is there
             config_with_model_checks(config, read_config(config.model.base), args.config)
-        if launched and launched[1] != config.parallel.workers:
-            raise ConfigError(
-                f"{args.config}: the launcher started {launched[1]} processes (WORLD_SIZE) but parallel.nodes x "
-                f"workers_per_node = {config.parallel.workers}; make them equal"
-            )
-        if launched and args.no_ray:
-            raise ConfigError(
-                "--no-ray under torchrun / accelerate launch: every launched process is already one worker "
-                "and Ray is never started; drop --no-ray"
-            )
+        mode = launch_mode(launched is not None, args.no_ray, config)  # allsync/launch/: SPMD, local or Ray
+        if (problem := mode.refusal(config, args.no_ray, launched[1] if launched else None)) is not None:
+            raise ConfigError(f"{args.config}: {problem}")
         restarts = config.run.max_restarts or config.run.step_timeout is not None
         if args.no_ray and restarts and rank == 0:  # the flag asks for one in-process worker: say what it turns off
             print(
@@ -177,17 +170,6 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             config.run.max_restarts, config.run.step_timeout = 0, None
-        elif not launched and config.parallel.workers == 1 and restarts:  # the config contradicts itself
-            raise ConfigError(
-                f"{args.config}: run.max_restarts = {config.run.max_restarts} / run.step_timeout = "
-                f"{config.run.step_timeout} with one worker, which runs in this process: a lost worker would "
-                "be this process; use Ray with 2+ workers or torchrun --max-restarts, or set them to 0 / null"
-            )
-        if args.no_ray and config.parallel.expert_parallel > 1:
-            raise ConfigError(
-                f"{args.config}: parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: "
-                "one in-process worker holds every expert; drop --no-ray or use 1"
-            )
         if config.parallel.layout != "colocated":
             raise ConfigError(
                 f"{args.config}: parallel.layout = {config.parallel.layout!r}: recipes/dapo.py runs all-sync "
@@ -225,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     def run_training(group, resume: bool, own: set[str] | None) -> int:
         return train(config, resume, group, splits, out_dir, own)
 
-    mode = launch_mode(launched is not None, args.no_ray, config)  # allsync/launch/: SPMD, local or Ray
     return mode.run(config, splits.train, max_model_len, run_training, resume, out_dir)
 
 

@@ -6,6 +6,8 @@ A launch mode is a class in a module of allsync/launch/ registered with `@regist
 
     order: int                                   modes are asked in this order
     chosen(launched, no_ray, config) -> bool     (static) whether this run is one of its
+    refusal(config, no_ray, world_size) -> str | None
+        (static) what this mode cannot run, said before any work (world_size: the launcher's WORLD_SIZE, or None)
     run(config, problems, max_model_len, train, resume, out_dir) -> int
         (class method) start the workers and run `train(group, resume, own)` (recipes/dapo.py's loop) with them,
         restarting after a lost worker as the mode can; returns the process's exit code

@@ -26,6 +26,24 @@ class LocalGroup:
     def chosen(launched: bool, no_ray: bool, config: RunConfig) -> bool:
         return not launched and (no_ray or config.parallel.workers == 1)
 
+    @staticmethod
+    def refusal(config: RunConfig, no_ray: bool, world_size: int | None) -> str | None:
+        """One worker in this process: nothing can restart it, and it holds every expert. (--no-ray with restarts set
+        is no contradiction: the recipe says the flag turns them off.)"""
+        r = config.run
+        if not no_ray and (r.max_restarts or r.step_timeout is not None):
+            return (
+                f"run.max_restarts = {r.max_restarts} / run.step_timeout = {r.step_timeout} with one worker, which runs "
+                "in this process: a lost worker would be this process; use Ray with 2+ workers or torchrun "
+                "--max-restarts, or set them to 0 / null"
+            )
+        if config.parallel.expert_parallel > 1:
+            return (
+                f"parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: one in-process worker "
+                "holds every expert; drop --no-ray or use 1"
+            )
+        return None
+
     @classmethod
     def run(cls, config, problems, max_model_len, train, resume: bool, out_dir) -> int:
         make = lambda attempt: cls(config, problems, max_model_len, attempt)  # noqa: E731

@@ -58,6 +58,11 @@ class RayGroup:
     def chosen(launched: bool, no_ray: bool, config: RunConfig) -> bool:
         return not launched
 
+    @staticmethod
+    def refusal(config: RunConfig, no_ray: bool, world_size: int | None) -> None:
+        """Ray runs any colocated config (a restart replaces a lost actor)."""
+        return None
+
     @classmethod
     def run(cls, config, problems, max_model_len, train, resume: bool, out_dir) -> int:
         gpus = 1 if config.parallel.resolved_device() == "cuda" else 0  # one bundle (and one GPU) per worker

@@ -60,6 +60,21 @@ class SPMDGroup:
     def chosen(launched: bool, no_ray: bool, config: RunConfig) -> bool:
         return launched
 
+    @staticmethod
+    def refusal(config: RunConfig, no_ray: bool, world_size: int | None) -> str | None:
+        """A launcher's world must be the config's workers, and every launched process is already one worker."""
+        if world_size != config.parallel.workers:
+            return (
+                f"the launcher started {world_size} processes (WORLD_SIZE) but parallel.nodes x workers_per_node = "
+                f"{config.parallel.workers}; make them equal"
+            )
+        if no_ray:
+            return (
+                "--no-ray under torchrun / accelerate launch: every launched process is already one worker and Ray is "
+                "never started; drop --no-ray"
+            )
+        return None
+
     @classmethod
     def run(cls, config, problems, max_model_len, train, resume: bool, out_dir) -> int:
         """`train` in this launched process. An elastic launcher's restart (after a lost peer or a step timeout)
