@@ -3,7 +3,8 @@
 `Learner` owns the trainable tensors (LoRA, and PPO's critic: allsync/critic.py), AdamW, the flat gradient buffers and
 the minibatch loop. `train` turns episodes into a `TrainBatch` (one row per segment): `episode_batch` for group
 baselines, `critic_batch` for PPO / T-PPO (advantages from the critic), and `update` trains on it. It never knows
-how the episodes were generated.
+how the episodes were generated. The forward passes outside the update (old, reference and critic values, in token
+budgets and in lockstep across expert-parallel ranks) are allsync/passes.py's.
 
 Exactness across micro-batches and workers: every worker all-reduces each minibatch's counts (trained
 tokens, episodes with a trained token, critic tokens) before its first backward, so each worker's loss is
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -32,13 +33,13 @@ from allsync.critic import Critic, ValueTargets, critic_loss
 from allsync.episodes import Episode, flatten
 from allsync.balance import balanced
 from allsync.train_batch import TrainBatch
+from allsync.passes import ForwardPasses, placed_rows
 from allsync.metrics import loss_stat_key
 from allsync.forward import (
     LossSettings,
     SequenceBatch,
     build_sequences,
     checkpointed_decoder_layers,
-    forward_logprobs,
     logprob_gap,
     minibatch_loss,
     response_positions,
@@ -46,10 +47,8 @@ from allsync.forward import (
     scatter_response_values,
     to_response_layout,
     to_sequence_layout,
-    token_budget_chunks,
 )
 from moe_lora.expert_parallel import expert_parameters
-from moe_lora.lora import adapters_disabled
 from moe_lora.routing import replaying
 
 # producer.weighting (multiconv) -> the loss aggregation it means (allsync.algorithms.aggregation)
@@ -191,6 +190,7 @@ class Learner:
         self.replicated_lora_params = [p for p in self.lora_params if id(p) not in sharded]
         self.critic = Critic(model, config.run.seed) if config.algorithm.uses_critic else None
         self.value_params = list(self.critic.trainable_tensors().values()) if self.critic is not None else []
+        self.passes = ForwardPasses(model, self.critic, config, groups, pad_id, device)  # the no-gradient passes
         self.params = self.replicated_lora_params + self.value_params  # summed over every rank
         self.flat_grad = flat_gradients(self.params, device=device)  # every rank all-reduces one buffer per minibatch
         self.flat_expert_grad = flat_gradients(self.expert_params, flag=False, device=device)
@@ -250,7 +250,7 @@ class Learner:
         else the engine's (the torch engine samples from this model and adapter)."""
         if self.reuses_update_forward:
             return None
-        return self.current_logprobs(batch) if self.recomputes_old_logprobs else engine_logprobs
+        return self.passes.current_logprobs(batch) if self.recomputes_old_logprobs else engine_logprobs
 
     # ------------------------------------------------------------------------------ batches
     def episode_batch(
@@ -285,7 +285,7 @@ class Learner:
             batch,
             old_logprobs,
             advantages,
-            ref_logprobs=self.reference_logprobs(batch),
+            ref_logprobs=self.passes.reference_logprobs(batch),
             episode_of_row=episode_of_row,
             engine_logprobs=engine_logprobs,
             engine_mask=engine_mask,
@@ -312,7 +312,7 @@ class Learner:
         rows = flatten(episodes)
         seqs = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
         engine = scatter_response_values(rows.engine_logprobs, seqs)
-        old_values = self.current_values(seqs)
+        old_values = self.passes.current_values(seqs)
         old_logprobs = self.old_logprobs(seqs, engine)
         index, valid = response_positions(seqs.response_mask)
         width = seqs.response_mask.shape[1]
@@ -344,20 +344,10 @@ class Learner:
             advantages=whiten_advantages(advantages, policy_mask, sums).float(),
             returns=to_sequence_layout(returns, index, valid, width),
             value_mask=seqs.response_mask * is_finished[:, None],
-            ref_logprobs=self.reference_logprobs(seqs),
+            ref_logprobs=self.passes.reference_logprobs(seqs),
             engine_logprobs=engine,
             critic_sums=critic_sums,
         )
-
-    def idle_batch(self) -> TrainBatch:
-        """One row whose tokens are all masked out: a rank with nothing to train runs it so that its MoE
-        layers take part in the other ranks' forward and backward (expert parallelism). Adds nothing."""
-        seqs = build_sequences([[self.pad_id]], [[self.pad_id]], self.pad_id).to(self.device)
-        seqs.response_mask.zero_()
-        zeros = torch.zeros_like(seqs.response_mask)
-        kl = zeros if self.config.algorithm.kl_coef else None
-        critic = (zeros, zeros) if self.critic is not None else (None, None)
-        return TrainBatch(seqs, zeros, zeros, *critic, ref_logprobs=kl, engine_logprobs=zeros)
 
     @property
     def balances_ranks(self) -> bool:
@@ -378,91 +368,16 @@ class Learner:
             for rows in parts
         ]
 
-    def forward_chunks(self, batch: SequenceBatch) -> list[list[int]]:
-        """Row groups of at most optim.max_tokens_per_forward padded tokens (one group of all rows without it)."""
-        return token_budget_chunks(batch.attention_mask.sum(-1).tolist(), self.config.optim.max_tokens_per_forward)
-
-    def lockstep_count(self, count: int) -> int:
-        """How many forwards this rank runs for its `count` row groups. Under expert parallelism every rank runs
-        as many as the rank with the most (a rank with fewer runs idle rows: the others' MoE layers need it),
-        which is 1 without a token budget; otherwise `count`."""
-        if not self.groups.expert_parallel:
-            return count
-        return 1 if self.config.optim.max_tokens_per_forward is None else self.groups.max_over_ranks(count)
-
-    def chunked(self, batch: SequenceBatch, compute) -> torch.Tensor:
-        """compute(rows) -> [rows, width - 1] (the policy's token logprobs, the critic's values) over the batch's
-        row groups (`forward_chunks`), put back together at the batch's width."""
-        if self.config.optim.max_tokens_per_forward is None:
-            return compute(batch)
-        chunks, width = self.forward_chunks(batch), batch.input_ids.shape[1] - 1
-        forwards = self.lockstep_count(len(chunks))  # agreed before any forward: the MoE layers' all-to-alls pair up
-        parts = []
-        for rows in chunks:
-            part = batch.select(rows)
-            parts.append(compute(part.trimmed(part.width)))
-        for _ in range(forwards - len(chunks)):
-            compute(self.idle_batch().sequences)
-        if not parts:
-            return batch.response_mask.new_zeros(0, width)
-        return placed_rows(parts, chunks, parts[0].new_zeros(len(batch), width))  # the groups: longest rows first
-
-    def policy_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        return self.chunked(batch, lambda rows: forward_logprobs(self.model, rows, self.config.rollout.temperature))
-
-    @torch.no_grad()
-    def current_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        """The current policy's logprobs of the batch, before any update: the step's first policy pass, after which
-        routing_mismatch stops counting (`stop_counting_routes`)."""
-        logprobs = self.policy_logprobs(batch)
-        self.stop_counting_routes()
-        return logprobs
-
-    @torch.no_grad()
-    def current_values(self, batch: SequenceBatch) -> torch.Tensor:
-        """The critic's values of the batch, before any update."""
-        return self.chunked(batch, self.critic)
-
-    @torch.no_grad()
-    def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor | None:
-        """The reference policy's logprobs for the KL penalty: the frozen base with every adapter switched off,
-        the same forward pass and temperature as the policy's. None when algorithm.kl_coef is 0."""
-        if not self.config.algorithm.kl_coef:
-            return None
-        with adapters_disabled(self.model), self.routing_switched(live=True, counting=False):
-            return self.policy_logprobs(batch)
-
-    @contextmanager
-    def routing_switched(self, **settings):
-        """Inside, the step's routing replay (moe_lora.routing.RoutingReplay, when `train` attached one) has these
-        `live` / `counting` settings."""
-        routing = getattr(self.model, "routing_replay", None)
-        before = {key: getattr(routing, key) for key in settings} if routing is not None else {}
-        for key in before:
-            setattr(routing, key, settings[key])
-        try:
-            yield
-        finally:
-            for key, value in before.items():
-                setattr(routing, key, value)
-
-    def stop_counting_routes(self) -> None:
-        """After the step's first policy pass (the sampling policy, before any optimizer step): routing_mismatch
-        compares the engine's experts with that pass's only, not with later minibatches' or the reference's."""
-        if (routing := getattr(self.model, "routing_replay", None)) is not None:
-            routing.counting = False
-
-    # ------------------------------------------------------------------------------ the update
     def train(self, episodes: list[Episode], group_index: torch.Tensor, adapter_version: int) -> dict:
         """The one entry of every producer's episodes: `critic_batch` (an estimator that learns a critic) or
         `episode_batch` (group baselines), then `update`; an idle rank under EP runs the same forward passes."""
         if not episodes and self.groups.expert_parallel:  # the forward passes episode_batch would run, on an idle row
-            idle = self.idle_batch().sequences
+            idle = self.passes.idle_batch().sequences
             if self.critic is not None:
-                self.current_values(idle)
+                self.passes.current_values(idle)
             if self.recomputes_old_logprobs:
-                self.current_logprobs(idle)
-            self.reference_logprobs(idle)
+                self.passes.current_logprobs(idle)
+            self.passes.reference_logprobs(idle)
         if self.critic is not None:
             make_batch = self.critic_batch
         else:
@@ -542,14 +457,14 @@ class Learner:
                 mb = batches[m] if has_rows else None
             else:
                 mb = tb.minibatch(rows) if rows is not None and has_rows else None
-            micro = (mb.forward_groups or self.forward_chunks(mb.sequences)) if mb is not None else []
+            micro = (mb.forward_groups or self.passes.forward_chunks(mb.sequences)) if mb is not None else []
             own_logprobs = []  # the micro-batches' detached logprobs: the old ones when tb has none yet
             checkpointing = c.optim.activation_checkpointing
             with (
                 checkpointed_decoder_layers(self.model, checkpointing),
                 checkpointed_decoder_layers(self.critic, checkpointing and self.critic is not None),
             ):
-                for i in range(self.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
+                for i in range(self.passes.lockstep_count(len(micro))):  # gradients accumulate: each loss is its share
                     if i < len(micro):
                         own_logprobs.append(
                             self._backward_minibatch(
@@ -560,8 +475,8 @@ class Learner:
                             )
                         )
                     else:
-                        self._backward_minibatch(self.idle_batch(), totals[m], None, critic_only)
-            self.stop_counting_routes()  # later minibatches run after an optimizer step
+                        self._backward_minibatch(self.passes.idle_batch(), totals[m], None, critic_only)
+            self.passes.stop_counting_routes()  # later minibatches run after an optimizer step
             measured = own_logprobs and mb.engine_logprobs is not None  # no engine (NLFT's rows): no gap
             if not self.recomputes_old_logprobs and gap_batch is None and measured and out["optimizer_steps"] == 0:
                 gap_batch = dataclasses.replace(mb, old_logprobs=placed_rows(own_logprobs, micro, mb.engine_logprobs))
@@ -680,15 +595,6 @@ class Learner:
         if self.groups.expert_parallel:
             loss.backward()
         return False
-
-
-def placed_rows(parts: list[torch.Tensor], row_groups: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """Row groups' [rows, width_i] tensors (each cut to its own longest row) put back at their rows of a zero
-    tensor shaped like `like` [B, W]."""
-    full = torch.zeros_like(like)
-    for part, rows in zip(parts, row_groups):
-        full[torch.tensor(rows, device=full.device), : part.shape[1]] = part
-    return full
 
 
 def segment_gaps(kinds: list[str], tb: TrainBatch | None) -> dict:

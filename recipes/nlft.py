@@ -98,7 +98,7 @@ def response_probabilities(learner, prompts, responses) -> torch.Tensor:
     the policy's temperature (rollout.temperature), as p_base's."""
     batch = build_sequences(prompts, responses, learner.pad_id)
     index, valid = response_positions(batch.response_mask)
-    return to_response_layout(learner.current_logprobs(batch), index, valid).exp()
+    return to_response_layout(learner.passes.current_logprobs(batch), index, valid).exp()
 
 
 def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatch:
@@ -112,11 +112,11 @@ def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatc
     if method == "sft":
         full = answer_examples(worker.tokenizer, problems)
         seqs = build_sequences([f[:s] for f, s in full], [f[s:] for f, s in full], pad)
-        return TrainBatch(seqs, learner.current_logprobs(seqs), seqs.response_mask.clone())
+        return TrainBatch(seqs, learner.passes.current_logprobs(seqs), seqs.response_mask.clone())
     responses = [r["response"] for r in rows]
     seqs = build_sequences([encode(p) for p in problems], responses, pad)
     index, valid = response_positions(seqs.response_mask)
-    old_logprobs = learner.current_logprobs(seqs)
+    old_logprobs = learner.passes.current_logprobs(seqs)
     std = [encode(with_note(p, f"the correct answer is {p.answer}")) for p in problems]
     judged = [encode(with_note(p, r["judgment"] or f"the answer {p.answer} is right")) for p, r in zip(problems, rows)]
     p_std = response_probabilities(learner, std, responses)

@@ -208,7 +208,7 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
         reference = forward_logprobs(base, tb.sequences)
     mask = tb.sequences.response_mask.bool()
     assert torch.allclose(tb.ref_logprobs[mask], reference[mask], atol=1e-6)
-    current = with_kl.learner.current_logprobs(tb.sequences)
+    current = with_kl.learner.passes.current_logprobs(tb.sequences)
     assert not torch.allclose(current[mask], reference[mask], atol=1e-4)  # the trained policy moved away
 
 
@@ -351,7 +351,9 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
     plain, split = worker(), worker(**optim)
     want, got = plain.learner.episode_batch(samples, index), split.learner.episode_batch(samples, index)
     if "max_tokens_per_forward" in optim:
-        assert len(split.learner.forward_chunks(got.sequences)) >= 4  # 12 rows of 9-16 tokens: 1-3 rows per forward
+        assert (
+            len(split.learner.passes.forward_chunks(got.sequences)) >= 4
+        )  # 12 rows of 9-16 tokens: 1-3 rows per forward
     mask = want.sequences.response_mask.bool()  # padded positions hold whatever the forward computed there
     for name in ("old_logprobs", "ref_logprobs"):
         # float32 rounding of another batch composition: up to 1.3e-5 at |logprob| ~ 11 (1.2e-6 of it)
@@ -420,10 +422,10 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
             setattr(w.config.optim, key, value)
     reused, separate = (w.learner.episode_batch(samples, index) for w in workers)
     assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
-    separate.old_logprobs = workers[1].learner.current_logprobs(separate.sequences)
+    separate.old_logprobs = workers[1].learner.passes.current_logprobs(separate.sequences)
     passes = []
-    original = workers[0].learner.current_logprobs
-    workers[0].learner.current_logprobs = lambda *a: passes.append(1) or original(*a)
+    original = workers[0].learner.passes.current_logprobs
+    workers[0].learner.passes.current_logprobs = lambda *a: passes.append(1) or original(*a)
     outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
     assert not passes  # no logprob pass besides the update's forward
     # the gap the update reports is the separate pass's: its own logprobs are the old ones, bit for bit
@@ -464,8 +466,8 @@ def test_old_logprobs_from_the_torch_engine_skip_the_forward_and_give_the_recomp
     batch = recompute.learner.episode_batch(samples, index)
     with_engine_logprobs(samples, batch.old_logprobs, batch.sequences.response_mask)
     passes = []
-    original = engine.learner.current_logprobs
-    engine.learner.current_logprobs = lambda *a: passes.append(1) or original(*a)
+    original = engine.learner.passes.current_logprobs
+    engine.learner.passes.current_logprobs = lambda *a: passes.append(1) or original(*a)
     outs = [trained(w, samples, index) for w in (recompute, engine)]
     assert not passes and not engine.learner.recomputes_old_logprobs
     for key in (
@@ -485,7 +487,9 @@ def test_old_logprobs_from_the_torch_engine_skip_the_forward_and_give_the_recomp
     fresh = RLWorker(config(tiny_bf16, old_logprobs="engine"), PROBLEMS)
     tb = fresh.learner.episode_batch(samples, index)
     first = tb.minibatch(tb.minibatch_rows(2)[0])
-    expected = float((fresh.learner.current_logprobs(first.sequences).abs() * first.sequences.response_mask).sum())
+    expected = float(
+        (fresh.learner.passes.current_logprobs(first.sequences).abs() * first.sequences.response_mask).sum()
+    )
     expected /= float(first.sequences.response_mask.sum())
     assert fresh.learner.update(tb, 0)["logprob_gap"] == pytest.approx(expected, rel=1e-5) and expected > 1.0
 

@@ -125,7 +125,9 @@ def test_old_logprobs_from_the_engine_keep_every_segments_gap(tiny_bf16):
     try:
         torch.manual_seed(0)
         episodes, group_index, _ = worker.producer.collect(2, worker.adapter_version)
-        worker.learner.current_logprobs = lambda *a: pytest.fail("no old-logprob forward with old_logprobs engine")
+        worker.learner.passes.current_logprobs = lambda *a: pytest.fail(
+            "no old-logprob forward with old_logprobs engine"
+        )
         metrics = worker.train(episodes, group_index)
         assert metrics["optimizer_steps"] == 2 and metrics["logprob_gap"] < 1e-3
         assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0

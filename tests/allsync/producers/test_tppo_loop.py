@@ -367,7 +367,7 @@ def test_one_minibatch_with_a_critic_takes_the_old_logprobs_from_its_own_forward
     episodes = [responses[0].episode("stop", 1.0, True, 0), responses[1].episode("window", 0.0, False, 0)]
     reused, separate = (w.learner.critic_batch(episodes) for w in workers)
     assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
-    separate.old_logprobs = workers[1].learner.current_logprobs(separate.sequences)
+    separate.old_logprobs = workers[1].learner.passes.current_logprobs(separate.sequences)
     outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
     # the gap the update reports is the separate pass's: its own logprobs are the old ones, bit for bit
     gap = logprob_gap(separate.engine_logprobs, separate.old_logprobs, separate.sequences.response_mask)
