@@ -169,7 +169,7 @@ def resolved_device(device: str) -> str:
 
 def check_eval_args(args: EvalArgs) -> None:
     """Every setting is usable, before any model is loaded: ValueError naming the option."""
-    from evals.rewards import NEEDS_METADATA, REWARDS
+    from evals.rewards import REWARDS
 
     if args.engine not in ("torch", "vllm"):
         raise ValueError(f"--engine {args.engine!r}: use torch or vllm")
@@ -181,8 +181,8 @@ def check_eval_args(args: EvalArgs) -> None:
         )
     if args.temperature == 0 and args.n > 1:
         raise ValueError(f"--temperature 0 is greedy: every one of --n {args.n} samples would be the same; use --n 1")
-    if args.reward not in REWARDS or args.reward in NEEDS_METADATA:
-        usable = [r for r in REWARDS if r not in NEEDS_METADATA]
+    if args.reward not in REWARDS or REWARDS[args.reward].needs_metadata:
+        usable = [name for name, reward in REWARDS.items() if not reward.needs_metadata]
         raise ValueError(
             f"--reward {args.reward!r}: use one of {', '.join(usable)} (data files carry no reasoning-gym metadata)"
         )

@@ -33,6 +33,7 @@ fallback; before it such a response scored -1). Normalization, in order:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 from evals.extract import extract_answer
@@ -208,43 +209,74 @@ def reasoning_gym_reward(response: str, ground_truth: str, metadata: dict | None
     return float(scorer(answer, {"question": "", "answer": ground_truth, "metadata": metadata}))
 
 
-REWARDS: dict[str, Callable[..., float]] = {
-    "math_dapo": math_dapo,
-    "math_verify": math_verify_reward,
-    "exact": exact,
-    "arithmetic": arithmetic,
-    "reasoning_gym": reasoning_gym_reward,
+@dataclass(frozen=True)
+class Reward:
+    """A reward by name and what its callers ask of it, so that none branches on the name.
+
+    compute: (response, ground_truth) -> float, or (response, ground_truth, metadata) with needs_metadata.
+    answer: the answer it reads from a response (None: none found), which evaluations record.
+    wrong: what a wrong or unparsable answer scores (a sample whose reward raised scores this with on_error wrong).
+    correct_at: the least score that counts as a solved problem; None: any score above 0.
+    """
+
+    compute: Callable[..., float]
+    answer: Callable[[str], str | None] = extract_answer
+    wrong: float = 0.0
+    correct_at: float | None = None
+    needs_metadata: bool = False
+
+    def is_correct(self, score_value: float) -> bool:
+        return score_value > 0 if self.correct_at is None else score_value >= self.correct_at
+
+
+def dapo_answer_or_boxed(response: str) -> str | None:
+    """math_dapo's answer: the last `Answer:` line's, else the last \\boxed{...} near the end."""
+    answer = dapo_answer(response)
+    return answer if answer is not None else dapo_boxed_fallback(response)
+
+
+def boxed_or_marked(response: str) -> str | None:
+    """math_verify's answer: the last \\boxed{...}, else the `Answer:` line's."""
+    boxed = last_boxed(response)
+    return boxed if boxed is not None else extract_answer(response)
+
+
+REWARDS: dict[str, Reward] = {
+    "math_dapo": Reward(math_dapo, dapo_answer_or_boxed, wrong=-1.0),
+    "math_verify": Reward(math_verify_reward, boxed_or_marked),
+    "exact": Reward(exact),
+    "arithmetic": Reward(arithmetic),
+    # partial credit is not a solved problem
+    "reasoning_gym": Reward(reasoning_gym_reward, tagged_or_marked_answer, correct_at=1.0, needs_metadata=True),
 }
-NEEDS_METADATA = ("reasoning_gym",)
+USER_FUNCTION = Reward(lambda response, truth: 0.0)  # what a reward.function is taken to be: 0 wrong, > 0 right
+
+
+def reward_entry(name: str) -> Reward:
+    """The registered reward `name`; a name that is not one (a user's reward.function) reads as USER_FUNCTION."""
+    return REWARDS.get(name, USER_FUNCTION)
 
 
 def wrong_score(name: str) -> float:
     """What a wrong answer scores under `name` (-1 for math_dapo, 0 for the others and for user functions)."""
-    return -1.0 if name == "math_dapo" else 0.0
+    return reward_entry(name).wrong
 
 
 def is_correct_score(name: str, score_value: float) -> bool:
     """Whether a score under reward `name` is a correct answer: exactly 1 for reasoning_gym, else above 0."""
-    return score_value >= 1.0 if name == "reasoning_gym" else score_value > 0
+    return reward_entry(name).is_correct(score_value)
 
 
 def answer_of(name: str, response: str) -> str | None:
     """The answer reward `name` reads from the response (None: none found)."""
-    if name == "math_dapo":
-        answer = dapo_answer(response)
-        return answer if answer is not None else dapo_boxed_fallback(response)
-    if name == "math_verify":
-        boxed = last_boxed(response)
-        return boxed if boxed is not None else extract_answer(response)
-    if name == "reasoning_gym":
-        return tagged_or_marked_answer(response)
-    return extract_answer(response)
+    return reward_entry(name).answer(response)
 
 
 def score(name: str, response: str, ground_truth: str, metadata: dict | None = None) -> float:
-    """The named reward of one response (`metadata`: the task entry's, for rewards in NEEDS_METADATA)."""
+    """The named reward of one response (`metadata`: the task entry's, for a reward that needs it)."""
     try:
-        fn = REWARDS[name]
+        reward = REWARDS[name]
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}") from None
-    return fn(response, ground_truth, metadata) if name in NEEDS_METADATA else fn(response, ground_truth)
+    args = (response, ground_truth, metadata) if reward.needs_metadata else (response, ground_truth)
+    return reward.compute(*args)
