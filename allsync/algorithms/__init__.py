@@ -28,7 +28,7 @@ from .dynamic_sampling import (
     first_appearance_rank,
     keep_groups,
 )
-from .policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossEntry, policy_loss
+from .policy_loss import POLICY_LOSSES, PolicyLoss, PolicyLossEntry, clipped_policy_loss
 from .nlft import nlft_policy_loss, nlft_signed_weights  # registers the nlft policy loss
 from .registry import REGISTRIES, get
 from .regularizers import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_penalty
@@ -92,7 +92,7 @@ __all__ = [
     "group_length_reward",
     "overlong_filter_mask",
     "overlong_penalty",
-    "policy_loss",
+    "clipped_policy_loss",
     "TIS_LEVELS",
     "tis_weights",
     "value_loss",

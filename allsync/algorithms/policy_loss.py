@@ -1,7 +1,7 @@
 """Policy losses behind one signature (`PolicyLoss`), registered by name in POLICY_LOSSES (algorithm.policy_loss)
 as a `PolicyLossEntry`: the function, the statistics it logs and the settings it needs.
 
-    clipped   PPO's clipped surrogate with DAPO's clip-higher and the dual clip (policy_loss)
+    clipped   PPO's clipped surrogate with DAPO's clip-higher and the dual clip (clipped_policy_loss)
     nlft      NLFT's weighted likelihood / unlikelihood (allsync.algorithms.nlft; recipes/nlft.py only)
 
 To add one (one module and its test): a function with PolicyLoss's signature returning (loss, {statistic: token
@@ -28,7 +28,7 @@ def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (total / valid.sum().clamp_min(1)).detach()
 
 
-def policy_loss(
+def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -156,5 +156,5 @@ class PolicyLossEntry:
 
 
 POLICY_LOSSES: dict[str, PolicyLossEntry] = {
-    "clipped": PolicyLossEntry(policy_loss, logged=("clipfrac_high", "clipfrac_low", "approx_kl")),
+    "clipped": PolicyLossEntry(clipped_policy_loss, logged=("clipfrac_high", "clipfrac_low", "approx_kl")),
 }

@@ -3,7 +3,7 @@
     get("advantage", "grpo")                 -> AdvantageEstimator(grpo_advantages, ...)
     get("loss_aggregation", "token-mean")    -> token_mean
     get("kl", "k3")                          -> kl_k3
-    get("policy_loss", "clipped")            -> PolicyLossEntry(policy_loss, ...)
+    get("policy_loss", "clipped")            -> PolicyLossEntry(clipped_policy_loss, ...)
     get("reward_shaping", "overlong")        -> shape_overlong
 
 Entries are callable (an estimator or loss entry calls its function) and carry what the loop asks of them.

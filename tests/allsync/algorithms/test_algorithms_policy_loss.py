@@ -13,7 +13,7 @@ from allsync.algorithms import (
     kl_k3,
     kl_penalty,
     loss_normalizers,
-    policy_loss,
+    clipped_policy_loss,
     value_fit_sums,
     value_loss,
 )
@@ -22,7 +22,9 @@ from allsync.algorithms import (
 def _single_token(ratio, advantage, **kwargs):
     old = torch.zeros(1, 1, dtype=torch.float64)
     logprobs = torch.full((1, 1), math.log(ratio), dtype=torch.float64, requires_grad=True)
-    loss, stats = policy_loss(logprobs, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1), **kwargs)
+    loss, stats = clipped_policy_loss(
+        logprobs, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1), **kwargs
+    )
     loss.backward()
     return loss.item(), logprobs.grad.item(), stats
 
@@ -73,7 +75,7 @@ def test_clip_fractions_and_kl_on_hand_made_batch():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # last token masked out
     old = torch.full((2, 4), -1.0, dtype=torch.float64)
     logprobs = old + ratios.log()
-    _, stats = policy_loss(logprobs, old, adv, mask, clip_c=3.0)
+    _, stats = clipped_policy_loss(logprobs, old, adv, mask, clip_c=3.0)
     # 7 valid tokens. high: (0,0) r1.5 A+, (1,2) r2 A+ -> 2 ; low: (0,2) r.5 A- -> 1 ; dual: (0,3) r10 A- -> 1
     assert stats["clipfrac_high"].item() == pytest.approx(2 / 7)
     assert stats["clipfrac_low"].item() == pytest.approx(1 / 7)
@@ -88,8 +90,8 @@ def test_token_advantages_and_broadcast_advantages_agree():
     torch.manual_seed(1)
     logprobs, old = torch.randn(3, 5), torch.randn(3, 5)
     adv, mask = torch.randn(3), torch.ones(3, 5)
-    a, _ = policy_loss(logprobs, old, adv, mask)
-    b, _ = policy_loss(logprobs, old, adv[:, None].expand(3, 5), mask)
+    a, _ = clipped_policy_loss(logprobs, old, adv, mask)
+    b, _ = clipped_policy_loss(logprobs, old, adv[:, None].expand(3, 5), mask)
     torch.testing.assert_close(a, b)
 
 
@@ -139,14 +141,14 @@ def test_micro_batch_gradients_sum_to_full_batch_gradient(agg):
     adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
 
     full = base.clone().requires_grad_(True)
-    loss, _ = policy_loss(full, old, adv, mask, clip_c=3.0, agg=agg)
+    loss, _ = clipped_policy_loss(full, old, adv, mask, clip_c=3.0, agg=agg)
     loss.backward()
 
     tokens, seqs = loss_normalizers(mask)
     micro = base.clone().requires_grad_(True)
     total = 0.0
     for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
-        part, _ = policy_loss(
+        part, _ = clipped_policy_loss(
             micro[rows], old[rows], adv[rows], mask[rows], clip_c=3.0, agg=agg, global_tokens=tokens, global_seqs=seqs
         )
         part.backward()

@@ -12,7 +12,7 @@ def test_lookup_by_name():
     assert get("advantage", "drgrpo").compute is alg.drgrpo_advantages
     assert get("advantage", "gae").compute is alg.gae
     assert get("advantage", "egae").compute is alg.egae
-    assert get("policy_loss", "clipped").compute is alg.policy_loss
+    assert get("policy_loss", "clipped").compute is alg.clipped_policy_loss
     assert get("kl", "k3") is alg.kl_k3
     assert get("reward_shaping", "overlong") is alg.shape_overlong
     assert get("reward_shaping", "length") is alg.shape_length
@@ -43,6 +43,7 @@ def test_estimators_say_what_they_need():
     assert needs == {
         "grpo": (True, False, False),
         "drgrpo": (True, False, False),
+        "reinforce_pp_baseline": (True, False, False),
         "gae": (False, True, False),
         "egae": (False, True, True),
     }
@@ -55,11 +56,11 @@ def test_refusals_name_the_estimators_the_registry_holds(tiny_bf16, monkeypatch)
     the refusals that call for its kind (issue 50)."""
     from allsync.config import ConfigError, parse_config
 
-    assert alg.estimators_that(needs_groups=True) == "grpo or drgrpo"
+    assert alg.estimators_that(needs_groups=True) == "grpo or drgrpo or reinforce_pp_baseline"
     assert alg.estimators_that(needs_critic=True, bootstraps_cut=False) == "gae"
     rloo = alg.AdvantageEstimator(alg.grpo_advantages, needs_groups=True, needs_critic=False)
     monkeypatch.setitem(alg.ADVANTAGE_ESTIMATORS, "rloo", rloo)
-    with pytest.raises(ConfigError, match=r"group baselines \(grpo or drgrpo or rloo\)"):
+    with pytest.raises(ConfigError, match=r"group baselines \(grpo or drgrpo or reinforce_pp_baseline or rloo\)"):
         parse_config(
             {
                 "model": {"base": str(tiny_bf16)},

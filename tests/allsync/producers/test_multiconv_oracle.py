@@ -8,7 +8,14 @@ nothing is clipped and each token's loss is -A). P1: rewards [1, 0], response to
 import pytest
 import torch
 
-from allsync.algorithms import credit_mask, episode_token_counts, episodes_with_tokens, get, keep_groups, policy_loss
+from allsync.algorithms import (
+    credit_mask,
+    episode_token_counts,
+    episodes_with_tokens,
+    get,
+    keep_groups,
+    clipped_policy_loss,
+)
 
 REWARDS = torch.tensor([1.0, 0.0, 1.0, 1.0])
 GROUP = torch.tensor([0, 0, 1, 1])
@@ -43,7 +50,7 @@ def loss_and_grad(advantage="drgrpo", dynamic_sampling=True, weighting="token", 
     total = torch.zeros((), dtype=torch.float64)
     for part in split or [list(range(len(kept)))]:
         rows = torch.isin(episode_of_row, torch.tensor(part))
-        loss, _ = policy_loss(
+        loss, _ = clipped_policy_loss(
             logprobs[rows],
             logprobs[rows].detach(),
             episode_advantages[episode_of_row[rows]].double(),
