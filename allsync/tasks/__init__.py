@@ -2,8 +2,9 @@
 
 A run's `task:` section names one (`task.name`); its other keys are the fields of the task's settings class
 (allsync.tasks.registry). Each task gives the training and held-out problems as Problems (prompt, answer,
-metadata), its default reward and, when it can, the warm start's teacher. To add a task: one module here with
-its settings class under `@register_task` (every module of this package is imported below, so it registers).
+metadata), its default reward and, when it can, the warm start's teacher. To add a task: one module here (every
+module of this package is imported below, so it registers), or one of your own named in run.imports, with its
+settings class under `@register_task`, subclassing TaskDefaults or GeneratedTask (registry.py says what it provides).
 """
 
 import importlib
