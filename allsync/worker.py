@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from allsync.algorithms import get
 from allsync.checkpoint import write_probe
+from allsync.scoring import Scorer
 from allsync.config import ConfigError, RunConfig, import_extensions
 from allsync.launch.devices import keep_freed_host_memory, worker_device
 from allsync.launch.process_groups import Groups, connect
 from allsync.episodes import Episode, episode_info_sums, stale_versions
-from allsync.evaluation import RewardError, heldout_records, score_texts  # noqa: F401 - RewardError is part of the worker's API
+from allsync.evaluation import RewardError, heldout_records  # noqa: F401 - RewardError is part of the worker's API
 from allsync.health.faults import FaultInjector, parse_faults
 from allsync.health.monitor import WorkerMonitor
 from allsync.producers.registry import ProducerContext
@@ -42,7 +42,6 @@ from allsync.forward import build_sequences, forward_logprobs
 from allsync.sharded_state import ShardedTrainingState
 from allsync.tasks import Problem, encode_prompt, longest_prompt_tokens
 from allsync.learner import Learner
-from evals.reward_pool import RewardPool
 from moe_lora.expert_parallel import ExpertLayout, shard_experts
 from moe_lora.lora import LoRAConfig, LoRAExperts, adapters_disabled, attach_lora, load_lora_state_dict, seeded_init_
 from quant.checkpoint_io import read_config
@@ -106,13 +105,6 @@ class NaNLossError(RuntimeError):
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def reward_shapings(config: RunConfig) -> list[tuple[str, object]]:
-    """(shaper name in allsync.algorithms.REWARD_SHAPERS, its config section), in the order they add to the score:
-    DAPO's overlong punishment (algorithm.overlong), then the group length reward (reward.length)."""
-    wanted = (("overlong", config.algorithm.overlong), ("length", config.reward.length))
-    return [(name, settings) for name, settings in wanted if settings is not None]
 
 
 class RLWorker:
@@ -194,8 +186,7 @@ class RLWorker:
         # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
         self._seed_everything(config.run.seed * 1000 + rank)
         self.problems = problems
-        self.reward_pool = RewardPool(config.reward.spec(), config.reward.processes)
-        self.reward_errors = 0  # samples whose reward raised or timed out since the last report
+        self.scorer = Scorer(config, self.tokenizer, rank, self.monitor)  # the reward processes and shaping
         self.max_model_len = max_model_len
         self.engine = self._make_engine()
         self.adapter_version = 0
@@ -215,7 +206,7 @@ class RLWorker:
             self.tokenizer,
             self.encode_prompt,
             self.take_problems,
-            self.score_episodes,
+            self.scorer.score_episodes,
             c.rollout.prompts_per_step // self.world_size * c.rollout.group_size,
             self.groups,
             self.rewind_point,
@@ -329,37 +320,6 @@ class RLWorker:
         self.position += count
         return picked
 
-    # ------------------------------------------------------------------------------ rollout + reward
-    def score_responses(
-        self, problems: list[Problem], responses: list[list[int]]
-    ) -> tuple[list[float], list[bool], int]:
-        """(scores, correct, errors) from reward.name / reward.function in the reward processes
-        (allsync.evaluation.score_texts: reward.on_error decides what a failed sample does)."""
-        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        return score_texts(self.reward_pool, self.config.reward, problems, texts, where=f" of worker {self.rank}")
-
-    def rewards(
-        self, problems: list[Problem], responses: list[list[int]], group_index: list[int] | None = None
-    ) -> tuple[list[float], list[bool], int]:
-        """The reward's score plus DAPO's overlong shaping and, with reward.length, coef x Kimi-1.5's length
-        reward within each group (`group_index`), per response; whether each is correct; reward errors."""
-        scores, correct, errors = self.score_responses(problems, responses)
-        shaped = torch.tensor(scores, dtype=torch.float64)
-        if responses:
-            lengths, is_correct = torch.tensor([len(r) for r in responses]), torch.tensor(correct)
-            groups = None if group_index is None else torch.tensor(group_index)
-            for name, settings in reward_shapings(self.config):
-                shaped += get("reward_shaping", name)(lengths, is_correct, groups, settings)
-        return shaped.tolist(), correct, errors
-
-    def score_episodes(self, problems: list[Problem], responses: list[list[int]], group_index: list[int]):
-        """`rewards`, with the reward errors counted for the step's report (the producers' score function)."""
-        t = time.time()
-        rewards, correct, errors = self.rewards(problems, responses, group_index)
-        self.monitor.reward_seconds += time.time() - t
-        self.reward_errors += errors
-        return rewards, correct, errors
-
     # ------------------------------------------------------------------------------ the step
     def step(self, step_index: int) -> dict:
         """One all-sync (colocated) step: generate this worker's share, train on it with every worker, sync.
@@ -424,7 +384,7 @@ class RLWorker:
         self.faults.after_generate(time.time() - t)
         self.timeline.record("generate", t)
         generated = ds.pop("generated")
-        errors, self.reward_errors = self.reward_errors, 0
+        errors = self.scorer.take_errors()
         metrics = {
             "samples_generated": len(generated),
             "reward_sum": sum(e.reward for e in generated),
@@ -496,7 +456,7 @@ class RLWorker:
         records = heldout_records(
             self.producer,
             self.tokenizer,
-            self.reward_pool,
+            self.scorer.pool,
             self.config,
             problems,
             ids,
@@ -579,7 +539,7 @@ class RLWorker:
     def shutdown(self) -> None:
         self.groups = self.learner.groups = Groups(self.rank, 1, self.layout)
         self.faults.close()
-        self.reward_pool.close()
+        self.scorer.close()
         self.producer.close()
         if hasattr(self.engine, "close"):
             self.engine.close()

@@ -287,7 +287,7 @@ def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
             def broken(problems, responses, group_index=None):
                 raise ZeroDivisionError("bad verifier on rank 1")
 
-            worker.rewards = broken
+            worker.scorer.rewards = broken
 
         ray.get(group.workers[1].__ray_call__.remote(break_rewards))
         start = time.time()

@@ -92,7 +92,7 @@ def test_length_reward_in_the_worker_is_coef_times_the_group_reward(tiny_bf16):
             encode("Answer: 4"),
             encode("Answer: 5"),
         ]
-        rewards, correct, _ = w.rewards([problems[0]] * 3 + [problems[1]] * 2, responses, [0, 0, 0, 1, 1])
+        rewards, correct, _ = w.scorer.rewards([problems[0]] * 3 + [problems[1]] * 2, responses, [0, 0, 0, 1, 1])
     finally:
         w.shutdown()
     assert correct == [True, True, False, True, False]
