@@ -19,7 +19,7 @@ from .advantages import (
 )
 from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizers
 from .importance import TIS_LEVELS, tis_weights
-from .episodes import CREDIT_RULES, credit_mask, episode_token_counts, episodes_with_tokens
+from .segment_credit import CREDIT_RULES, credit_mask, episode_token_counts, episodes_with_tokens
 from .dynamic_sampling import (
     DynamicSamplingExhausted,
     DynamicSamplingStats,

@@ -12,7 +12,7 @@ unmasked token, N = number of unmasked tokens, T_max = ``norm_length`` or
 
 A sequence is an episode. Episodes (multi-conversation DAPO, agents that start a new context) span
 several rows (segments): n_e(b) is the number of unmasked tokens of row b's whole episode
-(``episode_tokens``, see :func:`allsync.algorithms.episodes.episode_token_counts`) and S the number of
+(``episode_tokens``, see :func:`allsync.algorithms.segment_credit.episode_token_counts`) and S the number of
 episodes with at least one unmasked token (pass it as ``global_seqs``): the token mean inside each
 episode, then the mean over episodes. Without ``episode_tokens`` each row is its own episode
 (n_e(b) = sum_t m[b, t]).
