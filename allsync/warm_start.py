@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from allsync.config import WARM_START_STEPS
-from allsync.tasks import ArithmeticSpec, Problem, WarmStartTask
+from allsync.tasks import ArithmeticGenerator, Problem, WarmStartTask
 from evals.generation import EvalSettings, evaluate_model
 from moe_lora.tiny import TinySpec, make_tiny
 from quant.checkpoint_io import atomic_output_dir, split_into_shards, write_shards
@@ -54,7 +54,7 @@ DEFAULT_SPEC = TinySpec(
     n_group=2,
     topk_group=1,
 )
-DEFAULT_TASK = ArithmeticSpec(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
+DEFAULT_TASK = ArithmeticGenerator(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
 DEFAULT_STEPS = WARM_START_STEPS
 
 
@@ -88,7 +88,7 @@ class WarmStartSettings:
 
     def as_json(self) -> dict:
         """The settings as stored beside a base (tuples as lists, as they come back from disk). A task setting
-        added after bases were built (ArithmeticSpec.reasoning) is left out at its default, which trains what
+        added after bases were built (ArithmeticGenerator.reasoning) is left out at its default, which trains what
         bases did before it existed, so those bases stay valid."""
         return without_later_defaults(json.loads(json.dumps(asdict(self))))
 

@@ -70,7 +70,7 @@ def bench_config(base: str, workers: int, layout: str, prompts_per_worker: int =
 
 def run_layout(base: str, workers: int, layout: str, steps: int, prompts_per_worker: int) -> dict:
     config = parse_config(bench_config(base, workers, layout, prompts_per_worker))
-    problems = make_splits(config.task.spec(), config.task.train_size, config.task.heldout_size).train
+    problems = make_splits(config.task.generator(), config.task.train_size, config.task.heldout_size).train
     colocated = RayGroup if workers > 1 else LocalGroup
     group = colocated(config, problems) if layout == "colocated" else DisaggregatedGroup(config, problems)
     try:

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a file, this folder would shadow the all
 
 from allsync.config import parse_config  # noqa: E402
 from allsync.launch.ray_actors import RayGroup  # noqa: E402
-from allsync.tasks import ArithmeticSpec, make_splits  # noqa: E402
+from allsync.tasks import ArithmeticGenerator, make_splits  # noqa: E402
 from moe_lora.tiny import TinySpec, make_tiny  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def run(base: Path, workers: int, expert_parallel: int, steps: int, seed: int = 
             "run": {"seed": seed},
         }
     )
-    problems = make_splits(ArithmeticSpec(2, 2), 2000, 20, 0).train
+    problems = make_splits(ArithmeticGenerator(2, 2), 2000, 20, 0).train
     group = RayGroup(config, problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]

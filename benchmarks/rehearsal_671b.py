@@ -49,7 +49,7 @@ import yaml
 from safetensors.torch import load_file
 
 from allsync.metrics import read_records
-from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.tasks import ArithmeticGenerator, make_splits
 from benchmarks.trl_side_by_side import cpu_model
 from moe_lora.tiny import TinySpec, write_fp8_copy
 
@@ -77,7 +77,7 @@ SHRUNK_MODEL = TinySpec(
     shards=8,
 )
 WARM_START_STEPS = 60  # a weak base: about 1 group in 5 has mixed rewards (a stronger one answers alike)
-TASK = ArithmeticSpec(1, 1)
+TASK = ArithmeticGenerator(1, 1)
 # what the samples decide: equal when two runs drew the same samples (metrics.jsonl's keys)
 SAMPLED = {
     "groups_generated",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from allsync.tasks import ArithmeticSpec, Problem, make_splits
+from allsync.tasks import ArithmeticGenerator, Problem, make_splits
 from evals.datasets import verl_schema
 
 SCHEMA = verl_schema([("split", pa.string()), ("index", pa.int64())])
@@ -56,7 +56,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     splits = make_splits(
-        ArithmeticSpec(2, 2, ("+",)), train_size=20000, heldout_size=200, seed=0
+        ArithmeticGenerator(2, 2, ("+",)), train_size=20000, heldout_size=200, seed=0
     )  # tiny_cpu.yaml's task
     for split, problems in (("train", splits.train), ("eval", splits.heldout)):
         path = write_parquet(verl_rows(problems, split), out / f"arithmetic-{split}.parquet")

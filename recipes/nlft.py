@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         config.model.warm_start = True
         warm_start(args.base, settings_for_run(config))
-    splits = make_splits(config.task.spec(), config.task.train_size, config.task.heldout_size, config.task.seed)
+    splits = make_splits(config.task.generator(), config.task.train_size, config.task.heldout_size, config.task.seed)
     problems = splits.train[: args.examples]
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {"base": None, "sft": [], "nlft": []}

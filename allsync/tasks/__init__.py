@@ -29,7 +29,7 @@ from allsync.tasks.problems import (
 )
 from allsync.tasks.registry import TASKS, TaskSettings, WarmStartTask, register_task
 from allsync.tasks.arithmetic import (
-    ArithmeticSpec,
+    ArithmeticGenerator,
     ArithmeticTask,
     digit_count,
     make_problem,
@@ -37,9 +37,14 @@ from allsync.tasks.arithmetic import (
     sample_problem,
 )
 from allsync.tasks.dataset import DatasetTask, dataset_splits
-from allsync.tasks.reasoning_gym import ReasoningGymSpec, ReasoningGymTask, reasoning_gym_splits
-from allsync.tasks.memory_recall import MemoryRecallSpec, MemoryRecallTask, memory_recall_problem, memory_recall_splits
-from allsync.tasks.calculator import CalculatorSpec, CalculatorTask, calculator_splits
+from allsync.tasks.reasoning_gym import ReasoningGymGenerator, ReasoningGymTask, reasoning_gym_splits
+from allsync.tasks.memory_recall import (
+    MemoryRecallGenerator,
+    MemoryRecallTask,
+    memory_recall_problem,
+    memory_recall_splits,
+)
+from allsync.tasks.calculator import CalculatorGenerator, CalculatorTask, calculator_splits
 
 __all__ = [
     "ANSWER_PREFIX",
@@ -61,7 +66,7 @@ __all__ = [
     "TaskSettings",
     "WarmStartTask",
     "register_task",
-    "ArithmeticSpec",
+    "ArithmeticGenerator",
     "ArithmeticTask",
     "digit_count",
     "make_problem",
@@ -69,14 +74,14 @@ __all__ = [
     "sample_problem",
     "DatasetTask",
     "dataset_splits",
-    "ReasoningGymSpec",
+    "ReasoningGymGenerator",
     "ReasoningGymTask",
     "reasoning_gym_splits",
-    "MemoryRecallSpec",
+    "MemoryRecallGenerator",
     "MemoryRecallTask",
     "memory_recall_problem",
     "memory_recall_splits",
-    "CalculatorSpec",
+    "CalculatorGenerator",
     "CalculatorTask",
     "calculator_splits",
 ]

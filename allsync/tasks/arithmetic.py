@@ -1,6 +1,6 @@
 """arithmetic: seeded problems with exact integer answers.
 
-    spec = ArithmeticSpec(max_digits=3)
+    spec = ArithmeticGenerator(max_digits=3)
     splits = make_splits(spec, train_size=20000, heldout_size=200, seed=0)
     splits.train[0]  # Problem(prompt="What is 47+385?", answer="432")
 
@@ -23,7 +23,7 @@ OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b
 
 
 @dataclass(frozen=True)
-class ArithmeticSpec:
+class ArithmeticGenerator:
     """Operands of min_digits..max_digits digits combined with one of `ops` ("+", "-", "*")."""
 
     min_digits: int = 1
@@ -111,7 +111,7 @@ def digit_count(d: int) -> int:
     return 10 if d == 1 else 9 * 10 ** (d - 1)
 
 
-def random_operand(rng: random.Random, spec: ArithmeticSpec) -> int:
+def random_operand(rng: random.Random, spec: ArithmeticGenerator) -> int:
     d = rng.randint(spec.min_digits, spec.max_digits)
     return rng.randint(0, 9) if d == 1 else rng.randint(10 ** (d - 1), 10**d - 1)
 
@@ -120,7 +120,7 @@ def make_problem(a: int, op: str, b: int) -> Problem:
     return Problem(prompt=f"What is {a}{op}{b}?", answer=str(OPERATIONS[op](a, b)))
 
 
-def sample_problem(rng: random.Random, spec: ArithmeticSpec) -> Problem:
+def sample_problem(rng: random.Random, spec: ArithmeticGenerator) -> Problem:
     a, b = random_operand(rng, spec), random_operand(rng, spec)
     op = rng.choice(spec.ops)
     if op == "-" and spec.nonnegative and a < b:
@@ -128,7 +128,7 @@ def sample_problem(rng: random.Random, spec: ArithmeticSpec) -> Problem:
     return make_problem(a, op, b)
 
 
-def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+def make_splits(spec: ArithmeticGenerator, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
     """Seeded, disjoint splits: `heldout_size` distinct prompts, then `train_size` draws avoiding them."""
     spec.validate()
     if heldout_size > spec.space_size() // 2:
@@ -145,7 +145,7 @@ def make_splits(spec: ArithmeticSpec, train_size: int, heldout_size: int, seed: 
 @register_task
 @dataclass
 class ArithmeticTask(GeneratedTask):
-    """task.name arithmetic: generated problems (ArithmeticSpec), `Answer: N` replies."""
+    """task.name arithmetic: generated problems (ArithmeticGenerator), `Answer: N` replies."""
 
     name: str = field(default="arithmetic", init=False)
     default_reward: ClassVar[str] = "arithmetic"  # "Answer: N" equals the sum, 0/1
@@ -160,8 +160,8 @@ class ArithmeticTask(GeneratedTask):
         "none"  # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning)
     )
 
-    def spec(self) -> ArithmeticSpec:
-        return ArithmeticSpec(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)
+    def generator(self) -> ArithmeticGenerator:
+        return ArithmeticGenerator(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)
 
     def longest_reply(self, tokenizer, problems: list[Problem]) -> tuple[int, str]:
         """Verbose reasoning: the verbose reply of the largest operands with the most restatements; else the

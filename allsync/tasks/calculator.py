@@ -14,7 +14,7 @@ from allsync.tasks.registry import GeneratedTask, register_task
 
 
 @dataclass(frozen=True)
-class CalculatorSpec:
+class CalculatorGenerator:
     """calculator: "What is 347*29?", an a_digits-digit times a b_digits-digit number, for a tool agent
     (allsync/envs/calculator.py). `teacher_tool_rate` is the warm start's teacher only: how often it calls the
     multiply tool; otherwise it answers at once with an estimate (the product rounded to two significant
@@ -51,7 +51,7 @@ class CalculatorSpec:
         return answer_prompts(tokenizer, problems, json.loads(self.tools_json))
 
 
-def calculator_splits(spec: CalculatorSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+def calculator_splits(spec: CalculatorGenerator, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
     return generated_splits(
         spec.draw, lambda p: p.prompt, train_size, heldout_size, random.Random(f"calculator-{seed}")
     )
@@ -75,16 +75,16 @@ class CalculatorTask(GeneratedTask):
     heldout_size: int = 200  # unique held-out problems
     seed: int = 0  # the generated splits
 
-    def spec(self) -> CalculatorSpec:
-        return CalculatorSpec(self.a_digits, self.b_digits, self.teacher_tool_rate)
+    def generator(self) -> CalculatorGenerator:
+        return CalculatorGenerator(self.a_digits, self.b_digits, self.teacher_tool_rate)
 
     def eval_reply_tokens(self, max_new_tokens: int) -> int:
         """A tool call is longer than `Answer: N` (53 tokens with the tiny model's tools): rollout.max_new_tokens."""
         return max_new_tokens
 
-    def warm_start_task(self, agent=None) -> CalculatorSpec:
+    def warm_start_task(self, agent=None) -> CalculatorGenerator:
         """The spec with the agent's tool schemas, which the prompts list: the warm start must see the same."""
-        spec = self.spec()
+        spec = self.generator()
         return spec if agent is None else replace(spec, tools_json=json.dumps(agent.tools, sort_keys=True))
 
 

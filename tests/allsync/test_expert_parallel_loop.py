@@ -20,7 +20,7 @@ from tests.recipes.test_launchers import run_config
 
 from allsync.config import parse_config
 from allsync.launch.ray_actors import RayGroup
-from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.tasks import ArithmeticGenerator, make_splits
 
 
 def config(
@@ -55,7 +55,7 @@ def run_steps(
     parallel: dict | None = None,
     algorithm: dict | None = None,
 ):
-    problems = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train
+    problems = make_splits(ArithmeticGenerator(1, 1), 400, 20, 0).train
     group = RayGroup(config(base, expert_parallel, tppo, optim, lora, parallel, algorithm), problems)
     try:
         metrics = [group.step(s) for s in range(1, steps + 1)]

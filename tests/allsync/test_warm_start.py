@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from allsync import warm_start as ws
-from allsync.tasks import ArithmeticSpec, Problem, answer_examples
+from allsync.tasks import ArithmeticGenerator, Problem, answer_examples
 from allsync.warm_start import (
     DEFAULT_SPEC,
     EvalSettings,
@@ -31,7 +31,7 @@ from quant.layout import expected_tensors
 from quant.loader import QuantPlan, load_frozen_model
 
 FAST = WarmStartSettings(
-    task=ArithmeticSpec(1, 2),
+    task=ArithmeticGenerator(1, 2),
     steps=4,
     seed=0,
     train=TrainSettings(batch_size=8, warmup_steps=2),

@@ -56,11 +56,11 @@ def test_a_tool_agents_turns_with_vllm(tmp_path):
 
 
 def test_a_multi_conversation_episode_with_vllm(tmp_path):
-    from allsync.tasks import MemoryRecallSpec, memory_recall_splits
+    from allsync.tasks import MemoryRecallGenerator, memory_recall_splits
 
     base = make_tiny(tmp_path / "dense", TinySpec(layers=2, dense_layers=2, seed=0))
     config = vllm_config(base, producer={"kind": "multiconv", "memory_tokens": 5}, task={"name": "memory_recall"})
-    problems = memory_recall_splits(MemoryRecallSpec(), 8, 2, seed=0).train
+    problems = memory_recall_splits(MemoryRecallGenerator(), 8, 2, seed=0).train
     worker = RLWorker(parse_config(config), problems)
     try:
         episodes, metrics = trained_gap(worker)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from allsync.engines.sync_check import AdapterSyncError, adapter_checksum, check_sync, effect_gap
-from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.tasks import ArithmeticGenerator, make_splits
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -52,7 +52,7 @@ def worker(warm_dense):
             "task": {"min_digits": 1, "max_digits": 1},
         }
     )
-    worker = RLWorker(config, make_splits(ArithmeticSpec(1, 1), 100, 10).train)
+    worker = RLWorker(config, make_splits(ArithmeticGenerator(1, 1), 100, 10).train)
     yield worker
     worker.shutdown()
 

@@ -15,7 +15,7 @@ from allsync.envs import EnvError
 from allsync.envs.calculator import Calculator
 from allsync.tasks.calculator import calculator_teacher_examples as teacher_examples, estimate
 from allsync.envs.tool_calls import ToolCall, format_tool_calls, parse_tool_calls
-from allsync.tasks import CalculatorSpec, Problem, calculator_splits
+from allsync.tasks import CalculatorGenerator, Problem, calculator_splits
 from allsync.worker import RLWorker
 from moe_lora.tiny import TinySpec, build_tokenizer, make_tiny
 
@@ -96,7 +96,7 @@ def test_calculator_answers_calls_and_scores_the_answer():
 
 def test_calculator_teacher_calls_the_tool_at_its_rate():
     tokenizer = build_tokenizer(tool_tokens=True)
-    problems = calculator_splits(CalculatorSpec(), 400, 10).train
+    problems = calculator_splits(CalculatorGenerator(), 400, 10).train
     examples = teacher_examples(tokenizer, problems, [MULTIPLY], tool_rate=0.3, seed=0)
     calls = sum("<｜tool▁calls▁begin｜>" in tokenizer.decode(ids[start:]) for ids, start in examples)
     assert len(examples) == len(problems) + calls and 0.24 < calls / len(problems) < 0.36

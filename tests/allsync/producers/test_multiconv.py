@@ -13,7 +13,7 @@ from allsync.episodes import Episode, Segment, flatten
 from allsync.producers.multiconv import extract_memory, find_ids
 from allsync.tasks.conversations import MEMORY_CLOSE, MEMORY_OPEN, conversation_ids
 from allsync.tasks.memory_recall import memory_teacher_examples as teacher_examples
-from allsync.tasks import MemoryRecallSpec, memory_recall_problem, memory_recall_splits
+from allsync.tasks import MemoryRecallGenerator, memory_recall_problem, memory_recall_splits
 from allsync.worker import RLWorker
 
 OPEN, CLOSE, EOS = [7, 8], [9], 1
@@ -41,7 +41,7 @@ def test_extract_memory(response, reason, expected):
 
 
 def test_memory_recall_problems_need_the_first_chunk():
-    spec = MemoryRecallSpec(chunks=3, per_chunk=3)
+    spec = MemoryRecallGenerator(chunks=3, per_chunk=3)
     p = memory_recall_problem(random.Random(1), spec)
     letter = p.prompt.split("what is ")[1].rstrip("?")
     assert (
@@ -57,7 +57,7 @@ def test_memory_recall_problems_need_the_first_chunk():
 
 def test_teacher_keeps_the_decoy_at_its_rate(tiny_bf16):
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
-    problems = memory_recall_splits(MemoryRecallSpec(), 400, 10, seed=0).train
+    problems = memory_recall_splits(MemoryRecallGenerator(), 400, 10, seed=0).train
     examples = teacher_examples(tokenizer, problems, decoy_rate=0.25, seed=0)
     assert len(examples) == 3 * len(problems)  # two memory writes and the answer
     replies = [tokenizer.decode(ids[start:], skip_special_tokens=False) for ids, start in examples]
@@ -91,7 +91,7 @@ def memory_config(base, **multiconv):
 def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
     """Each memory write's ids (between the tags, or everything after the opening tag when cut) sit
     unchanged inside the next conversation's prompt; engine and trainer logprobs agree on every segment."""
-    problems = memory_recall_splits(MemoryRecallSpec(), 8, 2, seed=0).train
+    problems = memory_recall_splits(MemoryRecallGenerator(), 8, 2, seed=0).train
     worker = RLWorker(memory_config(tiny_bf16), problems)
     try:
         torch.manual_seed(0)
@@ -118,7 +118,7 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
 def test_old_logprobs_from_the_engine_keep_every_segments_gap(tiny_bf16):
     """algorithm.old_logprobs engine with two minibatches: the torch engine's logprobs of every segment are the old
     ones (no no-gradient pass), and the per-segment gaps come from the first minibatch's forward against them."""
-    problems = memory_recall_splits(MemoryRecallSpec(), 8, 2, seed=0).train
+    problems = memory_recall_splits(MemoryRecallGenerator(), 8, 2, seed=0).train
     config = memory_config(tiny_bf16)
     config.optim.minibatches, config.algorithm.old_logprobs = 2, "engine"
     worker = RLWorker(config, problems)
@@ -302,7 +302,7 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
     the longest write's prompt + memory_tokens (before: + max_new_tokens, and vLLM cut the write silently)."""
     from allsync.config import parse_config
     from allsync.tasks.conversations import longest_conversation_tokens
-    from allsync.tasks import MemoryRecallSpec, memory_recall_splits
+    from allsync.tasks import MemoryRecallGenerator, memory_recall_splits
 
     config = parse_config(
         {
@@ -312,7 +312,7 @@ def test_the_engines_context_holds_a_memory_write_longer_than_max_new_tokens(tin
         }
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
-    problems = memory_recall_splits(MemoryRecallSpec(2, 3), 20, 5).train
+    problems = memory_recall_splits(MemoryRecallGenerator(2, 3), 20, 5).train
     longest = longest_conversation_tokens(tokenizer, problems, 40, None)
     assert config.producer.model_len(config, tokenizer, problems, 4096) == longest + 40
     with pytest.raises(ValueError, match=r"producer.memory_tokens = 40 plus the longest memory write's prompt"):

@@ -8,12 +8,12 @@ import torch
 from allsync.config import ConfigError, parse_config
 from allsync.engines.slots import decode_in_slots
 from allsync.engines.torch_engine import Sampling
-from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.tasks import ArithmeticGenerator, make_splits
 from allsync.worker import RLWorker
 from moe_lora.mla_decode import install_mla_decode
 from quant.loader import QuantPlan, load_frozen_model
 
-PROBLEMS = make_splits(ArithmeticSpec(1, 1), 400, 20, 0).train  # the warm start's task
+PROBLEMS = make_splits(ArithmeticGenerator(1, 1), 400, 20, 0).train  # the warm start's task
 
 
 class Batches:

@@ -8,7 +8,7 @@ import torch
 from allsync.algorithms import egae, whiten_advantages, whitening_sums
 from allsync.config import ConfigError, parse_config
 from allsync.metrics import aggregate
-from allsync.tasks import ArithmeticSpec, make_splits
+from allsync.tasks import ArithmeticGenerator, make_splits
 from allsync.forward import (
     build_sequences,
     logprob_gap,
@@ -38,7 +38,7 @@ def tppo_config(base, lr=1e-3, **algorithm):
 
 @pytest.fixture(scope="module")
 def problems():
-    return make_splits(ArithmeticSpec(1, 1), 100, 20).train
+    return make_splits(ArithmeticGenerator(1, 1), 100, 20).train
 
 
 def test_layouts_move_response_tokens_to_column_zero_and_back():

@@ -136,7 +136,7 @@ def test_the_recipe_trains_on_a_reasoning_gym_task(warm_tiny, tmp_path):
 
 
 def test_warm_start_supervises_the_runs_own_task():
-    from allsync.tasks import ArithmeticSpec, ReasoningGymSpec
+    from allsync.tasks import ArithmeticGenerator, ReasoningGymGenerator
 
     rg = parse_config(
         {
@@ -150,11 +150,11 @@ def test_warm_start_supervises_the_runs_own_task():
             "reward": {"name": "reasoning_gym"},
         }
     ).task
-    assert rg.warm_start_task() == ReasoningGymSpec("chain_sum", CHAIN_SUM, "Q: {problem}")
+    assert rg.warm_start_task() == ReasoningGymGenerator("chain_sum", CHAIN_SUM, "Q: {problem}")
     # the warm start's held-out problems are the run's: drawn first, whatever the number of training problems
-    spec = ReasoningGymSpec("chain_sum", CHAIN_SUM)
+    spec = ReasoningGymGenerator("chain_sum", CHAIN_SUM)
     assert spec.splits(400, 20, 0).heldout == spec.splits(100, 20, 0).heldout
-    assert parse_config({"task": {"min_digits": 2, "max_digits": 2}}).task.warm_start_task() == ArithmeticSpec(
+    assert parse_config({"task": {"min_digits": 2, "max_digits": 2}}).task.warm_start_task() == ArithmeticGenerator(
         2, 2, ("+",)
     )
     with pytest.raises(ConfigError, match=r"model.warm_start with task.name dataset"):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from allsync.tasks import (
-    ArithmeticSpec,
+    ArithmeticGenerator,
     Problem,
     chat_messages,
     digit_count,
@@ -28,21 +28,21 @@ def test_make_problem_answers():
 
 def test_space_size():
     assert digit_count(1) == 10 and digit_count(3) == 900
-    assert ArithmeticSpec(2, 2).space_size() == 90 * 90
-    assert ArithmeticSpec(1, 2, ops=("+", "-")).space_size() == 100 * 100 * 2
+    assert ArithmeticGenerator(2, 2).space_size() == 90 * 90
+    assert ArithmeticGenerator(1, 2, ops=("+", "-")).space_size() == 100 * 100 * 2
 
 
 def test_longest_answer():
-    assert ArithmeticSpec(2, 2).max_answer_chars() == 3  # 99+99 = 198
-    assert ArithmeticSpec(2, 2).max_response_tokens() == 12  # "Answer: 198" + eos
-    assert ArithmeticSpec(1, 3, ops=("-",), nonnegative=False).max_answer_chars() == 4  # 0-999
-    assert ArithmeticSpec(1, 3, ops=("-",)).max_answer_chars() == 3
-    assert ArithmeticSpec(2, 3, ops=("+", "*")).max_answer_chars() == 6  # 999*999 = 998001
+    assert ArithmeticGenerator(2, 2).max_answer_chars() == 3  # 99+99 = 198
+    assert ArithmeticGenerator(2, 2).max_response_tokens() == 12  # "Answer: 198" + eos
+    assert ArithmeticGenerator(1, 3, ops=("-",), nonnegative=False).max_answer_chars() == 4  # 0-999
+    assert ArithmeticGenerator(1, 3, ops=("-",)).max_answer_chars() == 3
+    assert ArithmeticGenerator(2, 3, ops=("+", "*")).max_answer_chars() == 6  # 999*999 = 998001
 
 
 def test_operands_respect_digits():
     rng = random.Random(0)
-    spec = ArithmeticSpec(min_digits=2, max_digits=3, ops=("-",))
+    spec = ArithmeticGenerator(min_digits=2, max_digits=3, ops=("-",))
     for _ in range(500):
         p = sample_problem(rng, spec)
         a, b = p.prompt.removeprefix("What is ").removesuffix("?").split("-")
@@ -51,7 +51,7 @@ def test_operands_respect_digits():
 
 
 def test_splits_are_seeded_and_disjoint():
-    spec = ArithmeticSpec(min_digits=2, max_digits=2)
+    spec = ArithmeticGenerator(min_digits=2, max_digits=2)
     s1 = make_splits(spec, train_size=3000, heldout_size=200, seed=0)
     s2 = make_splits(spec, train_size=3000, heldout_size=200, seed=0)
     s3 = make_splits(spec, train_size=3000, heldout_size=200, seed=1)
@@ -65,14 +65,14 @@ def test_splits_are_seeded_and_disjoint():
 
 def test_splits_refuse_a_heldout_set_that_eats_the_space():
     with pytest.raises(ValueError, match="more than half"):
-        make_splits(ArithmeticSpec(1, 1), train_size=10, heldout_size=60)  # only 100 problems exist
+        make_splits(ArithmeticGenerator(1, 1), train_size=10, heldout_size=60)  # only 100 problems exist
 
 
 def test_spec_validation():
     with pytest.raises(ValueError):
-        ArithmeticSpec(min_digits=3, max_digits=2).validate()
+        ArithmeticGenerator(min_digits=3, max_digits=2).validate()
     with pytest.raises(ValueError):
-        ArithmeticSpec(ops=("/",)).validate()
+        ArithmeticGenerator(ops=("/",)).validate()
 
 
 def test_chat_messages():
@@ -82,7 +82,7 @@ def test_chat_messages():
 
 
 def test_jsonl_roundtrip(tmp_path):
-    problems = make_splits(ArithmeticSpec(), train_size=20, heldout_size=5, seed=3).train
+    problems = make_splits(ArithmeticGenerator(), train_size=20, heldout_size=5, seed=3).train
     path = save_jsonl(problems, tmp_path / "sub" / "train.jsonl")
     assert load_jsonl(path) == problems
     assert json.loads(path.read_text().splitlines()[0]) == {"prompt": problems[0].prompt, "answer": problems[0].answer}

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from allsync.config import ConfigError, parse_config
-from allsync.tasks.arithmetic import MAX_RESTATEMENTS, ArithmeticSpec, make_problem, operands, verbose_reply
+from allsync.tasks.arithmetic import MAX_RESTATEMENTS, ArithmeticGenerator, make_problem, operands, verbose_reply
 from evals.rewards import score
 
 
@@ -25,7 +25,7 @@ def test_the_verbose_reply_sums_column_by_column_and_ends_with_the_answer_line()
 
 
 def test_the_longest_reply_bounds_the_task_and_the_teacher_writes_it(tiny_bf16):
-    spec = ArithmeticSpec(2, 2, ("+",), reasoning="verbose")
+    spec = ArithmeticGenerator(2, 2, ("+",), reasoning="verbose")
     assert spec.max_response_tokens() == len(verbose_reply(99, 99, MAX_RESTATEMENTS)) + 1
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_bf16))
     problems = [make_problem(47, "+", 38), make_problem(10, "+", 11)]
