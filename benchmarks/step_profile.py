@@ -69,11 +69,11 @@ class PhaseMeter:
         self.flops = dict.fromkeys(PHASES, 0)
         self.counter = counter
         learner = worker.learner
-        self._wrap(worker, "rewards", "reward")  # the producers call it through worker.score_episodes
+        self._wrap(worker.scorer, "rewards", "reward")  # the producers call it through scorer.score_episodes
         self._wrap(worker.engine, "generate", "generate")
         self._wrap(learner, "_backward_minibatch", "train")
-        self._wrap(learner, "current_logprobs", "train")
-        self._wrap(learner, "reference_logprobs", "train")
+        self._wrap(learner.passes, "current_logprobs", "train")
+        self._wrap(learner.passes, "reference_logprobs", "train")
         self._wrap(learner.optimizer, "step", "optimizer")
         self._wrap(learner, "_total_grad_norm", "optimizer")
         self._wrap(worker.engine, "load_adapter", "sync")

@@ -237,7 +237,7 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16
         correct = [False, False, False, False, False, False, True, False, True]
         rewards = [0.0, 0.0, -0.25, -0.5, 0.0, 0.0, 1.0, 0.0, 1.0]
         monkeypatch.setattr(
-            w, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0)
+            w.scorer, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0)
         )  # 0 reward errors
         samples, group_index, stats = w.producer.collect(3, w.adapter_version)
         kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
@@ -252,7 +252,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
     # every round: group 0 mixed, the other groups all correct -> 1 group kept per round, 2 at the cap (3 wanted)
     pattern = lambda i: i % 3 != 1 if i < 3 else True  # noqa: E731
     monkeypatch.setattr(
-        w,
+        w.scorer,
         "rewards",
         lambda problems, responses, group_index=None: (
             [float(pattern(i)) for i in range(len(responses))],
