@@ -172,7 +172,9 @@ class SlotKVCache(DynamicCache):
         self.free = list(range(pages, 0, -1)) if self.paged else []  # free pages (pop() takes the lowest)
         self.owned: list[list[int]] = [[] for _ in range(slots)]  # each slot's pages in order (paged)
         self.owned_count = np.zeros(slots, dtype=np.int64)  # len(owned[s])
-        self.sizes = np.zeros(slots, dtype=np.int64)  # positions each slot holds (the host's copy of lengths; paged)
+        self.sizes = np.zeros(
+            slots, dtype=np.int64
+        )  # positions each slot holds (the host's copy of lengths; paged only)
         self.lengths: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.live, self.span = 0, 0
@@ -209,17 +211,21 @@ class SlotKVCache(DynamicCache):
         watermark, so that a row just admitted is not the next step's preemption. Always, unpaged."""
         return not self.paged or pages + live <= len(self.free)
 
+    def full_slots(self, live: int) -> np.ndarray:
+        """Which of the first `live` slots fill every position of their pages (their next position needs a new page):
+        size >= pages owned x page size (paged)."""
+        return self.sizes[:live] >= self.owned_count[:live] * self.page
+
     def pages_short(self, live: int) -> int:
         """Pages the first `live` slots' next positions need beyond the free ones (> 0: preempt; 0 unpaged)."""
         if not self.paged:
             return 0
-        return int((self.sizes[:live] >= self.owned_count[:live] * self.page).sum()) - len(self.free)
+        return int(self.full_slots(live).sum()) - len(self.free)
 
     def reserve(self, live: int) -> None:
         """Pages for the position each of the first `live` slots writes next (before a decode step)."""
         if self.paged:
-            full = np.flatnonzero(self.sizes[:live] >= self.owned_count[:live] * self.page)
-            self._take({int(s): int(self.sizes[s]) + 1 for s in full})
+            self._take({int(s): int(self.sizes[s]) + 1 for s in np.flatnonzero(self.full_slots(live))})
 
     def _take(self, positions: dict[int, int]) -> None:
         """Slot s owns pages for its first positions[s] positions (one table write for all new pages)."""
@@ -249,8 +255,10 @@ class SlotKVCache(DynamicCache):
         self.table[torch.tensor(slots, device=self.table.device)] = 0
 
     def grow(self, live: int) -> None:
-        """The host's sizes after a decode step of the first `live` slots (advance is the device's)."""
-        self.sizes[:live] += 1
+        """The host's sizes after a decode step of the first `live` slots (advance is the device's; paged only: an
+        unpaged pool needs no host copy of its lengths)."""
+        if self.paged:
+            self.sizes[:live] += 1
 
     def fill(self, start: int, source: DynamicCache, which: torch.Tensor, lengths: torch.Tensor) -> None:
         """Slots start, start + 1, ... get rows `which` of a prefill's cache (ExpandedKVCache or LatentKVCache of
@@ -259,9 +267,10 @@ class SlotKVCache(DynamicCache):
         self._on(lengths.device)
         width = source.get_seq_length()
         end = start + len(which)
-        sizes = lengths.tolist()
-        self.sizes[start:end] = sizes
-        self._take(dict(zip(range(start, end), sizes)))
+        if self.paged:  # the host's copy of the lengths (one device read), for the pages
+            sizes = lengths.tolist()
+            self.sizes[start:end] = sizes
+            self._take(dict(zip(range(start, end), sizes)))
         slots = torch.arange(start, end, device=lengths.device)
         positions = torch.arange(width, device=lengths.device)
         for index, layer in enumerate(source.layers):
