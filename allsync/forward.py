@@ -287,8 +287,8 @@ def minibatch_loss(
     episode_tokens: torch.Tensor | None = None,
     engine_logprobs: torch.Tensor | None = None,
 ):
-    """Policy loss of one micro-batch, scaled as its share of the global batch (the PolicyLossEntry settings.policy_loss names; episode_tokens:
-    each row's episode's trained tokens, for episode-mean-token-mean), plus
+    """Policy loss of one micro-batch (the PolicyLossEntry settings.policy_loss names), scaled as its share of the
+    global batch (episode_tokens: each row's episode's trained tokens, for episode-mean-token-mean), plus
     kl_coef * KL(policy || reference) aggregated the same way when reference logprobs are given
     (reference = the frozen base with the adapters off). Returns (loss, LossStats of token sums).
 

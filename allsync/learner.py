@@ -51,8 +51,6 @@ from allsync.forward import (
 from moe_lora.expert_parallel import expert_parameters
 from moe_lora.routing import replaying
 
-# producer.weighting (multiconv) -> the loss aggregation it means (allsync.algorithms.aggregation)
-
 
 def flat_gradients(
     params: list[torch.nn.Parameter], flag: bool = True, device: torch.device | None = None
@@ -257,9 +255,9 @@ class Learner:
         self, episodes: list[Episode], group_index: torch.Tensor, batch_sums: torch.Tensor | None = None
     ) -> TrainBatch:
         """Group baselines (GRPO / Dr.GRPO / REINFORCE++-baseline) over the episodes' rewards: one advantage per
-        episode, copied to every trained token of each of its segments (allsync.algorithms.segment_credit); with
-        the producer picks the rows that train (multiconv's producer.credit final: the answer segments). DAPO's overlong filter masks a
-        whole episode whose answer was cut at the token budget. batch_sums: the estimator's sums over every
+        episode, copied to every trained token of each of its segments (allsync.algorithms.segment_credit); the
+        producer picks the rows that train (multiconv's producer.credit final: the answer segments). DAPO's overlong
+        filter masks a whole episode whose answer was cut at the token budget. batch_sums: the estimator's sums over every
         worker's episodes (`estimator_batch_sums`), for an estimator that declares them."""
         a = self.config.algorithm
         rows = flatten(episodes)

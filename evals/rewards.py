@@ -249,7 +249,15 @@ REWARDS: dict[str, Reward] = {
     # partial credit is not a solved problem
     "reasoning_gym": Reward(reasoning_gym_reward, tagged_or_marked_answer, correct_at=1.0, needs_metadata=True),
 }
-USER_FUNCTION = Reward(lambda response, truth: 0.0)  # what a reward.function is taken to be: 0 wrong, > 0 right
+
+
+def scored_in_the_pool(response: str, ground_truth: str) -> float:
+    """A reward.function is called by evals.reward_pool with the row, never through a Reward entry."""
+    raise ValueError("a reward.function is scored by evals.reward_pool, not by evals.rewards.score")
+
+
+# what a reward.function is taken to be by its callers: wrong at 0, correct above 0, its answer the `Answer:` line
+USER_FUNCTION = Reward(scored_in_the_pool)
 
 
 def reward_entry(name: str) -> Reward:

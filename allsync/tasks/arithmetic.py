@@ -56,11 +56,15 @@ class ArithmeticGenerator:
             results = [abs(r) for r in results]
         return max(len(str(r)) for r in results)
 
+    def longest_verbose_reply(self) -> str:
+        """The longest verbose reply: the largest operands' sum with the most restatements."""
+        top = 10**self.max_digits - 1
+        return verbose_reply(top, top, MAX_RESTATEMENTS)
+
     def max_response_tokens(self) -> int:
         """Tokens of the longest reply plus eos (the tokenizer is byte-level: 1 char = 1 token)."""
         if self.reasoning == "verbose":
-            top = 10**self.max_digits - 1
-            return len(verbose_reply(top, top, MAX_RESTATEMENTS)) + 1
+            return len(self.longest_verbose_reply()) + 1
         return len(ANSWER_PREFIX) + self.max_answer_chars() + 1
 
     # the warm start's side (allsync.tasks.registry.WarmStartTask)
@@ -168,8 +172,7 @@ class ArithmeticTask(GeneratedTask):
         longest `Answer: N`."""
         if self.reasoning == "none":
             return super().longest_reply(tokenizer, problems)
-        top = 10**self.max_digits - 1
-        return longest_reply(tokenizer, [verbose_reply(top, top, MAX_RESTATEMENTS)])
+        return longest_reply(tokenizer, [self.generator().longest_verbose_reply()])
 
     def eval_reply_tokens(self, max_new_tokens: int) -> int | None:
         """Verbose reasoning (a digit-by-digit sum before the answer) is evaluated with rollout.max_new_tokens."""
