@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from allsync.config import WARM_START_STEPS
+from allsync.config.model import DEFAULT_SPEC, WARM_START_STEPS
 from allsync.tasks import ArithmeticGenerator, Problem, WarmStartTask
 from evals.generation import EvalSettings, evaluate_model
 from moe_lora.tiny import TinySpec, make_tiny
@@ -38,22 +38,6 @@ from quant.layout import expected_tensors
 
 SETTINGS_FILE = "warm_start.json"
 IGNORE_INDEX = -100
-# Tuned on the 2-core CPU machine (see the report in warm_start.json of a run). The step count sets how much
-# RL can add: measured held-out avg@4 of the base -> after 5 min of the default RL: 500 steps 5% (too weak:
-# few mixed groups), 750 steps 27% -> 41%, 1000 steps 53% -> 59% (most problems already always right or
-# always wrong, so few groups carry signal).
-DEFAULT_SPEC = TinySpec(
-    layers=2,
-    dense_layers=1,
-    experts=4,
-    experts_per_token=2,
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=128,
-    heads=2,
-    n_group=2,
-    topk_group=1,
-)
 DEFAULT_TASK = ArithmeticGenerator(min_digits=2, max_digits=2, ops=("+",))  # 10..99 + 10..99
 DEFAULT_STEPS = WARM_START_STEPS
 
@@ -312,7 +296,9 @@ def settings_for_run(config) -> WarmStartSettings:
     from dataclasses import replace
 
     agent = config.producer if config.producer.uses_tools else None  # the tool calls the task teaches
-    spec = replace(DEFAULT_SPEC, tool_tokens=True) if agent is not None else DEFAULT_SPEC  # V3's tool-call tokens
+    spec = replace(DEFAULT_SPEC, **config.model.warm_start_shape)
+    if agent is not None:
+        spec = replace(spec, tool_tokens=True)  # V3's tool-call tokens
     evaluation = EvalSettings(heldout_size=config.task.heldout_size)
     if (budget := config.task.eval_reply_tokens(config.rollout.max_new_tokens)) is not None:  # longer replies
         evaluation = replace(evaluation, max_new_tokens=budget)

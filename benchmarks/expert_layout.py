@@ -1,10 +1,12 @@
 """Per-expert against shared-outer routed-expert LoRA on the default job (issue 47): held-out accuracy over seeds.
 
     python -m benchmarks.expert_layout [--steps 600] [--seeds 0,1,2] [--arms per_expert,shared_outer,shared_outer_same_count]
-                                       [--out runs/expert-layout]
+                                       [--model default|two_moe_layers] [--out runs/expert-layout]
 
 Each arm is `python recipes/dapo.py` on recipes/configs/tiny_cpu.yaml (the default model: one MoE layer of 4 routed
-experts, NF4; its warm-started base, built once) with only lora changed:
+experts, NF4; its warm-started base, built once) with only lora changed. --model two_moe_layers runs the same on the
+default model with one more layer (model.warm_start_shape {layers: 3}: a dense layer then two MoE layers of 4 experts,
+its own base at runs/tiny-base-2moe, warm-started like the default's):
 
     per_expert               lora.expert_layout per_expert, rank 8 (the default)
     shared_outer             lora.expert_layout shared_outer, rank 8: A of gate/up and B of down shared by the experts
@@ -33,14 +35,19 @@ from benchmarks.dapo_runs import run_dapo
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
 ARMS = ("per_expert", "shared_outer", "shared_outer_same_count")
+# --model: the model section's changes from tiny_cpu.yaml's
+MODELS = {
+    "default": {},
+    "two_moe_layers": {"base": "runs/tiny-base-2moe", "warm_start_shape": {"layers": 3}},
+}
 
 
 def adapter_values(config: dict, rank: int, layout: str) -> int:
     """The whole adapter's parameters for the default model (its base's config.json) at `rank` in `layout`."""
     from allsync.plan.weights import lora_values
 
-    model_config = json.loads((ROOT / config["model"]["base"] / "config.json").read_text())
-    return lora_values(model_config, rank, tuple(config["lora"]["targets"]), None, layout)
+    base_config = json.loads((ROOT / config["model"]["base"] / "config.json").read_text())
+    return lora_values(base_config, rank, tuple(config["lora"]["targets"]), None, layout)
 
 
 def same_count_rank(config: dict) -> int:
@@ -49,10 +56,27 @@ def same_count_rank(config: dict) -> int:
     return min(range(1, 65), key=lambda r: abs(adapter_values(config, r, "shared_outer") - target))
 
 
-def arm_config(arm: str, steps: int, seed: int) -> dict:
+def model_config(model: str) -> dict:
+    """tiny_cpu.yaml with the model section of `model` (MODELS) and its base as an absolute path."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["model"].update(MODELS[model])
+    config["model"]["base"] = str(ROOT / config["model"]["base"])
+    return config
+
+
+def build_base(model: str) -> None:
+    """Warm-start the base of `model` once, before the arms (the same-count rank is read off its config.json)."""
+    from allsync.config import parse_config
+    from allsync.warm_start import settings_for_run, warm_start
+
+    config = parse_config(model_config(model))
+    warm_start(config.model.base, settings_for_run(config))
+
+
+def arm_config(arm: str, steps: int, seed: int, model: str = "default") -> dict:
     from allsync.config import VLLM_LORA_RANKS
 
-    config = yaml.safe_load(CONFIG.read_text())
+    config = model_config(model)
     layout = "per_expert" if arm == "per_expert" else "shared_outer"
     config["lora"]["expert_layout"] = layout
     if arm == "shared_outer_same_count":
@@ -60,7 +84,6 @@ def arm_config(arm: str, steps: int, seed: int) -> dict:
         config["lora"]["alpha"] = 2 * config["lora"]["rank"]  # the default's alpha / rank = 2
         if config["lora"]["rank"] not in VLLM_LORA_RANKS:
             config["run"]["export"] = "merged"
-    config["model"]["base"] = str(ROOT / config["model"]["base"])
     config["run"].update(steps=steps, seed=seed, checkpoint_every=steps, time_limit_minutes=None)
     return config
 
@@ -85,7 +108,7 @@ def summarize(rows: list[dict], config: dict) -> dict:
     }
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +127,8 @@ def plot(results: dict, path: Path) -> None:
         )
     ax.set_xlabel("RL step")
     ax.set_ylabel("held-out accuracy, avg@4 (%)")
-    ax.set_title("Routed-expert LoRA layout on the default job (each line a seed)")
+    where = "the default job" if model == "default" else "the default job, two MoE layers"
+    ax.set_title(f"Routed-expert LoRA layout on {where} (each line a seed)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -116,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--model", default="default", choices=sorted(MODELS))
     parser.add_argument("--out", default="runs/expert-layout")
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
@@ -126,11 +151,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--steps: must be at least 1, got {args.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"steps": args.steps, "runs": {}}
+    results: dict = {"steps": args.steps, "model": args.model, "runs": {}}
+    build_base(args.model)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in arms:
             name = f"{arm} seed {seed}"
-            config = arm_config(arm, args.steps, seed)
+            config = arm_config(arm, args.steps, seed, args.model)
             print(f"{name}: rank {config['lora']['rank']}, {args.steps} steps ...", flush=True)
             rows = finished_rows(out / f"{arm}-s{seed}", args.steps)
             if rows is None:
@@ -154,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{arm}: held-out {100 * statistics.mean(finals):.1f}% (seeds {', '.join(f'{100 * f:.1f}' for f in finals)})"
         )
     (out / "expert_layout.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "expert_layout.png")
+    plot(results, out / "expert_layout.png", args.model)
     return results
 
 

@@ -1,6 +1,7 @@
 """T-PPO where windows matter (issue 27): T-PPO, PPO on whole responses and DAPO for the same wall-clock minutes.
 
-    python -m benchmarks.tppo_windows [--minutes 12] [--window 32] [--pool 128] [--out runs/tppo-windows]
+    python -m benchmarks.tppo_windows [--minutes 12] [--window 32] [--pool 128] [--arms DAPO,PPO,T-PPO]
+                                      [--out runs/tppo-windows]
 
 The task has long, variable-length responses: recipes/configs/tiny_cpu_balanced.yaml's verbose arithmetic (the sum
 column by column with carries, then 0-3 restatements, 72-172 tokens), from a weaker base than that config's
@@ -13,6 +14,10 @@ each `python recipes/dapo.py` from that base, stopped by run.time_limit_minutes 
     T-PPO   the same pool, but every step generates --window more tokens of each in-flight response and trains
             those; EGAE bootstraps the responses cut at the window; the critic alone for the first 20 steps
             (about as many finished responses as PPO's 5)
+Probes of T-PPO's collapse (issue 49; `--arms` names them):
+    PPO-last    PPO whose policy loss reaches only each reply's last --window tokens, as T-PPO's reward reaches only
+                a reply's last window (benchmarks/probes/last_tokens_credit.py, through run.imports)
+    T-PPO-critic4x  T-PPO with four times the critic-only steps (a critic that has seen more returns)
 Each arm evaluates held-out avg@4 about every `--eval-minutes` (its eval_every from the step time measured on the
 2-core Xeon), so that evaluation costs each arm about the same share of its minutes.
 
@@ -42,7 +47,8 @@ CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu_balanced.yaml"
 BASE = "runs/tiny-base-verbose-450"
 WARM_START_STEPS = 450
 # seconds a step of each arm took on the 2-core Xeon (2026-11-26; T-PPO with window 32): the evaluation cadence
-STEP_SECONDS = {"DAPO": 2.1, "PPO": 2.8, "T-PPO": 1.6}
+STEP_SECONDS = {"DAPO": 2.1, "PPO": 2.8, "T-PPO": 1.6, "PPO-last": 2.8, "T-PPO-critic4x": 1.6}
+ARMS = tuple(STEP_SECONDS)
 CRITIC = {
     "gamma": 1.0,
     "lam": 1.0,  # PPO with lam 0.95 lost accuracy and grew its responses in a 1-minute probe (134 -> 160 tokens)
@@ -83,14 +89,26 @@ def critic_arm(config: dict, pool: int, window: int | None, value_pretrain_steps
     return out
 
 
-def arm_configs(minutes: float, window: int, pool: int, eval_minutes: float) -> dict[str, dict]:
+def last_tokens_arm(config: dict, window: int) -> dict:
+    """The PPO-last probe: PPO's config with only each reply's last `window` tokens in the policy loss."""
+    out = copy.deepcopy(config)
+    out["run"]["imports"] = ["benchmarks.probes.last_tokens_credit"]
+    out["producer"] = {"kind": "last_tokens_credit", "trained_tokens": window}
+    return out
+
+
+def arm_configs(minutes: float, window: int, pool: int, eval_minutes: float, arms=ARMS[:3]) -> dict[str, dict]:
     base = lambda name: base_config(minutes, STEP_SECONDS[name], eval_minutes)  # noqa: E731
     mean_tokens = 131  # the base's mean response: a response spans about mean_tokens / window windows
-    return {
-        "DAPO": base("DAPO"),
-        "PPO": critic_arm(base("PPO"), pool, None, value_pretrain_steps=5),
-        "T-PPO": critic_arm(base("T-PPO"), pool, window, value_pretrain_steps=round(5 * mean_tokens / window)),
+    tppo_pretrain = round(5 * mean_tokens / window)
+    build = {
+        "DAPO": lambda: base("DAPO"),
+        "PPO": lambda: critic_arm(base("PPO"), pool, None, value_pretrain_steps=5),
+        "T-PPO": lambda: critic_arm(base("T-PPO"), pool, window, value_pretrain_steps=tppo_pretrain),
+        "PPO-last": lambda: last_tokens_arm(critic_arm(base("PPO-last"), pool, None, value_pretrain_steps=5), window),
+        "T-PPO-critic4x": lambda: critic_arm(base("T-PPO"), pool, window, value_pretrain_steps=4 * tppo_pretrain),
     }
+    return {name: build[name]() for name in arms}
 
 
 def summarize(rows: list[dict], workers: list[dict]) -> dict:
@@ -146,11 +164,15 @@ def main(argv: list[str] | None = None) -> dict:
         "--pool", type=int, default=128, help="PPO / T-PPO responses in flight (rollout.prompts_per_step)"
     )
     parser.add_argument("--eval-minutes", type=float, default=2.0)
+    parser.add_argument("--arms", default="DAPO,PPO,T-PPO", help=f"of {', '.join(ARMS)}")
     parser.add_argument("--out", default=str(ROOT / "runs" / "tppo-windows"))
     args = parser.parse_args(argv)
     out = Path(args.out)
     results = {}
-    configs = arm_configs(args.minutes, args.window, args.pool, args.eval_minutes)
+    arms = args.arms.split(",")
+    if unknown := [a for a in arms if a not in ARMS]:
+        raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; known: {', '.join(ARMS)}")
+    configs = arm_configs(args.minutes, args.window, args.pool, args.eval_minutes, arms)
     for name, config in tqdm(configs.items(), desc=f"arms ({args.minutes:g} min each)", unit="arm"):
         folder = out / name
         rows, _ = run_dapo(name, config, folder)
@@ -166,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "tppo_windows.json").write_text(json.dumps({"settings": settings, "arms": results}, indent=1) + "\n")
     plot(results, out / "tppo_windows.png")
     print(f"wrote {out / 'tppo_windows.json'} and {out / 'tppo_windows.png'}")
+    if not {"PPO", "T-PPO"} <= set(results):
+        return results
     ppo, tppo = results["PPO"], results["T-PPO"]
     target, ppo_minutes = ppo["curve"][-1][2], ppo["train_minutes"]
     print(

@@ -279,7 +279,9 @@ def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: se
         else None
     )
     if base_accuracy is None:
-        base_summary = heldout_evaluation(group, splits.heldout, config.run.eval_samples)[0]
+        base_summary, base_samples = heldout_evaluation(group, splits.heldout, config.run.eval_samples)
+        if ctl:  # the base's samples beside the trained adapter's (eval/): what RL changed, reply by reply
+            write_evaluation(out_dir / "eval-base", base_samples, base_summary)
         base_accuracy, base_tools = base_summary[f"avg@{config.run.eval_samples}"], base_summary.get("tool_call_rate")
         base_greedy = heldout_accuracy(group, splits.heldout, 1)
         record(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-
+from moe_lora.tiny import TinySpec
 from quant.formats import FORMATS
 from quant.layout import QUANTIZABLE_GROUPS
 
@@ -30,6 +30,35 @@ class QuantSection:
                 fail(f"model.quant.{group} = {getattr(self, group)!r}: unknown format (valid: {', '.join(FORMATS)})")
 
 
+# Tuned on the 2-core CPU machine (see the report in warm_start.json of a run). The step count sets how much
+# RL can add: measured held-out avg@4 of the base -> after 5 min of the default RL: 500 steps 5% (too weak:
+# few mixed groups), 750 steps 27% -> 41%, 1000 steps 53% -> 59% (most problems already always right or
+# always wrong, so few groups carry signal).
+DEFAULT_SPEC = TinySpec(  # the warm-started base's model (allsync/warm_start.py)
+    layers=2,
+    dense_layers=1,
+    experts=4,
+    experts_per_token=2,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    heads=2,
+    n_group=2,
+    topk_group=1,
+)
+# the fields of moe_lora.tiny.TinySpec that model.warm_start_shape may set (the model's shape, not its format or seed)
+WARM_START_SHAPE_KEYS = (
+    "layers",
+    "dense_layers",
+    "experts",
+    "experts_per_token",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "heads",
+    "n_group",
+    "topk_group",
+)
 WARM_START_STEPS = 750  # the default base's supervised steps (tuned for RL headroom; allsync/warm_start.py)
 
 
@@ -41,6 +70,10 @@ class ModelSection:
     )
     # supervised steps of that warm start (a weaker base leaves RL more headroom); part of the base's stored settings
     warm_start_steps: int = WARM_START_STEPS
+    # the warm-started model's shape where it differs from the default's (DEFAULT_SPEC: 2 layers,
+    # the first dense, 4 routed experts, hidden 128): moe_lora.tiny.TinySpec's fields, e.g. {layers: 3} for two MoE
+    # layers; part of the base's stored settings like the steps
+    warm_start_shape: dict[str, int] = field(default_factory=dict)
     compute_dtype: str = "float32"  # bfloat16 on GPUs
     # keep every frozen weight dequantized in compute_dtype beside its stored format (dequantized once, not at
     # every forward and backward): the same numbers, faster, but 4 (float32) or 2 bytes per parameter more.
@@ -54,6 +87,22 @@ class ModelSection:
             fail(f"model.warm_start_steps = {self.warm_start_steps}: must be >= 1")
         if self.warm_start_steps != WARM_START_STEPS and not self.warm_start:
             fail(f"model.warm_start_steps = {self.warm_start_steps} without model.warm_start: nothing is warm-started")
+        if self.warm_start_shape and not self.warm_start:
+            fail("model.warm_start_shape without model.warm_start: nothing is warm-started")
+        self.check_warm_start_shape(fail)
+
+    def check_warm_start_shape(self, fail) -> None:
+        """Every key of model.warm_start_shape is one of WARM_START_SHAPE_KEYS, a positive integer, and the shape they
+        make with the default's other fields is one moe_lora.tiny.TinySpec builds."""
+        for key, value in self.warm_start_shape.items():
+            if key not in WARM_START_SHAPE_KEYS:
+                fail(f"model.warm_start_shape.{key}: not a shape key (use {', '.join(WARM_START_SHAPE_KEYS)})")
+            if value < 0 or (value == 0 and key != "dense_layers"):
+                fail(f"model.warm_start_shape.{key} = {value}: must be >= 1")
+        try:
+            replace(DEFAULT_SPEC, **self.warm_start_shape).validate()
+        except ValueError as error:
+            fail(f"model.warm_start_shape = {self.warm_start_shape}: {error}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             fail(f"model.compute_dtype = {self.compute_dtype!r}: use float32 or bfloat16")
 

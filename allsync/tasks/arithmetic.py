@@ -30,7 +30,9 @@ class ArithmeticGenerator:
     max_digits: int = 3
     ops: tuple[str, ...] = ("+",)
     nonnegative: bool = True  # "-": put the larger operand first so answers are >= 0
-    reasoning: str = "none"  # none: the reply is `Answer: N`; verbose: a digit-by-digit sum first (verbose_reply)
+    # none: the reply is `Answer: N`; verbose: a digit-by-digit sum first (verbose_reply); mixed: verbose, or for one
+    # problem in COMPACT_EVERY the same columns in a few tokens (compact_reply)
+    reasoning: str = "none"
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -40,8 +42,10 @@ class ArithmeticGenerator:
             raise ValueError(f"ops {self.ops!r}: each must be one of {sorted(OPERATIONS)}")
         if self.reasoning not in REASONING:
             raise ValueError(f"reasoning {self.reasoning!r}: use {' or '.join(REASONING)}")
-        if self.reasoning == "verbose" and tuple(self.ops) != ("+",):
-            raise ValueError(f"reasoning verbose with ops {list(self.ops)}: the verbose reply is written for '+'")
+        if self.reasoning != "none" and tuple(self.ops) != ("+",):
+            raise ValueError(
+                f"reasoning {self.reasoning} with ops {list(self.ops)}: the reasoned replies are written for '+'"
+            )
 
     def space_size(self) -> int:
         """Distinct problems: (sum over d of count(d))^2 * len(ops), count(1) = 10, count(d) = 9 * 10^(d-1)."""
@@ -63,7 +67,7 @@ class ArithmeticGenerator:
 
     def max_response_tokens(self) -> int:
         """Tokens of the longest reply plus eos (the tokenizer is byte-level: 1 char = 1 token)."""
-        if self.reasoning == "verbose":
+        if self.reasoning != "none":  # mixed: the verbose reply is the longer
             return len(self.longest_verbose_reply()) + 1
         return len(ANSWER_PREFIX) + self.max_answer_chars() + 1
 
@@ -76,14 +80,21 @@ class ArithmeticGenerator:
             return answer_examples(tokenizer, problems)
         rng = random.Random(f"verbose-{seed}")
         replies = [verbose_reply(*operands(p), rng.randint(0, MAX_RESTATEMENTS)) for p in problems]
+        if self.reasoning == "mixed":  # its own stream: the verbose replies are those `verbose` teaches
+            short = random.Random(f"compact-{seed}")
+            replies = [
+                compact_reply(*operands(p)) if short.randrange(COMPACT_EVERY) == 0 else r
+                for p, r in zip(problems, replies)
+            ]
         return answer_examples(tokenizer, problems, replies)
 
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
         return encode_problems(tokenizer, problems, with_answer=False)
 
 
-REASONING = ("none", "verbose")
+REASONING = ("none", "verbose", "mixed")
 MAX_RESTATEMENTS = 3
+COMPACT_EVERY = 4  # reasoning mixed: one warm-start reply in 4 (on average) is compact_reply
 
 
 def operands(problem: Problem) -> tuple[int, int]:
@@ -99,15 +110,32 @@ def verbose_reply(a: int, b: int, restatements: int) -> str:
     Answer: 85
     """
     names = ("ones", "tens", "hundreds", "thousands")
-    steps, carry, i = [], 0, 0
-    while a // 10**i or b // 10**i or carry or i == 0:
-        x, y = a // 10**i % 10, b // 10**i % 10
-        total = x + y + carry
+    steps = []
+    for i, (x, y, carry, total) in enumerate(column_sums(a, b)):
         terms = f"{x}+{y}" + (f"+{carry}" if carry else "")
         steps.append(f"{names[i]} {terms}={total}, write {total % 10}" + (" carry 1" if total > 9 else "") + ".")
-        carry, i = total // 10, i + 1
     text = f"{a}+{b}: " + " ".join(steps) + f" so {a}+{b}={a + b}." + f" again: {a}+{b}={a + b}." * restatements
     return f"{text}\n{ANSWER_PREFIX}{a + b}"
+
+
+def column_sums(a: int, b: int) -> list[tuple[int, int, int, int]]:
+    """(x, y, carry in, total) per column of a+b, ones first, up to the last carry."""
+    columns, carry, i = [], 0, 0
+    while a // 10**i or b // 10**i or carry or i == 0:
+        x, y = a // 10**i % 10, b // 10**i % 10
+        columns.append((x, y, carry, x + y + carry))
+        carry, i = (x + y + carry) // 10, i + 1
+    return columns
+
+
+def compact_reply(a: int, b: int) -> str:
+    """The columns of verbose_reply without the words, the write-down or a restatement:
+
+    47+38: 7+8=15 4+3+1=8
+    Answer: 85
+    """
+    sums = " ".join(f"{x}+{y}" + (f"+{c}" if c else "") + f"={t}" for x, y, c, t in column_sums(a, b))
+    return f"{a}+{b}: {sums}\n{ANSWER_PREFIX}{a + b}"
 
 
 def digit_count(d: int) -> int:
@@ -160,9 +188,9 @@ class ArithmeticTask(GeneratedTask):
     heldout_size: int = 200  # unique held-out problems
     seed: int = 0  # the generated splits
 
-    reasoning: str = (
-        "none"  # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning)
-    )
+    # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning); mixed: that, or for
+    # one problem in four the same sums in a few tokens (a base that knows a short correct reasoning)
+    reasoning: str = "none"
 
     def generator(self) -> ArithmeticGenerator:
         return ArithmeticGenerator(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)

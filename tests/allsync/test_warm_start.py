@@ -274,3 +274,29 @@ def test_model_warm_start_steps_sets_the_bases_steps_and_is_refused_without_a_wa
         parse_config({"model": {"warm_start_steps": 300}})
     with pytest.raises(ConfigError, match=r"model\.warm_start_steps = 0: must be >= 1"):
         parse_config({"model": {"warm_start": True, "warm_start_steps": 0}})
+
+
+def test_model_warm_start_shape_sets_the_bases_model_and_is_refused_by_name_when_it_cannot_be_built():
+    """model.warm_start_shape (issue 47's two-MoE-layer variant) overrides the default model's shape in the settings
+    the base is built and stored with, so a base of one shape is not taken for another; an unknown key, a shape
+    TinySpec cannot build and a shape without a warm start are refused by name before any work."""
+    from allsync.config import ConfigError, parse_config
+    from allsync.warm_start import DEFAULT_SPEC, settings_for_run
+
+    settings = settings_for_run(parse_config({"model": {"warm_start": True, "warm_start_shape": {"layers": 3}}}))
+    assert (settings.model.layers, settings.model.dense_layers, settings.model.experts) == (3, 1, DEFAULT_SPEC.experts)
+    assert settings.as_json()["model"]["layers"] == 3
+    assert settings_for_run(parse_config({"model": {"warm_start": True}})).model == DEFAULT_SPEC
+    refused = {
+        r"warm_start_shape without model\.warm_start": {"warm_start_shape": {"layers": 3}},
+        r"warm_start_shape\.fp8: not a shape key": {"warm_start": True, "warm_start_shape": {"fp8": 1}},
+        r"warm_start_shape\.layers = 0: must be >= 1": {"warm_start": True, "warm_start_shape": {"layers": 0}},
+        r"warm_start_shape = \{'experts': 5\}: --experts 5 must be divisible": {
+            "warm_start": True,
+            "warm_start_shape": {"experts": 5},
+        },
+        r"'model\.warm_start_shape' = .* is not of type": {"warm_start": True, "warm_start_shape": {"layers": "3"}},
+    }
+    for message, model in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"model": model})

@@ -22,6 +22,20 @@ def test_the_arms_are_valid_configs_that_differ_where_the_comparison_says():
     assert (ppo.algorithm.value_pretrain_steps, tppo.algorithm.value_pretrain_steps) == (5, 20)
 
 
+def test_the_probe_arms_change_only_what_they_probe():
+    """PPO-last: PPO with the probe producer (run.imports) training each reply's last window of tokens; T-PPO-critic4x:
+    T-PPO with four times the critic-only steps."""
+    from benchmarks.probes.last_tokens_credit import last_tokens_mask
+
+    arms = arm_configs(minutes=12, window=32, pool=128, eval_minutes=2, arms=("PPO", "PPO-last", "T-PPO-critic4x"))
+    parsed = {name: parse_config(config) for name, config in arms.items()}
+    ppo, last, critic4x = parsed["PPO"], parsed["PPO-last"], parsed["T-PPO-critic4x"]
+    assert (last.producer.kind, last.producer.trained_tokens, last.producer.window) == ("last_tokens_credit", 32, None)
+    assert last.algorithm == ppo.algorithm and last.rollout == ppo.rollout
+    assert (critic4x.producer.window, critic4x.algorithm.value_pretrain_steps) == (32, 80)
+    assert last_tokens_mask(40, 32) == [0] * 8 + [1] * 32 and last_tokens_mask(20, 32) == [1] * 20
+
+
 def test_the_summary_counts_training_minutes_and_the_first_evaluation_at_a_target():
     rows = [
         {"step": 0, "heldout_accuracy": 0.3},

@@ -1,4 +1,5 @@
-"""task.reasoning verbose (balanced reasoning, issue 27): the reply the warm start teaches, its bounds, its refusals."""
+"""task.reasoning verbose and mixed (balanced reasoning, issues 27 and 49): the replies the warm start teaches, their
+bounds, the refusals."""
 
 import random
 
@@ -6,7 +7,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from allsync.config import ConfigError, parse_config
-from allsync.tasks.arithmetic import MAX_RESTATEMENTS, ArithmeticGenerator, make_problem, operands, verbose_reply
+from allsync.tasks.arithmetic import (
+    COMPACT_EVERY,
+    MAX_RESTATEMENTS,
+    ArithmeticGenerator,
+    compact_reply,
+    make_problem,
+    operands,
+    verbose_reply,
+)
 from evals.rewards import score
 
 
@@ -38,10 +47,44 @@ def test_the_longest_reply_bounds_the_task_and_the_teacher_writes_it(tiny_bf16):
 @pytest.mark.parametrize(
     "task, message",
     [
-        ({"reasoning": "terse"}, r"reasoning 'terse': use none or verbose"),
+        ({"reasoning": "terse"}, r"reasoning 'terse': use none or verbose or mixed"),
         ({"reasoning": "verbose", "ops": ["+", "*"]}, r"reasoning verbose with ops \['\+', '\*'\]"),
     ],
 )
 def test_reasoning_is_checked_naming_the_value(tiny_bf16, task, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"model": {"base": str(tiny_bf16)}, "task": {"name": "arithmetic", **task}})
+
+
+def test_the_compact_reply_is_the_verbose_ones_columns_in_a_few_tokens():
+    assert compact_reply(47, 38) == "47+38: 7+8=15 4+3+1=8\nAnswer: 85"
+    assert compact_reply(99, 99) == "99+99: 9+9=18 9+9+1=19 0+0+1=1\nAnswer: 198"
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        assert score("arithmetic", compact_reply(a, b), str(a + b)) == 1.0
+        assert len(compact_reply(a, b)) < 0.5 * len(verbose_reply(a, b, 0))
+
+
+def test_mixed_reasoning_teaches_the_verbose_replies_and_about_one_compact_reply_in_four(tiny_bf16):
+    """reasoning mixed: each problem's reply is verbose's own (the same restatements) or, for about one problem in
+    COMPACT_EVERY, compact_reply; the bound is verbose's longest reply."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_bf16))
+    rng = random.Random(1)
+    problems = [make_problem(rng.randint(10, 99), "+", rng.randint(10, 99)) for _ in range(400)]
+    verbose = ArithmeticGenerator(2, 2, ("+",), reasoning="verbose")
+    mixed = ArithmeticGenerator(2, 2, ("+",), reasoning="mixed")
+    assert mixed.max_response_tokens() == verbose.max_response_tokens()
+    compact = 0
+    for p, (v, _), (m, start) in zip(
+        problems, verbose.teacher_examples(tokenizer, problems, 0), mixed.teacher_examples(tokenizer, problems, 0)
+    ):
+        reply = tokenizer.decode(m[start:], skip_special_tokens=True)
+        if m != v:
+            assert reply == compact_reply(*operands(p))
+            compact += 1
+    assert abs(compact / len(problems) - 1 / COMPACT_EVERY) < 0.06
+    with pytest.raises(ConfigError, match=r"reasoning mixed with ops"):
+        parse_config(
+            {"model": {"base": str(tiny_bf16)}, "task": {"name": "arithmetic", "reasoning": "mixed", "ops": ["-"]}}
+        )
