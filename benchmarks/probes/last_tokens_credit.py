@@ -27,15 +27,18 @@ def last_tokens_mask(response_tokens: int, trained_tokens: int) -> list[int]:
     return [0] * (response_tokens - kept) + [1] * kept
 
 
-class LastTokensPool(WindowPool):
-    """WindowPool over whole responses whose episodes train only their last `trained_tokens` tokens."""
+class LastTokensPool:
+    """PPO's WindowPool (whole responses) whose episodes train only their last `trained_tokens` tokens; everything
+    else is the pool's own."""
 
-    def __init__(self, *args, trained_tokens: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.trained_tokens = trained_tokens
+    def __init__(self, pool: WindowPool, trained_tokens: int):
+        self.pool, self.trained_tokens = pool, trained_tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self.pool, name)
 
     def collect(self, groups_wanted: int, version: int):
-        episodes, index, stats = super().collect(groups_wanted, version)
+        episodes, index, stats = self.pool.collect(groups_wanted, version)
         for episode in episodes:
             segment = episode.segments[-1]
             mask = last_tokens_mask(len(segment.response_ids), self.trained_tokens)
@@ -56,17 +59,4 @@ class LastTokensCreditSettings(WindowsSettings):
             fail(f"producer.trained_tokens = {self.trained_tokens}: must be >= 1")
 
     def build(self, context: ProducerContext) -> LastTokensPool:
-        r = context.config.rollout
-        return LastTokensPool(
-            context.engine,
-            context.encode_prompt,
-            context.take_problems,
-            context.score,
-            context.samples_per_step,
-            r.group_size,
-            r.max_new_tokens,
-            r.max_new_tokens,
-            r.temperature,
-            r.top_p,
-            trained_tokens=self.trained_tokens,
-        )
+        return LastTokensPool(super().build(context), self.trained_tokens)
