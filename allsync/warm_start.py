@@ -72,17 +72,21 @@ class WarmStartSettings:
 
     def as_json(self) -> dict:
         """The settings as stored beside a base (tuples as lists, as they come back from disk). A task setting
-        added after bases were built (ArithmeticGenerator.reasoning) is left out at its default, which trains what
+        added after bases were built (LATER_DEFAULTS) is left out at its default, which trains what
         bases did before it existed, so those bases stay valid."""
         return without_later_defaults(json.loads(json.dumps(asdict(self))))
 
 
+# task settings added after bases were built, at the default that trains what bases did before them
+LATER_DEFAULTS = {"reasoning": "none", "reads_notes": False}
+
+
 def without_later_defaults(settings: dict) -> dict:
     """`settings` (as_json's layout) less the settings added after bases were built, where they hold the default
-    that trains what bases did before (task.reasoning none): bases of every allsync version compare alike."""
+    that trains what bases did before (LATER_DEFAULTS): bases of every allsync version compare alike."""
     task = settings.get("task")
-    if isinstance(task, dict) and task.get("reasoning") == "none":
-        settings = {**settings, "task": {k: v for k, v in task.items() if k != "reasoning"}}
+    if isinstance(task, dict):
+        settings = {**settings, "task": {k: v for k, v in task.items() if LATER_DEFAULTS.get(k, object()) != v}}
     return settings
 
 

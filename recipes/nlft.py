@@ -2,9 +2,12 @@
 task, from the same warm-started base, over the same LoRA-on-MoE stack as RL (issue 27).
 
     python recipes/nlft.py [--examples 50] [--seeds 0,1,2] [--epochs 8] [--lr 3e-4] [--heldout-samples 4]
-                           [--base runs/tiny-base] [--out runs/nlft]
+                           [--reads-notes] [--base runs/tiny-base] [--out runs/nlft]
 
-Per seed, from the base of recipes/configs/tiny_cpu.yaml (built by its warm start when missing):
+Per seed, from the base of recipes/configs/tiny_cpu.yaml (built by its warm start when missing; with --reads-notes
+the same warm start with task.reads_notes, at runs/tiny-base-notes: one training prompt in four carries the standard
+answer and one in four a judgment of an answer, as below, each followed by the right answer, so that the base reads
+them as NLFT's p_std and p_judge assume):
   examples   the first 50 training problems; the base answers each once (at rollout.temperature, the temperature of
              every probability below); a wrong answer gets a
              natural-language judgment naming its wrong digit (`judgment`). Written to OUT/seed-S/examples.jsonl
@@ -43,6 +46,7 @@ from allsync.forward import (
 )
 from allsync.train_batch import TrainBatch
 from allsync.tasks import Problem, make_splits
+from allsync.tasks.arithmetic import judgment, standard_note, with_note
 from allsync.tasks.problems import answer_examples
 from allsync.worker import RLWorker
 from evals.rewards import answer_of, score
@@ -51,26 +55,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = 10
 
 
-def run_config(base: str):
+def run_config(base: str, reads_notes: bool = False):
     raw = yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
     raw["model"]["base"] = base
+    raw["task"]["reads_notes"] = reads_notes
     raw["parallel"] = {"workers_per_node": 1}
     return parse_config(raw)
-
-
-def judgment(answer: str | None, truth: str) -> str:
-    """What a grader would say of a wrong answer: the first digit that is wrong, and what it should be."""
-    got = (answer or "").strip()
-    if not got:
-        return f"the reply gives no answer; the answer is {truth}"
-    if len(got) != len(truth):
-        return f"the answer {got} has {len(got)} digits, the right one has {len(truth)}"
-    i = next(i for i, (a, b) in enumerate(zip(got, truth)) if a != b)
-    return f"the answer {got} is wrong at digit {i + 1}: {got[i]} should be {truth[i]}"
-
-
-def with_note(problem: Problem, note: str) -> Problem:
-    return Problem(f"{problem.prompt} ({note})", problem.answer)
 
 
 def write_examples(worker: RLWorker, problems: list[Problem], path: Path, seed: int) -> list[dict]:
@@ -117,8 +107,8 @@ def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatc
     seqs = build_sequences([encode(p) for p in problems], responses, pad)
     index, valid = response_positions(seqs.response_mask)
     old_logprobs = learner.passes.current_logprobs(seqs)
-    std = [encode(with_note(p, f"the correct answer is {p.answer}")) for p in problems]
-    judged = [encode(with_note(p, r["judgment"] or f"the answer {p.answer} is right")) for p, r in zip(problems, rows)]
+    std = [encode(with_note(p, standard_note(p.answer))) for p in problems]
+    judged = [encode(with_note(p, r["judgment"] or judgment(p.answer, p.answer))) for p, r in zip(problems, rows)]
     p_std = response_probabilities(learner, std, responses)
     p_judge = response_probabilities(learner, judged, responses)
     p_base = to_response_layout(old_logprobs, index, valid).exp()
@@ -163,10 +153,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--heldout-samples", type=int, default=4)
-    parser.add_argument("--base", default="runs/tiny-base", help="the default job's warm-started base")
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the warm-started base (default runs/tiny-base, or with --reads-notes runs/tiny-base-notes)",
+    )
+    parser.add_argument(
+        "--reads-notes",
+        action="store_true",
+        help="a base warm-started with task.reads_notes: it has read prompts carrying the standard answer or a "
+        "judgment, each followed by the right answer",
+    )
     parser.add_argument("--out", default="runs/nlft")
     args = parser.parse_args(argv)
-    config = run_config(args.base)
+    args.base = args.base or ("runs/tiny-base-notes" if args.reads_notes else "runs/tiny-base")
+    config = run_config(args.base, args.reads_notes)
     config.optim.lr = args.lr
     if not (Path(args.base) / "config.json").exists():
         from allsync.warm_start import settings_for_run, warm_start

@@ -33,6 +33,9 @@ class ArithmeticGenerator:
     # none: the reply is `Answer: N`; verbose: a digit-by-digit sum first (verbose_reply); mixed: verbose, or for one
     # problem in COMPACT_EVERY the same columns in a few tokens (compact_reply)
     reasoning: str = "none"
+    # the warm start also teaches prompts carrying a note (standard_note or a judgment, teach_notes), each followed by
+    # the right reply, so that the base reads one: what NLFT's p_std and p_judge assume (recipes/nlft.py)
+    reads_notes: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -76,16 +79,18 @@ class ArithmeticGenerator:
         return make_splits(self, train_size, heldout_size, seed)
 
     def teacher_examples(self, tokenizer, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
-        if self.reasoning == "none":
-            return answer_examples(tokenizer, problems)
-        rng = random.Random(f"verbose-{seed}")
-        replies = [verbose_reply(*operands(p), rng.randint(0, MAX_RESTATEMENTS)) for p in problems]
+        replies = None
+        if self.reasoning != "none":
+            rng = random.Random(f"verbose-{seed}")
+            replies = [verbose_reply(*operands(p), rng.randint(0, MAX_RESTATEMENTS)) for p in problems]
         if self.reasoning == "mixed":  # its own stream: the verbose replies are those `verbose` teaches
             short = random.Random(f"compact-{seed}")
             replies = [
                 compact_reply(*operands(p)) if short.randrange(COMPACT_EVERY) == 0 else r
                 for p, r in zip(problems, replies)
             ]
+        if self.reads_notes:  # the replies above are the plain problems'; only the prompts gain a note
+            problems = teach_notes(problems, random.Random(f"notes-{seed}"))
         return answer_examples(tokenizer, problems, replies)
 
     def heldout_prompts(self, tokenizer, problems: list[Problem]) -> list[list[int]]:
@@ -94,6 +99,7 @@ class ArithmeticGenerator:
 
 REASONING = ("none", "verbose", "mixed")
 MAX_RESTATEMENTS = 3
+NOTE_EVERY = 4  # reads_notes: one warm-start prompt in 4 carries the standard answer, one in 4 a judgment
 COMPACT_EVERY = 4  # reasoning mixed: one warm-start reply in 4 (on average) is compact_reply
 
 
@@ -116,6 +122,54 @@ def verbose_reply(a: int, b: int, restatements: int) -> str:
         steps.append(f"{names[i]} {terms}={total}, write {total % 10}" + (" carry 1" if total > 9 else "") + ".")
     text = f"{a}+{b}: " + " ".join(steps) + f" so {a}+{b}={a + b}." + f" again: {a}+{b}={a + b}." * restatements
     return f"{text}\n{ANSWER_PREFIX}{a + b}"
+
+
+def standard_note(truth: str) -> str:
+    """The note that carries the standard answer (NLFT's p_std prompt)."""
+    return f"the correct answer is {truth}"
+
+
+def judgment(answer: str | None, truth: str) -> str:
+    """What a grader says of an answer: that it is right, or the first digit that is wrong and what it should be."""
+    got = (answer or "").strip()
+    if not got:
+        return f"the reply gives no answer; the answer is {truth}"
+    if got == truth:
+        return f"the answer {truth} is right"
+    if len(got) != len(truth):
+        return f"the answer {got} has {len(got)} digits, the right one has {len(truth)}"
+    i = next(i for i, (a, b) in enumerate(zip(got, truth)) if a != b)
+    return f"the answer {got} is wrong at digit {i + 1}: {got[i]} should be {truth[i]}"
+
+
+def with_note(problem: Problem, note: str) -> Problem:
+    """The problem with `note` in brackets after its question."""
+    return Problem(f"{problem.prompt} ({note})", problem.answer)
+
+
+def wrong_answer(truth: str, rng: random.Random) -> str:
+    """A plausible wrong answer: one digit changed (never to a leading zero), or one in five a digit added or
+    dropped."""
+    if rng.random() < 0.2:
+        return truth + str(rng.randint(0, 9)) if len(truth) == 1 or rng.random() < 0.5 else truth[:-1]
+    i = rng.randrange(len(truth))
+    digits = [d for d in "0123456789" if d != truth[i] and not (i == 0 and d == "0" and len(truth) > 1)]
+    return truth[:i] + rng.choice(digits) + truth[i + 1 :]
+
+
+def teach_notes(problems: list[Problem], rng: random.Random) -> list[Problem]:
+    """reads_notes: one problem in NOTE_EVERY carries standard_note, one in NOTE_EVERY the judgment of an answer
+    (wrong four times in five, else the right one), the rest none; every reply stays the problem's own."""
+    noted = []
+    for p in problems:
+        kind = rng.randrange(NOTE_EVERY)
+        if kind == 0:
+            p = with_note(p, standard_note(p.answer))
+        elif kind == 1:
+            answer = wrong_answer(p.answer, rng) if rng.random() < 0.8 else p.answer
+            p = with_note(p, judgment(answer, p.answer))
+        noted.append(p)
+    return noted
 
 
 def column_sums(a: int, b: int) -> list[tuple[int, int, int, int]]:
@@ -191,9 +245,14 @@ class ArithmeticTask(GeneratedTask):
     # verbose: the warm start teaches a digit-by-digit sum before the answer (balanced reasoning); mixed: that, or for
     # one problem in four the same sums in a few tokens (a base that knows a short correct reasoning)
     reasoning: str = "none"
+    # the warm start also teaches prompts carrying the standard answer or a judgment of an answer, each followed by
+    # the right reply (a base that reads a note: what recipes/nlft.py's p_std and p_judge assume)
+    reads_notes: bool = False
 
     def generator(self) -> ArithmeticGenerator:
-        return ArithmeticGenerator(self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning)
+        return ArithmeticGenerator(
+            self.min_digits, self.max_digits, tuple(self.ops), reasoning=self.reasoning, reads_notes=self.reads_notes
+        )
 
     def longest_reply(self, tokenizer, problems: list[Problem]) -> tuple[int, str]:
         """Verbose reasoning: the verbose reply of the largest operands with the most restatements; else the

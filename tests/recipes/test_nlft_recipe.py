@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
-from nlft import judgment, main  # noqa: E402
+from nlft import main  # noqa: E402
+
+from allsync.tasks.arithmetic import judgment
 
 
 @pytest.mark.parametrize(
@@ -16,6 +18,7 @@ from nlft import judgment, main  # noqa: E402
         ("457", "467", "the answer 457 is wrong at digit 2: 5 should be 6"),
         ("45", "467", "the answer 45 has 2 digits, the right one has 3"),
         (None, "467", "the reply gives no answer; the answer is 467"),
+        ("467", "467", "the answer 467 is right"),
     ],
 )
 def test_the_judgment_names_the_wrong_digit(answer, truth, said):
