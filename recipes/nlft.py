@@ -5,9 +5,9 @@ task, from the same warm-started base, over the same LoRA-on-MoE stack as RL (is
                            [--reads-notes] [--base runs/tiny-base] [--out runs/nlft]
 
 Per seed, from the base of recipes/configs/tiny_cpu.yaml (built by its warm start when missing; with --reads-notes
-the same warm start with task.reads_notes, at runs/tiny-base-notes: one training prompt in four carries the standard
-answer and one in four a judgment of an answer, as below, each followed by the right answer, so that the base reads
-them as NLFT's p_std and p_judge assume):
+the same warm start with task.reads_notes and twice the steps, at runs/tiny-base-notes: one training prompt in
+four carries the standard answer and one in four a judgment of an answer, as below, each followed by the right
+answer, so that the base reads them as NLFT's p_std and p_judge assume):
   examples   the first 50 training problems; the base answers each once (at rollout.temperature, the temperature of
              every probability below); a wrong answer gets a
              natural-language judgment naming its wrong digit (`judgment`). Written to OUT/seed-S/examples.jsonl
@@ -18,8 +18,9 @@ them as NLFT's p_std and p_judge assume):
              standard answer, and under the prompt carrying the judgment: allsync.algorithms.nlft's loss
 Both: a fresh LoRA (the RL run's rank and targets) trained by the RL learner's update (AdamW with the default run's
 betas, gradient clip 1) under the `nlft` policy loss, `--epochs` passes in batches of 10. Reported per method
-and seed: held-out accuracy (avg@`--heldout-samples` on the task's held-out problems), training seconds, and the
-peak bytes the training forwards saved for backward. Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
+and seed: held-out accuracy (avg@`--heldout-samples` on the task's held-out problems), training seconds, the
+peak bytes the training forwards saved for backward, and the share of trained tokens NLFT found salient (its
+unlikelihood terms) over all its batches. Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from allsync.algorithms import nlft_signed_weights
-from allsync.config import parse_config
+from allsync.config import WARM_START_STEPS, parse_config
 from allsync.engines.torch_engine import Sampling
 from allsync.forward import (
     build_sequences,
@@ -59,6 +60,8 @@ def run_config(base: str, reads_notes: bool = False):
     raw = yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
     raw["model"]["base"] = base
     raw["task"]["reads_notes"] = reads_notes
+    if reads_notes:  # half the warm start's prompts carry a note: twice the steps give the plain ones the default's
+        raw["model"]["warm_start_steps"] = 2 * WARM_START_STEPS  # share (at 750 steps the base was right 2.4%)
     raw["parallel"] = {"workers_per_node": 1}
     return parse_config(raw)
 
@@ -116,18 +119,21 @@ def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatc
     return TrainBatch(seqs, old_logprobs, to_sequence_layout(weights, index, valid, seqs.response_mask.shape[1]))
 
 
-def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: int) -> tuple[float, int]:
+def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: int) -> tuple[float, int, float]:
     """`epochs` passes over the examples in batches of BATCH through the RL learner's update (its AdamW, gradient
-    clip and buffers) with the `nlft` policy loss. Returns (seconds, peak bytes saved for backward by one update)."""
+    clip and buffers) with the `nlft` policy loss. Returns (seconds, peak bytes saved for backward by one update,
+    the share of trained tokens with a negative weight: NLFT's salient, unlikelihood tokens)."""
     learner = worker.learner
     learner.loss_settings = replace(learner.loss_settings, policy_loss="nlft")  # this recipe's loss, not a config key
     order = torch.Generator().manual_seed(seed)
-    peak, version = 0, 0
+    peak, version, salient, trained = 0, 0, 0, 0
     start = time.perf_counter()
     for _ in range(epochs):
         perm = torch.randperm(len(rows), generator=order).tolist()
         for i in range(0, len(rows), BATCH):
             tb = examples_batch(worker, [rows[j] for j in perm[i : i + BATCH]], method)
+            mask = tb.sequences.response_mask > 0
+            salient, trained = salient + int((tb.advantages[mask] < 0).sum()), trained + int(mask.sum())
             saved: dict[int, int] = {}
 
             def pack(t):
@@ -138,7 +144,7 @@ def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: in
                 learner.update(tb, version)
             peak = max(peak, sum(saved.values()))
             version += 1
-    return time.perf_counter() - start, peak
+    return time.perf_counter() - start, peak, salient / max(trained, 1)
 
 
 def heldout_accuracy(worker: RLWorker, problems: list[Problem], samples: int) -> float:
@@ -188,14 +194,17 @@ def main(argv: list[str] | None = None) -> dict:
                     results["base"] = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
                 if rows is None:
                     rows = write_examples(worker, problems, Path(args.out) / f"seed-{seed}" / "examples.jsonl", seed)
-                seconds, peak = train(worker, rows, method, args.epochs, seed)
+                seconds, peak, salient = train(worker, rows, method, args.epochs, seed)
                 accuracy = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
             finally:  # each method's worker (its reward processes) ends before the next starts
                 worker.shutdown()
-            results[method].append(dict(seed=seed, heldout=accuracy, seconds=seconds, peak_saved_bytes=peak))
+            results[method].append(
+                dict(seed=seed, heldout=accuracy, seconds=seconds, peak_saved_bytes=peak, salient_share=salient)
+            )
             print(
                 f"seed {seed} {method:<4} held-out {accuracy:.1%}  training {seconds:.1f} s  "
-                f"peak saved for backward {peak / 1e6:.2f} MB  (examples: {sum(r['correct'] for r in rows)} of "
+                f"peak saved for backward {peak / 1e6:.2f} MB  salient tokens {salient:.1%}  "
+                f"(examples: {sum(r['correct'] for r in rows)} of "
                 f"{len(rows)} answered right by the base)",
                 flush=True,
             )
