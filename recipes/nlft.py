@@ -20,7 +20,8 @@ Both: a fresh LoRA (the RL run's rank and targets) trained by the RL learner's u
 betas, gradient clip 1) under the `nlft` policy loss, `--epochs` passes in batches of 10. Reported per method
 and seed: held-out accuracy (avg@`--heldout-samples` on the task's held-out problems), training seconds, the
 peak bytes the training forwards saved for backward, and the share of trained tokens NLFT found salient (its
-unlikelihood terms) over all its batches. Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
+unlikelihood terms) over all its batches; per seed, before training, what the judgment does to the digit it names
+(`wrong_digit_probe`: the medians of p_judge / p_base and p_std / p_base there, and how often it is salient). Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from allsync.algorithms import nlft_signed_weights
+from allsync.algorithms.nlft import salient_tokens
 from allsync.config import WARM_START_STEPS, parse_config
 from allsync.engines.torch_engine import Sampling
 from allsync.forward import (
@@ -94,29 +96,67 @@ def response_probabilities(learner, prompts, responses) -> torch.Tensor:
     return to_response_layout(learner.passes.current_logprobs(batch), index, valid).exp()
 
 
+def note_probabilities(worker: RLWorker, rows: list[dict]):
+    """(sequences of the plain prompts and the sampled responses, their logprobs, then p_base, p_std, p_judge [B, T]
+    response-aligned): each response's tokens under the plain prompt, the prompt carrying the standard answer and the
+    prompt carrying the judgment (a right answer's: judgment(answer, answer)), at the policy's temperature."""
+    problems = [Problem(r["prompt"], r["answer"]) for r in rows]
+    learner, encode, responses = worker.learner, worker.encode_prompt, [r["response"] for r in rows]
+    seqs = build_sequences([encode(p) for p in problems], responses, learner.pad_id)
+    index, valid = response_positions(seqs.response_mask)
+    logprobs = learner.passes.current_logprobs(seqs)
+    std = [encode(with_note(p, standard_note(p.answer))) for p in problems]
+    judged = [encode(with_note(p, r["judgment"] or judgment(p.answer, p.answer))) for p, r in zip(problems, rows)]
+    p_std = response_probabilities(learner, std, responses)
+    p_judge = response_probabilities(learner, judged, responses)
+    return seqs, logprobs, to_response_layout(logprobs, index, valid).exp(), p_std, p_judge
+
+
 def examples_batch(worker: RLWorker, rows: list[dict], method: str) -> TrainBatch:
     """What the learner trains on for a batch of examples, with the `nlft` policy loss (allsync.algorithms.nlft):
     SFT, the standard answers (`Answer: N` + eos) under the plain prompt, every token's weight 1 (its likelihood);
     NLFT, the sampled responses under the plain prompt, weighted by nlft_signed_weights from p_base (the adapter
     now), p_std (the prompt carrying the standard answer) and p_judge (the prompt carrying the judgment), all three
-    at the policy's temperature."""
-    problems = [Problem(r["prompt"], r["answer"]) for r in rows]
-    learner, pad, encode = worker.learner, worker.learner.pad_id, worker.encode_prompt
+    at the policy's temperature (note_probabilities)."""
+    learner = worker.learner
     if method == "sft":
-        full = answer_examples(worker.tokenizer, problems)
-        seqs = build_sequences([f[:s] for f, s in full], [f[s:] for f, s in full], pad)
+        full = answer_examples(worker.tokenizer, [Problem(r["prompt"], r["answer"]) for r in rows])
+        seqs = build_sequences([f[:s] for f, s in full], [f[s:] for f, s in full], learner.pad_id)
         return TrainBatch(seqs, learner.passes.current_logprobs(seqs), seqs.response_mask.clone())
-    responses = [r["response"] for r in rows]
-    seqs = build_sequences([encode(p) for p in problems], responses, pad)
+    seqs, old_logprobs, p_base, p_std, p_judge = note_probabilities(worker, rows)
     index, valid = response_positions(seqs.response_mask)
-    old_logprobs = learner.passes.current_logprobs(seqs)
-    std = [encode(with_note(p, standard_note(p.answer))) for p in problems]
-    judged = [encode(with_note(p, r["judgment"] or judgment(p.answer, p.answer))) for p, r in zip(problems, rows)]
-    p_std = response_probabilities(learner, std, responses)
-    p_judge = response_probabilities(learner, judged, responses)
-    p_base = to_response_layout(old_logprobs, index, valid).exp()
     weights = nlft_signed_weights(p_base, p_std, p_judge, torch.tensor([r["correct"] for r in rows]))
     return TrainBatch(seqs, old_logprobs, to_sequence_layout(weights, index, valid, seqs.response_mask.shape[1]))
+
+
+def first_wrong_digit(worker: RLWorker, row: dict) -> int | None:
+    """The response index of the digit a judgment "wrong at digit i" names (the tokenizer is byte-level: a
+    character a token), or None for a row whose judgment names no digit."""
+    said = row["judgment"]
+    if " is wrong at digit " not in said:
+        return None
+    digit = int(said.split(" is wrong at digit ")[1].split(":")[0]) - 1
+    text = worker.tokenizer.decode(row["response"], skip_special_tokens=True)
+    answer = answer_of("arithmetic", text)
+    return text.rindex(answer) + digit if answer else None
+
+
+def wrong_digit_probe(worker: RLWorker, rows: list[dict]) -> dict:
+    """What the judgment does to the token it names, before training: at the first wrong digit of each wrong answer
+    of the right length, the medians of p_judge / p_base and p_std / p_base, and the share of those tokens NLFT calls
+    salient (both ratios above 1.5: allsync.algorithms.nlft.salient_tokens)."""
+    named = [(r, i) for r in rows if (i := first_wrong_digit(worker, r)) is not None]
+    if not named:
+        return {"tokens": 0}
+    _, _, p_base, p_std, p_judge = note_probabilities(worker, [r for r, _ in named])
+    at = torch.arange(len(named)), torch.tensor([i for _, i in named])
+    base, std, judge = p_base[at], p_std[at], p_judge[at]
+    return {
+        "tokens": len(named),
+        "judge_over_base": float((judge / base).median()),
+        "std_over_base": float((std / base).median()),
+        "salient": float(salient_tokens(base, std, judge).float().mean()),
+    }
 
 
 def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: int) -> tuple[float, int, float]:
@@ -194,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
                     results["base"] = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
                 if rows is None:
                     rows = write_examples(worker, problems, Path(args.out) / f"seed-{seed}" / "examples.jsonl", seed)
+                    probe = results.setdefault("wrong_digit_probe", {})[seed] = wrong_digit_probe(worker, rows)
+                    print(f"seed {seed} the judged digit before training: {probe}", flush=True)
                 seconds, peak, salient = train(worker, rows, method, args.epochs, seed)
                 accuracy = heldout_accuracy(worker, splits.heldout, args.heldout_samples)
             finally:  # each method's worker (its reward processes) ends before the next starts

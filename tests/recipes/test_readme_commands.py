@@ -34,6 +34,7 @@ FAST = [
 SLOW = [
     "accelerate launch recipes/dapo.py",
     "python recipes/nlft.py",
+    "python recipes/nlft.py --reads-notes",
     "accelerate launch recipes/dapo.py --config my.yaml --resume",
     "python recipes/dapo.py --no-ray --steps 20 --out-dir runs/dapo-20",
     "accelerate launch recipes/dapo.py --config recipes/configs/tiny_cpu_tppo.yaml",
