@@ -90,21 +90,23 @@ class ModelSection:
         if self.warm_start_shape and not self.warm_start:
             fail("model.warm_start_shape without model.warm_start: nothing is warm-started")
         self.check_warm_start_shape(fail)
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            fail(f"model.compute_dtype = {self.compute_dtype!r}: use float32 or bfloat16")
 
     def check_warm_start_shape(self, fail) -> None:
-        """Every key of model.warm_start_shape is one of WARM_START_SHAPE_KEYS, a positive integer, and the shape they
+        """Every key of model.warm_start_shape is one of WARM_START_SHAPE_KEYS, a positive integer (dense_layers may be 0),
+        and the shape they
         make with the default's other fields is one moe_lora.tiny.TinySpec builds."""
         for key, value in self.warm_start_shape.items():
             if key not in WARM_START_SHAPE_KEYS:
                 fail(f"model.warm_start_shape.{key}: not a shape key (use {', '.join(WARM_START_SHAPE_KEYS)})")
-            if value < 0 or (value == 0 and key != "dense_layers"):
-                fail(f"model.warm_start_shape.{key} = {value}: must be >= 1")
+            least = 0 if key == "dense_layers" else 1  # a model of MoE layers only has no dense layer
+            if value < least:
+                fail(f"model.warm_start_shape.{key} = {value}: must be >= {least}")
         try:
             replace(DEFAULT_SPEC, **self.warm_start_shape).validate()
         except ValueError as error:
             fail(f"model.warm_start_shape = {self.warm_start_shape}: {error}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            fail(f"model.compute_dtype = {self.compute_dtype!r}: use float32 or bfloat16")
 
 
 @dataclass
