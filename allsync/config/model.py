@@ -94,9 +94,8 @@ class ModelSection:
             fail(f"model.compute_dtype = {self.compute_dtype!r}: use float32 or bfloat16")
 
     def check_warm_start_shape(self, fail) -> None:
-        """Every key of model.warm_start_shape is one of WARM_START_SHAPE_KEYS, a positive integer (dense_layers may be 0),
-        and the shape they
-        make with the default's other fields is one moe_lora.tiny.TinySpec builds."""
+        """Every key of model.warm_start_shape is one of WARM_START_SHAPE_KEYS, a positive integer (dense_layers may
+        be 0), and the shape they make with the default's other fields is one moe_lora.tiny.TinySpec builds."""
         for key, value in self.warm_start_shape.items():
             if key not in WARM_START_SHAPE_KEYS:
                 fail(f"model.warm_start_shape.{key}: not a shape key (use {', '.join(WARM_START_SHAPE_KEYS)})")
