@@ -127,7 +127,7 @@ def plot(results: dict, path: Path, model: str) -> None:
         )
     ax.set_xlabel("RL step")
     ax.set_ylabel("held-out accuracy, avg@4 (%)")
-    where = "the default job" if model == "default" else "the default job, two MoE layers"
+    where = "the default job" if model == "default" else "two MoE layers"
     ax.set_title(f"Routed-expert LoRA layout on {where} (each line a seed)")
     ax.legend()
     fig.tight_layout()
