@@ -1,6 +1,6 @@
 #!/bin/bash
 # The checks waiting for the next lent GPU (BENCHMARKS.md, "GPU checks"), as one device call from the repository root:
-#   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=520)
+#   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=450)
 # Each part is bounded by `timeout`, so that one hang leaves the others' output; logs and JSONs go to $OUT.
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
@@ -13,15 +13,10 @@ part() {  # part NAME SECONDS COMMAND...: the command's output in $OUT/NAME.txt,
     timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
     echo "rc $?" >> "$OUT/$name.txt"
 }
-part pytest 150 python3 -m pytest -q -p no:cacheprovider -rs tests/moe_lora/test_latent_attention.py \
-    tests/quant/test_quant_formats.py tests/quant/test_fused_experts.py tests/allsync/engines/test_decode_graphs.py \
-    tests/benchmarks/test_fp8_linear.py
-part profile 70 python3 -m benchmarks.decode_profile --cases 32x1024,256x20480 --json "$OUT/decode_profile_nf4.json"
-part profile_latent 50 python3 -m benchmarks.decode_profile --cases 256x20480 --attention triton \
-    --json "$OUT/decode_profile_nf4_latent.json"
-part fp8_linear 40 python3 -m benchmarks.fp8_linear --json "$OUT/fp8_linear_h200.json"
-part graphed 95 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
-    --modes graphed --kv-cache auto,fp8 --expert-kernel dequantize,triton --json "$OUT/engine_decode_h200_graphed_2.json"
-part blocks 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
-    --modes graphed --kv-cache fp8 --attention triton --attention-blocks 16x32x8,32x32x8,64x32x8,64x16x8 \
-    --json "$OUT/engine_decode_h200_blocks.json"
+part pytest 240 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/moe_lora/test_latent_attention.py \
+    tests/quant/test_fused_experts.py tests/allsync/engines/test_decode_graphs.py
+part profile_experts 70 python3 -m benchmarks.decode_profile --cases 32x1024 --expert-kernel triton \
+    --json "$OUT/decode_profile_nf4_expert_kernel.json"
+part blocks 90 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
+    --modes graphed --kv-cache auto,fp8 --attention triton --attention-blocks 64x32x8,64x32x4,128x16x8 \
+    --json "$OUT/engine_decode_h200_blocks_2.json"

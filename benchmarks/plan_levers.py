@@ -14,21 +14,22 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
     global fill     + algorithm.sampling_fill global (the workers fill the batch together)
     torch engine    one copy of the base (lever 1): the trainer's own model generates, EP 16 in lockstep over as many
                     full-length KV slots as fit (at most 64), its decode steps in fixed shapes as CUDA graphs
-                    (rollout.decode_graphs; assumed at the roofline until a GPU measures it)
+                    (rollout.decode_graphs; as measured on an H200, allsync.plan.torch_decode.GRAPHED_H200)
     engine logprobs + algorithm.old_logprobs engine (no old-logprob forward before the update)
     FP8 KV          + rollout.kv_cache_dtype fp8 (lever 3: more KV slots in the same memory)
     shared-outer    + lora.expert_layout shared_outer (lever 2: a smaller routed adapter, its gradients and AdamW
                     state leave room for more KV slots)
     latent kernel   + rollout.attention_kernel triton (moe_lora/latent_attention.py: each slot reads its own positions
                     of the FP8 latent as stored, not every slot up to the longest row's span through a bf16 copy;
-                    assumed at the roofline until a GPU measures it)
-    expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
-                    read from their NF4 bytes, without a bf16 copy of every held expert; assumed likewise)
+                    as measured on an H200)
     streamed rounds + algorithm.sampling_rounds streamed (allsync/producers/streamed.py: dynamic sampling's next round
                     queued behind the last in the slots, so a step waits for one tail instead of one per round)
     paged KV        + rollout.kv_cache_tokens (64 slots sharing the KV room in pages of 64 positions, a row preempted
                     when they run out: as many rows at once as their real lengths fit, not as many as fit at full
-                    length; moe_lora.mla_decode.SlotKVCache)
+                    length; moe_lora.mla_decode.SlotKVCache): recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml
+    expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
+                    read from their NF4 bytes, without a bf16 copy of every held expert), last: as measured on the
+                    H200 it is slower than dequantizing, so the config leaves it off
 
 A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
 and marked; vLLM's layouts, whose generate phase has no KV room for one sequence inside the 10% margin, are priced
@@ -88,9 +89,9 @@ STAGES = [
     ("FP8 KV", lambda run: _set(run, "rollout", kv_cache_dtype="fp8", decode_batch=None), "resident"),
     ("shared-outer LoRA", lambda run: _set(run, "lora", expert_layout="shared_outer"), "resident"),
     ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
-    ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
     ("streamed rounds", lambda run: _set(run, "algorithm", sampling_rounds="streamed"), "resident"),
     ("paged KV", lambda run: run, "resident"),  # planned_with_slots pages the slots from here on
+    ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
 ]
 PAGED_FROM = "paged KV"
 

@@ -147,6 +147,8 @@ def shrunk_config(
     config["rollout"].update(prompts_per_step=2 * workers, group_size=4, max_new_tokens=12)  # 10 a worker, 16, 20,480
     # the slots share 36 pages: a row of these is one page, so 36 full-length rows as at 671B (774,144 tokens)
     config["rollout"]["kv_cache_tokens"] = 36 * 64
+    # CUDA graphs and the latent attention kernel need a GPU: the rehearsal decodes with the torch path, eagerly
+    config["rollout"].update(decode_graphs=False, attention_kernel="torch")
     config["algorithm"]["overlong"] = {"max_len": 12, "cache_len": 4, "factor": 1.0}  # 20,480 and 4,096
     config["optim"].update(minibatches=2, max_tokens_per_forward=64)  # 16 updates; one 21,504-token sequence
     config["parallel"].update(nodes=nodes, workers_per_node=workers // nodes, expert_parallel=expert_parallel)

@@ -42,7 +42,7 @@ class KernelBlocks:
     and dequantizes its positions once, so a slot's positions are read heads / BLOCK_H times), positions per block
     of the inner loop (BLOCK_N) and warps per program."""
 
-    heads: int = 16
+    heads: int = 64  # fastest of 16, 32, 64 on the H200 (BENCHMARKS.md: 57.9 against 126.0 ms at 256 rows of 20,480)
     positions: int = 32
     warps: int = 8
 
@@ -56,6 +56,23 @@ class KernelBlocks:
 
 
 BLOCKS = KernelBlocks()  # what the engine runs (kernel_blocks sets others for a sweep: benchmarks/engine_decode.py)
+
+# Shared memory a program's tiles may take: the H100's and H200's 227 KiB a block, less room for what Triton adds
+SHARED_MEMORY_BYTES = 200 * 1024
+
+
+def heads_per_program(blocks: KernelBlocks, width: int, element_size: int) -> int:
+    """blocks.heads, halved (not below 16) while a program's tiles would not fit in shared memory:
+
+        (heads + 2 x positions) x width x element_size <= SHARED_MEMORY_BYTES
+
+    (the query's [heads, width] tile and two stages of the latent's [positions, width]; width the padded r + d_rope).
+    On the H200 (2026-11-28) 64 heads ran in bf16 at V3's 512 + 64 (147 KiB) and in float32 at 128 + 32 (123 KiB),
+    16 in float32 at 512 + 64 (184 KiB); 64 in float32 at 512 + 64 (295 KiB) failed."""
+    heads = blocks.heads
+    while heads > 16 and (heads + 2 * blocks.positions) * width * element_size > SHARED_MEMORY_BYTES:
+        heads //= 2
+    return heads
 
 
 @contextlib.contextmanager
@@ -220,7 +237,8 @@ def latent_decode_attention(
     lse = torch.empty(slots, splits, heads, dtype=torch.float32, device=query.device)
     scale_tensor = scales if fp8 else rope  # any pointer: the FP8 branch is compiled out
     blocks = BLOCKS
-    grid = (-(-heads // blocks.heads), splits, slots)
+    block_heads = heads_per_program(blocks, _block(rank) + _block(rope_dim), query.element_size())
+    grid = (-(-heads // block_heads), splits, slots)
     _kernel(interpreted())[grid](
         query,
         latent,
@@ -250,9 +268,9 @@ def latent_decode_attention(
         GROUP=group,
         FP8=fp8,
         SPLITS=splits,
-        BLOCK_H=blocks.heads,
+        BLOCK_H=block_heads,
         BLOCK_N=blocks.positions,
-        num_warps=blocks.warps,  # 8: a [16, r] float32 accumulator and the [32, r] latent block, fewer registers a thread
+        num_warps=blocks.warps,  # 8: the [heads, r] float32 accumulator and the [32, r] latent block, fewer registers
         num_stages=2,
         PRECISION="ieee" if query.dtype == torch.float32 or interpreted() else "tf32",  # float32: no TF32 rounding
         UPCAST=interpreted() and query.dtype != torch.float32,

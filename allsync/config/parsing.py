@@ -169,7 +169,7 @@ def load_config(path: str | os.PathLike) -> RunConfig:
 
 def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, ConfigError | None]:
     """The config built section by section, and what the checks across sections refuse in it, if anything, without
-    raising it: `allsync plan` plans configs the loop refuses (a layout it has not built yet) and says why. What is
+    raising it (not what this machine lacks: the plan is for the GPUs it is told): `allsync plan` plans configs the loop refuses (a layout it has not built yet) and says why. What is
     wrong in a section itself (an unknown key, a wrong type, a value out of range such as rollout.max_new_tokens 0)
     has no plan and raises, but for the parallel section, which the plan's --gpus / --expert-parallel may replace
     (the plan checks the sizes it uses)."""
@@ -184,7 +184,7 @@ def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, Config
         if section is not config.parallel:
             section.check(fail)
     try:
-        validate(config, str(path))
+        validate(config, str(path), this_machine=False)
     except ConfigError as exc:
         return config, exc
     return config, None
@@ -196,9 +196,10 @@ def own_sections(c: RunConfig) -> list:
     return [s for s in (*sections, c.producer) if s is not None]
 
 
-def validate(c: RunConfig, source: str = "<config>") -> None:
+def validate(c: RunConfig, source: str = "<config>", this_machine: bool = True) -> None:
     """Every section checks its own keys (its `check`), then `check_across_sections` the rules that tie sections
-    together; each refusal names the key(s) involved."""
+    together, then (with `this_machine`) what this machine must have to run it; each refusal names the key(s)
+    involved. `allsync plan` leaves the last out: it plans for the GPUs it is told, not for the machine it runs on."""
 
     def fail(msg: str):
         raise ConfigError(f"{source}: {msg}")
@@ -206,4 +207,5 @@ def validate(c: RunConfig, source: str = "<config>") -> None:
     for section in own_sections(c):
         section.check(fail)
     check_across_sections(c, fail)
-    check_this_machine(c, fail)
+    if this_machine:
+        check_this_machine(c, fail)

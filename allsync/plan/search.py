@@ -50,7 +50,7 @@ def missing_wiring(run, gpus: int, gpus_per_node: int, expert_parallel: int, lay
         run.parallel, nodes=nodes, workers_per_node=gpus // nodes, expert_parallel=expert_parallel, layout=layout
     )
     try:
-        validate(replace(run, parallel=parallel), "")
+        validate(replace(run, parallel=parallel), "", this_machine=False)
     except ConfigError as exc:
         return str(exc).removeprefix(": ").split(" (`allsync plan")[0]
     return None

@@ -141,9 +141,11 @@ EAGER_H200 = TorchDecodeRates(
 )
 
 
-# The fixed-shape step as CUDA graphs (rollout.decode_graphs), measured on the H200 on 2026-11-28
-# (benchmarks/measured/engine_decode_h200_graphed_nf4.json and _fp8.json): its time over the plan's own roofline of it.
-FITTED_BLOCKS = "16x32x8"  # the latent kernel's cuts the fit reads (benchmarks/engine_decode.py --attention-blocks)
+# The fixed-shape step as CUDA graphs (rollout.decode_graphs), measured on the H200 (benchmarks/measured/
+# engine_decode_h200_graphed_nf4_2.json and engine_decode_h200_blocks.json, the second lent GPU session of 2026-11-28;
+# engine_decode_h200_graphed_fp8.json, the first): its time over the plan's own roofline of it.
+FITTED_BLOCKS = "64x32x8"  # the latent kernel's cuts the engine runs (moe_lora.latent_attention.BLOCKS), priced
+PRE_SWEEP_BLOCKS = "16x32x8"  # the cuts of runs recorded before benchmarks/engine_decode.py wrote them
 GRAPHED_STAND_IN = {"bf16": "fp8", "int8": "nf4"}  # formats not measured: FP8's and NF4's factors, as the eager rates
 
 
@@ -171,33 +173,43 @@ class GraphedDecodeFactors:
 
 
 def fit_graphed(measured: dict, weights_seconds: dict, kv_seconds: dict) -> GraphedDecodeFactors:
-    """The factors (GraphedDecodeFactors) from benchmarks/engine_decode.py's JSON of graphed steps, given the plan's
-    roofline of the measured model: weights_seconds[(plan, expert kernel)] (the weights part of one step) and
-    kv_seconds[attention] (the cache part per row and cached position). kv: per (plan, expert kernel, attention,
-    rows) measured at two contexts, the slope over the roofline's, averaged by attention; w: per (plan, expert kernel,
-    rows), each case's time less its fitted cache part over the weights part, averaged over its cases."""
+    """The factors (GraphedDecodeFactors) from benchmarks/engine_decode.py's JSON of graphed steps over FP8 latent
+    slots, given the plan's roofline of the measured model: weights_seconds[(plan, expert kernel)] (the weights part
+    of one step) and kv_seconds[attention] (the cache part per row and cached position). kv: per attention and
+    latent-kernel cuts, the slope between two contexts over the roofline's, averaged over (plan, expert kernel,
+    rows); the latent kernel's is that of FITTED_BLOCKS. w: per (plan, expert kernel, rows), each case's time less
+    its cache part (at the cuts it ran with) over the weights part, averaged over its cases."""
+
+    def cut(c: dict) -> tuple[str, str | None]:
+        return c["attention"], c.get("blocks", PRE_SWEEP_BLOCKS) if c["attention"] == "triton" else None
+
     cases = [
         (p["plan"], c)
         for p in measured["plans"]
         for c in p["cases"]
-        if "oom" not in c and c["mode"] == "graphed" and c.get("blocks", FITTED_BLOCKS) == FITTED_BLOCKS
+        if "oom" not in c and c["mode"] == "graphed" and c.get("kv_cache", "fp8") == "fp8"
     ]
     by = {}
     for plan, c in cases:
-        by.setdefault((plan, c["expert_kernel"], c["attention"], c["rows"]), []).append(c)
+        by.setdefault((plan, c["expert_kernel"], cut(c), c["rows"]), []).append(c)
     slopes = {}
-    for (_, _, attention, rows), group in by.items():
+    for (_, _, (attention, blocks), rows), group in by.items():
         short, long = min(group, key=lambda c: c["context"]), max(group, key=lambda c: c["context"])
         if long["context"] > short["context"]:
             slope = (long["step_ms"] - short["step_ms"]) / 1000 / (rows * (long["context"] - short["context"]))
-            slopes.setdefault(attention, []).append(slope / kv_seconds[attention])
+            slopes.setdefault((attention, blocks), []).append(slope / kv_seconds[attention])
     if not slopes:
         raise ValueError("fit_graphed: no graphed case was measured at two contexts")
-    kv = {attention: statistics.mean(s) for attention, s in slopes.items()}
+    kv_by_cut = {key: statistics.mean(s) for key, s in slopes.items()}
+    kv = {
+        a: kv_by_cut[key]
+        for a, key in (("torch", ("torch", None)), ("triton", ("triton", FITTED_BLOCKS)))
+        if key in kv_by_cut
+    }
     kv.update({a: max(kv.values()) for a in ("torch", "triton") if a not in kv})  # not measured: the slower one's
     weights: dict = {}
     for plan, c in cases:
-        cache = kv[c["attention"]] * kv_seconds[c["attention"]] * c["rows"] * c["context"]
+        cache = kv_by_cut.get(cut(c), kv[c["attention"]]) * kv_seconds[c["attention"]] * c["rows"] * c["context"]
         w = (c["step_ms"] / 1000 - cache) / weights_seconds[(plan, c["expert_kernel"])]
         weights.setdefault((plan, c["expert_kernel"]), {}).setdefault(c["rows"], []).append(w)
     return GraphedDecodeFactors(
@@ -218,13 +230,13 @@ def rounded_graphed(factors: GraphedDecodeFactors, digits: int = 3) -> GraphedDe
     )
 
 
-# fit_graphed of the H200's graphed steps (the JSONs above, the fp8 plan's appended to the nf4 plan's) on the H200
-# preset, rounded to 3 digits (tests/allsync/test_plan_step.py refits it)
+# fit_graphed of the H200's graphed steps (the three JSONs above, in that order) on the H200 preset, rounded to 3
+# digits (tests/allsync/test_plan_step.py refits it)
 GRAPHED_H200 = GraphedDecodeFactors(
     weights={
-        ("nf4", "dequantize"): ((32, 2.22), (256, 2.59)),
-        ("nf4", "triton"): ((32, 21.6), (256, 33.2)),
+        ("nf4", "dequantize"): ((32, 1.63), (256, 2.02)),
+        ("nf4", "triton"): ((32, 11.3), (256, 17.5)),
         ("fp8", "dequantize"): ((32, 6.22), (256, 6.62)),
     },
-    kv={"torch": 3.28, "triton": 43.8},
+    kv={"torch": 2.84, "triton": 10.9},
 )

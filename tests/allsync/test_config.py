@@ -3,9 +3,10 @@
 import re
 
 import pytest
+import torch
 import yaml
 
-from allsync.config import ConfigError, RunConfig, load_config, parse_config
+from allsync.config import ConfigError, RunConfig, load_config, load_config_for_planning, parse_config
 
 
 def test_defaults_are_valid_and_nested_values_parse():
@@ -180,8 +181,15 @@ def test_shipped_configs_validate():
             }
         )
     assert torch_engine.parallel.expert_parallel == 16 and torch_engine.lora.expert_kernel == "grouped_mm"
+    # the torch-engine variant captures its decode steps as CUDA graphs: refused on a machine without a GPU, by name,
+    # and accepted by everything else (what `allsync plan` checks)
+    torch_path = configs / "dapo_math_deepseek_v3_671b_torch_engine.yaml"
+    assert load_config_for_planning(torch_path)[1] is None
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"rollout.decode_graphs: no GPU is visible to torch on this machine"):
+            load_config(torch_path)
     for path in configs.glob("*.yaml"):
-        if path not in (big_path, memory_path):
+        if path not in (big_path, memory_path, torch_path):
             load_config(path)
 
 

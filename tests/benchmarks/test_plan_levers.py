@@ -25,8 +25,8 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         ("torch engine", "engine logprobs", "train", True),
         ("engine logprobs", "FP8 KV", "generate", False),  # more slots, but the FP8 latent read back through bf16
         ("shared-outer LoRA", "latent kernel", "generate", True),  # each slot reads its own FP8 positions, once
-        ("latent kernel", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
         ("streamed rounds", "paged KV", "generate", True),  # 64 slots share the room of 36 full-length rows
+        ("paged KV", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
     ):
         other = "generate" if part == "train" else "train"
         assert (stages[after]["parts"][part] < stages[before]["parts"][part]) == shorter

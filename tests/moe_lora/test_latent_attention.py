@@ -81,3 +81,13 @@ def test_the_engine_refuses_the_kernel_where_its_slots_hold_no_latent(tiny_bf16,
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match=r"rollout.attention_kernel triton: the model is on cpu"):
         TorchEngine(model, 1, 2, kv_cache_dtype="fp8", attention_kernel="triton")
+
+
+def test_heads_a_program_shrink_until_the_tiles_fit_in_shared_memory():
+    from moe_lora.latent_attention import KernelBlocks, heads_per_program
+
+    v3 = 512 + 64  # the padded latent and rotary widths of DeepSeek-V3
+    assert heads_per_program(KernelBlocks(), v3, 2) == 64  # bf16: the cut measured fastest on the H200
+    assert heads_per_program(KernelBlocks(), v3, 4) == 16  # float32: 64 heads failed on the H200, 16 ran
+    assert heads_per_program(KernelBlocks(64, 64, 8), 128 + 32, 4) == 64  # ran on the H200 (other_blocks_...)
+    assert heads_per_program(KernelBlocks(16, 32, 8), v3, 4) == 16  # never below 16, tl.dot's smallest M

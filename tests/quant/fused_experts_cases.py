@@ -46,7 +46,8 @@ def engine_decodes_as_the_dequantized_experts(checkpoint: str, device: str = "cp
     from tests.allsync.engines.test_rollout_trainer import assert_same_rows
     from tests.moe_lora.latent_attention_cases import twelve_rows
 
-    model, rows, seeds, sampling, eos = twelve_rows(checkpoint, device)
+    model, rows, seeds, sampling, stop_tokens = twelve_rows(checkpoint, device)
+    eos = stop_tokens[0]
 
     def decoded():
         out = decode_in_slots(model, rows, seeds, sampling, eos, 2, 3, True, fixed_step=FixedShapeStep)

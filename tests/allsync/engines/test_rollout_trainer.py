@@ -66,12 +66,17 @@ def frequent_stop_token(model, prompts, n, sampling, seed) -> int:
     return most_varied_stop_token(TorchEngine(model, eos_id=1, pad_id=2).generate(prompts, n, sampling).response_ids)
 
 
-def most_varied_stop_token(rows: list[list[int]]) -> int:
-    """Of the tokens in these responses (and not in all of them), the one whose first occurrence falls at the most
-    different positions: as eos, these rows would stop at that many different lengths."""
+def stop_tokens_by_variety(rows: list[list[int]]) -> list[int]:
+    """The tokens in these responses, the one whose first occurrence falls at the most different positions first
+    (a token in all of them last): as eos, these rows would stop at that many different lengths."""
     positions = {t: {row.index(t) for row in rows if t in row} for t in {t for row in rows for t in row}}
     counts = Counter(t for row in rows for t in set(row))
-    return max(positions, key=lambda t: (len(positions[t]) if counts[t] < len(rows) else 0, counts[t]))
+    return sorted(positions, key=lambda t: (len(positions[t]) if counts[t] < len(rows) else 0, counts[t]), reverse=True)
+
+
+def most_varied_stop_token(rows: list[list[int]]) -> int:
+    """stop_tokens_by_variety's first."""
+    return stop_tokens_by_variety(rows)[0]
 
 
 def reference_samples(model, rows, seeds, sampling, eos_id):
