@@ -78,7 +78,7 @@ class WarmStartSettings:
 
 
 # task settings added after bases were built, at the default that trains what bases did before them
-LATER_DEFAULTS = {"reasoning": "none", "reads_notes": False}
+LATER_DEFAULTS = {"reasoning": "none", "reads_notes": False, "context": "segments"}
 
 
 def without_later_defaults(settings: dict) -> dict:

@@ -31,3 +31,14 @@ def run_dapo(name: str, config: dict, folder: Path) -> tuple[list[dict], str]:
         raise SystemExit(f"{name}: recipes/dapo.py failed\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return rows, done.stdout.strip().splitlines()[-1]
+
+
+def finished_rows(folder: Path, steps: int) -> list[dict] | None:
+    """The metrics rows of a run_dapo run in `folder` that reached step `steps` and evaluated there (None otherwise):
+    what a benchmark cut off earlier already finished, read back instead of run again."""
+    path = folder / "run" / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    done = any(r.get("step") == steps and "heldout_accuracy" in r for r in rows)
+    return rows if done else None

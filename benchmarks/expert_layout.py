@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.dapo_runs import run_dapo
+from benchmarks.dapo_runs import finished_rows, run_dapo
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
@@ -86,16 +86,6 @@ def arm_config(arm: str, steps: int, seed: int, model: str = "default") -> dict:
             config["run"]["export"] = "merged"
     config["run"].update(steps=steps, seed=seed, checkpoint_every=steps, time_limit_minutes=None)
     return config
-
-
-def finished_rows(folder: Path, steps: int) -> list[dict] | None:
-    """The metrics rows of a run in `folder` that reached step `steps` and evaluated there (None otherwise)."""
-    path = folder / "run" / "metrics.jsonl"
-    if not path.exists():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    done = any(r.get("step") == steps and "heldout_accuracy" in r for r in rows)
-    return rows if done else None
 
 
 def summarize(rows: list[dict], config: dict) -> dict:

@@ -234,7 +234,10 @@ def test_a_thread_count_that_cannot_be_set_is_reported(monkeypatch):
 SHIPPED = Path(__file__).parents[2] / "recipes" / "configs"
 
 
-@pytest.mark.parametrize("config_name", ["tiny_cpu.yaml", "tiny_cpu_memory.yaml", "tiny_cpu_agent_calculator.yaml"])
+@pytest.mark.parametrize(
+    "config_name",
+    ["tiny_cpu.yaml", "tiny_cpu_memory.yaml", "tiny_cpu_memory_single.yaml", "tiny_cpu_agent_calculator.yaml"],
+)
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_the_runs_heldout_problems_are_never_warm_start_training_data(config_name, seed):
     """The base a run builds (settings_for_run) is split with the run's task.seed: none of the problems RL holds

@@ -73,6 +73,46 @@ def test_teacher_keeps_the_decoy_at_its_rate(tiny_bf16):
         assert replies[3 * i + 2] == f"Answer: {memory.split('=')[1]}{tokenizer.eos_token}"
 
 
+def test_the_single_context_form_reads_the_same_problems_in_one_prompt(tiny_bf16):
+    """task.context single: the segmented form's problems with the chunks, one a line, before the question; its
+    teacher answers the decoy's value at the segmented teacher's rate; the warm start's settings name the form only
+    when it is single (bases built before it stay valid)."""
+    from allsync.config import load_config_for_planning  # noqa: F401 - the config package registers the tasks
+    from allsync.warm_start import settings_for_run
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bf16)
+    segmented = memory_recall_splits(MemoryRecallGenerator(asked_first=True), 400, 20, seed=3)
+    single = MemoryRecallGenerator(asked_first=True, context="single").splits(400, 20, seed=3)
+    for a, b in zip(segmented.heldout + segmented.train, single.heldout + single.train):
+        assert b.prompt == "\n".join([*a.metadata["chunks"], a.prompt]) and (b.answer, b.metadata) == (
+            a.answer,
+            a.metadata,
+        )
+    generator = MemoryRecallGenerator(context="single", teacher_decoy_rate=0.25)
+    examples = generator.teacher_examples(tokenizer, single.train, seed=0)
+    replies = [tokenizer.decode(ids[start:], skip_special_tokens=True) for ids, start in examples]
+    decoys = [r == f"Answer: {p.metadata['decoy_memory'].split('=')[1]}" for r, p in zip(replies, single.train)]
+    gold = [r == f"Answer: {p.answer}" for r, p in zip(replies, single.train)]
+    assert all(d or g for d, g in zip(decoys, gold)) and 0.18 < sum(decoys) / len(decoys) < 0.32
+    prompts = generator.heldout_prompts(tokenizer, single.heldout[:2])
+    assert "Question: what is" in tokenizer.decode(prompts[0]) and single.heldout[0].metadata["chunks"][
+        1
+    ] in tokenizer.decode(prompts[0])
+
+    def task_settings(context):
+        config = parse_config(
+            {
+                "model": {"base": str(tiny_bf16)},
+                "rollout": {"prompts_per_step": 2, "max_new_tokens": 12},
+                "task": {"name": "memory_recall", "context": context},
+                **({"producer": {"kind": "multiconv", "memory_tokens": 8}} if context == "segments" else {}),
+            }
+        )
+        return settings_for_run(config).as_json()["task"]
+
+    assert "context" not in task_settings("segments") and task_settings("single")["context"] == "single"
+
+
 def memory_config(base, **multiconv):
     return parse_config(
         {
@@ -257,6 +297,11 @@ def test_flatten_marks_answers_and_truncated_episodes():
             r"producer.memory_tokens is set but producer.kind is single_turn",
         ),
         ({"task": {"name": "arithmetic"}}, r"producer.kind multiconv with task.name arithmetic"),
+        (
+            {"task": {"context": "single"}},
+            r"task.name memory_recall needs producer.kind single_turn \(task.context single reads each problem",
+        ),
+        ({"task": {"context": "one"}}, r"memory_recall: context = 'one': use one of segments, single"),
         ({"producer": {"chunk_tokens": 16}}, r"producer.chunk_tokens = 16 with task.name memory_recall"),
         (
             {"rollout": {"memory_tokens": 8}},
