@@ -42,6 +42,7 @@ SLOW = [
     "allsync eval runs/dapo-tiny-parquet/adapter --base runs/tiny-base --data runs/data/arithmetic-eval.parquet --n 8 --top-p 1.0 "
     "--max-new-tokens 16 --reward arithmetic --out runs/eval-parquet",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory.yaml",
+    "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory_single.yaml",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_agent_calculator.yaml",
     "torchrun --nproc_per_node 2 recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20 --out-dir runs/dapo-tiny-ep2-ray",
