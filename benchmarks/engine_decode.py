@@ -3,7 +3,7 @@
     python -m benchmarks.engine_decode [--plans nf4,fp8] [--rows 32,64,128,256] [--contexts 1024,8192,20480]
                                        [--steps 8] [--device cuda] [--modes eager,fixed,graphed] [--json out.json]
                                        [--kv-cache auto,fp8] [--attention torch,triton] [--expert-kernel dequantize,triton]
-                                       [--attention-blocks 16x32x8,64x32x8]
+                                       [--attention-blocks 16x32x8,64x32x8] [--expert-blocks 64x64x4x3,32x128x4x2]
 
 The checkpoint of benchmarks/v3_layer_memory.py (real shapes, two decoder layers: one dense, one MoE with 256
 routed experts; random weights in the real FP8 format) is loaded by the trainer's loader in each plan (nf4: routed
@@ -18,7 +18,9 @@ layer and the rest (embedding, final norm, lm_head over the vocabulary, sampling
 tokens per second. --modes: the engine's live-slot step (eager), the fixed-shape step run eagerly (fixed: every
 slot, the routed experts without a host read, all of them dequantized) and its CUDA graphs (graphed, one per span of
 allsync.engines.slots.span_bucket; rollout.decode_graphs). --attention-blocks: the latent kernel's cuts to time
-(moe_lora.latent_attention.KernelBlocks: heads per program, positions per block, warps), each a case of its own.
+(moe_lora.latent_attention.KernelBlocks: heads per program, positions per block, warps), each a case of its own;
+--expert-blocks likewise the NF4 expert kernel's (quant.fused_experts.ExpertBlocks: columns a program, weight columns
+a step, warps, pipeline stages).
 
 Roofline: a decode step must read at least the weights it uses and the cache it attends over,
 
@@ -47,6 +49,7 @@ from allsync.engines.torch_engine import Sampling
 from allsync.plan.torch_decode import expected_touched
 from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, TARGETS, Memory, free, v3_config, write_checkpoint
 from moe_lora.latent_attention import KernelBlocks, kernel_blocks
+from quant.fused_experts import ExpertBlocks, expert_blocks
 from moe_lora.mla_decode import LatentKVCache, SlotKVCache, fp8_latent_bytes, install_mla_decode
 from quant.checkpoint_io import atomic_write_text
 from quant.loader import byte_report, load_frozen_model
@@ -269,6 +272,7 @@ def measure_plan(
     attentions=("torch",),
     expert_kernels=("dequantize",),
     attention_blocks=(KernelBlocks(),),
+    expert_cuts=(ExpertBlocks(),),
 ):
     memory = Memory(device)
     free(memory)
@@ -279,21 +283,23 @@ def measure_plan(
     for r in rows:
         for c in contexts:
             variants = [
-                (m, k, a, x, b)
+                (m, k, a, x, b, e)
                 for m in modes
                 for k in kv_caches
                 for a in attentions
                 for x in expert_kernels
                 for b in (attention_blocks if a == "triton" else (None,))  # the cuts are the latent kernel's
+                for e in (expert_cuts if x == "triton" else (None,))  # and the NF4 expert kernel's
             ]
-            for mode, kv, attention, experts, blocks in variants:
+            for mode, kv, attention, experts, blocks, cut in variants:
                 if experts == "triton" and mode == "eager":
                     continue  # the kernel is the fixed-shape step's
                 free(memory)
                 use_expert_kernel(model, experts)
                 labels = {"expert_kernel": experts} | ({"blocks": blocks_name(blocks)} if blocks else {})
+                labels |= {"expert_blocks": expert_blocks_name(cut)} if cut else {}
                 try:
-                    with kernel_blocks(blocks or KernelBlocks()):
+                    with kernel_blocks(blocks or KernelBlocks()), expert_blocks(cut or ExpertBlocks()):
                         case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
                     case |= labels
                 except torch.OutOfMemoryError as e:
@@ -330,11 +336,30 @@ def blocks_of(text: str) -> list[KernelBlocks]:
         raise SystemExit(f"--attention-blocks: use HEADSxPOSITIONSxWARPS[,...], got {text!r} ({e})") from None
 
 
+def expert_blocks_name(blocks: ExpertBlocks) -> str:
+    """NxKxWxS: the NF4 expert kernel's columns a program, depth a step, warps and stages (--expert-blocks)."""
+    return f"{blocks.columns}x{blocks.depth}x{blocks.warps}x{blocks.stages}"
+
+
+def expert_blocks_of(text: str) -> list[ExpertBlocks]:
+    """--expert-blocks NxKxWxS[,NxKxWxS...] (ExpertBlocks refuses what it cannot run)."""
+    items = [item.split("x") for item in text.split(",")]
+    try:
+        if any(len(item) != 4 for item in items):
+            raise ValueError("four numbers each")
+        return [ExpertBlocks(*map(int, item)) for item in items]
+    except ValueError as e:
+        raise SystemExit(f"--expert-blocks: use COLUMNSxDEPTHxWARPSxSTAGES[,...], got {text!r} ({e})") from None
+
+
 def format_case(plan: str, case: dict) -> str:
     attention = case.get("attention", "torch") + (f"[{case['blocks']}]" if "blocks" in case else "")
+    experts = case.get("expert_kernel", "dequantize") + (
+        f"[{case['expert_blocks']}]" if "expert_blocks" in case else ""
+    )
     head = (
         f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} {attention:6} "
-        f"{case.get('expert_kernel', 'dequantize'):10} "
+        f"{experts:10} "
         f"rows {case['rows']:4} context {case['context']:6}"
     )
     if "oom" in case:
@@ -377,9 +402,15 @@ def main(argv=None) -> dict:
         default=blocks_name(KernelBlocks()),
         help="the latent kernel's heads per program, positions per block and warps to time, HxNxW[,HxNxW...]",
     )
+    ap.add_argument(
+        "--expert-blocks",
+        default=expert_blocks_name(ExpertBlocks()),
+        help="the NF4 expert kernel's columns a program, depth a step, warps and stages to time, NxKxWxS[,...]",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     attention_blocks = blocks_of(args.attention_blocks)
+    expert_cuts = expert_blocks_of(args.expert_blocks)
     modes, kv_caches, attentions = args.modes.split(","), args.kv_cache.split(","), args.attention.split(",")
     expert_kernels = args.expert_kernel.split(",")
     if any(x not in ("dequantize", "triton") for x in expert_kernels):
@@ -433,6 +464,7 @@ def main(argv=None) -> dict:
                 attentions,
                 expert_kernels,
                 attention_blocks,
+                expert_cuts,
             )
         )
         if args.json:

@@ -24,6 +24,7 @@ QuantizedWeight a view of its row (the same values; the other kernels read them 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -32,7 +33,39 @@ import torch
 
 from quant.formats import QuantizedWeight
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_M = 16  # rows a pass (tl.dot's smallest M)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """How the kernel cuts its work: output columns a program (B_N), weight columns a step of the inner loop (B_K),
+    warps a program, and the software pipeline's stages (what benchmarks/engine_decode.py --expert-blocks sweeps)."""
+
+    columns: int = 64
+    depth: int = 64
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self):
+        for name, least in (("columns", 16), ("depth", 32), ("warps", 1), ("stages", 1)):
+            value = getattr(self, name)
+            if value < least or (name != "stages" and value & (value - 1)):
+                kind = "a power of two, " if name != "stages" else ""
+                raise ValueError(f"ExpertBlocks.{name} = {value}: {kind}at least {least}")
+
+
+BLOCKS = ExpertBlocks()  # what the engine runs (expert_blocks sets others for a sweep)
+
+
+@contextlib.contextmanager
+def expert_blocks(blocks: ExpertBlocks):
+    """Run the kernel with `blocks` inside the block (the module's BLOCKS restored after)."""
+    global BLOCKS
+    before, BLOCKS = BLOCKS, blocks
+    try:
+        yield blocks
+    finally:
+        BLOCKS = before
 
 
 def interpreted() -> bool:
@@ -111,6 +144,7 @@ def _kernel(interpret: bool):
         UPCAST: tl.constexpr,
         PRECISION: tl.constexpr,
         PAIRED: tl.constexpr,
+        ROW_ABSMAX: tl.constexpr,
     ):
         column_block, expert = tl.program_id(0), tl.program_id(1)
         first = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
@@ -130,7 +164,15 @@ def _kernel(interpret: bool):
                     w_ok = n_ok[:, None] & j_ok[None, :]
                     pair = offs_n[:, None].to(tl.int64) * (K // 2) + offs_j[None, :]  # [B_N, B_K / 2]: byte index
                     byte = tl.load(packed_e + pair, mask=w_ok, other=0).to(tl.int32)
-                    a = tl.load(absmax_e + (2 * pair) // QBLOCK, mask=w_ok, other=0.0)
+                    if ROW_ABSMAX:  # K and B_K whole absmax blocks: a tile row's B_K / QBLOCK scales, each spread
+                        block = tl.arange(0, BLOCK_K // QBLOCK)  # over its QBLOCK / 2 bytes (one load a block)
+                        first_block = (offs_n[:, None].to(tl.int64) * K + k0) // QBLOCK
+                        a_ok = n_ok[:, None] & (k0 + block[None, :] * QBLOCK < K)
+                        a_rows = tl.load(absmax_e + first_block + block[None, :], mask=a_ok, other=0.0)
+                        a = tl.broadcast_to(a_rows[:, :, None], (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK // 2))
+                        a = tl.reshape(a, (BLOCK_N, BLOCK_K // 2))
+                    else:
+                        a = tl.load(absmax_e + (2 * pair) // QBLOCK, mask=w_ok, other=0.0)
                     high = tl.load(code + (byte >> 4)) * a
                     low = tl.load(code + (byte & 15)) * a
                     bits = high.to(tl.uint32, bitcast=True)  # each rounded to bfloat16 as below
@@ -191,7 +233,9 @@ def nf4_grouped_mm(x: torch.Tensor, stacked: StackedNF4, offsets: torch.Tensor) 
     x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     experts = stacked.packed.shape[0]
-    grid = (-(-n // BLOCK_N), experts)
+    blocks = BLOCKS
+    grid = (-(-n // blocks.columns), experts)
+    paired = k % 2 == 0 and stacked.blocksize % 2 == 0
     _kernel(interpreted())[grid](
         x,
         stacked.packed,
@@ -207,10 +251,13 @@ def nf4_grouped_mm(x: torch.Tensor, stacked: StackedNF4, offsets: torch.Tensor) 
         out.stride(0),
         QBLOCK=stacked.blocksize,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_N=blocks.columns,
+        BLOCK_K=blocks.depth,
         UPCAST=interpreted() and x.dtype != torch.float32,
         PRECISION="ieee" if x.dtype == torch.float32 or interpreted() else "tf32",
-        PAIRED=k % 2 == 0 and stacked.blocksize % 2 == 0,
+        PAIRED=paired,
+        ROW_ABSMAX=paired and k % stacked.blocksize == 0 and blocks.depth % stacked.blocksize == 0,
+        num_warps=blocks.warps,
+        num_stages=blocks.stages,
     )
     return out

@@ -69,6 +69,9 @@ def test_the_fixed_shape_step_is_timed_like_the_eager_one(tmp_path):
     for bad in ("24x32x8", "16x32", "16xax8"):  # the latent kernel's cuts: powers of two, all three given
         with pytest.raises(SystemExit, match="--attention-blocks"):
             main(["--device", "cpu", "--ckpt", str(tmp_path / "refused"), "--attention-blocks", bad])
+    for bad in ("24x64x4x3", "64x64x4", "64x16x4x3"):  # the NF4 expert kernel's cuts: four numbers it can run
+        with pytest.raises(SystemExit, match="--expert-blocks"):
+            main(["--device", "cpu", "--ckpt", str(tmp_path / "refused"), "--expert-blocks", bad])
     assert not (tmp_path / "refused").exists()
     with pytest.raises(SystemExit, match="--modes graphed: CUDA graphs need --device cuda"):
         main(["--device", "cpu", "--modes", "graphed"])

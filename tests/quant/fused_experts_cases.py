@@ -18,23 +18,51 @@ def kernel_matches_dequantized_matmul(device: str = "cpu") -> None:
     gen = torch.Generator().manual_seed(0)
     cases = ((4, 40, 96, [3, 0, 20, 5]), (3, 128, 64, [17, 1, 40]), (2, 64, 16, [5, 5]), (2, 64, 33, [4, 9]))
     for experts, n, k, counts in cases:  # K even: each byte's two nibbles as a pair of columns; K = 33: one by one
-        weights = [quantize_weight(torch.randn(n, k, generator=gen).to(device), "nf4") for _ in range(experts)]
-        before = [w.dequantize(torch.float32) for w in weights]
-        stacked = stack_nf4_experts(weights)
-        assert all(torch.equal(w.dequantize(torch.float32), b) for w, b in zip(weights, before))
-        assert stacked.packed.shape == (experts, n * k // 2) and stacked.absmax.shape == (experts, n * k // 64)
-        owner = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts)).to(device)
-        rows = len(owner)
-        x = torch.randn(rows + 2, k, generator=gen).to(device)  # the last two rows belong to no expert here
-        offsets = expert_offsets(owner, experts)
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-            out = nf4_grouped_mm(x.to(dtype), stacked, offsets)
-            want = torch.cat(
-                [x[:rows][owner == e].to(dtype).float() @ before[e].to(dtype).float().T for e in range(experts)]
-            )
-            assert out.shape == (rows + 2, n) and out.dtype == dtype
-            error = float((out[:rows].float() - want).abs().max() / want.abs().max())
-            assert error < tolerance, (experts, n, k, dtype, error)
+        check_experts(experts, n, k, counts, gen, device)
+
+
+def check_experts(experts: int, n: int, k: int, counts: list[int], gen, device: str) -> None:
+    """nf4_grouped_mm of `experts` random NF4 weights [n, k] against each expert's rows times its dequantized W^T."""
+    weights = [quantize_weight(torch.randn(n, k, generator=gen).to(device), "nf4") for _ in range(experts)]
+    before = [w.dequantize(torch.float32) for w in weights]
+    stacked = stack_nf4_experts(weights)
+    assert all(torch.equal(w.dequantize(torch.float32), b) for w, b in zip(weights, before))
+    assert stacked.packed.shape == (experts, n * k // 2) and stacked.absmax.shape == (experts, n * k // 64)
+    owner = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts)).to(device)
+    rows = len(owner)
+    x = torch.randn(rows + 2, k, generator=gen).to(device)  # the last two rows belong to no expert here
+    offsets = expert_offsets(owner, experts)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        out = nf4_grouped_mm(x.to(dtype), stacked, offsets)
+        want = torch.cat(
+            [x[:rows][owner == e].to(dtype).float() @ before[e].to(dtype).float().T for e in range(experts)]
+        )
+        assert out.shape == (rows + 2, n) and out.dtype == dtype
+        error = float((out[:rows].float() - want).abs().max() / want.abs().max())
+        assert error < tolerance, (experts, n, k, dtype, error)
+
+
+def other_blocks_give_the_same_product(device: str = "cpu") -> None:
+    """ExpertBlocks (columns a program, depth a step, warps, stages; what benchmarks/engine_decode.py sweeps): steps
+    of one, two and four absmax blocks, a last step past K (its blocks masked), columns past N; each against the
+    dequantized product; refused when not a power of two or too small."""
+    from quant.fused_experts import ExpertBlocks, expert_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    for blocks, (n, k) in (
+        (ExpertBlocks(32, 128, 4, 2), (48, 256)),
+        (ExpertBlocks(16, 256, 8, 1), (40, 192)),
+        (ExpertBlocks(128, 64, 4, 3), (72, 128)),
+    ):
+        with expert_blocks(blocks):
+            check_experts(3, n, k, [6, 0, 19], gen, device)
+    for bad in ({"columns": 24}, {"depth": 16}, {"warps": 3}, {"stages": 0}):
+        try:
+            ExpertBlocks(**bad)
+        except ValueError as e:
+            assert next(iter(bad)) in str(e)
+        else:
+            raise AssertionError(f"ExpertBlocks({bad}) was accepted")
 
 
 def engine_decodes_as_the_dequantized_experts(checkpoint: str, device: str = "cpu") -> None:

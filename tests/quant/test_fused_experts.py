@@ -23,7 +23,8 @@ def interpreted(tiny_bf16):
     if torch.cuda.is_available():
         return None
     engine = f"engine_decodes_as_the_dequantized_experts({str(tiny_bf16)!r})"
-    return run_interpreted(CASES, {"kernel": "kernel_matches_dequantized_matmul()", "engine": engine})
+    checks = {"kernel": "kernel_matches_dequantized_matmul()", "blocks": "other_blocks_give_the_same_product()"}
+    return run_interpreted(CASES, checks | {"engine": engine})
 
 
 def test_the_kernel_multiplies_each_experts_rows_by_its_nf4_weight(interpreted):
@@ -31,6 +32,13 @@ def test_the_kernel_multiplies_each_experts_rows_by_its_nf4_weight(interpreted):
         cases.kernel_matches_dequantized_matmul("cuda")
     else:
         assert "kernel" not in interpreted, interpreted["kernel"]
+
+
+def test_other_kernel_blocks_give_the_same_product(interpreted):
+    if interpreted is None:
+        cases.other_blocks_give_the_same_product("cuda")
+    else:
+        assert "blocks" not in interpreted, interpreted["blocks"]
 
 
 def test_the_fixed_shape_decode_step_samples_with_the_kernel_what_it_samples_without(tiny_bf16, interpreted):
