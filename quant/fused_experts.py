@@ -13,7 +13,9 @@ float32 absmax per 64 consecutive elements; the 16-value NF4 code table):
     y[a, n]   = sum_k x[a, k] W_e[n, k]                              for the rows a of expert e
 
 Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (a decode step's ~18 rows a
-expert take one pass over the weight tile; more rows re-read it), K in blocks of B_K. With K even (DeepSeek-V3's 7,168
+expert take one pass over the weight tile; more rows re-read it), K in blocks of B_K (B_N, B_K, warps and pipeline
+stages: ExpertBlocks). Where K and B_K are whole absmax blocks (DeepSeek-V3's are) a tile row's scales are read once a
+block, B_K / 64 of them, not once a byte. With K even (DeepSeek-V3's 7,168
 and 2,048) each byte is read once and gives two columns: the high nibbles multiply the rows' even columns and the
 low ones the odd, two products of B_K / 2 each (the same sums, in another order). The grid (N / B_N, E) and every
 tensor depend on (rows, E, N, K) only and the offsets are read on the device, so a CUDA graph captures it. The experts'
