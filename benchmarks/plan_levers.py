@@ -26,7 +26,9 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     queued behind the last in the slots, so a step waits for one tail instead of one per round)
     paged KV        + rollout.kv_cache_tokens (64 slots sharing the KV room in pages of 64 positions, a row preempted
                     when they run out: as many rows at once as their real lengths fit, not as many as fit at full
-                    length; moe_lora.mla_decode.SlotKVCache): recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml
+                    length; moe_lora.mla_decode.SlotKVCache)
+    128 slots       the same room shared by 128 slots (allsync.plan.search.PAGED_SLOTS: a decode step's weights read
+                    for twice the rows, more preemptions): recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml
     expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
                     read from their NF4 bytes, without a bf16 copy of every held expert), last: as measured on the
                     H200 it is slower than dequantizing, so the config leaves it off
@@ -56,7 +58,8 @@ from allsync.plan.fit import Layout, plan_run
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
 from allsync.plan.schedules import mean_over_draws
-from allsync.plan.search import planned_with_slots
+from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
+from allsync.plan.search import PAGED_SLOTS, planned_with_slots
 from allsync.plan.shapes import DEEPSEEK_V3
 from benchmarks.plan_671b import CONFIG as VLLM_CONFIG
 from benchmarks.plan_671b import DAPO_PROMPTS
@@ -91,15 +94,19 @@ STAGES = [
     ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
     ("streamed rounds", lambda run: _set(run, "algorithm", sampling_rounds="streamed"), "resident"),
     ("paged KV", lambda run: run, "resident"),  # planned_with_slots pages the slots from here on
+    ("128 slots", lambda run: run, "resident"),  # and gives them PAGED_SLOTS[1] slots from here on
     ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
 ]
 PAGED_FROM = "paged KV"
+MORE_SLOTS_FROM = "128 slots"
 
 
 SHIPPED_MARGIN = 0.05  # vLLM's layouts: at the 10% margin its generate phase has no KV room for one sequence
 
 
-def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload], paged: bool) -> dict:
+def stage_plan(
+    run, gpus: int, colocation: str, hw, traces, works: list[Workload], paged: bool, slots: int = DEFAULT_DECODE_BATCH
+) -> dict:
     """One stage on `gpus` GPUs at the config's expert parallelism: its fit and its all-sync step for each of `works`
     (draws of one step's lengths and kept groups; the torch engine's KV slots as many full-length ones as fit, at
     most DEFAULT_DECODE_BATCH, or with `paged` that many sharing the KV room in pages:
@@ -107,7 +114,7 @@ def stage_plan(run, gpus: int, colocation: str, hw, traces, works: list[Workload
     layout = Layout(
         gpus, run.parallel.expert_parallel, hw.memory_bytes, colocation, 1024, hw.host_link_bytes_per_second
     )
-    run, plan = planned_with_slots(run, DEEPSEEK_V3, layout, traces, paged)
+    run, plan = planned_with_slots(run, DEEPSEEK_V3, layout, traces, paged, slots)
     fits = plan.fits
     if plan.kv_cache_tokens < plan.sequence_tokens and run.rollout.engine == "vllm":
         layout = replace(layout, margin=SHIPPED_MARGIN)  # priced as it was shipped; it still does not fit
@@ -135,13 +142,14 @@ def waterfall(gpus: int, hw, lengths, seeds: int) -> list[dict]:
     run = _set(run, "rollout", prompts_per_step=prompts)
     traces = RunTraces.of(run, DEEPSEEK_V3)
     works = [Workload(lengths, 1024, kept_share(run, None), seed=seed) for seed in range(seeds)]
-    out, paged = [], False
+    out, paged, slots = [], False, DEFAULT_DECODE_BATCH
     for name, change, colocation in STAGES:
         run = change(run)
         paged = paged or name == PAGED_FROM
+        slots = PAGED_SLOTS[1] if name == MORE_SLOTS_FROM else slots
         out.append(
             {"stage": name, "colocation": colocation, "prompts": prompts}
-            | stage_plan(run, gpus, colocation, hw, traces, works, paged)
+            | stage_plan(run, gpus, colocation, hw, traces, works, paged, slots)
         )
     return out
 

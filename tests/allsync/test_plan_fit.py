@@ -222,7 +222,7 @@ def test_the_671b_plan_on_48_h100s(trace_cache, tmp_path, capsys):
 def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache, tmp_path, capsys):
     """The shipped torch-engine variant: the checker accepts it (nothing refused) and the plan fits it with one copy
     of the base, shared-outer expert LoRA (LoRA + gradients + AdamW 3.3 GB), room for 36 rows of 21,504 tokens of FP8
-    MLA latent inside the 10% margin, which 64 KV slots share in pages (rollout.kv_cache_tokens), and the step its
+    MLA latent inside the 10% margin, which 128 KV slots share in pages (rollout.kv_cache_tokens), and the step its
     header states (with the engine's decode as measured on an H200)."""
     config = "recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml"
     out = tmp_path / "plan.json"
@@ -236,29 +236,29 @@ def test_the_671b_torch_engine_config_is_accepted_and_fits_48_h100s(trace_cache,
     assert plan["sequences_at_once"] == 36  # rows at full length, FP8 (rollout.kv_cache_dtype)
     # its decode steps graphed (rollout.decode_graphs) with the latent attention kernel, as measured on an H200
     # (2026-11-28, allsync.plan.torch_decode.GRAPHED_H200: 1.63-2.02x the roofline of its weights with each quantized
-    # one's bf16 copy, 10.9x that of each slot's own FP8 latent positions), 64 rows sharing 774,144 tokens in pages,
-    # dynamic sampling's rounds streamed through the slots: 6.36 h, the mean of 5 draws of the step's lengths and kept
-    # groups (5.36-7.04 h); training 3,302 s (algorithm.old_logprobs engine: no old-logprob forward; the all-to-all a
+    # one's bf16 copy, 10.9x that of each slot's own FP8 latent positions), 128 rows sharing 774,144 tokens in pages,
+    # dynamic sampling's rounds streamed through the slots: 5.48 h, the mean of 5 draws of the step's lengths and kept
+    # groups (4.87-5.98 h); training 3,302 s (algorithm.old_logprobs engine: no old-logprob forward; the all-to-all a
     # row per (token, rank holding one of its experts), once per node across)
-    assert plan["step_seconds"] / 3600 == pytest.approx(6.36, abs=0.01)
+    assert plan["step_seconds"] / 3600 == pytest.approx(5.48, abs=0.01)
     main_step = plan["schedules"][0]
     assert main_step["schedule"] == "all-sync" and "as measured on an H200" in main_step["note"]
     assert "own positions" in main_step["note"] and len(main_step["step_seconds_per_draw"]) == 5
-    assert [round(s / 3600, 2) for s in main_step["step_seconds_per_draw"]][0] == 5.44
+    assert [round(s / 3600, 2) for s in main_step["step_seconds_per_draw"]][0] == 4.91
     assert main_step["parts"]["train"] == pytest.approx(3302, abs=1)
     # and with the NF4 experts read by their kernel (rollout.frozen_expert_kernel triton, measured: 11.3-17.5x the
-    # roofline of reading them once): 12.73 h, slower, so the config leaves it off
+    # roofline of reading them once): 10.66 h, slower, so the config leaves it off
     experts = plan["schedules"][1]
     assert experts["schedule"] == "all-sync with rollout.frozen_expert_kernel triton"
-    assert experts["step_seconds"] / 3600 == pytest.approx(12.73, abs=0.01) and "stored bytes once" in experts["note"]
+    assert experts["step_seconds"] / 3600 == pytest.approx(10.66, abs=0.01) and "stored bytes once" in experts["note"]
     # the decode FLOPs are priced at the training share of the peak (26.4%) unless --decode-flops-share says otherwise;
-    # as measured the graphed steps are far from compute-bound: at half the peak the same config is 6.34 h
+    # as measured the graphed steps are far from compute-bound: at half the peak the same config is 5.42 h
     assert plan["decode_flops_share"] is None
     half = ["--decode-flops-share", "0.5", "--json", str(out)]
     assert main(["plan", "--config", config, "--shape", "deepseek-v3", *half]) == 0
     faster = json.loads(out.read_text())
     assert faster["decode_flops_share"] == 0.5
-    assert faster["step_seconds"] / 3600 == pytest.approx(6.34, abs=0.01)
+    assert faster["step_seconds"] / 3600 == pytest.approx(5.42, abs=0.01)
     assert "decode FLOPs at 50% of the peak" in capsys.readouterr().out
 
 

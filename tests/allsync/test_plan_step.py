@@ -638,7 +638,9 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         for kv in ("auto", "fp8")
     }
     assert room["fp8"] > room["auto"] > 0 and room["fp8"] % 64 == 0
-    assert {c["layout"]["decode_batch"] for c in torch_engine if "colocation" in c["layout"]} == {64}
+    # and 64 or 128 slots sharing the room in pages (allsync.plan.search.PAGED_SLOTS), each a candidate
+    assert {c["layout"]["decode_batch"] for c in torch_engine if "colocation" in c["layout"]} == {64, 128}
+    assert all(c["layout"]["kv_cache_tokens"] for c in torch_engine if c["layout"].get("decode_batch") == 128)
     # the config's own layout (EP 16, sleep, activations offloaded) is among them, at the step time the plan printed
     own = [
         c

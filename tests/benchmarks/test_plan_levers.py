@@ -11,7 +11,7 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
     """One draw on 48 H100: every stage priced; balancing the ranks and old logprobs from the engine shorten only the
     train phase; the torch engine's decode levers move only generation, each the way the H200 measured its graphed
     steps (allsync.plan.torch_decode.GRAPHED_H200): the latent kernel and sharing the room in pages (64 slots) shorten
-    it, the FP8 KV cache (read back through bf16 by the torch path) and the NF4 expert kernel (far from its roofline)
+    it, and so do 128 slots in the same room; the FP8 KV cache (read back through bf16 by the torch path) and the NF4 expert kernel (far from its roofline)
     lengthen it; FP8 KV and shared-outer LoRA give more KV slots inside the margin (17 -> 30 -> 36); the shipped
     vLLM layout does not fit at the margin, the torch engine's layouts do."""
     out, png = tmp_path / "levers.json", tmp_path / "levers.png"
@@ -26,7 +26,8 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         ("engine logprobs", "FP8 KV", "generate", False),  # more slots, but the FP8 latent read back through bf16
         ("shared-outer LoRA", "latent kernel", "generate", True),  # each slot reads its own FP8 positions, once
         ("streamed rounds", "paged KV", "generate", True),  # 64 slots share the room of 36 full-length rows
-        ("paged KV", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
+        ("paged KV", "128 slots", "generate", True),  # a step's weights read for twice the rows
+        ("128 slots", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
     ):
         other = "generate" if part == "train" else "train"
         assert (stages[after]["parts"][part] < stages[before]["parts"][part]) == shorter
@@ -36,5 +37,9 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
     paged = stages["paged KV"]
     assert paged["decode_batch"] == 64 and paged["kv_cache_tokens"] % 64 == 0 and paged["fits"]
     assert stages["streamed rounds"]["kv_cache_tokens"] is None
+    assert (
+        stages["128 slots"]["decode_batch"] == 128
+        and stages["128 slots"]["kv_cache_tokens"] == paged["kv_cache_tokens"]
+    )
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])
