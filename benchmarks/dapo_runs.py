@@ -42,3 +42,31 @@ def finished_rows(folder: Path, steps: int) -> list[dict] | None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     done = any(r.get("step") == steps and "heldout_accuracy" in r for r in rows)
     return rows if done else None
+
+
+def plot_heldout(runs: dict, colors: dict, labels: dict, title: str, path: Path, target: float | None = None) -> None:
+    """Held-out accuracy over steps, a line a run (runs: "ARM seed N" -> {"heldout": {step: accuracy}}), colored and
+    labelled by arm (the first run of an arm gives the legend its entry); `target` drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labelled: set[str] = set()
+    for name, run in runs.items():
+        arm = name.rsplit(" seed ", 1)[0]
+        steps = sorted(run["heldout"], key=int)
+        label = None if arm in labelled else labels[arm]
+        labelled.add(arm)
+        accuracy = [100 * run["heldout"][s] for s in steps]
+        ax.plot([int(s) for s in steps], accuracy, color=colors[arm], alpha=0.7, label=label)
+    if target is not None:
+        ax.axhline(100 * target, color="black", linestyle="--", linewidth=1)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out accuracy, avg@4 (%)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

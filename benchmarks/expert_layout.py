@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.dapo_runs import finished_rows, run_dapo
+from benchmarks.dapo_runs import finished_rows, plot_heldout, run_dapo
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
@@ -99,30 +99,10 @@ def summarize(rows: list[dict], config: dict) -> dict:
 
 
 def plot(results: dict, path: Path, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
     colors = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green")))
-    labelled: set[str] = set()
-    for name, run in results["runs"].items():
-        arm = name.rsplit(" seed ", 1)[0]
-        steps = sorted(run["heldout"], key=int)
-        label = None if arm in labelled else arm
-        labelled.add(arm)
-        ax.plot(
-            [int(s) for s in steps], [100 * run["heldout"][s] for s in steps], color=colors[arm], alpha=0.7, label=label
-        )
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out accuracy, avg@4 (%)")
     where = "the default job" if model == "default" else "two MoE layers"
-    ax.set_title(f"Routed-expert LoRA layout on {where} (each line a seed)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"Routed-expert LoRA layout on {where} (each line a seed)"
+    plot_heldout(results["runs"], colors, {arm: arm for arm in ARMS}, title, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

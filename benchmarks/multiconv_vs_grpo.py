@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.dapo_runs import finished_rows, run_dapo
+from benchmarks.dapo_runs import finished_rows, plot_heldout, run_dapo
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -94,31 +94,10 @@ def arm_summary(runs: list[dict]) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
     colors = {"multiconv": "tab:blue", "single": "tab:orange"}
     labels = {"multiconv": "multi-conversation DAPO", "single": "single-context GRPO"}
-    labelled: set[str] = set()
-    for name, run in results["runs"].items():
-        arm = name.rsplit(" seed ", 1)[0]
-        steps = sorted(run["heldout"], key=int)
-        label = None if arm in labelled else labels[arm]
-        labelled.add(arm)
-        ax.plot(
-            [int(s) for s in steps], [100 * run["heldout"][s] for s in steps], color=colors[arm], alpha=0.7, label=label
-        )
-    ax.axhline(100 * results["target"], color="black", linestyle="--", linewidth=1)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out accuracy, avg@4 (%)")
-    ax.set_title("memory_recall: segments with a memory against one context (each line a seed)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = "memory_recall: segments with a memory against one context (each line a seed)"
+    plot_heldout(results["runs"], colors, labels, title, path, results["target"])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -27,13 +27,13 @@ runs the same kernel on CPU tensors, which is how the tests here check it agains
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import sys
 
 import torch
 
-from quant.fused_experts import interpreted
+from quant.fused_experts import interpreted, module_setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +75,9 @@ def heads_per_program(blocks: KernelBlocks, width: int, element_size: int) -> in
     return heads
 
 
-@contextlib.contextmanager
 def kernel_blocks(blocks: KernelBlocks):
     """Run the kernel with `blocks` inside the block (the module's BLOCKS restored after)."""
-    global BLOCKS
-    before, BLOCKS = BLOCKS, blocks
-    try:
-        yield blocks
-    finally:
-        BLOCKS = before
+    return module_setting(sys.modules[__name__], "BLOCKS", blocks)
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -60,14 +61,19 @@ BLOCKS = ExpertBlocks()  # what the engine runs (expert_blocks sets others for a
 
 
 @contextlib.contextmanager
+def module_setting(module, name: str, value):
+    """`module.name` set to `value` inside the block, restored after (a kernel's cuts for a sweep)."""
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield value
+    finally:
+        setattr(module, name, before)
+
+
 def expert_blocks(blocks: ExpertBlocks):
     """Run the kernel with `blocks` inside the block (the module's BLOCKS restored after)."""
-    global BLOCKS
-    before, BLOCKS = BLOCKS, blocks
-    try:
-        yield blocks
-    finally:
-        BLOCKS = before
+    return module_setting(sys.modules[__name__], "BLOCKS", blocks)
 
 
 def interpreted() -> bool:
