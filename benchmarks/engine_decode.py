@@ -36,6 +36,7 @@ so measured / roofline says how far the step is from bandwidth-bound (the embedd
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -296,8 +297,8 @@ def measure_plan(
                     continue  # the kernel is the fixed-shape step's
                 free(memory)
                 use_expert_kernel(model, experts)
-                labels = {"expert_kernel": experts} | ({"blocks": blocks_name(blocks)} if blocks else {})
-                labels |= {"expert_blocks": expert_blocks_name(cut)} if cut else {}
+                labels = {"expert_kernel": experts} | ({"blocks": cuts_name(blocks)} if blocks else {})
+                labels |= {"expert_blocks": cuts_name(cut)} if cut else {}
                 try:
                     with kernel_blocks(blocks or KernelBlocks()), expert_blocks(cut or ExpertBlocks()):
                         case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
@@ -320,36 +321,22 @@ def measure_plan(
     return {"plan": name, "compute_dtype": str(dtype).replace("torch.", ""), "cases": cases}
 
 
-def blocks_name(blocks: KernelBlocks) -> str:
-    """HxNxW: the latent kernel's heads per program, positions per block and warps (--attention-blocks)."""
-    return f"{blocks.heads}x{blocks.positions}x{blocks.warps}"
+def cuts_name(cuts) -> str:
+    """A kernel's cuts (KernelBlocks, ExpertBlocks) as its fields joined by x: 64x32x8 (--attention-blocks),
+    64x64x4x3 (--expert-blocks)."""
+    return "x".join(str(v) for v in dataclasses.astuple(cuts))
 
 
-def blocks_of(text: str) -> list[KernelBlocks]:
-    """--attention-blocks HxNxW[,HxNxW...] (KernelBlocks refuses what is not a power of two)."""
-    items = [item.split("x") for item in text.split(",")]
+def cuts_of(text: str, kind, flag: str) -> list:
+    """`flag` CUTSxCUTS...[,...]: each item the fields of `kind` (a dataclass that refuses what its kernel cannot run)."""
+    fields = [f.name.upper() for f in dataclasses.fields(kind)]
     try:
-        if any(len(item) != 3 for item in items):
-            raise ValueError("three numbers each")
-        return [KernelBlocks(*map(int, item)) for item in items]
+        items = [[int(v) for v in item.split("x")] for item in text.split(",")]
+        if any(len(item) != len(fields) for item in items):
+            raise ValueError(f"{len(fields)} numbers each")
+        return [kind(*item) for item in items]
     except ValueError as e:
-        raise SystemExit(f"--attention-blocks: use HEADSxPOSITIONSxWARPS[,...], got {text!r} ({e})") from None
-
-
-def expert_blocks_name(blocks: ExpertBlocks) -> str:
-    """NxKxWxS: the NF4 expert kernel's columns a program, depth a step, warps and stages (--expert-blocks)."""
-    return f"{blocks.columns}x{blocks.depth}x{blocks.warps}x{blocks.stages}"
-
-
-def expert_blocks_of(text: str) -> list[ExpertBlocks]:
-    """--expert-blocks NxKxWxS[,NxKxWxS...] (ExpertBlocks refuses what it cannot run)."""
-    items = [item.split("x") for item in text.split(",")]
-    try:
-        if any(len(item) != 4 for item in items):
-            raise ValueError("four numbers each")
-        return [ExpertBlocks(*map(int, item)) for item in items]
-    except ValueError as e:
-        raise SystemExit(f"--expert-blocks: use COLUMNSxDEPTHxWARPSxSTAGES[,...], got {text!r} ({e})") from None
+        raise SystemExit(f"{flag}: use {'x'.join(fields)}[,...], got {text!r} ({e})") from None
 
 
 def format_case(plan: str, case: dict) -> str:
@@ -399,18 +386,18 @@ def main(argv=None) -> dict:
     )
     ap.add_argument(
         "--attention-blocks",
-        default=blocks_name(KernelBlocks()),
+        default=cuts_name(KernelBlocks()),
         help="the latent kernel's heads per program, positions per block and warps to time, HxNxW[,HxNxW...]",
     )
     ap.add_argument(
         "--expert-blocks",
-        default=expert_blocks_name(ExpertBlocks()),
+        default=cuts_name(ExpertBlocks()),
         help="the NF4 expert kernel's columns a program, depth a step, warps and stages to time, NxKxWxS[,...]",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    attention_blocks = blocks_of(args.attention_blocks)
-    expert_cuts = expert_blocks_of(args.expert_blocks)
+    attention_blocks = cuts_of(args.attention_blocks, KernelBlocks, "--attention-blocks")
+    expert_cuts = cuts_of(args.expert_blocks, ExpertBlocks, "--expert-blocks")
     modes, kv_caches, attentions = args.modes.split(","), args.kv_cache.split(","), args.attention.split(",")
     expert_kernels = args.expert_kernel.split(",")
     if any(x not in ("dequantize", "triton") for x in expert_kernels):
