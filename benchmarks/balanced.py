@@ -1,6 +1,7 @@
 """Balanced reasoning (issue 27): DAPO with and without Kimi-1.5's length reward from the same verbose base.
 
     python -m benchmarks.balanced [--steps 100] [--eval-every 25] [--seeds 0] [--reasoning verbose|mixed]
+                                  [--coef 1.0] [--length-groups all|with_correct] [--variants accuracy-only,balanced]
                                   [--previous FILE] [--out runs/balanced]
 
 Both runs are `python recipes/dapo.py` on recipes/configs/tiny_cpu_balanced.yaml (the default model and task,
@@ -9,10 +10,11 @@ warm-started to sum column by column and restate its result before `Answer: N`; 
 verbose replies, and for one problem in four the same column sums in a few tokens (compact_reply), a shorter correct
 reasoning the base has seen.
     accuracy-only   DAPO as configured: +1 / 0 on the answer
-    balanced        the same with reward.length {coef: 1.0}: within a group the shortest correct reply earns +0.5,
-                    the longest -0.5, a wrong reply is never rewarded for being short
-Each pair runs once per `--seeds` value (run.seed: the LoRA's start and the sampling); `--previous` adds the seeds
-of an earlier run's balanced.json. Reported for the base and every run: held-out avg@4 and the mean tokens of the
+    balanced        the same with reward.length {coef: --coef, groups: --length-groups}: within a group the shortest
+                    correct reply earns +0.5 coef, the longest -0.5 coef, a wrong reply is never rewarded for being
+                    short (with_correct: no length term in a group without a correct reply)
+Each of --variants runs once per `--seeds` value (run.seed: the LoRA's start and the sampling); `--previous` adds the
+runs of an earlier run's balanced.json (a variant and seed run now replaces the file's). Reported for the base and every run: held-out avg@4 and the mean tokens of the
 held-out replies, at every evaluation, and the held-out replies' lengths (quartiles) of the base and of each run's
 last evaluation. Writes OUT/balanced.json, OUT/balanced.png (held-out accuracy against mean reply tokens over
 training, seed 0) and OUT/balanced_lengths.png (the held-out replies' lengths before and after, every seed's replies
@@ -135,15 +137,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", default="0", help="comma-separated run.seed values")
     parser.add_argument("--previous", help="an earlier run's balanced.json: its seeds join the report")
     parser.add_argument("--reasoning", default="verbose", choices=sorted(BASES), help="task.reasoning of the base")
+    parser.add_argument("--coef", type=float, default=1.0, help="the balanced run's reward.length.coef")
+    parser.add_argument("--length-groups", default="all", help="the balanced run's reward.length.groups")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which of accuracy-only, balanced to run")
     parser.add_argument("--out", default=str(ROOT / "runs" / "balanced"))
     args = parser.parse_args(argv)
+    variants = {name: VARIANTS.get(name, ()) for name in args.variants.split(",")}
+    if () in variants.values():
+        raise SystemExit(f"--variants: use accuracy-only, balanced or both, got {args.variants!r}")
+    if "balanced" in variants:
+        variants["balanced"] = {"coef": args.coef, "groups": args.length_groups}
     out = Path(args.out)
     results = {name: {} for name in VARIANTS}
     if args.previous:
         for name, by_seed in json.loads(Path(args.previous).read_text()).items():
             results[name].update(by_seed if "heldout" not in by_seed else {"0": by_seed})  # older files: seed 0 alone
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for name, length in VARIANTS.items():
+        for name, length in variants.items():
             config = variant_config(length, args.steps, args.eval_every, seed, args.reasoning)
             r = results[name][str(seed)] = run_variant(name, config, out / f"seed-{seed}")
             print(f"{name:<14} seed {seed} held-out {r['heldout']}  held-out tokens {r['heldout_tokens']}", flush=True)

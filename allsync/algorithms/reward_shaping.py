@@ -54,7 +54,9 @@ def overlong_filter_mask(finish_reasons: Sequence[str], mask: torch.Tensor) -> t
     return torch.where(keep, mask, torch.zeros_like(mask))
 
 
-def group_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+def group_length_reward(
+    lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor, groups_with_correct: bool = False
+) -> torch.Tensor:
     """Kimi-1.5's length reward (Kimi Team 2025, sec. 2.3.3), per group of responses to one problem::
 
         lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len)      (min/max over i's group; 0 if they are equal)
@@ -64,6 +66,9 @@ def group_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_inde
     so within a group the shortest correct answer earns +0.5 and the longest -0.5, and a wrong answer is
     never rewarded for being short. e.g. lengths [10, 20, 30], correct [1, 1, 0] -> [0.5, 0, -0.5].
 
+    With groups_with_correct, r_i = 0 in a group without a correct response: all-wrong groups get no length
+    pressure (with it, the shortest wrong reply is the least punished, and a run can drift to empty replies).
+
     lengths: [N] response tokens; correct: [N] bool; group_index: [N] group ids (0..G-1). Returns float32 [N].
     """
     lengths = lengths.to(torch.float64)
@@ -72,7 +77,11 @@ def group_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_inde
     high = torch.full((groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group_index, lengths, "amax")
     span = (high - low)[group_index]
     lam = torch.where(span > 0, 0.5 - (lengths - low[group_index]) / span.clamp(min=1e-12), torch.zeros_like(lengths))
-    return torch.where(correct.bool(), lam, lam.clamp(max=0.0)).to(torch.float32)
+    reward = torch.where(correct.bool(), lam, lam.clamp(max=0.0))
+    if groups_with_correct:
+        right = torch.zeros(groups, dtype=torch.float64).scatter_reduce(0, group_index, correct.double(), "amax")
+        reward = torch.where(right[group_index] > 0, reward, torch.zeros_like(reward))
+    return reward.to(torch.float32)
 
 
 def shape_overlong(
@@ -85,10 +94,12 @@ def shape_overlong(
 def shape_length(
     lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor | None, settings
 ) -> torch.Tensor:
-    """settings.coef x Kimi-1.5's length reward within each group (:func:`group_length_reward`)."""
+    """settings.coef x Kimi-1.5's length reward within each group (:func:`group_length_reward`; settings.groups
+    with_correct: only in groups with a correct response)."""
     if group_index is None:
         raise ValueError("the length reward compares the responses of a group: group_index is needed")
-    return settings.coef * group_length_reward(lengths, correct, group_index).double()
+    with_correct = settings.groups == "with_correct"
+    return settings.coef * group_length_reward(lengths, correct, group_index, with_correct).double()
 
 
 REWARD_SHAPERS = {"overlong": shape_overlong, "length": shape_length}

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+LENGTH_GROUPS = ("all", "with_correct")
+
+
 @dataclass
 class LengthRewardSection:
     coef: float = 1.0  # reward += coef * Kimi-1.5's group length reward (allsync.algorithms.group_length_reward)
+    groups: str = "all"  # all | with_correct: the length term only in groups with a correct response
 
 
 @dataclass
@@ -50,3 +54,5 @@ class RewardSection:
             fail(f"reward.processes = {self.processes}: must be >= 1")
         if self.length is not None and not self.length.coef > 0:
             fail(f"reward.length.coef = {self.length.coef}: must be > 0 (leave reward.length out for none)")
+        if self.length is not None and self.length.groups not in LENGTH_GROUPS:
+            fail(f"reward.length.groups = {self.length.groups!r}: use one of {', '.join(LENGTH_GROUPS)}")

@@ -237,6 +237,9 @@ def test_length_reward_is_checked():
     from allsync.config import ConfigError, parse_config
 
     assert parse_config({"reward": {"length": {"coef": 0.5}}}).reward.length.coef == 0.5
+    assert parse_config({"reward": {"length": {"groups": "with_correct"}}}).reward.length.groups == "with_correct"
+    with pytest.raises(ConfigError, match=r"reward.length.groups = 'some': use one of all, with_correct"):
+        parse_config({"reward": {"length": {"groups": "some"}}})
     with pytest.raises(ConfigError, match=r"reward.length.coef = 0: must be > 0"):
         parse_config({"reward": {"length": {"coef": 0}}})
     with pytest.raises(ConfigError, match=r"reward.length with algorithm.advantage egae"):

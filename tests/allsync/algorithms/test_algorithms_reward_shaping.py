@@ -61,6 +61,19 @@ def test_kimi_group_length_reward_oracle():
         torch.tensor([0, 0, 0, 1, 1, 2, 2, 3]),
     )
     assert reward.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, -0.5, 0.0]
+    # reward.length.groups with_correct: an all-wrong group gets no length term (the shortest wrong reply is not the
+    # least punished); groups with a correct reply as before
+    only = group_length_reward(
+        torch.tensor([10, 20, 30, 5, 5, 7, 9, 8, 4, 12]),
+        torch.tensor([1, 1, 0, 1, 0, 0, 1, 1, 0, 0]),
+        torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 4, 4]),
+        groups_with_correct=True,
+    )
+    assert only.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, -0.5, 0.0, 0.0, 0.0]
+    everywhere = group_length_reward(
+        torch.tensor([4, 12]), torch.tensor([0, 0]), torch.tensor([0, 0]), groups_with_correct=False
+    )
+    assert everywhere.tolist() == [0.0, -0.5]
     # lambda is linear in length between the group's shortest (+0.5) and longest (-0.5)
     assert group_length_reward(
         torch.tensor([100, 125, 200]), torch.ones(3), torch.zeros(3, dtype=torch.long)
