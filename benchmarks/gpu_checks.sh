@@ -1,6 +1,6 @@
 #!/bin/bash
 # The checks waiting for the next lent GPU (BENCHMARKS.md, "GPU checks"), as one device call from the repository root:
-#   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=500)
+#   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=540)
 # Each part is bounded by `timeout`, so that one hang leaves the others' output; logs and JSONs go to $OUT.
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
@@ -13,8 +13,10 @@ part() {  # part NAME SECONDS COMMAND...: the command's output in $OUT/NAME.txt,
     timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
     echo "rc $?" >> "$OUT/$name.txt"
 }
-part pytest 220 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/moe_lora/test_latent_attention.py \
-    tests/quant/test_fused_experts.py tests/allsync/engines/test_decode_graphs.py
+# a file a part: a file whose time runs out still leaves the others' failures printed
+part pytest_latent 100 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/moe_lora/test_latent_attention.py
+part pytest_experts 60 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/quant/test_fused_experts.py
+part pytest_graphs 110 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_decode_graphs.py
 part profile_experts 70 python3 -m benchmarks.decode_profile --cases 32x1024 --expert-kernel triton \
     --json "$OUT/decode_profile_nf4_expert_kernel.json"
 part blocks 90 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
