@@ -25,3 +25,7 @@ part blocks 90 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --c
 part expert_blocks 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024 --steps 6 \
     --modes graphed --kv-cache fp8 --expert-kernel triton \
     --expert-blocks 64x64x4x3,64x128x4x3,128x128x8x3,64x256x8x2,32x256x4x3 --json "$OUT/engine_decode_h200_expert_blocks.json"
+# at most 8 files come back from $OUT: every part's log in one file, beside the JSONs
+for f in "$OUT"/*.txt; do echo "== $(basename "$f")"; cat "$f"; done > "$OUT/logs.log"
+rm -f "$OUT"/*.txt
+tail -n 60 "$OUT/logs.log"
