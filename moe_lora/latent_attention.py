@@ -68,7 +68,8 @@ def heads_per_program(blocks: KernelBlocks, width: int, element_size: int) -> in
 
     (the query's [heads, width] tile and two stages of the latent's [positions, width]; width the padded r + d_rope).
     On the H200 (2026-11-28) 64 heads ran in bf16 at V3's 512 + 64 (147 KiB) and in float32 at 128 + 32 (123 KiB),
-    16 in float32 at 512 + 64 (184 KiB); 64 in float32 at 512 + 64 (295 KiB) failed."""
+    16 in float32 at 512 + 64 (184 KiB); with 64 in float32 at 512 + 64 (295 KiB) the kernel's test failed (its
+    message lost to a time bound; shared memory the likely cause, to be checked on the next GPU)."""
     heads = blocks.heads
     while heads > 16 and (heads + 2 * blocks.positions) * width * element_size > SHARED_MEMORY_BYTES:
         heads //= 2
