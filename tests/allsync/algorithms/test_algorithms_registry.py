@@ -85,7 +85,12 @@ def test_shapers_add_the_formulas_of_their_settings():
         -1.0,
         -1.0,
     ]  # 12 tokens free, -1 past 16
-    length = get("reward_shaping", "length")(lengths, correct, groups, SimpleNamespace(coef=0.2))
+    length = get("reward_shaping", "length")(lengths, correct, groups, SimpleNamespace(coef=0.2, groups="all"))
     assert length.tolist() == pytest.approx(
         [0.1, -0.1, 0.0, -0.1]
     )  # 0.2 x (+0.5 shortest, -0.5 longest; wrong: min(0, .))
+    all_wrong = torch.tensor([False, False, False, True])  # group 0 has no correct reply
+    for which, expected in (("all", [0.0, -0.1, 0.0, -0.1]), ("with_correct", [0.0, 0.0, 0.0, -0.1])):
+        settings = SimpleNamespace(coef=0.2, groups=which)
+        shaped = get("reward_shaping", "length")(lengths, all_wrong, groups, settings)
+        assert shaped.tolist() == pytest.approx(expected), which
