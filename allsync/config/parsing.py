@@ -169,7 +169,8 @@ def load_config(path: str | os.PathLike) -> RunConfig:
 
 def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, ConfigError | None]:
     """The config built section by section, and what the checks across sections refuse in it, if anything, without
-    raising it (not what this machine lacks: the plan is for the GPUs it is told): `allsync plan` plans configs the loop refuses (a layout it has not built yet) and says why. What is
+    raising it (not what this machine lacks: the plan is for the GPUs it is told): `allsync plan` plans configs the
+    loop refuses (a layout it has not built yet) and says why. What is
     wrong in a section itself (an unknown key, a wrong type, a value out of range such as rollout.max_new_tokens 0)
     has no plan and raises, but for the parallel section, which the plan's --gpus / --expert-parallel may replace
     (the plan checks the sizes it uses)."""

@@ -141,30 +141,33 @@ def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, wor
     found, refused = [], []
     colocations = COLOCATIONS if run.rollout.engine == "vllm" else ("resident",)
     for ep in divisors(gpus, model_config["n_routed_experts"]):
-        for colocation, slots in ((c, n) for c in colocations for n in PAGED_SLOTS):
+        for colocation in colocations:
             layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
-            here, plan = planned_with_slots(run, model_config, layout, traces, slots=slots)
-            paged = here.rollout.kv_cache_tokens is not None and run.rollout.decode_batch is None
-            if slots != DEFAULT_DECODE_BATCH and not paged:
-                continue  # more slots than the default only where they share the room in pages
             label = f"EP {ep}, colocation {colocation}"
-            if not plan.fits:
-                if slots == DEFAULT_DECODE_BATCH:
-                    refused.append((label, plan.problems[0]))
-                continue
-            memory = {"peak_bytes": plan.total_bytes, "sequences_in_kv": plan.sequences_at_once}
-            described = {
-                "engine": run.rollout.engine,
-                "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
-                "kv_cache_tokens": here.rollout.kv_cache_tokens,
-                "kv_cache": run.rollout.kv_cache_dtype,
-                "gpus": gpus,
-                "expert_parallel": ep,
-                "colocation": colocation,
-                "activation_offload": run.optim.activation_offload,
-            }
-            for step in colocated_steps(here, model_config, layout, plan, hw, work):
-                found.append(Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node)))
+            for slots in PAGED_SLOTS:  # more slots than the default only where they share the room in pages
+                here, plan = planned_with_slots(run, model_config, layout, traces, slots=slots)
+                paged = here.rollout.kv_cache_tokens is not None and run.rollout.decode_batch is None
+                if not plan.fits:
+                    if slots == DEFAULT_DECODE_BATCH:
+                        refused.append((label, plan.problems[0]))
+                else:
+                    memory = {"peak_bytes": plan.total_bytes, "sequences_in_kv": plan.sequences_at_once}
+                    described = {
+                        "engine": run.rollout.engine,
+                        "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
+                        "kv_cache_tokens": here.rollout.kv_cache_tokens,
+                        "kv_cache": run.rollout.kv_cache_dtype,
+                        "gpus": gpus,
+                        "expert_parallel": ep,
+                        "colocation": colocation,
+                        "activation_offload": run.optim.activation_offload,
+                    }
+                    for step in colocated_steps(here, model_config, layout, plan, hw, work):
+                        found.append(
+                            Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node))
+                        )
+                if not paged:
+                    break
     return found, refused
 
 
