@@ -233,6 +233,7 @@ class RLWorker:
                 attention_kernel=r.attention_kernel,
                 kv_cache_tokens=r.kv_cache_tokens,
                 frozen_expert_kernel=r.frozen_expert_kernel,
+                fp8_linear_kernel=r.fp8_linear_kernel,
             )
         from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 

@@ -3,7 +3,8 @@
     python -m benchmarks.engine_decode [--plans nf4,fp8] [--rows 32,64,128,256] [--contexts 1024,8192,20480]
                                        [--steps 8] [--device cuda] [--modes eager,fixed,graphed] [--json out.json]
                                        [--kv-cache auto,fp8] [--attention torch,triton] [--expert-kernel dequantize,triton]
-                                       [--attention-blocks 16x32x8,64x32x8] [--expert-blocks 64x64x4x3,32x128x4x2]
+                                       [--attention-blocks 16x32x8,64x32x8] [--expert-blocks 64x64x4x3x16,32x128x4x2x64]
+                                       [--fp8-linear-kernel dequantize,scaled_mm]
 
 The checkpoint of benchmarks/v3_layer_memory.py (real shapes, two decoder layers: one dense, one MoE with 256
 routed experts; random weights in the real FP8 format) is loaded by the trainer's loader in each plan (nf4: routed
@@ -20,7 +21,8 @@ slot, the routed experts without a host read, all of them dequantized) and its C
 allsync.engines.slots.span_bucket; rollout.decode_graphs). --attention-blocks: the latent kernel's cuts to time
 (moe_lora.latent_attention.KernelBlocks: heads per program, positions per block, warps), each a case of its own;
 --expert-blocks likewise the NF4 expert kernel's (quant.fused_experts.ExpertBlocks: columns a program, weight columns
-a step, warps, pipeline stages).
+a step, warps, pipeline stages, an expert's rows a pass). --fp8-linear-kernel scaled_mm: the FP8 linears multiplied as FP8 GEMMs
+(rollout.fp8_linear_kernel, quant.formats.fp8_gemm), a case of its own.
 
 Roofline: a decode step must read at least the weights it uses and the cache it attends over,
 
@@ -53,6 +55,7 @@ from moe_lora.latent_attention import KernelBlocks, kernel_blocks
 from quant.fused_experts import ExpertBlocks, expert_blocks
 from moe_lora.mla_decode import LatentKVCache, SlotKVCache, fp8_latent_bytes, install_mla_decode
 from quant.checkpoint_io import atomic_write_text
+from quant.formats import fp8_gemm_linears
 from quant.loader import byte_report, load_frozen_model
 
 
@@ -274,6 +277,7 @@ def measure_plan(
     expert_kernels=("dequantize",),
     attention_blocks=(KernelBlocks(),),
     expert_cuts=(ExpertBlocks(),),
+    fp8_linear_kernels=("dequantize",),
 ):
     memory = Memory(device)
     free(memory)
@@ -284,23 +288,29 @@ def measure_plan(
     for r in rows:
         for c in contexts:
             variants = [
-                (m, k, a, x, b, e)
+                (m, k, a, x, b, e, f)
                 for m in modes
                 for k in kv_caches
                 for a in attentions
                 for x in expert_kernels
                 for b in (attention_blocks if a == "triton" else (None,))  # the cuts are the latent kernel's
                 for e in (expert_cuts if x == "triton" else (None,))  # and the NF4 expert kernel's
+                for f in fp8_linear_kernels
             ]
-            for mode, kv, attention, experts, blocks, cut in variants:
+            for mode, kv, attention, experts, blocks, cut, linears in variants:
                 if experts == "triton" and mode == "eager":
                     continue  # the kernel is the fixed-shape step's
                 free(memory)
                 use_expert_kernel(model, experts)
                 labels = {"expert_kernel": experts} | ({"blocks": cuts_name(blocks)} if blocks else {})
                 labels |= {"expert_blocks": cuts_name(cut)} if cut else {}
+                labels |= {"fp8_linear_kernel": linears} if linears != "dequantize" else {}
                 try:
-                    with kernel_blocks(blocks or KernelBlocks()), expert_blocks(cut or ExpertBlocks()):
+                    with (
+                        kernel_blocks(blocks or KernelBlocks()),
+                        expert_blocks(cut or ExpertBlocks()),
+                        fp8_gemm_linears(linears == "scaled_mm"),
+                    ):
                         case = decode_steps(model, r, c, steps, mode, fp8=kv == "fp8", attention=attention)
                     case |= labels
                 except torch.OutOfMemoryError as e:
@@ -323,7 +333,7 @@ def measure_plan(
 
 def cuts_name(cuts) -> str:
     """A kernel's cuts (KernelBlocks, ExpertBlocks) as its fields joined by x: 64x32x8 (--attention-blocks),
-    64x64x4x3 (--expert-blocks)."""
+    64x64x4x3x16 (--expert-blocks)."""
     return "x".join(str(v) for v in dataclasses.astuple(cuts))
 
 
@@ -344,9 +354,10 @@ def format_case(plan: str, case: dict) -> str:
     experts = case.get("expert_kernel", "dequantize") + (
         f"[{case['expert_blocks']}]" if "expert_blocks" in case else ""
     )
+    linears = "fp8-gemm " if case.get("fp8_linear_kernel") == "scaled_mm" else ""
     head = (
         f"{plan:4} {case.get('mode', 'eager'):7} {case.get('kv_cache', 'auto'):4} {attention:6} "
-        f"{experts:10} "
+        f"{experts:10} {linears}"
         f"rows {case['rows']:4} context {case['context']:6}"
     )
     if "oom" in case:
@@ -392,7 +403,12 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--expert-blocks",
         default=cuts_name(ExpertBlocks()),
-        help="the NF4 expert kernel's columns a program, depth a step, warps and stages to time, NxKxWxS[,...]",
+        help="the NF4 expert kernel's columns a program, depth a step, warps, stages and rows a pass, NxKxWxSxM[,...]",
+    )
+    ap.add_argument(
+        "--fp8-linear-kernel",
+        default="dequantize",
+        help="rollout.fp8_linear_kernel: dequantize, scaled_mm (FP8 GEMMs for the FP8 linears), or both",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -402,6 +418,9 @@ def main(argv=None) -> dict:
     expert_kernels = args.expert_kernel.split(",")
     if any(x not in ("dequantize", "triton") for x in expert_kernels):
         raise SystemExit(f"--expert-kernel: use dequantize, triton or dequantize,triton, got {args.expert_kernel!r}")
+    fp8_linear_kernels = args.fp8_linear_kernel.split(",")
+    if any(f not in ("dequantize", "scaled_mm") for f in fp8_linear_kernels):
+        raise SystemExit(f"--fp8-linear-kernel: use dequantize, scaled_mm or both, got {args.fp8_linear_kernel!r}")
     if any(a not in ("torch", "triton") for a in attentions):
         raise SystemExit(f"--attention: use torch, triton or torch,triton, got {args.attention!r}")
     if any(k not in ("auto", "fp8") for k in kv_caches):
@@ -452,6 +471,7 @@ def main(argv=None) -> dict:
                 expert_kernels,
                 attention_blocks,
                 expert_cuts,
+                fp8_linear_kernels,
             )
         )
         if args.json:

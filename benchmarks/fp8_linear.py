@@ -31,9 +31,8 @@ import torch.nn.functional as F
 
 from benchmarks.engine_decode import ints
 from quant.checkpoint_io import atomic_write_text
-from quant.formats import FP8_DTYPE, fp8_block_dequantize, fp8_block_quantize
+from quant.formats import fp8_block_dequantize, fp8_block_quantize, scaled_mm_fp8_blocks
 
-FP8_MAX = 448.0
 # DeepSeek-V3's FP8 linears a decode step runs on every GPU (out, in): q_a, q_b, o_proj, the dense MLP's gate and up
 # (one), its down, the shared expert's gate and up (one), its down. kv_a_proj_with_mqa (576 out) is not whole blocks.
 V3_LINEARS = {
@@ -45,36 +44,6 @@ V3_LINEARS = {
     "shared_gate_up": (4096, 7168),
     "shared_down": (7168, 2048),
 }
-
-
-def quantize_rows(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3(x / a) [M, K], a [M, K / block] float32) with a = max |x| / 448 per row and block of `block`
-    columns (a block of zeros gets a = 1e-12 / 448)."""
-    rows, cols = x.shape
-    grouped = x.float().view(rows, cols // block, block)
-    scales = grouped.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    return (grouped / scales[..., None]).to(FP8_DTYPE).view(rows, cols), scales
-
-
-def fp8_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16) times W^T, W [N, K] in FP8 with 128 x 128 scales [N / 128, K / 128], as one FP8 GEMM: x
-    quantized per 1 x 128 (rows padded to a multiple of 4, the scales outer-dimension-major, the weight's K blocks
-    padded to a multiple of 4, as cuBLAS wants them)."""
-    rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -rows % 4)) if rows % 4 else x
-    x8, scales = quantize_rows(padded)
-    k_blocks = scale_inv.shape[1]
-    s = F.pad(scale_inv, (0, -k_blocks % 4)) if k_blocks % 4 else scale_inv
-    out = F.scaled_mm(
-        x8,
-        weight.t(),
-        scales.t().contiguous().t(),
-        F.ScalingType.BlockWise1x128,
-        s.t(),
-        F.ScalingType.BlockWise128x128,
-        output_dtype=x.dtype,
-    )
-    return out[:rows]
 
 
 def timed(fn, repeats: int) -> float:
@@ -111,7 +80,7 @@ def measure(name: str, shape: tuple[int, int], rows: int, repeats: int, bandwidt
     case["roofline_ms"] = round(1000 * out_dim * in_dim / bandwidth, 4)
     modes = {
         "dequantize": lambda: F.linear(x, fp8_block_dequantize(q, scale_inv, dtype=torch.bfloat16)),
-        "scaled_mm": lambda: fp8_scaled_linear(x, q, scale_inv),
+        "scaled_mm": lambda: scaled_mm_fp8_blocks(x, q, scale_inv),
     }
     for mode, fn in modes.items():
         try:

@@ -16,15 +16,21 @@ part() {  # part NAME SECONDS COMMAND...: the command's output in $OUT/NAME.txt,
 # a file a part: a file whose time runs out still leaves the others' failures printed
 part pytest_latent 100 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/moe_lora/test_latent_attention.py
 part pytest_experts 60 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/quant/test_fused_experts.py
-part pytest_graphs 110 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_decode_graphs.py
-part profile_experts 70 python3 -m benchmarks.decode_profile --cases 32x1024 --expert-kernel triton \
-    --json "$OUT/decode_profile_nf4_expert_kernel.json"
-part blocks 90 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
+part pytest_graphs 90 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_decode_graphs.py
+part pytest_fp8_gemm 40 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_fp8_linears.py \
+    tests/benchmarks/test_fp8_linear.py
+# rollout.fp8_linear_kernel scaled_mm in the graphed step (the plan prices it at the rest's factor until this runs)
+part fp8_gemm 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
+    --modes graphed --kv-cache fp8 --attention triton --fp8-linear-kernel dequantize,scaled_mm \
+    --json "$OUT/engine_decode_h200_fp8_gemm.json"
+part blocks 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
     --modes graphed --kv-cache auto,fp8 --attention triton --attention-blocks 64x32x8,64x32x4,128x16x8 \
     --json "$OUT/engine_decode_h200_blocks_2.json"
-part expert_blocks 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024 --steps 6 \
-    --modes graphed --kv-cache fp8 --expert-kernel triton \
-    --expert-blocks 64x64x4x3,64x128x4x3,128x128x8x3,64x256x8x2,32x256x4x3 --json "$OUT/engine_decode_h200_expert_blocks.json"
+# 256 rows: 8 an expert; 2048 rows: 64 an expert, what each held expert gets at 671B's EP 16 with 128 slots
+part expert_blocks 70 python3 -m benchmarks.engine_decode --plans nf4 --rows 256,2048 --contexts 1024 --steps 6 \
+    --modes graphed --kv-cache fp8 --expert-kernel dequantize,triton \
+    --expert-blocks 64x64x4x3x16,64x128x4x3x16,128x128x8x3x16,64x64x4x3x64,64x128x4x3x64 \
+    --json "$OUT/engine_decode_h200_expert_blocks.json"
 # at most 8 files come back from $OUT: every part's log in one file, beside the JSONs
 for f in "$OUT"/*.txt; do echo "== $(basename "$f")"; cat "$f"; done > "$OUT/logs.log"
 rm -f "$OUT"/*.txt

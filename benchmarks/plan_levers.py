@@ -29,6 +29,9 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     length; moe_lora.mla_decode.SlotKVCache)
     128 slots       the same room shared by 128 slots (allsync.plan.search.PAGED_SLOTS: a decode step's weights read
                     for twice the rows, more preemptions): recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml
+    FP8 GEMMs       + rollout.fp8_linear_kernel scaled_mm (quant.formats.fp8_gemm: the FP8 attention, shared experts
+                    and dense MLP multiplied as FP8 GEMMs with V3's block scales as stored, without their bf16 copies;
+                    priced at the measured factor of the rest of the step: assumed)
     expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
                     read from their NF4 bytes, without a bf16 copy of every held expert), last: as measured on the
                     H200 it is slower than dequantizing, so the config leaves it off
@@ -95,6 +98,7 @@ STAGES = [
     ("streamed rounds", lambda run: _set(run, "algorithm", sampling_rounds="streamed"), "resident"),
     ("paged KV", lambda run: run, "resident"),  # planned_with_slots pages the slots from here on
     ("128 slots", lambda run: run, "resident"),  # and gives them PAGED_SLOTS[1] slots from here on
+    ("FP8 GEMMs", lambda run: _set(run, "rollout", fp8_linear_kernel="scaled_mm"), "resident"),
     ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
 ]
 PAGED_FROM = "paged KV"

@@ -14,6 +14,10 @@ data) with:
     r3-tis-token    r3 + algorithm.tis {level: token, cap: 2}
     kv-fp8          rollout.kv_cache_dtype fp8: the engine is the trainer's model, its KV cache in FP8
     kv-fp8-tis      kv-fp8 + algorithm.tis {level: token, cap: 2}
+    fp8-linears     model.quant attention, shared_experts and dense_mlp fp8 (as V3 stores them), rollout.merge_lora
+                    false: the engine is the trainer's model, its FP8 linears dequantized (the reference of the two below)
+    fp8-gemm        fp8-linears + rollout.fp8_linear_kernel scaled_mm: the engine multiplies them as FP8 GEMMs
+    fp8-gemm-tis    fp8-gemm + algorithm.tis {level: token, cap: 2}
 `--variants a,b` runs some of them; `--previous FILE` adds the variants of an earlier run's JSON that were not run.
 `--moe-layers N`: the default model with N MoE layers after its dense one (the default base has 1, whose router reads
 the dense layer's output, the same in both formats: no token can change experts there), warm-started like the
@@ -36,6 +40,11 @@ from benchmarks.dapo_runs import run_dapo
 ROOT = Path(__file__).resolve().parents[1]
 MISMATCH = {"routed_experts": "bf16"}
 TOKEN_TIS = {"level": "token", "cap": 2.0}
+FP8_LINEARS = {
+    "attention": "fp8",
+    "shared_experts": "fp8",
+    "dense_mlp": "fp8",
+}  # as DeepSeek-V3's checkpoint stores them
 
 
 class Variant(NamedTuple):
@@ -43,6 +52,8 @@ class Variant(NamedTuple):
     tis: dict | None  # algorithm.tis
     replay: bool = False  # algorithm.routing_replay
     kv_cache_dtype: str = "auto"  # rollout.kv_cache_dtype
+    quant: dict | None = None  # model.quant's keys set (the trainer's and the engine's formats)
+    fp8_linear_kernel: str = "dequantize"  # rollout.fp8_linear_kernel
 
 
 VARIANTS = {
@@ -54,6 +65,9 @@ VARIANTS = {
     "r3-tis-token": Variant(MISMATCH, TOKEN_TIS, True),
     "kv-fp8": Variant({}, None, kv_cache_dtype="fp8"),
     "kv-fp8-tis": Variant({}, TOKEN_TIS, kv_cache_dtype="fp8"),
+    "fp8-linears": Variant({}, None, quant=FP8_LINEARS),
+    "fp8-gemm": Variant({}, None, quant=FP8_LINEARS, fp8_linear_kernel="scaled_mm"),
+    "fp8-gemm-tis": Variant({}, TOKEN_TIS, quant=FP8_LINEARS, fp8_linear_kernel="scaled_mm"),
 }
 
 
@@ -64,6 +78,10 @@ def variant_config(base: str, variant: Variant, steps: int, eval_every: int) -> 
     config["rollout"]["kv_cache_dtype"] = variant.kv_cache_dtype
     config["algorithm"]["tis"] = variant.tis
     config["algorithm"]["routing_replay"] = variant.replay
+    if variant.quant:
+        config["model"]["quant"].update(variant.quant)
+        config["rollout"]["merge_lora"] = False  # a merged weight is not FP8: the FP8 variants compare unmerged
+    config["rollout"]["fp8_linear_kernel"] = variant.fp8_linear_kernel
     config["run"].update(steps=steps, eval_every=eval_every, checkpoint_every=steps, time_limit_minutes=None)
     return config
 

@@ -14,6 +14,7 @@ Formats:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -270,6 +271,93 @@ class _FrozenLinearFn(torch.autograd.Function):
 
 
 def frozen_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """y = x W^T: without a gradient to x, an FP8 weight inside `fp8_gemm_linears` multiplies as DeepSeek's FP8 GEMM
+    (`fp8_gemm`); otherwise W dequantized to x's dtype (dequantized again in backward)."""
     if not torch.is_grad_enabled() or not x.requires_grad:
+        if FP8_GEMM_LINEARS and weight.fmt == "fp8":
+            return fp8_gemm(x, weight)
         return torch.nn.functional.linear(x, weight.dequantize(x.dtype))
     return _FrozenLinearFn.apply(x, weight)
+
+
+# ----------------------------------------------------------------------------------------- FP8 GEMM
+FP8_GEMM_LINEARS = False  # frozen_linear's FP8 weights multiply as FP8 GEMMs (fp8_gemm_linears sets it)
+
+
+@contextlib.contextmanager
+def fp8_gemm_linears(enabled: bool = True):
+    """Inside the block, frozen_linear multiplies FP8 weights by `fp8_gemm` where no gradient flows to x (the torch
+    engine's forwards with rollout.fp8_linear_kernel scaled_mm); the setting before is restored after."""
+    global FP8_GEMM_LINEARS
+    before, FP8_GEMM_LINEARS = FP8_GEMM_LINEARS, enabled
+    try:
+        yield
+    finally:
+        FP8_GEMM_LINEARS = before
+
+
+def fp8_rows_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3(x / a) [M, K], a [M, ceil(K / block)] float32), a[m, b] = max_{k in block b} |x[m, k]| / 448
+    (1e-12 / 448 for a block of zeros; the last block partial when K is not whole blocks)."""
+    rows, cols = x.shape
+    blocks = -(-cols // block)
+    grouped = torch.nn.functional.pad(x.float(), (0, blocks * block - cols)).view(rows, blocks, block)
+    scales = grouped.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    q = (grouped / scales[..., None]).to(FP8_DTYPE).view(rows, blocks * block)[:, :cols]
+    return q, scales
+
+
+def fp8_gemm_on_tensor_cores(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """`fp8_gemm` runs torch's FP8 GEMM for x and this weight: x on a GPU with FP8 tensor cores (compute capability
+    8.9+) in bf16 or fp16, W of whole 128 x 128 blocks, and torch.nn.functional.scaled_mm taking block scales."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and fp8_whole_blocks(weight.shape)
+        and hasattr(getattr(torch.nn.functional, "ScalingType", None), "BlockWise128x128")
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )
+
+
+def fp8_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [..., K] times W^T, W [N, K] in FP8 with 128 x 128 scales s, as DeepSeek-V3 multiplies in FP8: the rows
+    quantized per 1 x 128 block (`fp8_rows_quantize`: x8, a), then
+
+        y[m, n] = sum_k (x8[m, k] a[m, k / 128]) (Q[n, k] s[n / 128, k / 128])     accumulated in float32,
+                                                                                  rounded once to x's dtype
+
+    On FP8 tensor cores (`fp8_gemm_on_tensor_cores`) one torch.nn.functional.scaled_mm reading W as stored (rows
+    padded to a multiple of 4, the scales laid out as cuBLAS wants them); elsewhere (CPU, partial blocks) the same
+    sum of both factors dequantized to float32: the same numbers, none of the speed. The rows' rounding to e4m3 is a
+    relative error of a few percent in y against x W^T (BENCHMARKS.md): a sampler/trainer mismatch."""
+    flat = x.reshape(-1, x.shape[-1])
+    if fp8_gemm_on_tensor_cores(x, weight):
+        y = scaled_mm_fp8_blocks(flat, weight.data, weight.scale)
+    else:
+        x8, scales = fp8_rows_quantize(flat)
+        rows, cols = flat.shape
+        padded = torch.nn.functional.pad(x8.float(), (0, scales.shape[1] * FP8_BLOCK - cols))
+        xq = padded.view(rows, -1, FP8_BLOCK).mul_(scales[..., None]).view(rows, -1)[:, :cols]
+        y = torch.nn.functional.linear(xq, weight.dequantize(torch.float32)).to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm_fp8_blocks(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) times (Q s)^T by torch.nn.functional.scaled_mm with 1 x 128 row scales and the weight's
+    128 x 128 ones as stored (fp8_gemm's numbers)."""
+    F = torch.nn.functional
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % 4)) if rows % 4 else x
+    x8, scales = fp8_rows_quantize(padded)
+    k_blocks = scale_inv.shape[1]
+    s = F.pad(scale_inv, (0, -k_blocks % 4)) if k_blocks % 4 else scale_inv
+    out = F.scaled_mm(
+        x8,
+        q.t(),
+        scales.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        s.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+    return out[:rows]

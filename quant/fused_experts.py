@@ -12,9 +12,10 @@ float32 absmax per 64 consecutive elements; the 16-value NF4 code table):
                                                                       rounded to the compute dtype)
     y[a, n]   = sum_k x[a, k] W_e[n, k]                              for the rows a of expert e
 
-Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (a decode step's ~18 rows a
-expert take one pass over the weight tile; more rows re-read it), K in blocks of B_K (B_N, B_K, warps and pipeline
-stages: ExpertBlocks). Where K and B_K are whole absmax blocks (DeepSeek-V3's are) a tile row's scales are read once a
+Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (up to B_M rows an expert
+take one pass over the weight tile; more rows re-read and dequantize it again), K in blocks of B_K (B_N, B_K, warps,
+pipeline stages and B_M: ExpertBlocks). On a GPU each dequantized value is rounded to bfloat16 by the conversion
+instruction; Triton's interpreter truncates there, so it rounds by hand (the same values). Where K and B_K are whole absmax blocks (DeepSeek-V3's are) a tile row's scales are read once a
 block, B_K / 64 of them, not once a byte. With K even (DeepSeek-V3's 7,168
 and 2,048) each byte is read once and gives two columns: the high nibbles multiply the rows' even columns and the
 low ones the odd, two products of B_K / 2 each (the same sums, in another order). The grid (N / B_N, E) and every
@@ -36,21 +37,22 @@ import torch
 
 from quant.formats import QuantizedWeight
 
-BLOCK_M = 16  # rows a pass (tl.dot's smallest M)
-
 
 @dataclass(frozen=True)
 class ExpertBlocks:
     """How the kernel cuts its work: output columns a program (B_N), weight columns a step of the inner loop (B_K),
-    warps a program, and the software pipeline's stages (what benchmarks/engine_decode.py --expert-blocks sweeps)."""
+    warps a program, the software pipeline's stages, and an expert's rows a pass over its weight tile (B_M: an
+    expert with more rows reads and dequantizes the tile again for each B_M; a decode step at 671B's EP 16 gives each
+    held expert about 64) (what benchmarks/engine_decode.py --expert-blocks sweeps)."""
 
     columns: int = 64
     depth: int = 64
     warps: int = 4
     stages: int = 3
+    rows: int = 16  # tl.dot's smallest M
 
     def __post_init__(self):
-        for name, least in (("columns", 16), ("depth", 32), ("warps", 1), ("stages", 1)):
+        for name, least in (("columns", 16), ("depth", 32), ("warps", 1), ("stages", 1), ("rows", 16)):
             value = getattr(self, name)
             if value < least or (name != "stages" and value & (value - 1)):
                 kind = "a power of two, " if name != "stages" else ""
@@ -153,6 +155,7 @@ def _kernel(interpret: bool):
         PRECISION: tl.constexpr,
         PAIRED: tl.constexpr,
         ROW_ABSMAX: tl.constexpr,
+        ROUND_BY_HAND: tl.constexpr,
     ):
         column_block, expert = tl.program_id(0), tl.program_id(1)
         first = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
@@ -183,10 +186,13 @@ def _kernel(interpret: bool):
                         a = tl.load(absmax_e + (2 * pair) // QBLOCK, mask=w_ok, other=0.0)
                     high = tl.load(code + (byte >> 4)) * a
                     low = tl.load(code + (byte & 15)) * a
-                    bits = high.to(tl.uint32, bitcast=True)  # each rounded to bfloat16 as below
-                    high = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-                    bits = low.to(tl.uint32, bitcast=True)
-                    low = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    if ROUND_BY_HAND:  # each rounded to bfloat16 as below
+                        bits = high.to(tl.uint32, bitcast=True)
+                        high = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                        bits = low.to(tl.uint32, bitcast=True)
+                        low = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    else:  # a GPU's conversion rounds to nearest, ties to even: the same values, one instruction
+                        high, low = high.to(tl.bfloat16), low.to(tl.bfloat16)
                     x_rows = x + offs_m[:, None] * stride_xa + 2 * offs_j[None, :]
                     x_ok = m_ok[:, None] & j_ok[None, :]
                     even = tl.load(x_rows, mask=x_ok, other=0.0)
@@ -210,10 +216,14 @@ def _kernel(interpret: bool):
                     nibble = tl.where((element & 1) == 0, byte >> 4, byte & 15)
                     a = tl.load(absmax_e + element // QBLOCK, mask=w_ok, other=0.0)
                     # rounded to the nearest bfloat16 (ties to even), as dequantize_4bit gives it (the stored
-                    # dtype), kept in float32; written out (not a jitted helper: the interpreter cannot call one defined
-                    # here) because the interpreter's conversion truncates
-                    bits = (tl.load(code + nibble) * a).to(tl.uint32, bitcast=True)
-                    w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    # dtype), kept in float32; in the interpreter written out (not a jitted helper: the interpreter
+                    # cannot call one defined here) because its conversion truncates
+                    w = tl.load(code + nibble) * a
+                    if ROUND_BY_HAND:
+                        bits = w.to(tl.uint32, bitcast=True)
+                        w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    else:
+                        w = w.to(tl.bfloat16)
                     if UPCAST:  # the interpreter's tl.dot mishandles bfloat16: the same products, exact in float32
                         xt = xt.to(tl.float32)
                     else:
@@ -258,13 +268,14 @@ def nf4_grouped_mm(x: torch.Tensor, stacked: StackedNF4, offsets: torch.Tensor) 
         stacked.absmax.stride(0),
         out.stride(0),
         QBLOCK=stacked.blocksize,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=blocks.rows,
         BLOCK_N=blocks.columns,
         BLOCK_K=blocks.depth,
         UPCAST=interpreted() and x.dtype != torch.float32,
         PRECISION="ieee" if x.dtype == torch.float32 or interpreted() else "tf32",
         PAIRED=paired,
         ROW_ABSMAX=paired and k % stacked.blocksize == 0 and blocks.depth % stacked.blocksize == 0,
+        ROUND_BY_HAND=interpreted(),
         num_warps=blocks.warps,
         num_stages=blocks.stages,
     )

@@ -12,6 +12,8 @@ from allsync.config.run_config import RunConfig
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# model.quant's groups whose frozen weights multiply through quant.formats.frozen_linear (rollout.fp8_linear_kernel)
+FP8_LINEAR_GROUPS = ("attention", "shared_experts", "dense_mlp")
 
 
 def check_decode_graphs(c: RunConfig, fail) -> None:
@@ -76,6 +78,14 @@ def check_this_machine(c: RunConfig, fail) -> None:
         fail("rollout.decode_graphs: no GPU is visible to torch on this machine (CUDA graphs need one)")
     if "triton" in (c.rollout.attention_kernel, c.rollout.frozen_expert_kernel):
         check_triton(c, fail)
+    if c.rollout.fp8_linear_kernel == "scaled_mm" and c.parallel.resolved_device() == "cuda":
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9) or not hasattr(getattr(torch.nn.functional, "ScalingType", None), "BlockWise128x128"):
+            fail(
+                f"rollout.fp8_linear_kernel scaled_mm: this GPU (compute capability {capability[0]}.{capability[1]}) "
+                f"or torch {torch.__version__} has no FP8 GEMM with block scales (needs 8.9+ and "
+                "torch.nn.functional.scaled_mm's BlockWise128x128); keep dequantize"
+            )
 
 
 def check_triton(c: RunConfig, fail) -> None:
@@ -142,6 +152,14 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
                 f"{quant.plan().format_of('routed_experts')}"
                 + (" and double_quant" if quant.double_quant else "")
                 + ": the kernel reads NF4 experts without double quantization"
+            )
+    if c.rollout.fp8_linear_kernel == "scaled_mm":
+        plan = c.model.quant.plan(c.rollout.engine_formats)
+        if not any(plan.format_of(group) == "fp8" for group in FP8_LINEAR_GROUPS):
+            keys = "rollout.engine_formats / model.quant" if c.rollout.engine_formats else "model.quant"
+            fail(
+                f"rollout.fp8_linear_kernel scaled_mm: the engine holds none of {', '.join(FP8_LINEAR_GROUPS)} in fp8 "
+                f"({keys}), so no linear would multiply in FP8; set one of them to fp8 or keep dequantize"
             )
     if c.rollout.merge_lora and not c.model.compute_copy:
         fail(

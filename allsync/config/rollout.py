@@ -57,6 +57,14 @@ class RolloutSection:
     # that reads the NF4 bytes and dequantizes them in registers (quant/fused_experts.py; NF4 experts without
     # double_quant): no copy of the experts written and read back. On an H200 2.3x slower than dequantize (BENCHMARKS.md)
     frozen_expert_kernel: str = "dequantize"
+    # torch engine: how its forwards (prefill and decode) multiply the frozen FP8 linears (model.quant's attention,
+    # shared_experts, dense_mlp in fp8; routed experts go through their own kernels). dequantize: the weight to the
+    # compute dtype at every call, the trainer's numbers. scaled_mm: DeepSeek-V3's FP8 GEMM, the rows quantized per
+    # 1 x 128 to e4m3 and multiplied with the weight's 128 x 128 scales as stored (quant.formats.fp8_gemm): no bf16 copy
+    # written and read back (on an H200 3.0x faster over V3's FP8 linears), but each product ~2.6% off the trainer's,
+    # so the engine's logprobs move off the trainer's (logprob_gap; algorithm.tis corrects it). FP8 tensor cores
+    # (compute capability 8.9+) run it; on CPU the same numbers are computed by dequantizing both factors (no speed)
+    fp8_linear_kernel: str = "dequantize"
     # vllm on a GPU: the share of the GPU's memory vLLM may take (its weights, KV cache and buffers). None: what is
     # free once the trainer is resident, less a margin (allsync.engines.vllm_support.engine_memory_share)
     gpu_memory_utilization: float | None = None
@@ -128,6 +136,18 @@ class RolloutSection:
             fail(
                 "rollout.frozen_expert_kernel triton without rollout.decode_graphs: it is the torch engine's fixed-shape "
                 "decode step's kernel (the eager step dequantizes only the experts its tokens reach)"
+            )
+        if self.fp8_linear_kernel not in ("dequantize", "scaled_mm"):
+            fail(f"rollout.fp8_linear_kernel = {self.fp8_linear_kernel!r}: use dequantize or scaled_mm")
+        if self.fp8_linear_kernel == "scaled_mm" and self.engine != "torch":
+            fail(
+                f"rollout.fp8_linear_kernel scaled_mm with rollout.engine {self.engine}: it is the torch engine's "
+                "multiply (vLLM runs its own FP8 kernels on the checkpoint's weights)"
+            )
+        if self.fp8_linear_kernel == "scaled_mm" and self.merge_lora:
+            fail(
+                "rollout.fp8_linear_kernel scaled_mm with rollout.merge_lora: the merged weight W + s B A is in the "
+                "compute dtype, not FP8; set one of them"
             )
         if self.gpu_memory_utilization is not None:
             if self.engine != "vllm":

@@ -39,6 +39,7 @@ from allsync.engines.slots import decode_in_slots
 from moe_lora.lora import lora_merged, lora_modules
 from moe_lora.mla_decode import KV_PAGE_TOKENS, expanded_cache_fits, install_mla_decode
 from moe_lora.routing import moe_layers, recording
+from quant.formats import fp8_gemm_linears
 
 DEFAULT_DECODE_BATCH = 64  # rows decoded together when rollout.decode_batch is not set
 
@@ -96,6 +97,7 @@ class TorchEngine:
         attention_kernel: str = "torch",
         frozen_expert_kernel: str = "dequantize",
         kv_cache_tokens: int | None = None,
+        fp8_linear_kernel: str = "dequantize",
     ):
         """batch_size (rollout.decode_batch): KV slots, samples decoded together (None: DEFAULT_DECODE_BATCH). merge_lora
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
@@ -106,7 +108,8 @@ class TorchEngine:
         kernel, each slot's own positions as stored. frozen_expert_kernel (rollout.frozen_expert_kernel): triton
         multiplies the routed experts of the fixed-shape step with quant.fused_experts' kernel, reading their NF4.
         kv_cache_tokens (rollout.kv_cache_tokens): the slots share that many positions in pages (None: each slot room
-        for a row at full length)."""
+        for a row at full length). fp8_linear_kernel (rollout.fp8_linear_kernel): scaled_mm multiplies the frozen FP8
+        linears of every forward the engine runs as FP8 GEMMs (quant.formats.fp8_gemm)."""
         if decode_graphs:
             check_graphable(model)
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
@@ -138,6 +141,13 @@ class TorchEngine:
             check_latent_kernel(model, self.expanded_kv)
         if frozen_expert_kernel == "triton":
             stack_experts_for_the_kernel(model, decode_graphs)
+        if fp8_linear_kernel not in ("dequantize", "scaled_mm"):
+            raise ValueError(f"rollout.fp8_linear_kernel = {fp8_linear_kernel!r}: use dequantize or scaled_mm")
+        if fp8_linear_kernel == "scaled_mm" and merge_lora:
+            raise ValueError(
+                "rollout.fp8_linear_kernel scaled_mm with rollout.merge_lora: the merged weight is not FP8"
+            )
+        self.fp8_gemm = fp8_linear_kernel == "scaled_mm"
         # the experts each generated token went to, for routing replay and the routing_mismatch metric
         self.record_routing = bool(moe_layers(model))
 
@@ -221,6 +231,7 @@ class TorchEngine:
         with (
             lora_merged(self.model) if self.merge_lora else contextlib.nullcontext(),
             recording(self.model) if self.record_routing else contextlib.nullcontext() as record,
+            fp8_gemm_linears(self.fp8_gemm),
         ):
             decoded = decode_in_slots(
                 self.model,

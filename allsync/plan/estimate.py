@@ -48,6 +48,7 @@ from allsync.plan.weights import (
     FROZEN_PARTS,
     LORA_VALUE_BYTES,
     dequantized_values,
+    fp8_gemm_values,
     engine_bytes,
     held_experts,
     lora_values,
@@ -252,6 +253,8 @@ def generator_cost(
         own_positions=kernel == "triton",
         experts_read_once=engine == "torch" and run.rollout.frozen_expert_kernel == "triton",
         graphed=GRAPHED_H200 if engine == "torch" else None,
+        fp8_linears_read_once=engine == "torch" and run.rollout.fp8_linear_kernel == "scaled_mm",
+        fp8_linear_params=fp8_gemm_values(model_config, run.model.quant.plan()),
     )
 
 
@@ -409,6 +412,7 @@ def train_phase(
 GRAPHS = "rollout.decode_graphs"
 ATTENTION_KERNEL = "rollout.attention_kernel triton"
 EXPERT_KERNEL = "rollout.frozen_expert_kernel triton"
+FP8_GEMM = "rollout.fp8_linear_kernel scaled_mm"
 
 
 def schedule_with(keys: list[str]) -> str:
@@ -425,6 +429,9 @@ def graphed_note(cost: DecodeCost) -> str:
     reads = [
         "attention reading each slot's own positions as stored" if cost.own_positions else "",
         "the NF4 experts' stored bytes once, by their kernel" if cost.experts_read_once else "",
+        "the FP8 linears by FP8 GEMMs, their copies' measured cost taken off (assumed)"
+        if cost.fp8_linears_read_once
+        else "",
     ]
     how = "; ".join(r for r in reads if r)
     return (
@@ -436,7 +443,8 @@ def graphed_note(cost: DecodeCost) -> str:
 def graphed_variants(run, model_config: dict, cost: DecodeCost) -> list[tuple[str, DecodeCost]]:
     """(schedule, cost) of the torch engine's decode with what `run` does not set yet, added one at a time:
     rollout.decode_graphs, then rollout.attention_kernel triton (where the slots hold the latent), then
-    rollout.frozen_expert_kernel triton (NF4 experts without double quantization); each priced as assumed."""
+    rollout.fp8_linear_kernel scaled_mm (where FP8 linears are held), then rollout.frozen_expert_kernel triton (NF4
+    experts without double quantization); each priced as assumed."""
     r = run.rollout
     if r.engine != "torch":
         return []
@@ -449,6 +457,10 @@ def graphed_variants(run, model_config: dict, cost: DecodeCost) -> list[tuple[st
         kv = kv_step_bytes_per_token(model_config, r.engine, r.kv_cache_dtype, "triton")
         cost = replace(cost, own_positions=True, kv_bytes_per_token=kv)
         keys.append(ATTENTION_KERNEL)
+        out.append((schedule_with(keys), cost))
+    if not cost.fp8_linears_read_once and cost.fp8_linear_params and not r.merge_lora:
+        cost = replace(cost, fp8_linears_read_once=True)
+        keys.append(FP8_GEMM)
         out.append((schedule_with(keys), cost))
     if not cost.experts_read_once and expert_kernel_reads(run):
         cost = replace(cost, experts_read_once=True)

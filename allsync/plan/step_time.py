@@ -253,6 +253,11 @@ class DecodeCost:
     # rollout.frozen_expert_kernel triton: a fixed-shape step reads every held expert's stored bytes once
     # (quant.fused_experts), without the dequantized copy routed_params counts
     experts_read_once: bool = False
+    # rollout.fp8_linear_kernel scaled_mm: a fixed-shape step multiplies fp8_linear_params of other_params (weights.
+    # fp8_gemm_values) as FP8 GEMMs, read as stored without the dequantized copy (decode_step_seconds: assumed, not yet
+    # measured inside a graphed step)
+    fp8_linears_read_once: bool = False
+    fp8_linear_params: float = 0.0
     # the graphed step's measured time over this roofline (torch_decode.GRAPHED_H200); None: the roofline alone
     graphed: GraphedDecodeFactors | None = None
 
@@ -263,9 +268,15 @@ class DecodeCost:
 
     def fixed_shape_weight_bytes(self) -> float:
         """Bytes a fixed-shape step moves for its weights: every held one as stored, each quantized one's bf16 copy
-        written and read back (the routed experts' not with rollout.frozen_expert_kernel triton: read as stored)."""
+        written and read back (the routed experts' not with rollout.frozen_expert_kernel triton, nor the FP8 linears'
+        with rollout.fp8_linear_kernel scaled_mm: read as stored)."""
         copies = self.other_params + (0 if self.experts_read_once else self.routed_params)
-        return self.routed_bytes + self.other_bytes + 2 * BF16 * copies
+        return self.routed_bytes + self.other_bytes + 2 * BF16 * copies - self.fp8_gemm_saved_bytes()
+
+    def fp8_gemm_saved_bytes(self) -> float:
+        """The FP8 linears' bf16 copies a fixed-shape step no longer writes and reads back with
+        rollout.fp8_linear_kernel scaled_mm: 2 x 2 bytes a value of fp8_linear_params (0 without it)."""
+        return 2 * BF16 * self.fp8_linear_params if self.fp8_linears_read_once else 0.0
 
     def graphed_factors(self, batch: float) -> tuple[float, float]:
         """(w, kv) of `graphed` for this cost's routed format and decode kernels, at `batch` slots."""
@@ -282,7 +293,12 @@ class DecodeCost:
             weights = self.fixed_shape_weight_bytes() / bytes_per_second
             if self.graphed is not None:
                 w, kv = self.graphed_factors(batch)
-                return max(compute, w * weights + kv * cache) + a2a_seconds
+                # FP8 GEMMs: the measured step less the FP8 linears' copies, priced at the factor of the step that
+                # dequantizes (where those copies were measured): w (B + S) - w_dequantize S
+                saved = self.fp8_gemm_saved_bytes() / bytes_per_second
+                copies_factor = self.graphed.factors(self.routed_format, "dequantize", "torch", batch)[0]
+                weights_seconds = w * (weights + saved) - copies_factor * saved
+                return max(compute, weights_seconds + kv * cache) + a2a_seconds
             return max(compute, weights + cache) + a2a_seconds
         weights = (self.routed_bytes * self.touched(batch) + self.other_bytes) / bytes_per_second
         roofline = max(weights + cache, compute)

@@ -187,7 +187,10 @@ def fit_graphed(measured: dict, weights_seconds: dict, kv_seconds: dict) -> Grap
         (p["plan"], c)
         for p in measured["plans"]
         for c in p["cases"]
-        if "oom" not in c and c["mode"] == "graphed" and c.get("kv_cache", "fp8") == "fp8"
+        if "oom" not in c
+        and c["mode"] == "graphed"
+        and c.get("kv_cache", "fp8") == "fp8"
+        and c.get("fp8_linear_kernel", "dequantize") == "dequantize"
     ]
     by = {}
     for plan, c in cases:

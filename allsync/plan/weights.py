@@ -134,6 +134,24 @@ def dequantized_values(config: dict, plan: QuantPlan, experts: range | None = No
     return routed, other
 
 
+def fp8_gemm_values(config: dict, plan: QuantPlan) -> int:
+    """Values of the frozen weights the torch engine multiplies as FP8 GEMMs with rollout.fp8_linear_kernel scaled_mm
+    (quant.formats.fp8_gemm on FP8 tensor cores), read as stored instead of dequantized: every non-routed FP8 weight
+    of whole 128 x 128 blocks but kv_b_proj (whose W_UK and W_UV the latent decode absorbs, dequantized:
+    moe_lora.mla_decode). DeepSeek-V3: q_a, q_b, o_proj, the dense MLP and the shared experts, 13.9 of its 15.2
+    billion non-routed FP8 values (kv_b_proj 1.0, kv_a_proj_with_mqa's 576 rows are not whole blocks)."""
+    return sum(
+        n * math.prod(kind.shape)
+        for kind, n in tensor_kinds(config)
+        if n
+        and kind.quantizable
+        and not kind.routed
+        and kind.target != "kv_b_proj"
+        and plan.format_of(kind.group) == "fp8"
+        and all(d % FP8_BLOCK == 0 for d in kind.shape)
+    )
+
+
 def lora_values(
     config: dict, rank: int, targets: tuple[str, ...], experts: range | None = None, expert_layout: str = "per_expert"
 ) -> int:

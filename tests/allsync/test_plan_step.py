@@ -336,6 +336,40 @@ def test_decode_graphs_are_planned_as_measured_over_the_fixed_shape_steps_roofli
     assert kernels.decode_step_seconds(32, 1000) == pytest.approx(11.3 * read_once + 10.9 * cache + a2a, rel=1e-9)
 
 
+def test_fp8_gemms_drop_the_fp8_linears_copies_from_the_graphed_step():
+    """rollout.fp8_linear_kernel scaled_mm: the FP8 linears an FP8 GEMM multiplies (weights.fp8_gemm_values: V3's
+    non-routed FP8 weights of whole blocks but kv_b_proj, 13.88 of its 15.16 billion dequantized values) are read as
+    stored, without the 4 bytes a value of their bf16 copy written and read back, priced at the factor of the step
+    that dequantizes (where the copies were measured) whatever the experts' kernel."""
+    from allsync.plan.torch_decode import GRAPHED_H200
+    from allsync.plan.weights import dequantized_values, fp8_gemm_values, held_experts
+    from quant.loader import QuantPlan
+
+    v3 = QuantPlan("nf4", "fp8", "fp8", "fp8")
+    assert fp8_gemm_values(DEEPSEEK_V3, v3) == 13_881_573_376
+    assert dequantized_values(DEEPSEEK_V3, v3, held_experts(DEEPSEEK_V3, 16))[1] == 15_156_838_400
+    # attention alone: 61 layers of q_a, q_b and o_proj (1,536 x 7,168 + 24,576 x 1,536 + 7,168 x 16,384)
+    assert fp8_gemm_values(DEEPSEEK_V3, QuantPlan("nf4", "bf16", "fp8", "bf16")) == 61 * (
+        1536 * 7168 + 24576 * 1536 + 7168 * 16384
+    )
+    assert fp8_gemm_values(DEEPSEEK_V3, QuantPlan.uniform("nf4")) == 0
+    hw = GPUS["h100"]
+    args = (DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 16, "nf4")
+    shapes = dict(fixed_shapes=True, routed_params=4e10, other_params=1.5e10, graphed=GRAPHED_H200)
+    dequantized = DecodeCost(*args, **shapes, fp8_linear_params=1.4e10)
+    gemm = DecodeCost(*args, **shapes, fp8_linear_params=1.4e10, fp8_linears_read_once=True)
+    assert dequantized.fixed_shape_weight_bytes() - gemm.fixed_shape_weight_bytes() == pytest.approx(4 * 1.4e10)
+    bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
+    saved = 1.63 * 4 * 1.4e10 / bandwidth
+    assert dequantized.decode_step_seconds(32, 1000) - gemm.decode_step_seconds(32, 1000) == pytest.approx(saved)
+    # with the NF4 expert kernel (11.3x at 32 rows) the copies still cost what they cost where they were measured,
+    # in the dequantizing step: 1.63x, not the expert kernel's factor
+    kernel = dict(shapes, experts_read_once=True)
+    slow = DecodeCost(*args, **kernel, fp8_linear_params=1.4e10)
+    both = DecodeCost(*args, **kernel, fp8_linear_params=1.4e10, fp8_linears_read_once=True)
+    assert slow.decode_step_seconds(32, 1000) - both.decode_step_seconds(32, 1000) == pytest.approx(saved)
+
+
 def test_the_graphed_decode_factors_are_the_h200_measurement_refitted():
     """allsync.plan.torch_decode.GRAPHED_H200 is fit_graphed of benchmarks/engine_decode.py's graphed H200 runs (NF4
     and FP8 plans) against the plan's roofline of the two real-width layers on the H200 preset (3 digits), and the
@@ -626,9 +660,12 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
     experts = [c for c in torch_engine if c["schedule"].endswith("rollout.frozen_expert_kernel triton")]
     assert experts and all("stored bytes once" in c["note"] for c in experts)
     assert min(c["step_seconds"] for c in experts) > min(c["step_seconds"] for c in kernel)
-    assert (
-        "fastest layout the loop runs today: all-sync with rollout.decode_graphs and rollout.attention_kernel" in text
-    )
+    # and with the FP8 linears as FP8 GEMMs too (rollout.fp8_linear_kernel scaled_mm): their copies off the step
+    gemm = [c for c in torch_engine if c["schedule"].endswith("rollout.fp8_linear_kernel scaled_mm")]
+    assert gemm and all("by FP8 GEMMs" in c["note"] for c in gemm)
+    assert min(c["step_seconds"] for c in gemm) < min(c["step_seconds"] for c in kernel)
+    fastest = "fastest layout the loop runs today: all-sync with rollout.decode_graphs, rollout.attention_kernel triton"
+    assert fastest + " and rollout.fp8_linear_kernel scaled_mm" in text
     schedules_found = {c["schedule"] for c in ranked}
     assert {"all-sync", "disaggregated", "one-step-off"} <= schedules_found
     # the torch engine with each KV cache: 64 slots sharing the KV room in pages where 64 full-length rows do not fit

@@ -66,6 +66,17 @@ def test_the_fixed_shape_step_is_timed_like_the_eager_one(tmp_path):
     )
     cases = both["plans"][0]["cases"]
     assert [c["kv_cache"] for c in cases] == ["auto", "fp8"] and cases[1]["bytes_read"] < cases[0]["bytes_read"]
+    gemm = (
+        main(  # --fp8-linear-kernel dequantize,scaled_mm: each case with the FP8 linears dequantized and as FP8 GEMMs
+            ["--device", "cpu", "--ckpt", str(tmp_path / "ckpt"), "--rows", "2", "--contexts", "8", "--steps", "1"]
+            + ["--copy-bytes", str(10**6), "--shape", json.dumps(SMALL), "--modes", "fixed", "--plans", "nf4"]
+            + ["--fp8-linear-kernel", "dequantize,scaled_mm"]
+        )
+    )
+    cases = gemm["plans"][0]["cases"]
+    assert [c.get("fp8_linear_kernel") for c in cases] == [None, "scaled_mm"] and cases[1]["step_ms"] > 0
+    with pytest.raises(SystemExit, match="--fp8-linear-kernel: use dequantize, scaled_mm"):
+        main(["--device", "cpu", "--ckpt", str(tmp_path / "refused"), "--fp8-linear-kernel", "fp8"])
     for bad in ("24x32x8", "16x32", "16xax8"):  # the latent kernel's cuts: powers of two, all three given
         with pytest.raises(SystemExit, match="--attention-blocks"):
             main(["--device", "cpu", "--ckpt", str(tmp_path / "refused"), "--attention-blocks", bad])

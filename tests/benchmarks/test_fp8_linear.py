@@ -4,14 +4,14 @@ against the dequantized product (on a GPU with FP8 tensor cores), and the refusa
 import pytest
 import torch
 
-from benchmarks.fp8_linear import fp8_scaled_linear, main, quantize_rows
-from quant.formats import fp8_block_dequantize, fp8_block_quantize
+from benchmarks.fp8_linear import main
+from quant.formats import fp8_block_dequantize, fp8_block_quantize, fp8_rows_quantize, scaled_mm_fp8_blocks
 
 
 def test_rows_quantized_per_128_columns_come_back_within_e4m3s_precision():
     x = torch.randn(6, 384, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 50.0]).repeat(128)
     x[2, 128:256] = 0  # a block of zeros stays zeros
-    q, scales = quantize_rows(x)
+    q, scales = fp8_rows_quantize(x)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (6, 3)
     back = q.float().view(6, 3, 128) * scales[..., None]
     blocks = x.view(6, 3, 128)
@@ -31,7 +31,7 @@ def test_the_fp8_gemm_gives_the_dequantized_product_within_the_rows_rounding(row
     q, scale_inv = fp8_block_quantize(w)
     x = torch.randn(rows, 7168, device="cuda", generator=gen).to(torch.bfloat16)
     want = x.float() @ fp8_block_dequantize(q, scale_inv, dtype=torch.float32).T
-    got = fp8_scaled_linear(x, q, scale_inv)
+    got = scaled_mm_fp8_blocks(x, q, scale_inv)
     assert got.shape == (rows, 1536) and got.dtype == torch.bfloat16
     assert float((got.float() - want).norm() / want.norm()) < 0.05
 

@@ -11,7 +11,7 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
     """One draw on 48 H100: every stage priced; balancing the ranks and old logprobs from the engine shorten only the
     train phase; the torch engine's decode levers move only generation, each the way the H200 measured its graphed
     steps (allsync.plan.torch_decode.GRAPHED_H200): the latent kernel and sharing the room in pages (64 slots) shorten
-    it, and so do 128 slots in the same room; the FP8 KV cache (read back through bf16 by the torch path) and the NF4 expert kernel (far from its roofline)
+    it, and so do 128 slots in the same room and FP8 GEMMs for the FP8 linears; the FP8 KV cache (read back through bf16 by the torch path) and the NF4 expert kernel (far from its roofline)
     lengthen it; FP8 KV and shared-outer LoRA give more KV slots inside the margin (17 -> 30 -> 36); the shipped
     vLLM layout does not fit at the margin, the torch engine's layouts do."""
     out, png = tmp_path / "levers.json", tmp_path / "levers.png"
@@ -27,7 +27,8 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         ("shared-outer LoRA", "latent kernel", "generate", True),  # each slot reads its own FP8 positions, once
         ("streamed rounds", "paged KV", "generate", True),  # 64 slots share the room of 36 full-length rows
         ("paged KV", "128 slots", "generate", True),  # a step's weights read for twice the rows
-        ("128 slots", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
+        ("128 slots", "FP8 GEMMs", "generate", True),  # the FP8 linears read as stored, without their copies
+        ("FP8 GEMMs", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
     ):
         other = "generate" if part == "train" else "train"
         assert (stages[after]["parts"][part] < stages[before]["parts"][part]) == shorter

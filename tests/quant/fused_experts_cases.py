@@ -43,9 +43,10 @@ def check_experts(experts: int, n: int, k: int, counts: list[int], gen, device: 
 
 
 def other_blocks_give_the_same_product(device: str = "cpu") -> None:
-    """ExpertBlocks (columns a program, depth a step, warps, stages; what benchmarks/engine_decode.py sweeps): steps
-    of one, two and four absmax blocks, a last step past K (its blocks masked), columns past N; each against the
-    dequantized product; refused when not a power of two or too small."""
+    """ExpertBlocks (columns a program, depth a step, warps, stages, rows a pass; what benchmarks/engine_decode.py
+    sweeps): steps of one, two and four absmax blocks, a last step past K (its blocks masked), columns past N, an
+    expert's rows in one pass or two; each against the dequantized product; refused when not a power of two or too
+    small."""
     from quant.fused_experts import ExpertBlocks, expert_blocks
 
     gen = torch.Generator().manual_seed(2)
@@ -53,10 +54,11 @@ def other_blocks_give_the_same_product(device: str = "cpu") -> None:
         (ExpertBlocks(32, 128, 4, 2), (48, 256)),
         (ExpertBlocks(16, 256, 8, 1), (40, 192)),
         (ExpertBlocks(128, 64, 4, 3), (72, 128)),
+        (ExpertBlocks(64, 64, 4, 3, rows=32), (64, 128)),  # an expert's 19 rows in one pass, not two
     ):
         with expert_blocks(blocks):
             check_experts(3, n, k, [6, 0, 19], gen, device)
-    for bad in ({"columns": 24}, {"depth": 16}, {"warps": 3}, {"stages": 0}):
+    for bad in ({"columns": 24}, {"depth": 16}, {"warps": 3}, {"stages": 0}, {"rows": 8}, {"rows": 48}):
         try:
             ExpertBlocks(**bad)
         except ValueError as e:
