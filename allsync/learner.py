@@ -339,7 +339,7 @@ class Learner:
         return TrainBatch(
             SequenceBatch(seqs.input_ids, seqs.attention_mask, policy_mask),
             old_logprobs,
-            advantages=whiten_advantages(advantages, policy_mask, sums).float(),
+            advantages=whiten_advantages(advantages, policy_mask, sums, center=a.whiten == "batch").float(),
             returns=to_sequence_layout(returns, index, valid, width),
             value_mask=seqs.response_mask * is_finished[:, None],
             ref_logprobs=self.passes.reference_logprobs(seqs),

@@ -18,6 +18,9 @@ Probes of T-PPO's collapse (issue 49; `--arms` names them):
     PPO-last    PPO whose policy loss reaches only each reply's last --window tokens, as T-PPO's reward reaches only
                 a reply's last window (benchmarks/probes/last_tokens_credit.py, through run.imports)
     T-PPO-critic4x  T-PPO with four times the critic-only steps (a critic that has seen more returns)
+    T-PPO-scale T-PPO with algorithm.whiten scale: the batch's advantages divided by their standard deviation, the
+                mean not taken off (PPO's whitening subtracts the batch mean, which the few finished windows set, from
+                every token of the many cut ones alike)
 Each arm evaluates held-out avg@4 about every `--eval-minutes` (its eval_every from the step time measured on the
 2-core Xeon), so that evaluation costs each arm about the same share of its minutes.
 
@@ -47,7 +50,7 @@ CONFIG = ROOT / "recipes" / "configs" / "tiny_cpu_balanced.yaml"
 BASE = "runs/tiny-base-verbose-450"
 WARM_START_STEPS = 450
 # seconds a step of each arm took on the 2-core Xeon (2026-11-26; T-PPO with window 32): the evaluation cadence
-STEP_SECONDS = {"DAPO": 2.1, "PPO": 2.8, "T-PPO": 1.6, "PPO-last": 2.8, "T-PPO-critic4x": 1.6}
+STEP_SECONDS = {"DAPO": 2.1, "PPO": 2.8, "T-PPO": 1.6, "PPO-last": 2.8, "T-PPO-critic4x": 1.6, "T-PPO-scale": 1.6}
 ARMS = tuple(STEP_SECONDS)
 CRITIC = {
     "gamma": 1.0,
@@ -97,6 +100,14 @@ def last_tokens_arm(config: dict, window: int) -> dict:
     return out
 
 
+def scaled_arm(config: dict) -> dict:
+    """The T-PPO-scale probe: advantages divided by the batch's standard deviation without its mean taken off
+    (algorithm.whiten scale), so the finished windows' mean does not shift every cut window's tokens."""
+    out = copy.deepcopy(config)
+    out["algorithm"]["whiten"] = "scale"
+    return out
+
+
 def arm_configs(minutes: float, window: int, pool: int, eval_minutes: float, arms=ARMS[:3]) -> dict[str, dict]:
     base = lambda name: base_config(minutes, STEP_SECONDS[name], eval_minutes)  # noqa: E731
     mean_tokens = 131  # the base's mean response: a response spans about mean_tokens / window windows
@@ -107,6 +118,7 @@ def arm_configs(minutes: float, window: int, pool: int, eval_minutes: float, arm
         "T-PPO": lambda: critic_arm(base("T-PPO"), pool, window, value_pretrain_steps=tppo_pretrain),
         "PPO-last": lambda: last_tokens_arm(critic_arm(base("PPO-last"), pool, None, value_pretrain_steps=5), window),
         "T-PPO-critic4x": lambda: critic_arm(base("T-PPO"), pool, window, value_pretrain_steps=4 * tppo_pretrain),
+        "T-PPO-scale": lambda: scaled_arm(critic_arm(base("T-PPO"), pool, window, value_pretrain_steps=tppo_pretrain)),
     }
     return {name: build[name]() for name in arms}
 

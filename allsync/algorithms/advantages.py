@@ -178,14 +178,19 @@ def gae(
 
 
 def whiten_advantages(
-    advantages: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor | None = None, eps: float = 1e-8
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    sums: torch.Tensor | None = None,
+    eps: float = 1e-8,
+    center: bool = True,
 ) -> torch.Tensor:
     """PPO's batch normalization of advantages over the masked tokens::
 
         mu = sum(m A) / sum(m),  var = sum(m A^2) / sum(m) - mu^2,  A' = m (A - mu) / sqrt(var + eps)
 
     It removes a critic's bias (a critic that over-estimates every state makes every advantage negative
-    and pushes the sampled tokens down). ``sums`` = [sum(m A), sum(m A^2), sum(m)] over the whole batch
+    and pushes the sampled tokens down). With ``center`` False (algorithm.whiten scale) A' = m A / sqrt(var + eps):
+    the same scale, each token's sign kept. ``sums`` = [sum(m A), sum(m A^2), sum(m)] over the whole batch
     (e.g. all-reduced over workers, so every worker whitens with the same statistics); default: this
     tensor's own (see :func:`whitening_sums`).
     """
@@ -193,7 +198,7 @@ def whiten_advantages(
     count = sums[2].clamp_min(1)
     mean = sums[0] / count
     var = (sums[1] / count - mean**2).clamp_min(0)
-    return (advantages - mean) / torch.sqrt(var + eps) * mask
+    return (advantages - (mean if center else 0)) / torch.sqrt(var + eps) * mask
 
 
 def whitening_sums(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

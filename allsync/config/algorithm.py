@@ -70,6 +70,10 @@ class AlgorithmSection:
     # the first N steps train only the critic, on the starting policy's responses (VAPO's value pretraining):
     # the policy's first advantages come from a critic that has seen its returns
     value_pretrain_steps: int = 0
+    # how a critic's advantages (gae / egae) are normalized over the batch's trained tokens: batch (PPO's:
+    # (A - mean) / std) | scale (A / std: each token keeps the sign its critic gave it; with T-PPO's windows the
+    # batch's mean, set by the finished windows, otherwise shifts every cut window's tokens alike)
+    whiten: str = "batch"
     # the sampling policy's logprobs when a step has several minibatches (optim.minibatches > 1; with one, the
     # update's own forward gives them): recompute (a no-gradient forward of the whole batch before the update) |
     # engine (the logprobs the engine sampled with: rollout.engine torch samples from the trainer's own model and
@@ -149,6 +153,13 @@ class AlgorithmSection:
             fail(
                 f"algorithm.value_pretrain_steps / value_lam with algorithm.advantage {self.advantage}: group baselines "
                 f"have no critic (use {estimators_that(needs_critic=True)})"
+            )
+        if self.whiten not in ("batch", "scale"):
+            fail(f"algorithm.whiten = {self.whiten!r}: use batch ((A - mean) / std) or scale (A / std)")
+        if not self.uses_critic and self.whiten != "batch":
+            fail(
+                f"algorithm.whiten {self.whiten} with algorithm.advantage {self.advantage}: it normalizes a critic's "
+                f"advantages (use {estimators_that(needs_critic=True)}); group baselines normalize per group"
             )
         if self.clip_c is not None and self.clip_c <= 1:
             fail(f"algorithm.clip_c = {self.clip_c}: the dual clip constant must be > 1")

@@ -55,6 +55,8 @@ def test_defaults_are_valid_and_nested_values_parse():
             r"algorithm\.value_pretrain_steps / value_lam with algorithm\.advantage grpo",
         ),
         ({"algorithm": {"value_lam": 1.5}}, r"algorithm\.value_lam = 1\.5 must be in \[0, 1\]"),
+        ({"algorithm": {"whiten": "scale"}}, r"algorithm\.whiten scale with algorithm\.advantage grpo"),
+        ({"algorithm": {"whiten": "group"}}, r"algorithm\.whiten = 'group': use batch"),
         (
             {"algorithm": {"policy_loss": "gspo"}},
             r"algorithm\.policy_loss: unknown policy_loss 'gspo'; valid names: clipped",

@@ -24,16 +24,23 @@ def test_the_arms_are_valid_configs_that_differ_where_the_comparison_says():
 
 def test_the_probe_arms_change_only_what_they_probe():
     """PPO-last: PPO with the probe producer (run.imports) training each reply's last window of tokens; T-PPO-critic4x:
-    T-PPO with four times the critic-only steps."""
+    T-PPO with four times the critic-only steps; T-PPO-scale: T-PPO whose advantages keep their sign (algorithm.whiten
+    scale)."""
+    from dataclasses import replace
+
     from benchmarks.probes.last_tokens_credit import last_tokens_mask
 
-    arms = arm_configs(minutes=12, window=32, pool=128, eval_minutes=2, arms=("PPO", "PPO-last", "T-PPO-critic4x"))
+    names = ("PPO", "PPO-last", "T-PPO-critic4x", "T-PPO", "T-PPO-scale")
+    arms = arm_configs(minutes=12, window=32, pool=128, eval_minutes=2, arms=names)
     parsed = {name: parse_config(config) for name, config in arms.items()}
     ppo, last, critic4x = parsed["PPO"], parsed["PPO-last"], parsed["T-PPO-critic4x"]
     assert (last.producer.kind, last.producer.trained_tokens, last.producer.window) == ("last_tokens_credit", 32, None)
     assert last.algorithm == ppo.algorithm and last.rollout == ppo.rollout
     assert (critic4x.producer.window, critic4x.algorithm.value_pretrain_steps) == (32, 80)
     assert last_tokens_mask(40, 32) == [0] * 8 + [1] * 32 and last_tokens_mask(20, 32) == [1] * 20
+    tppo, scaled = parsed["T-PPO"], parsed["T-PPO-scale"]
+    assert (tppo.algorithm.whiten, scaled.algorithm.whiten) == ("batch", "scale")
+    assert replace(scaled.algorithm, whiten="batch") == tppo.algorithm and scaled.producer == tppo.producer
 
 
 def test_the_summary_counts_training_minutes_and_the_first_evaluation_at_a_target():

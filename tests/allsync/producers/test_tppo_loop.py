@@ -78,6 +78,10 @@ def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
     )
     expected = whiten_advantages(raw, policy, whitening_sums(raw, policy)).float()  # over this window's tokens
     assert torch.allclose(adv, expected, atol=1e-5) and (adv * policy).sum().abs() < 1e-4
+    worker.learner.config.algorithm.whiten = "scale"  # the same batch, only scaled: each token keeps its sign
+    scaled = to_response_layout(worker.learner.critic_batch(episodes).advantages, index, valid)
+    expected = whiten_advantages(raw, policy, whitening_sums(raw, policy), center=False).float()
+    assert torch.allclose(scaled, expected, atol=1e-5) and torch.equal(scaled.sign(), (raw * policy).sign())
     cut_sum, cut_tokens, finished_sum, finished_tokens = tb.critic_sums["advantage_split_sums"].tolist()
     assert (cut_tokens, finished_tokens) == (4, 2)  # the trained tokens: the cut row's window, the finished one's
     assert cut_sum == pytest.approx(float(raw[1, :4].sum()), abs=1e-5)
@@ -98,6 +102,9 @@ def test_whitening_is_hand_computed_and_shards_add_up():
     assert whiten_advantages(a, m).tolist()[0] == pytest.approx([-1.224745, 0.0, 1.224745, 0.0], abs=1e-5)
     halves = whitening_sums(a[:, :2], m[:, :2]) + whitening_sums(a[:, 2:], m[:, 2:])  # what the all-reduce adds
     assert torch.equal(halves, whitening_sums(a, m))
+    # algorithm.whiten scale: the same standard deviation, no mean taken off (each token keeps its sign)
+    scaled = whiten_advantages(a, m, center=False).tolist()[0]
+    assert scaled == pytest.approx([1.224745, 2.449490, 3.674235, 0.0], abs=1e-5)
 
 
 def test_windows_continue_responses_train_each_token_once_and_report_staleness(warm_tiny, problems):
