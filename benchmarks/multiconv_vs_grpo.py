@@ -96,7 +96,7 @@ def arm_summary(runs: list[dict]) -> dict:
 def plot(results: dict, path: Path) -> None:
     colors = {"multiconv": "tab:blue", "single": "tab:orange"}
     labels = {"multiconv": "multi-conversation DAPO", "single": "single-context GRPO"}
-    title = "memory_recall: segments with a memory against one context (each line a seed)"
+    title = "memory_recall: segments with a memory vs one context (a line a seed)"
     plot_heldout(results["runs"], colors, labels, title, path, results["target"])
 
 
