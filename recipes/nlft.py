@@ -21,7 +21,9 @@ betas, gradient clip 1) under the `nlft` policy loss, `--epochs` passes in batch
 and seed: held-out accuracy (avg@`--heldout-samples` on the task's held-out problems), training seconds, the
 peak bytes the training forwards saved for backward, and the share of trained tokens NLFT found salient (its
 unlikelihood terms) over all its batches; per seed, before training, what the judgment does to the digit it names
-(`wrong_digit_probe`: the medians of p_judge / p_base and p_std / p_base there, and how often it is salient). Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
+(`wrong_digit_probe`: the medians of p_judge / p_base and p_std / p_base there, and how often it is salient).
+Writes OUT/nlft_vs_sft.json and OUT/nlft_vs_sft.png (each seed's held-out accuracy and training time, both methods).
+Last line: `NLFT vs SFT on 50 examples: held-out X% vs Y%`.
 """
 
 from __future__ import annotations
@@ -192,6 +194,30 @@ def heldout_accuracy(worker: RLWorker, problems: list[Problem], samples: int) ->
     return sum(bool(r["correct"]) for r in records) / len(records)
 
 
+def plot(results: dict, path: Path) -> None:
+    """Held-out accuracy after training, SFT beside NLFT for each seed, the base's across; and each method's training
+    seconds per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = [r["seed"] for r in results["sft"]]
+    fig, (accuracy, seconds) = plt.subplots(1, 2, figsize=(9, 3.8))
+    for offset, method in ((-0.2, "sft"), (0.2, "nlft")):
+        xs = [i + offset for i in range(len(seeds))]
+        accuracy.bar(xs, [100 * r["heldout"] for r in results[method]], width=0.4, label=method.upper())
+        seconds.bar(xs, [r["seconds"] for r in results[method]], width=0.4, label=method.upper())
+    accuracy.axhline(100 * results["base"], color="black", linestyle="--", linewidth=1, label="base")
+    accuracy.set(xlabel="seed", ylabel="held-out accuracy (avg@4, %)", title="after training on the same examples")
+    seconds.set(xlabel="seed", ylabel="seconds", title="training time")
+    for ax in (accuracy, seconds):
+        ax.set_xticks(range(len(seeds)), [str(s) for s in seeds])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=50)
@@ -253,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     mean = {m: statistics.mean(r["heldout"] for r in results[m]) for m in ("sft", "nlft")}
     out = Path(args.out) / "nlft_vs_sft.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"base held-out {results['base']:.1%}; wrote {out}")
+    plot(results, out.with_suffix(".png"))
+    print(f"base held-out {results['base']:.1%}; wrote {out} and {out.with_suffix('.png')}")
     print(f"NLFT vs SFT on {args.examples} examples: held-out {mean['nlft']:.1%} vs {mean['sft']:.1%}")
     return results
 

@@ -35,6 +35,7 @@ def test_both_methods_train_from_the_same_examples_and_are_evaluated(warm_tiny, 
     for method in ("sft", "nlft"):
         assert len(results[method]) == 1 and 0 <= results[method][0]["heldout"] <= 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("NLFT vs SFT on 10 examples: held-out ")
+    assert (tmp_path / "nlft_vs_sft.png").stat().st_size > 10_000  # the plot beside the JSON
 
 
 def test_every_probability_is_at_the_policys_temperature_and_each_worker_is_shut_down(warm_tiny, tmp_path, monkeypatch):
