@@ -19,7 +19,7 @@ part pytest_experts 60 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short 
 part pytest_graphs 90 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_decode_graphs.py
 part pytest_fp8_gemm 40 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_fp8_linears.py \
     tests/benchmarks/test_fp8_linear.py
-# rollout.fp8_linear_kernel scaled_mm in the graphed step (the plan prices it at the rest's factor until this runs)
+# rollout.fp8_linear_kernel scaled_mm in the graphed step (the plan assumes its copies' measured cost gone until this runs)
 part fp8_gemm 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \
     --modes graphed --kv-cache fp8 --attention triton --fp8-linear-kernel dequantize,scaled_mm \
     --json "$OUT/engine_decode_h200_fp8_gemm.json"

@@ -31,7 +31,7 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     for twice the rows, more preemptions): recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml
     FP8 GEMMs       + rollout.fp8_linear_kernel scaled_mm (quant.formats.fp8_gemm: the FP8 attention, shared experts
                     and dense MLP multiplied as FP8 GEMMs with V3's block scales as stored, without their bf16 copies;
-                    priced at the measured factor of the rest of the step: assumed)
+                    their copies' cost taken off the step at the dequantizing step's measured factor: assumed)
     expert kernel   + rollout.frozen_expert_kernel triton (quant/fused_experts.py: the fixed-shape step's routed experts
                     read from their NF4 bytes, without a bf16 copy of every held expert), last: as measured on the
                     H200 it is slower than dequantizing, so the config leaves it off

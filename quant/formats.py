@@ -307,15 +307,22 @@ def fp8_rows_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Te
     return q, scales
 
 
+def block_scaled_fp8_gemm_on(device: torch.device | str | None = None) -> bool:
+    """The GPU `device` (None: the current one) has FP8 tensor cores (compute capability 8.9+) and this torch's
+    torch.nn.functional.scaled_mm takes 128 x 128 block scales."""
+    return hasattr(getattr(torch.nn.functional, "ScalingType", None), "BlockWise128x128") and (
+        torch.cuda.get_device_capability(device) >= (8, 9)
+    )
+
+
 def fp8_gemm_on_tensor_cores(x: torch.Tensor, weight: QuantizedWeight) -> bool:
-    """`fp8_gemm` runs torch's FP8 GEMM for x and this weight: x on a GPU with FP8 tensor cores (compute capability
-    8.9+) in bf16 or fp16, W of whole 128 x 128 blocks, and torch.nn.functional.scaled_mm taking block scales."""
+    """`fp8_gemm` runs torch's FP8 GEMM for x and this weight: x on a GPU with it (`block_scaled_fp8_gemm_on`) in
+    bf16 or fp16, W of whole 128 x 128 blocks."""
     return (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and fp8_whole_blocks(weight.shape)
-        and hasattr(getattr(torch.nn.functional, "ScalingType", None), "BlockWise128x128")
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and block_scaled_fp8_gemm_on(x.device)
     )
 
 

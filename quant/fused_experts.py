@@ -15,8 +15,8 @@ float32 absmax per 64 consecutive elements; the 16-value NF4 code table):
 Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (up to B_M rows an expert
 take one pass over the weight tile; more rows re-read and dequantize it again), K in blocks of B_K (B_N, B_K, warps,
 pipeline stages and B_M: ExpertBlocks). On a GPU each dequantized value is rounded to bfloat16 by the conversion
-instruction; Triton's interpreter truncates there, so it rounds by hand (the same values). Where K and B_K are whole absmax blocks (DeepSeek-V3's are) a tile row's scales are read once a
-block, B_K / 64 of them, not once a byte. With K even (DeepSeek-V3's 7,168
+instruction; Triton's interpreter truncates there, so it rounds by hand (the same values). Where K and B_K are whole
+absmax blocks (DeepSeek-V3's are) a tile row's scales are read once a block, B_K / 64 of them, not once a byte. With K even (DeepSeek-V3's 7,168
 and 2,048) each byte is read once and gives two columns: the high nibbles multiply the rows' even columns and the
 low ones the odd, two products of B_K / 2 each (the same sums, in another order). The grid (N / B_N, E) and every
 tensor depend on (rows, E, N, K) only and the offsets are read on the device, so a CUDA graph captures it. The experts'

@@ -79,8 +79,10 @@ def check_this_machine(c: RunConfig, fail) -> None:
     if "triton" in (c.rollout.attention_kernel, c.rollout.frozen_expert_kernel):
         check_triton(c, fail)
     if c.rollout.fp8_linear_kernel == "scaled_mm" and c.parallel.resolved_device() == "cuda":
-        capability = torch.cuda.get_device_capability()
-        if capability < (8, 9) or not hasattr(getattr(torch.nn.functional, "ScalingType", None), "BlockWise128x128"):
+        from quant.formats import block_scaled_fp8_gemm_on
+
+        if not block_scaled_fp8_gemm_on():
+            capability = torch.cuda.get_device_capability()
             fail(
                 f"rollout.fp8_linear_kernel scaled_mm: this GPU (compute capability {capability[0]}.{capability[1]}) "
                 f"or torch {torch.__version__} has no FP8 GEMM with block scales (needs 8.9+ and "

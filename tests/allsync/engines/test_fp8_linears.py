@@ -141,11 +141,7 @@ def test_fp8_linear_kernel_is_checked_naming_the_key(tiny_bf16):
         parse_config({"model": {"base": str(tiny_bf16)}, "rollout": {"fp8_linear_kernel": "scaled_mm"}})
 
 
-CUDA_FP8 = (
-    torch.cuda.is_available()
-    and torch.cuda.get_device_capability() >= (8, 9)
-    and hasattr(getattr(torch.nn.functional, "ScalingType", None), "BlockWise128x128")
-)
+CUDA_FP8 = torch.cuda.is_available() and formats.block_scaled_fp8_gemm_on()
 
 
 @pytest.mark.skipif(not CUDA_FP8, reason="needs FP8 tensor cores and scaled_mm with block scales")
