@@ -77,17 +77,34 @@ class WarmStartSettings:
         return without_later_defaults(json.loads(json.dumps(asdict(self))))
 
 
-# task settings added after bases were built, at the default that trains what bases did before them
-LATER_DEFAULTS = {"reasoning": "none", "reads_notes": False, "context": "segments"}
+# settings added after bases were built, per section of the stored settings, at the default that trains what bases
+# did before them
+LATER_DEFAULTS = {
+    "task": {"reasoning": "none", "reads_notes": False, "context": "segments"},
+    "model": {"max_position_embeddings": 4096},
+}
 
 
 def without_later_defaults(settings: dict) -> dict:
     """`settings` (as_json's layout) less the settings added after bases were built, where they hold the default
     that trains what bases did before (LATER_DEFAULTS): bases of every allsync version compare alike."""
-    task = settings.get("task")
-    if isinstance(task, dict):
-        settings = {**settings, "task": {k: v for k, v in task.items() if LATER_DEFAULTS.get(k, object()) != v}}
-    return settings
+    out = dict(settings)
+    for section, later in LATER_DEFAULTS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if later.get(k, object()) != v}
+    return out
+
+
+def check_fits_context(examples: list[tuple[list[int], int]], max_position_embeddings: int) -> None:
+    """A supervised example longer than the model's context (prompt + reply + eos) would train positions the model
+    refuses everywhere else (allsync.tasks.model_len_needed): ValueError naming the longest and the setting."""
+    longest = max((len(ids) for ids, _ in examples), default=0)
+    if longest > max_position_embeddings:
+        raise ValueError(
+            f"warm start: a teacher example of {longest} tokens is longer than the model's max_position_embeddings "
+            f"({max_position_embeddings}, model.warm_start_shape.max_position_embeddings): the task's prompts do not "
+            "fit one context (multi-conversation reads them in segments: producer.kind multiconv)"
+        )
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -277,6 +294,7 @@ def train_and_evaluate(settings: WarmStartSettings, base: Path, progress: bool =
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     examples = task.teacher_examples(tokenizer, splits.train, settings.seed)
+    check_fits_context(examples, settings.model.max_position_embeddings)
     losses = train_steps(model, examples, settings, tokenizer.pad_token_id, progress)
     train_s = time.time() - start
     round_to_bf16_(model)

@@ -3,6 +3,7 @@ same held-out accuracy, over seeds.
 
     python -m benchmarks.multiconv_vs_grpo [--steps 30] [--seeds 0,1,2] [--eval-every 2] [--target 0.9]
                                            [--arms multiconv,single] [--out runs/multiconv-vs-grpo]
+    python -m benchmarks.multiconv_vs_grpo --arms long --out runs/multiconv-long   # inputs too long for one context
 
 Arms (each `python recipes/dapo.py` on its config, with only run.steps / seed / eval_every changed):
     multiconv  recipes/configs/tiny_cpu_memory.yaml: each chunk read in its own conversation that writes a memory
@@ -10,6 +11,9 @@ Arms (each `python recipes/dapo.py` on its config, with only run.steps / seed / 
                trains every segment (producer.credit all)
     single     recipes/configs/tiny_cpu_memory_single.yaml: the same problems with both chunks and the question in
                one prompt, answered at once, with the same 28 generated tokens a sample at most
+    long       recipes/configs/tiny_cpu_memory_long.yaml: six chunks of four assignments (143 tokens read at once) for
+               a base whose context is 96 positions, read as multiconv reads its two; the single-context form of the
+               same problems is refused (its warm start is tried and its refusal recorded as `single_refused`)
 
 Both use GRPO advantages with DAPO's clip-higher, token-mean loss and dynamic sampling, the same learning rate, batch
 and held-out problems, each from a base warm-started on its own form by the same noisy teacher (the decoy's value
@@ -35,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "multiconv": ROOT / "recipes" / "configs" / "tiny_cpu_memory.yaml",
     "single": ROOT / "recipes" / "configs" / "tiny_cpu_memory_single.yaml",
+    "long": ROOT / "recipes" / "configs" / "tiny_cpu_memory_long.yaml",
 }
 
 
@@ -46,13 +51,36 @@ def arm_config(arm: str, steps: int, seed: int, eval_every: int) -> dict:
     return config
 
 
-def build_base(arm: str) -> None:
-    """Warm-start the arm's base once, before its runs."""
+def build_base(config: dict) -> None:
+    """Warm-start a run config's base once, before its runs."""
     from allsync.config import parse_config
     from allsync.warm_start import settings_for_run, warm_start
 
-    config = parse_config(arm_config(arm, 1, 0, 1))
-    warm_start(config.model.base, settings_for_run(config))
+    parsed = parse_config(config)
+    warm_start(parsed.model.base, settings_for_run(parsed))
+
+
+def single_context_form(config: dict) -> dict:
+    """The single-context form of a segmented memory_recall config (as tiny_cpu_memory_single.yaml is of
+    tiny_cpu_memory.yaml): task.context single, no producer section, the episode's generated tokens as
+    rollout.max_new_tokens (a memory write a chunk plus the answer), its own base directory."""
+    task, producer = config["task"], config["producer"]
+    single = {k: v for k, v in config.items() if k != "producer"}
+    single["task"] = {**task, "context": "single"}
+    new_tokens = task["chunks"] * producer["memory_tokens"] + config["rollout"]["max_new_tokens"]
+    single["rollout"] = {**config["rollout"], "max_new_tokens": new_tokens}
+    single["model"] = {**config["model"], "base": config["model"]["base"] + "-single"}
+    return single
+
+
+def single_context_refusal(config: dict) -> str | None:
+    """What the toolkit says when the single-context form of `config` is asked for (its base's warm start is where
+    it stops); None if it runs."""
+    try:
+        build_base(single_context_form(config))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def time_to_target(rows: list[dict], target: float) -> tuple[int | None, float | None]:
@@ -76,6 +104,13 @@ def summarize(rows: list[dict], target: float) -> dict:
         "seconds_to_target": seconds,
         "seconds_per_step": statistics.median(timed[1:]) if len(timed) > 1 else None,
         "tokens_per_sample": statistics.mean(r["response_length"] for r in rows if "response_length" in r),
+        # the recipe's last evaluation of a segmented run again, its answers from an empty and from the gold memory
+        "memory_ablation": {
+            k.removeprefix("heldout_accuracy_"): r[k]
+            for r in rows
+            for k in r
+            if k.startswith("heldout_accuracy_") and k.endswith("_memory")
+        },
     }
 
 
@@ -94,9 +129,17 @@ def arm_summary(runs: list[dict]) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    colors = {"multiconv": "tab:blue", "single": "tab:orange"}
-    labels = {"multiconv": "multi-conversation DAPO", "single": "single-context GRPO"}
-    title = "memory_recall: segments with a memory vs one context (a line a seed)"
+    colors = {"multiconv": "tab:blue", "single": "tab:orange", "long": "tab:green"}
+    labels = {
+        "multiconv": "multi-conversation DAPO",
+        "single": "single-context GRPO",
+        "long": "multi-conversation DAPO, 6 chunks past a 96-position context",
+    }
+    title = (
+        "memory_recall: segments with a memory vs one context (a line a seed)"
+        if set(results["arms"]) != {"long"}
+        else "memory_recall past a 96-position context, read in segments (a line a seed)"
+    )
     plot_heldout(results["runs"], colors, labels, title, path, results["target"])
 
 
@@ -123,7 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"steps": args.steps, "target": args.target, "eval_every": args.eval_every, "runs": {}}
     for arm in arms:
-        build_base(arm)
+        build_base(arm_config(arm, 1, 0, 1))
+    if "long" in arms:
+        results["single_refused"] = single_context_refusal(arm_config("long", 1, 0, 1))
+        print(
+            f"single-context form of the long inputs: {results['single_refused'] or 'runs (not refused)'}", flush=True
+        )
     for seed in seeds:
         for arm in arms:
             name, folder = f"{arm} seed {seed}", out / f"{arm}-s{seed}"

@@ -36,6 +36,10 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     read from their NF4 bytes, without a bf16 copy of every held expert), last: as measured on the
                     H200 it is slower than dequantizing, so the config leaves it off
 
+What the next lever would need (not built; the kernels' speeds assumed, the plan computing the rest): the last
+stage's layout priced again with the NF4 expert kernel at 2x its roofline, then the latent attention kernel at 3x
+too, then both at their roofline (this layout's bound): WHAT_NEXT, `what_next` in FILE and a table of its own.
+
 A stage whose layout does not fit its GPUs at the margin is still priced (as `allsync plan` prices it, "if it fit")
 and marked; vLLM's layouts, whose generate phase has no KV room for one sequence inside the 10% margin, are priced
 with the KV room a 5% margin leaves, as the shipped config was. The plan draws one step's response lengths and kept groups from a seeded generator; with half the groups
@@ -63,6 +67,7 @@ from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
 from allsync.plan.schedules import mean_over_draws
 from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
 from allsync.plan.search import PAGED_SLOTS, planned_with_slots
+from allsync.plan.torch_decode import GRAPHED_H200, GraphedDecodeFactors
 from allsync.plan.shapes import DEEPSEEK_V3
 from benchmarks.plan_671b import CONFIG as VLLM_CONFIG
 from benchmarks.plan_671b import DAPO_PROMPTS
@@ -102,6 +107,13 @@ STAGES = [
     ("expert kernel", lambda run: _set(run, "rollout", frozen_expert_kernel="triton"), "resident"),
 ]
 PAGED_FROM = "paged KV"
+# what-ifs after the last stage: (label, the NF4 expert kernel's weights factor, the latent kernel's cache factor);
+# None keeps the H200's measured one
+WHAT_NEXT = [
+    ("NF4 expert kernel at 2x its roofline (assumed)", 2.0, None),
+    ("+ latent attention kernel at 3x its roofline (assumed)", 2.0, 3.0),
+    ("both kernels at their roofline (this layout's bound)", 1.0, 1.0),
+]
 MORE_SLOTS_FROM = "128 slots"
 
 
@@ -140,12 +152,47 @@ def stage_plan(
     }
 
 
-def waterfall(gpus: int, hw, lengths, seeds: int) -> list[dict]:
+def assumed_kernels(expert_factor: float, latent_factor: float | None) -> GraphedDecodeFactors:
+    """The H200's graphed-step factors with the NF4 expert kernel's weights factor `expert_factor` at every row count
+    and, unless None, the latent attention kernel's cache factor `latent_factor`."""
+    weights = {**GRAPHED_H200.weights, ("nf4", "triton"): ((32, expert_factor), (256, expert_factor))}
+    kv = GRAPHED_H200.kv if latent_factor is None else {**GRAPHED_H200.kv, "triton": latent_factor}
+    return GraphedDecodeFactors(weights, kv)
+
+
+def start(gpus: int, lengths, seeds: int):
+    """(the shipped config at DAPO's prompts for `gpus`, its traces, `seeds` draws of one step's work)."""
     run, _ = load_config_for_planning(VLLM_CONFIG)
     prompts = DAPO_PROMPTS if DAPO_PROMPTS % gpus == 0 else run.rollout.prompts_per_step
     run = _set(run, "rollout", prompts_per_step=prompts)
-    traces = RunTraces.of(run, DEEPSEEK_V3)
     works = [Workload(lengths, 1024, kept_share(run, None), seed=seed) for seed in range(seeds)]
+    return run, RunTraces.of(run, DEEPSEEK_V3), works
+
+
+def what_next(gpus: int, hw, lengths, seeds: int) -> list[dict]:
+    """The last stage's layout (every lever of STAGES, 128 paged slots) with each of WHAT_NEXT's kernel speeds."""
+    run, traces, works = start(gpus, lengths, seeds)
+    for _, change, _ in STAGES:
+        run = change(run)
+    return [
+        {"stage": label, "expert_factor": expert, "latent_factor": latent}
+        | stage_plan(
+            run,
+            gpus,
+            STAGES[-1][2],
+            replace(hw, decode_factors=assumed_kernels(expert, latent)),
+            traces,
+            works,
+            True,
+            PAGED_SLOTS[1],
+        )
+        for label, expert, latent in WHAT_NEXT
+    ]
+
+
+def waterfall(gpus: int, hw, lengths, seeds: int) -> list[dict]:
+    run, traces, works = start(gpus, lengths, seeds)
+    prompts = run.rollout.prompts_per_step
     out, paged, slots = [], False, DEFAULT_DECODE_BATCH
     for name, change, colocation in STAGES:
         run = change(run)
@@ -219,11 +266,17 @@ def main(argv: list[str] | None = None) -> dict:
     for i, (name, _, _) in enumerate(STAGES):
         print(f"| {name} | {' | '.join(cell(results[g][i]) for g in counts)} |")
     plot(results, Path(args.png))
+    after = {g: what_next(g, hw, lengths, args.seeds) for g in tqdm(counts, desc="what next", unit="GPU count")}
+    print(f"\n| after the last stage, not built | {' | '.join(f'{g} GPUs' for g in counts)} |")
+    print("|---" * (len(counts) + 1) + "|")
+    for i, (label, _, _) in enumerate(WHAT_NEXT):
+        print(f"| {label} | {' | '.join(cell(after[g][i]) for g in counts)} |")
     out = {
         "hardware": hw.name,
         "lengths": lengths.description,
         "seeds": args.seeds,
         "stages": {str(g): s for g, s in results.items()},
+        "what_next": {str(g): s for g, s in after.items()},
     }
     if args.json:
         atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")

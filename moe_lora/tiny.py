@@ -122,6 +122,9 @@ class TinySpec:
     fp8: bool = False
     seed: int = 0
     tool_tokens: bool = False  # DeepSeek-V3's tool-call tokens in the vocabulary (agents); False keeps the older ids
+    # the context (config.json's max_position_embeddings, the tokenizer's model_max_length): what the toolkit refuses
+    # a prompt plus its replies past (allsync.tasks.model_len_needed); a short one makes inputs too long for one context
+    max_position_embeddings: int = 4096
 
     @property
     def q_rank(self) -> int:
@@ -149,11 +152,15 @@ class TinySpec:
             )
         if self.shards < 2:
             raise ValueError("--shards must be >= 2 (the real checkpoint is sharded)")
+        if self.max_position_embeddings < 2:
+            raise ValueError(
+                f"max_position_embeddings {self.max_position_embeddings} must be >= 2 (a prompt and a reply)"
+            )
 
 
-def build_tokenizer(tool_tokens: bool = False):
+def build_tokenizer(tool_tokens: bool = False, model_max_length: int = 4096):
     """Byte-level BPE (every byte is a token, so any text encodes) plus DeepSeek's special tokens (and, with
-    tool_tokens, its tool-call tokens after the bytes)."""
+    tool_tokens, its tool-call tokens after the bytes); model_max_length: the model's context."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -172,7 +179,7 @@ def build_tokenizer(tool_tokens: bool = False):
         eos_token=EOS,
         pad_token=PAD,
         additional_special_tokens=[USER, ASSISTANT, *TASK_SPECIAL_TOKENS, *(TOOL_TOKENS if tool_tokens else [])],
-        model_max_length=4096,
+        model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -203,7 +210,7 @@ def tiny_config(spec: TinySpec, vocab_size: int) -> dict:
         "initializer_range": 0.02,
         "intermediate_size": spec.intermediate_size,
         "kv_lora_rank": spec.kv_lora_rank,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": spec.max_position_embeddings,
         "moe_intermediate_size": spec.moe_inter,
         "moe_layer_freq": 1,
         "n_group": spec.n_group,
@@ -303,7 +310,7 @@ def make_tiny(out: str | os.PathLike, spec: TinySpec = TinySpec(), overwrite: bo
     """Write a tiny DeepSeek-V3 checkpoint to `out` atomically; returns its path."""
     spec.validate()
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        tokenizer = build_tokenizer(spec.tool_tokens)
+        tokenizer = build_tokenizer(spec.tool_tokens, spec.max_position_embeddings)
         tokenizer.save_pretrained(tmp, save_jinja_files=False)  # chat template inside tokenizer_config.json
         _portable_tokenizer_class(tmp / "tokenizer_config.json")
         config = tiny_config(spec, vocab_size=len(tokenizer))

@@ -58,6 +58,7 @@ WARM_START_SHAPE_KEYS = (
     "heads",
     "n_group",
     "topk_group",
+    "max_position_embeddings",
 )
 WARM_START_STEPS = 750  # the default base's supervised steps (tuned for RL headroom; allsync/warm_start.py)
 

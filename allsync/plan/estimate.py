@@ -252,7 +252,7 @@ def generator_cost(
         other_values,
         own_positions=kernel == "triton",
         experts_read_once=engine == "torch" and run.rollout.frozen_expert_kernel == "triton",
-        graphed=GRAPHED_H200 if engine == "torch" else None,
+        graphed=(hw.decode_factors or GRAPHED_H200) if engine == "torch" else None,
         fp8_linears_read_once=engine == "torch" and run.rollout.fp8_linear_kernel == "scaled_mm",
         fp8_linear_params=fp8_gemm_values(model_config, run.model.quant.plan()),
     )

@@ -63,6 +63,9 @@ class Hardware:
     host_link_bytes_per_second: float = 25e9  # GPU <-> host (sleep mode's transfers)
     decode_bandwidth_efficiency: float = 0.7  # assumed
     decode_flops_share: float | None = None  # assumed; None: train_efficiency's (module docstring)
+    # the torch engine's graphed decode step over its rooflines (torch_decode.GraphedDecodeFactors); None: as measured
+    # on the H200 (torch_decode.GRAPHED_H200). Another: what the step would be with faster kernels (a what-if)
+    decode_factors: object | None = None
 
     def train_efficiency(self, routed_format: str, tokens: float | None = None) -> float:
         """The share of the peak a training forward of `tokens` (padded) tokens reaches (None: the largest measured

@@ -303,3 +303,49 @@ def test_model_warm_start_shape_sets_the_bases_model_and_is_refused_by_name_when
     for message, model in refused.items():
         with pytest.raises(ConfigError, match=message):
             parse_config({"model": model})
+
+
+def test_a_short_context_base_reads_long_inputs_in_segments_and_refuses_them_in_one_prompt(tmp_path):
+    """model.warm_start_shape.max_position_embeddings (issue 49 item 4, tiny_cpu_memory_long.yaml) gives the base a
+    context of 96 positions: config.json and the tokenizer say it, every segmented conversation of six chunks of four
+    fits it (the run's own check, the producer's model_len), while the same problems read in one prompt are refused
+    by the warm start before it trains, and by the run's check, each naming max_position_embeddings. A base stored
+    before the setting existed (no model.max_position_embeddings) still reads as the 4,096-position default."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from allsync.config import parse_config
+    from allsync.warm_start import settings_for_run
+    from benchmarks.multiconv_vs_grpo import single_context_form
+
+    long_config = yaml.safe_load((Path(__file__).parents[2] / "recipes/configs/tiny_cpu_memory_long.yaml").read_text())
+    long_config["model"]["base"] = str(tmp_path / "long")
+    segmented = parse_config(long_config)
+    settings = settings_for_run(segmented)
+    assert settings.model.max_position_embeddings == 96
+    base = make_tiny(tmp_path / "random", settings.model)
+    assert json.loads((base / "config.json").read_text())["max_position_embeddings"] == 96
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert tokenizer.model_max_length == 96
+    splits = settings.task.splits(64, 8, 0)
+    examples = settings.task.teacher_examples(tokenizer, splits.train, 0)
+    ws.check_fits_context(examples, 96)  # every conversation and the answer fit
+    assert 80 <= segmented.producer.model_len(segmented, tokenizer, splits.train, 96) <= 96
+
+    single = parse_config(single_context_form(long_config))
+    with pytest.raises(
+        ValueError,
+        match=r"teacher example of 1[45]\d tokens is longer than the model's max_position_"
+        r"embeddings \(96, model\.warm_start_shape\.max_position_embeddings\)",
+    ):
+        warm_start(tmp_path / "single", settings_for_run(single), progress=False)
+    assert not (tmp_path / "single").exists() or not any((tmp_path / "single").iterdir())  # nothing half-written
+    single_problems = settings_for_run(single).task.splits(64, 8, 0).train
+    with pytest.raises(ValueError, match=r"more than the checkpoint's max_position_embeddings \(96\)"):
+        single.producer.model_len(single, tokenizer, single_problems, 96)
+
+    stored = WarmStartSettings().as_json()
+    assert "max_position_embeddings" not in stored["model"]  # the default is left out, as before it existed
+    written = {**stored, "model": {**stored["model"], "max_position_embeddings": 4096}}
+    assert ws.without_later_defaults(written) == stored
+    assert settings.as_json()["model"]["max_position_embeddings"] == 96

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.plan_levers import STAGES, main
+from benchmarks.plan_levers import STAGES, WHAT_NEXT, main
 
 
 def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
@@ -42,5 +42,14 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         stages["128 slots"]["decode_batch"] == 128
         and stages["128 slots"]["kv_cache_tokens"] == paged["kv_cache_tokens"]
     )
+    # what the next lever would need, priced on the last stage's layout: faster kernels shorten generation only, each
+    # what-if shorter than the one before, the bound (both kernels at their roofline) the shortest
+    after = result["what_next"]["48"]
+    assert [a["stage"] for a in after] == [label for label, _, _ in WHAT_NEXT]
+    last = stages["expert kernel"]
+    times = [last["step_seconds"]] + [a["step_seconds"] for a in after]
+    assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+    for a in after:
+        assert a["parts"]["train"] == pytest.approx(last["parts"]["train"]) and a["decode_batch"] == 128
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])

@@ -43,6 +43,7 @@ SLOW = [
     "--max-new-tokens 16 --reward arithmetic --out runs/eval-parquet",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory.yaml",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory_single.yaml",
+    "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory_long.yaml",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_agent_calculator.yaml",
     "torchrun --nproc_per_node 2 recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20 --out-dir runs/dapo-tiny-ep2-ray",
