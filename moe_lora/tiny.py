@@ -154,7 +154,7 @@ class TinySpec:
             raise ValueError("--shards must be >= 2 (the real checkpoint is sharded)")
         if self.max_position_embeddings < 2:
             raise ValueError(
-                f"max_position_embeddings {self.max_position_embeddings} must be >= 2 (a prompt and a reply)"
+                f"--max-position-embeddings {self.max_position_embeddings} must be >= 2 (a prompt and a reply)"
             )
 
 
