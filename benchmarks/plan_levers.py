@@ -169,22 +169,32 @@ def start(gpus: int, lengths, seeds: int):
     return run, RunTraces.of(run, DEEPSEEK_V3), works
 
 
-def what_next(gpus: int, hw, lengths, seeds: int) -> list[dict]:
-    """The last stage's layout (every lever of STAGES, 128 paged slots) with each of WHAT_NEXT's kernel speeds."""
-    run, traces, works = start(gpus, lengths, seeds)
-    for _, change, _ in STAGES:
+def staged_runs(run):
+    """Each stage of STAGES in turn: (its name, its colocation, the run with its lever and every one before, whether
+    its KV slots share the room in pages, how many slots)."""
+    paged, slots = False, DEFAULT_DECODE_BATCH
+    for name, change, colocation in STAGES:
         run = change(run)
+        paged = paged or name == PAGED_FROM
+        slots = PAGED_SLOTS[1] if name == MORE_SLOTS_FROM else slots
+        yield name, colocation, run, paged, slots
+
+
+def what_next(gpus: int, hw, lengths, seeds: int) -> list[dict]:
+    """The last stage's layout (every lever of STAGES) with each of WHAT_NEXT's kernel speeds."""
+    run, traces, works = start(gpus, lengths, seeds)
+    *_, (_, colocation, last, paged, slots) = staged_runs(run)
     return [
         {"stage": label, "expert_factor": expert, "latent_factor": latent}
         | stage_plan(
-            run,
+            last,
             gpus,
-            STAGES[-1][2],
+            colocation,
             replace(hw, decode_factors=assumed_kernels(expert, latent)),
             traces,
             works,
-            True,
-            PAGED_SLOTS[1],
+            paged,
+            slots,
         )
         for label, expert, latent in WHAT_NEXT
     ]
@@ -193,16 +203,11 @@ def what_next(gpus: int, hw, lengths, seeds: int) -> list[dict]:
 def waterfall(gpus: int, hw, lengths, seeds: int) -> list[dict]:
     run, traces, works = start(gpus, lengths, seeds)
     prompts = run.rollout.prompts_per_step
-    out, paged, slots = [], False, DEFAULT_DECODE_BATCH
-    for name, change, colocation in STAGES:
-        run = change(run)
-        paged = paged or name == PAGED_FROM
-        slots = PAGED_SLOTS[1] if name == MORE_SLOTS_FROM else slots
-        out.append(
-            {"stage": name, "colocation": colocation, "prompts": prompts}
-            | stage_plan(run, gpus, colocation, hw, traces, works, paged, slots)
-        )
-    return out
+    return [
+        {"stage": name, "colocation": colocation, "prompts": prompts}
+        | stage_plan(staged, gpus, colocation, hw, traces, works, paged, slots)
+        for name, colocation, staged, paged, slots in staged_runs(run)
+    ]
 
 
 def cell(stage: dict) -> str:

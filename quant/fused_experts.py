@@ -12,16 +12,16 @@ float32 absmax per 64 consecutive elements; the 16-value NF4 code table):
                                                                       rounded to the compute dtype)
     y[a, n]   = sum_k x[a, k] W_e[n, k]                              for the rows a of expert e
 
-Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (up to B_M rows an expert
-take one pass over the weight tile; more rows re-read and dequantize it again), K in blocks of B_K (B_N, B_K, warps,
-pipeline stages and B_M: ExpertBlocks). On a GPU each dequantized value is rounded to bfloat16 by the conversion
-instruction; Triton's interpreter truncates there, so it rounds by hand (the same values). Where K and B_K are whole
-absmax blocks (DeepSeek-V3's are) a tile row's scales are read once a block, B_K / 64 of them, not once a byte. With K even (DeepSeek-V3's 7,168
-and 2,048) each byte is read once and gives two columns: the high nibbles multiply the rows' even columns and the
-low ones the odd, two products of B_K / 2 each (the same sums, in another order). The grid (N / B_N, E) and every
-tensor depend on (rows, E, N, K) only and the offsets are read on the device, so a CUDA graph captures it. The experts'
-bytes must be one tensor a projection: `stack_nf4_experts` copies them into [E, ...] buffers once and leaves each
-QuantizedWeight a view of its row (the same values; the other kernels read them as before). Triton's interpreter
+Program (j, e) computes columns [j B_N, (j + 1) B_N) of expert e's rows, B_M at a time (up to B_M rows an expert take
+one pass over the weight tile; more rows re-read and dequantize it again), K in blocks of B_K (B_N, B_K, warps, pipeline
+stages and B_M: ExpertBlocks). On a GPU each dequantized value is rounded to bfloat16 by the conversion instruction;
+Triton's interpreter truncates there, so it rounds by hand (the same values). Where K and B_K are whole absmax blocks
+(DeepSeek-V3's are) a tile row's scales are read once a block, B_K / 64 of them, not once a byte. With K even
+(DeepSeek-V3's 7,168 and 2,048) each byte is read once and gives two columns: the high nibbles multiply the rows' even
+columns and the low ones the odd, two products of B_K / 2 each (the same sums, in another order). The grid (N / B_N, E)
+and every tensor depend on (rows, E, N, K) only and the offsets are read on the device, so a CUDA graph captures it. The
+experts' bytes must be one tensor a projection: `stack_nf4_experts` copies them into [E, ...] buffers once and leaves
+each QuantizedWeight a view of its row (the same values; the other kernels read them as before). Triton's interpreter
 (TRITON_INTERPRET=1 before Triton is imported) runs the kernel on CPU tensors, which is how the tests check it.
 """
 
