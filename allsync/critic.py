@@ -32,7 +32,6 @@ class ValueTargets:
     returns: torch.Tensor  # [B, L-1]
     mask: torch.Tensor  # [B, L-1], 1 on response tokens of finished responses only (T-PPO)
     global_tokens: torch.Tensor | float  # such tokens in the whole batch, over every rank
-    coef: float  # algorithm.value_coef
 
 
 class Critic(nn.Module):
@@ -79,8 +78,10 @@ class Critic(nn.Module):
 
 
 def critic_loss(critic: Critic, batch: SequenceBatch, targets: ValueTargets) -> tuple[torch.Tensor, torch.Tensor]:
-    """coef * 0.5 (V_t - R_t)^2 summed over the finished responses' tokens of this micro-batch / the whole batch's
-    such tokens (allsync.algorithms.value_loss): this rank's share. Returns (loss, its value without coef, detached).
+    """0.5 (V_t - R_t)^2 summed over the finished responses' tokens of this micro-batch / the whole batch's such
+    tokens (allsync.algorithms.value_loss): this rank's share. Returns (loss, loss detached). No weight: the critic
+    has its own AdamW group, learning rate (optim.value_lr) and clip, and AdamW's step does not change with a
+    constant scale of its loss.
 
     Only the rows with a target go through the critic (`rows_with_targets`): the rows of a T-PPO window whose
     responses go on add nothing to the loss, so their forward and backward are skipped (the same loss and
@@ -99,7 +100,7 @@ def critic_loss(critic: Critic, batch: SequenceBatch, targets: ValueTargets) -> 
         agg="token-mean",
         global_tokens=max(float(targets.global_tokens), 1.0),
     )
-    return targets.coef * loss, loss.detach()
+    return loss, loss.detach()
 
 
 def rows_with_targets(mask: torch.Tensor) -> torch.Tensor:

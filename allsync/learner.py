@@ -307,6 +307,12 @@ class Learner:
         V(s_l) = V(s_{l-1})) with the current critic, whitened over the trained tokens of every worker; the critic
         learns from every token of finished responses, toward returns of lambda algorithm.value_lam."""
         a = self.config.algorithm
+        if several := [i for i, e in enumerate(episodes) if len(e.segments) != 1]:
+            raise ValueError(
+                f"algorithm.advantage {a.advantage} learns a critic over one response per episode, and episode "
+                f"{several[0]} of this batch has {len(episodes[several[0]].segments)} segments ({len(several)} such): "
+                "its rewards would be paired with the wrong rows; producers of several segments need a group baseline"
+            )
         rows = flatten(episodes)
         seqs = build_sequences(rows.prompt_ids, rows.response_ids, self.pad_id).to(self.device)
         engine = scatter_response_values(rows.engine_logprobs, seqs)
@@ -400,7 +406,8 @@ class Learner:
         it holds: one all-reduce of every minibatch's counts, then per minibatch one all-reduce of the
         flat gradient buffer (with a non-finite-loss flag). Loss shares use the all-reduced counts, so the
         summed gradient is the full batch's. A minibatch with no token on any worker is no optimizer step
-        (AdamW would still move the adapter through momentum and weight decay); a non-finite loss on any
+        (AdamW would still move the adapter through momentum and weight decay), and a model (policy or critic) with
+        no token in a minibatch on any worker is not stepped by it (`untrained_params`); a non-finite loss on any
         worker or a non-finite gradient norm skips the step on every worker (`nan_steps`)."""
         c = self.config
         minibatches = c.optim.minibatches
@@ -498,7 +505,7 @@ class Learner:
             if self.value_params:
                 torch.nn.utils.clip_grads_with_norm_(self.value_params, c.optim.grad_clip, value_norm)
                 out["value_grad_norm"] = float(value_norm)
-            step_skipping(self.optimizer, self.lora_params if critic_only else [])
+            step_skipping(self.optimizer, self.untrained_params(critic_only, totals[m]))
             out["optimizer_steps"] += 1
             out["grad_norm"] = float(norm)
         gap = tb if self.recomputes_old_logprobs else gap_batch  # None: no row trained here before that step
@@ -515,6 +522,15 @@ class Learner:
         self.consecutive_nan = self.consecutive_nan + 1 if out["nan_steps"] else 0
         out["local_grad_norm"] = float(local_sq.sqrt())  # the last minibatch's share of this rank (health signal)
         return out
+
+    def untrained_params(self, critic_only: bool, totals: torch.Tensor) -> list[torch.nn.Parameter]:
+        """The parameters AdamW must not step on a minibatch (`step_skipping`): a model with no token in it on any
+        worker (totals = [policy tokens, episodes, critic tokens], all-reduced) has a zero gradient, and a step would
+        still move it by momentum and weight decay and advance its bias correction. The policy's also during value
+        pretraining (critic_only: its loss is not backpropagated). The critic's when no row of the minibatch has a
+        value target (T-PPO: every reply of it cut at a window); the policy's when every reply was filtered."""
+        skipped = self.lora_params if critic_only or totals[0] == 0 else []
+        return skipped + (self.value_params if totals[2] == 0 else [])
 
     def _value_grad_norm(self) -> torch.Tensor:
         """||g|| of the critic's adapter and head (replicated: the same on every rank); 0 without a critic. The critic
@@ -564,7 +580,7 @@ class Learner:
         finite = True if critic_only else self._backward(loss)
         value_loss_share = None
         if self.critic is not None:
-            targets = ValueTargets(mb.returns, mb.value_mask, totals[2], c.algorithm.value_coef)
+            targets = ValueTargets(mb.returns, mb.value_mask, totals[2])
             with saved_on_host(c.optim.activation_offload):
                 loss_value, value_loss_share = critic_loss(self.critic, mb.sequences, targets)
             finite = self._backward(loss_value) and finite

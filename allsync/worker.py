@@ -361,11 +361,11 @@ class RLWorker:
             trainer_with = forward_logprobs(self.model, batch)[scored]
             with adapters_disabled(self.model):
                 trainer_without = forward_logprobs(self.model, batch)[scored]
-        gap, effect = effect_gap(
+        gap, effect, mismatch = effect_gap(
             engine.score(ids, start), engine.score(ids, start, False), trainer_with, trainer_without
         )
         tolerance = self.config.rollout.sync_tolerance
-        check_sync(version, engine.sent_checksum, engine.received_checksums, gap, effect, tolerance)
+        check_sync(version, engine.sent_checksum, engine.received_checksums, gap, effect, mismatch, tolerance)
         return moved, gap
 
     def take_engine_counters(self) -> dict[str, int]:

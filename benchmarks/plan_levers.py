@@ -16,7 +16,8 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     full-length KV slots as fit (at most 64), its decode steps in fixed shapes as CUDA graphs
                     (rollout.decode_graphs; as measured on an H200, allsync.plan.torch_decode.GRAPHED_H200)
     engine logprobs + algorithm.old_logprobs engine (no old-logprob forward before the update)
-    FP8 KV          + rollout.kv_cache_dtype fp8 (lever 3: more KV slots in the same memory)
+    FP8 KV          + rollout.kv_cache_dtype fp8 (lever 3: more KV slots in the same memory); the engine then samples
+                    from the rounded cache, so algorithm.old_logprobs engine is refused: recompute and algorithm.tis
     shared-outer    + lora.expert_layout shared_outer (lever 2: a smaller routed adapter, its gradients and AdamW
                     state leave room for more KV slots)
     latent kernel   + rollout.attention_kernel triton (moe_lora/latent_attention.py: each slot reads its own positions
@@ -58,6 +59,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from allsync.config import load_config_for_planning
+from allsync.config.algorithm import TISSection
 from allsync.plan.activations import RunTraces
 from allsync.plan.command import kept_share
 from allsync.plan.estimate import Workload, colocated_steps
@@ -97,7 +99,16 @@ STAGES = [
         "resident",
     ),
     ("engine logprobs", lambda run: _set(run, "algorithm", old_logprobs="engine"), "resident"),
-    ("FP8 KV", lambda run: _set(run, "rollout", kv_cache_dtype="fp8", decode_batch=None), "resident"),
+    (
+        "FP8 KV",  # sampling from the rounded cache: old logprobs recomputed again (engine's refused), TIS
+        lambda run: _set(
+            _set(run, "rollout", kv_cache_dtype="fp8", decode_batch=None),
+            "algorithm",
+            old_logprobs="recompute",
+            tis=TISSection(),
+        ),
+        "resident",
+    ),
     ("shared-outer LoRA", lambda run: _set(run, "lora", expert_layout="shared_outer"), "resident"),
     ("latent kernel", lambda run: _set(run, "rollout", attention_kernel="triton"), "resident"),
     ("streamed rounds", lambda run: _set(run, "algorithm", sampling_rounds="streamed"), "resident"),

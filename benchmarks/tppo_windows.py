@@ -55,7 +55,6 @@ ARMS = tuple(STEP_SECONDS)
 CRITIC = {
     "gamma": 1.0,
     "lam": 1.0,  # PPO with lam 0.95 lost accuracy and grew its responses in a 1-minute probe (134 -> 160 tokens)
-    "value_coef": 0.5,
     "value_lam": 1.0,
     "loss_agg": "token-mean",
     "clip_low": 0.2,

@@ -306,14 +306,21 @@ def write_fp8_copy(src: str | os.PathLike, out: str | os.PathLike, overwrite: bo
     return Path(out)
 
 
+def planned_tiny(spec: TinySpec) -> tuple[dict, object]:
+    """The config.json and tokenizer `make_tiny(out, spec)` writes, without writing anything: both follow from the
+    spec alone, so the checks that read them (the engine against the checkpoint's layers, the replies against
+    max_new_tokens, the KV room) run before a base is built."""
+    spec.validate()
+    tokenizer = build_tokenizer(spec.tool_tokens, spec.max_position_embeddings)
+    return tiny_config(spec, vocab_size=len(tokenizer)), tokenizer
+
+
 def make_tiny(out: str | os.PathLike, spec: TinySpec = TinySpec(), overwrite: bool = False) -> Path:
     """Write a tiny DeepSeek-V3 checkpoint to `out` atomically; returns its path."""
-    spec.validate()
+    config, tokenizer = planned_tiny(spec)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        tokenizer = build_tokenizer(spec.tool_tokens, spec.max_position_embeddings)
         tokenizer.save_pretrained(tmp, save_jinja_files=False)  # chat template inside tokenizer_config.json
         _portable_tokenizer_class(tmp / "tokenizer_config.json")
-        config = tiny_config(spec, vocab_size=len(tokenizer))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, indent=2) + "\n"

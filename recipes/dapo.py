@@ -29,7 +29,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from allsync.config import ConfigError, RunConfig, check_reply_budget, config_with_model_checks, load_config
+from allsync.config import (
+    ConfigError,
+    RunConfig,
+    check_kv_room,
+    check_reply_budget,
+    config_with_model_checks,
+    load_config,
+)
 from allsync.metrics import MetricsLog, aggregate, plot_run
 from allsync.checkpoint import (
     CheckpointStateError,
@@ -49,13 +56,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
 
 
 def ensure_base(config: RunConfig) -> None:
-    """The frozen base: an existing checkpoint, or the tiny model after its supervised warm start (built
-    once, then reused while its stored settings equal this allsync's)."""
+    """The frozen base: an existing checkpoint (`base_for_checks` refused a missing one), or the tiny model after its
+    supervised warm start (built once, then reused while its stored settings equal this allsync's)."""
     if not config.model.warm_start:
-        if not (Path(config.model.base) / "config.json").exists():
-            raise ConfigError(
-                f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)"
-            )
         return
     from allsync.warm_start import settings_for_run, warm_start
 
@@ -157,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             config.run.steps = args.steps
         if args.out_dir:
             config.run.out_dir = args.out_dir
-        if (Path(config.model.base) / "config.json").exists():  # before the warm start (work) when the base is there
-            config_with_model_checks(config, read_config(config.model.base), args.config)
+        # the base's config.json and tokenizer, or those of the base the warm start would build: every check that reads
+        # them runs before any work (a warm start takes minutes)
+        model_config, tokenizer = base_for_checks(config)
+        config_with_model_checks(config, model_config, args.config)
         mode = launch_mode(launched is not None, args.no_ray, config)  # allsync/launch/: SPMD, local or Ray
         if (problem := mode.refusal(config, args.no_ray, launched[1] if launched else None)) is not None:
             raise ConfigError(f"{args.config}: {problem}")
@@ -178,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         if launched:
             spmd_state(config)  # the process group, so that rank 0 alone builds the base while the others wait
         resume = args.resume or (launched is not None and elastic_attempt() > 0)  # an elastic launcher's restart
+        try:
+            splits, reports = config.task.splits()
+        except ValueError as exc:  # evals.datasets.DatasetError names file:row and key
+            raise ConfigError(f"{args.config}: task: {exc}") from exc
+        max_model_len = engine_model_len(config, model_config, tokenizer, splits.train + splits.heldout, args.config)
 
         def prepare() -> None:  # on rank 0: it alone sees the controller's out_dir on a multi-node run
             if not resume and (files := earlier_run_files(Path(config.run.out_dir))):
@@ -189,16 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             ensure_base(config)
 
         rank0_first(prepare, launched)
-        model_config = read_config(config.model.base)
-        config_with_model_checks(config, model_config, args.config)
-        try:
-            splits, reports = config.task.splits()
-        except ValueError as exc:  # evals.datasets.DatasetError names file:row and key
-            raise ConfigError(f"{args.config}: task: {exc}") from exc
+        if read_config(config.model.base) != model_config:  # the base built or reused is the one checked
+            raise ConfigError(
+                f"{args.config}: model.base = {config.model.base!r} with model.warm_start: its config.json is not the "
+                "one this allsync's warm start writes for these settings (an older allsync built it?); delete it to "
+                "rebuild, or give model.base another directory"
+            )
         if rank == 0:
             for line in reports:
                 print(line)
-        max_model_len = engine_model_len(config, model_config, splits.train + splits.heldout, args.config)
     except ConfigError as exc:
         return refuse(exc, rank)
 
@@ -229,18 +238,38 @@ def rank0_first(build, launched) -> None:
         raise ConfigError(box[0])
 
 
-def engine_model_len(config: RunConfig, model_config: dict, problems, source: str) -> int:
-    """The longest sequence the run's producer can build (its settings' model_len), checked against the
-    checkpoint's max_position_embeddings; and the task's longest correct reply against rollout.max_new_tokens
-    and the overlong window (allsync.config.check_reply_budget)."""
+def base_for_checks(config: RunConfig) -> tuple[dict, object]:
+    """model.base's config.json and tokenizer; with model.warm_start, those of the base the warm start builds or
+    reuses (moe_lora.tiny.planned_tiny: they follow from its settings alone, and a cached base is reused only when
+    its settings are these), nothing written."""
+    if config.model.warm_start:
+        from allsync.warm_start import settings_for_run
+        from moe_lora.tiny import planned_tiny
+
+        return planned_tiny(settings_for_run(config).model)
+    if not (Path(config.model.base) / "config.json").exists():
+        raise ConfigError(
+            f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)"
+        )
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model.base)
+    return read_config(config.model.base), AutoTokenizer.from_pretrained(config.model.base)
+
+
+def engine_model_len(config: RunConfig, model_config: dict, tokenizer, problems, source: str) -> int:
+    """The longest sequence the run's producer can build (its settings' model_len), checked against the
+    checkpoint's max_position_embeddings and against the torch engine's KV room (rollout.kv_cache_tokens); and the
+    task's longest correct reply against rollout.max_new_tokens and the overlong window
+    (allsync.config.check_reply_budget)."""
     check_reply_budget(config, tokenizer, problems, source)
     try:
-        return config.producer.model_len(config, tokenizer, problems, model_config.get("max_position_embeddings", 0))
+        model_len = config.producer.model_len(
+            config, tokenizer, problems, model_config.get("max_position_embeddings", 0)
+        )
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc} of {config.model.base}") from exc
+    check_kv_room(config, model_len, source)
+    return model_len
 
 
 def train(config: RunConfig, resume: bool, group, splits, out_dir: Path, own: set[str] | None = None) -> int:

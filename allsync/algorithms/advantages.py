@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .selection import Registry
+
 
 def _group_ids(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Map arbitrary group ids (any order, any values) to 0..G-1; return (ids, G)."""
@@ -268,15 +270,18 @@ class AdvantageEstimator:
         return self.compute(*args, **kwargs)
 
 
-ADVANTAGE_ESTIMATORS = {
-    "grpo": AdvantageEstimator(grpo_advantages, needs_groups=True, needs_critic=False),
-    "drgrpo": AdvantageEstimator(drgrpo_advantages, needs_groups=True, needs_critic=False),
-    "reinforce_pp_baseline": AdvantageEstimator(
-        batch_normalized_advantages, needs_groups=True, needs_critic=False, batch_sums=group_centered_sums
-    ),
-    "gae": AdvantageEstimator(gae, needs_groups=False, needs_critic=True),
-    "egae": AdvantageEstimator(egae, needs_groups=False, needs_critic=True, bootstraps_cut=True),
-}
+ADVANTAGE_ESTIMATORS = Registry(
+    "advantage",
+    {
+        "grpo": AdvantageEstimator(grpo_advantages, needs_groups=True, needs_critic=False),
+        "drgrpo": AdvantageEstimator(drgrpo_advantages, needs_groups=True, needs_critic=False),
+        "reinforce_pp_baseline": AdvantageEstimator(
+            batch_normalized_advantages, needs_groups=True, needs_critic=False, batch_sums=group_centered_sums
+        ),
+        "gae": AdvantageEstimator(gae, needs_groups=False, needs_critic=True),
+        "egae": AdvantageEstimator(egae, needs_groups=False, needs_critic=True, bootstraps_cut=True),
+    },
+)
 
 
 def estimators_that(**needs: bool) -> str:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from .selection import Registry
+
 from .selection import select
 
 Number = int | float | torch.Tensor
@@ -90,13 +92,16 @@ def seq_mean_token_sum_norm(
     return _masked(loss_mat, mask).sum() / (_num_seqs(mask, global_seqs) * _safe(t_max))
 
 
-LOSS_AGGREGATIONS = {
-    "token-mean": token_mean,
-    "seq-mean-token-sum": seq_mean_token_sum,
-    "seq-mean-token-mean": seq_mean_token_mean,
-    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
-    "episode-mean-token-mean": seq_mean_token_mean,
-}
+LOSS_AGGREGATIONS = Registry(
+    "loss_aggregation",
+    {
+        "token-mean": token_mean,
+        "seq-mean-token-sum": seq_mean_token_sum,
+        "seq-mean-token-mean": seq_mean_token_mean,
+        "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+        "episode-mean-token-mean": seq_mean_token_mean,
+    },
+)
 
 
 def aggregate_loss(

@@ -114,6 +114,7 @@ def nlft_policy_loss(
 POLICY_LOSSES["nlft"] = PolicyLossEntry(
     nlft_policy_loss,
     logged=("approx_kl",),
+    reads=(),
     rollout_refusal="NLFT trains on judged examples whose token weights it computes itself (python recipes/nlft.py), "
     "not on a rollout's advantages; use clipped",
 )

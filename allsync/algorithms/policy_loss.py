@@ -18,8 +18,10 @@ from typing import Protocol
 import torch
 
 from .aggregation import Number, aggregate_loss
+from .selection import Registry
 
 LOG_RATIO_CLAMP = 20.0
+CLIP_SETTINGS = ("clip_low", "clip_high", "clip_c")  # what PolicyLossEntry.reads may name (algorithm.<key>)
 
 
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -144,17 +146,28 @@ class PolicyLossEntry:
         config load naming both keys.
     rollout_refusal: why the loss cannot train on a rollout's advantages (None: it can); a config naming it is
         refused with this text.
+    reads: the clip settings (CLIP_SETTINGS, keys of algorithm:) the loss reads. Each is checked against its range
+        (clip_low in (0, 1), clip_high > 0, clip_c > 1 or null); one it does not read is refused when set to other
+        than its default, naming the loss (CISPO, with no lower clip, reads ("clip_high",)).
     """
 
     compute: PolicyLoss
     logged: tuple[str, ...]
     aggregations: tuple[str, ...] | None = None
     rollout_refusal: str | None = None
+    reads: tuple[str, ...] = ("clip_low", "clip_high", "clip_c")
+
+    def __post_init__(self):
+        if unknown := set(self.reads) - set(CLIP_SETTINGS):
+            raise ValueError(
+                f"PolicyLossEntry.reads: {sorted(unknown)} are not clip settings ({', '.join(CLIP_SETTINGS)})"
+            )
 
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.compute(*args, **kwargs)
 
 
-POLICY_LOSSES: dict[str, PolicyLossEntry] = {
-    "clipped": PolicyLossEntry(clipped_policy_loss, logged=("clipfrac_high", "clipfrac_low", "approx_kl")),
-}
+POLICY_LOSSES: dict[str, PolicyLossEntry] = Registry(
+    "policy_loss",
+    {"clipped": PolicyLossEntry(clipped_policy_loss, logged=("clipfrac_high", "clipfrac_low", "approx_kl"))},
+)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .selection import select
+from .selection import Registry, select
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -34,7 +34,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+KL_ESTIMATORS = Registry("kl", {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

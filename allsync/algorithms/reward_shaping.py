@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .selection import Registry
+
 
 def overlong_penalty(
     lengths: torch.Tensor | Sequence[int],
@@ -102,4 +104,4 @@ def shape_length(
     return settings.coef * group_length_reward(lengths, correct, group_index, with_correct).double()
 
 
-REWARD_SHAPERS = {"overlong": shape_overlong, "length": shape_length}
+REWARD_SHAPERS = Registry("reward_shaping", {"overlong": shape_overlong, "length": shape_length})

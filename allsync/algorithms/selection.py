@@ -23,6 +23,30 @@ class UnknownNameError(ValueError):
         super().__init__(f"unknown {kind} {name!r}; valid names: {', '.join(valid)}")
 
 
+class Registry(dict):
+    """A registry of ``allsync.algorithms`` (name -> entry) that refuses a second entry under a name it holds: an
+    extension registered as ``grpo`` would otherwise replace the built-in silently, for every run that imports it.
+    ``kind`` names the registry in the refusal."""
+
+    def __init__(self, kind: str, entries: dict):
+        super().__init__(entries)
+        self.kind = kind
+
+    def __setitem__(self, name: str, entry) -> None:
+        if name in self:
+            raise ValueError(
+                f"{self.kind} {name!r} is registered twice ({origin(self[name])} and {origin(entry)}); "
+                "give the new one its own name"
+            )
+        super().__setitem__(name, entry)
+
+
+def origin(entry) -> str:
+    """The module an entry's function was defined in (an entry dataclass holds it as `compute`)."""
+    function = getattr(entry, "compute", entry)
+    return getattr(function, "__module__", None) or type(entry).__module__
+
+
 def select(table: Mapping[str, T], kind: str, name: str) -> T:
     """Return ``table[name]``; raise :class:`UnknownNameError` naming ``name`` otherwise."""
     try:

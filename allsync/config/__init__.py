@@ -10,7 +10,7 @@ algorithm; optim; parallel; reward; run: run and health), `run_config` the whole
 """
 
 from allsync.config.algorithm import AlgorithmSection, OverlongSection, TISSection
-from allsync.config.checks import VLLM_LORA_RANKS, check_reply_budget, config_with_model_checks
+from allsync.config.checks import VLLM_LORA_RANKS, check_kv_room, check_reply_budget, config_with_model_checks
 from allsync.config.errors import ConfigError
 from allsync.config.model import WARM_START_STEPS, LoRASection, ModelSection, QuantSection
 from allsync.config.optim import OptimSection
@@ -39,6 +39,7 @@ __all__ = [
     "TISSection",
     "VLLM_LORA_RANKS",
     "WARM_START_STEPS",
+    "check_kv_room",
     "check_reply_budget",
     "config_with_model_checks",
     "import_extensions",

@@ -63,7 +63,6 @@ class AlgorithmSection:
     kl_estimator: str = "k3"
     gamma: float = 1.0  # gae / egae discount
     lam: float = 0.95  # gae / egae lambda
-    value_coef: float = 0.5  # weight of the critic's value loss (gae / egae)
     # lambda of the critic's targets (decoupled GAE, as VAPO): 1 = the Monte Carlo return of a finished response,
     # not biased toward the critic's own bootstrap; the policy's advantages keep algorithm.lam
     value_lam: float = 1.0
@@ -92,6 +91,24 @@ class AlgorithmSection:
     def uses_critic(self) -> bool:
         """The estimator learns a critic (PPO's gae, T-PPO's egae; allsync/critic.py); group baselines (grpo, drgrpo) do not."""
         return self.estimator.needs_critic
+
+    def check_clips(self, reads: tuple[str, ...], fail) -> None:
+        """The clip settings the policy loss reads (PolicyLossEntry.reads) in their ranges; one it does not read
+        refused unless left at its default (it would be accepted and ignored)."""
+        default = AlgorithmSection()
+        if ignored := [
+            k for k in ("clip_low", "clip_high", "clip_c") if k not in reads and getattr(self, k) != getattr(default, k)
+        ]:
+            fail(
+                f"algorithm.{ignored[0]} = {getattr(self, ignored[0])} with algorithm.policy_loss {self.policy_loss}: "
+                f"the loss does not read it (it reads {', '.join(f'algorithm.{k}' for k in reads) or 'no clip setting'})"
+            )
+        if "clip_c" in reads and self.clip_c is not None and self.clip_c <= 1:
+            fail(f"algorithm.clip_c = {self.clip_c}: the dual clip constant must be > 1")
+        if "clip_low" in reads and not 0 < self.clip_low < 1:
+            fail(f"algorithm.clip_low = {self.clip_low}: must be in (0, 1)")
+        if "clip_high" in reads and not self.clip_high > 0:
+            fail(f"algorithm.clip_high = {self.clip_high}: must be > 0")
 
     def check(self, fail) -> None:
         from allsync.algorithms import estimators_that, get  # registry lookups name the valid choices
@@ -161,10 +178,7 @@ class AlgorithmSection:
                 f"algorithm.whiten {self.whiten} with algorithm.advantage {self.advantage}: it normalizes a critic's "
                 f"advantages (use {estimators_that(needs_critic=True)}); group baselines normalize per group"
             )
-        if self.clip_c is not None and self.clip_c <= 1:
-            fail(f"algorithm.clip_c = {self.clip_c}: the dual clip constant must be > 1")
-        if not (0 < self.clip_low < 1 and self.clip_high > 0):
-            fail("algorithm.clip_low must be in (0, 1) and algorithm.clip_high > 0")
+        self.check_clips(loss.reads, fail)
         if self.kl_coef > 0:
             try:
                 get("kl", self.kl_estimator)

@@ -196,6 +196,11 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
             f"groups for group baselines ({estimators_that(needs_groups=True)}); set it to false for the critic's "
             "advantages"
         )
+    if a.uses_critic and c.optim.value_lr == 0:
+        fail(
+            f"optim.value_lr = 0 with algorithm.advantage {a.advantage}: the critic would never learn, and its "
+            "advantages would stay those of its starting values; give it a learning rate > 0"
+        )
     if a.uses_critic and c.parallel.layout != "colocated":
         fail(
             f"parallel.layout {c.parallel.layout} with algorithm.advantage {a.advantage}: the critic's "
@@ -212,6 +217,12 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
             f"algorithm.old_logprobs engine with rollout.engine {r.engine}: only the torch engine samples from the "
             "trainer's own model; vLLM's logprobs come from its own copy and kernels (keep recompute, and algorithm.tis "
             "for the mismatch)"
+        )
+    if a.old_logprobs == "engine" and (unlike := sampler_unlike_trainer(r)):
+        fail(
+            f"algorithm.old_logprobs engine with {unlike}: the engine's logprobs are then another policy's numbers, so "
+            "the PPO ratio would be taken against the sampler and the clip would act on the mismatch (keep "
+            "algorithm.old_logprobs recompute, and algorithm.tis for the mismatch)"
         )
     if a.sampling_rounds == "streamed" and r.engine != "torch":
         fail(
@@ -235,6 +246,19 @@ def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
             f"reward.length with algorithm.advantage {a.advantage}: the length reward compares the responses "
             "of a group, and T-PPO's windows finish responses one by one, not in groups"
         )
+
+
+def sampler_unlike_trainer(rollout) -> str:
+    """The torch engine's settings under which it samples with other numbers than the trainer's forward computes
+    (its own frozen copy, an FP8 KV cache, FP8 GEMMs), as `key value` joined by "and"; "" when it is the trainer."""
+    keys = []
+    if rollout.engine_formats:
+        keys.append(f"rollout.engine_formats {rollout.engine_formats}")
+    if rollout.kv_cache_dtype != "auto":
+        keys.append(f"rollout.kv_cache_dtype {rollout.kv_cache_dtype}")
+    if rollout.fp8_linear_kernel != "dequantize":
+        keys.append(f"rollout.fp8_linear_kernel {rollout.fp8_linear_kernel}")
+    return " and ".join(keys)
 
 
 def producers_that(attribute: str) -> str:
@@ -305,6 +329,24 @@ def config_with_model_checks(config: RunConfig, model_config: dict, source: str)
         raise ConfigError(
             f"{source}: parallel.expert_parallel = {config.parallel.expert_parallel} does not divide the "
             f"{experts} routed experts of {config.model.base}"
+        )
+
+
+def check_kv_room(config: RunConfig, model_len: int, source: str) -> None:
+    """rollout.kv_cache_tokens admits the longest row the producer builds (model_len positions: prompt and reply):
+    its pages of KV_PAGE_TOKENS and the one the engine keeps free (moe_lora.mla_decode.SlotKVCache), else the first
+    generate would fail. ConfigError naming the key."""
+    from moe_lora.mla_decode import KV_PAGE_TOKENS
+
+    tokens = config.rollout.kv_cache_tokens
+    if tokens is None:
+        return
+    needed = (-(-model_len // KV_PAGE_TOKENS) + 1) * KV_PAGE_TOKENS
+    if -(-tokens // KV_PAGE_TOKENS) * KV_PAGE_TOKENS < needed:
+        raise ConfigError(
+            f"{source}: rollout.kv_cache_tokens = {tokens} cannot admit one row: the longest prompt and "
+            f"rollout.max_new_tokens take {model_len} positions, {needed} in pages of {KV_PAGE_TOKENS} with the one "
+            f"the engine keeps free; raise it to >= {needed}"
         )
 
 

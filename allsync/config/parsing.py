@@ -60,6 +60,14 @@ MOVED_KEYS = {
 }
 
 
+# keys of earlier versions that no longer exist -> why, and what to write instead
+REMOVED_KEYS = {
+    "algorithm.value_coef": "the critic has its own AdamW param group, learning rate and gradient clip, and AdamW's "
+    "step does not change when a loss is scaled by a constant, so the weight only moved where optim.grad_clip cut in "
+    "(and 0 froze the critic); delete it: optim.value_lr sets how fast the critic learns",
+}
+
+
 def _build(cls, data: dict, where: str, source: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {where or 'the file'} must be a mapping, got {type(data).__name__}")
@@ -69,6 +77,8 @@ def _build(cls, data: dict, where: str, source: str):
         dotted = f"{where}.{key}" if where else str(key)
         if dotted in MOVED_KEYS:
             raise ConfigError(f"{source}: '{dotted}' has moved: write {MOVED_KEYS[dotted]} (allsync/producers/)")
+        if dotted in REMOVED_KEYS:
+            raise ConfigError(f"{source}: '{dotted}' was removed: {REMOVED_KEYS[dotted]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = (

@@ -73,8 +73,9 @@ class RolloutSection:
     # vLLM serving FP8 beside an NF4 trainer is. None: the engine is the trainer's model
     engine_formats: dict[str, str | bool] | None = None
     # vllm: after every adapter sync the engine and the trainer score a fixed probe with the adapter and without; if
-    # the adapter's effect differs by more than this (mean abs over the probe's tokens, nats), or the engine received
-    # other bytes than were sent (SHA-256), the run stops naming the version (allsync/engines/sync_check.py).
+    # the adapter's effect differs by more than this share of the trainer's own effect (mean abs over the probe's
+    # tokens) plus the two bases' own difference there, or the engine received other bytes than were sent (SHA-256),
+    # the run stops naming the version (allsync/engines/sync_check.py).
     # None: 0.05 with the vllm engine (the torch engine shares the trainer's tensors: nothing to check)
     sync_probe_tolerance: float | None = None
 

@@ -30,6 +30,9 @@ class RunSection:
     # modules imported before the rest of the config is read, in every process of the run: a task, producer, policy
     # loss or advantage estimator of your own registers itself there (README, "To add"), e.g. [my_project.tasks]
     imports: list[str] = field(default_factory=list)
+    # the launch mode by name (allsync/launch/group.py): spmd | local | ray, or one a module of run.imports registers.
+    # None: spmd under torchrun / accelerate launch, local with --no-ray or one worker, ray otherwise
+    launch: str | None = None
 
     def check(self, fail) -> None:
         if not 0 < self.eval_top_p <= 1:
@@ -99,6 +102,11 @@ def import_extensions(modules, source: str = "<config>") -> None:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     for module in modules:
+        if not module.strip() or module.startswith("."):
+            raise ConfigError(
+                f"{source}: run.imports: {module!r} is not an absolute module name (write e.g. my_project.tasks; "
+                "a relative name has no package to be relative to)"
+            )
         try:
             importlib.import_module(module)
         except ImportError as exc:

@@ -10,10 +10,15 @@ Two checks, both cheap next to a step:
                    d_trainer(t) = log p_trainer(t | adapter) - log p_trainer(t | adapters off)
                gap = mean_t |d_engine(t) - d_trainer(t)|. Differences of the two bases (vLLM serving the checkpoint's
                FP8 beside an NF4 trainer) cancel in each d to first order; what is left grows with the adapter's
-               effect, so the bound does too:
-                   stop if gap > tolerance x (1 + mean_t |d_trainer(t)|)     (tolerance: rollout.sync_probe_tolerance)
-               An adapter the engine received but does not apply (its tensors under names it ignores, a kernel that
-               drops them) leaves d_engine = 0, so gap = mean |d_trainer|: caught once the effect passes the bound.
+               effect, and the rounding of the two engines is at most what they differ by on the base alone:
+                   effect   = mean_t |d_trainer(t)|
+                   mismatch = mean_t |log p_engine(t | no adapter) - log p_trainer(t | adapters off)|
+                   stop if gap > tolerance x effect + mismatch       (tolerance: rollout.sync_probe_tolerance)
+               The bound is a share of the adapter's effect whatever its size: an adapter (or a part of it, one module
+               kind) the engine received but does not apply leaves its part of d_engine at 0, so gap is that part's
+               share of the effect, caught from the first small update once it is more than `tolerance` of it.
+               (Before, the bound was tolerance x (1 + effect) nats: a dropped part passed until it moved the probe
+               by ~tolerance nats per token.)
 Users of other RL stacks lose weeks to adapters that never reached the engine: a sync that silently failed looks
 like staleness or a bad learning rate.
 """
@@ -52,11 +57,18 @@ def probe_ids(tokenizer) -> tuple[list[int], int]:
 
 
 def effect_gap(engine_with: list[float], engine_without: list[float], trainer_with, trainer_without) -> tuple:
-    """(gap, effect): mean_t |(engine_with - engine_without) - (trainer_with - trainer_without)| and the trainer's
-    mean_t |trainer_with - trainer_without| over the probe's scored tokens."""
-    engine = torch.tensor(engine_with, dtype=torch.float64) - torch.tensor(engine_without, dtype=torch.float64)
-    trainer = torch.as_tensor(trainer_with, dtype=torch.float64) - torch.as_tensor(trainer_without, dtype=torch.float64)
-    return float((engine - trainer).abs().mean()), float(trainer.abs().mean())
+    """(gap, effect, mismatch) over the probe's scored tokens: mean_t |(engine_with - engine_without) -
+    (trainer_with - trainer_without)|, the trainer's mean_t |trainer_with - trainer_without| and the bases'
+    mean_t |engine_without - trainer_without|."""
+    engine_base = torch.tensor(engine_without, dtype=torch.float64)
+    trainer_base = torch.as_tensor(trainer_without, dtype=torch.float64)
+    engine = torch.tensor(engine_with, dtype=torch.float64) - engine_base
+    trainer = torch.as_tensor(trainer_with, dtype=torch.float64) - trainer_base
+    return (
+        float((engine - trainer).abs().mean()),
+        float(trainer.abs().mean()),
+        float((engine_base - trainer_base).abs().mean()),
+    )
 
 
 def check_checksums(version: int, sent: str, received: list[str]) -> None:
@@ -70,14 +82,16 @@ def check_checksums(version: int, sent: str, received: list[str]) -> None:
         )
 
 
-def check_sync(version: int, sent: str, received: list[str], gap: float, effect: float, tolerance: float) -> None:
+def check_sync(
+    version: int, sent: str, received: list[str], gap: float, effect: float, mismatch: float, tolerance: float
+) -> None:
     """`check_checksums`, then AdapterSyncError when the adapter's effect on the probe differs between engine and
-    trainer by more than tolerance x (1 + effect) nats per token (module docstring)."""
+    trainer by more than tolerance x effect + mismatch nats per token (module docstring)."""
     check_checksums(version, sent, received)
-    if not gap <= tolerance * (1 + effect):  # NaN too
+    if not gap <= tolerance * effect + mismatch:  # NaN too
         raise AdapterSyncError(
-            f"adapter version {version}: the engine's logprobs of the sync probe move by {gap:.4f} nats per token "
-            f"unlike the trainer's, whose move by {effect:.4f} (bound: rollout.sync_probe_tolerance = {tolerance} x "
-            f"(1 + {effect:.4f})): the engine does not apply the adapter it received; stopping instead of training on "
-            "samples from another adapter"
+            f"adapter version {version}: the engine's logprobs of the sync probe move by {gap:.3g} nats per token "
+            f"unlike the trainer's, whose move by {effect:.3g} (bound: rollout.sync_probe_tolerance = {tolerance} of "
+            f"that, plus the bases' own {mismatch:.3g}): the engine does not apply (all of) the adapter it received; "
+            "stopping instead of training on samples from another adapter"
         )

@@ -10,6 +10,7 @@
     process_groups.py  the workers' torch.distributed groups (world, expert-parallel, expert-data-parallel)
     devices.py         the worker's device and its host-memory reuse
 
-To add a launch mode: one module here with its group class under `@register_launch_mode` (group.py says what it
-provides); every module of this folder is imported when a mode is picked.
+To add a launch mode: one module with its group class under `@register_launch_mode` (group.py says what it
+provides), here (chosen automatically in its `order`) or in a module of your own named by `run.imports` and chosen
+by `run.launch: <its name>`; every module of this folder is imported when a mode is picked.
 """

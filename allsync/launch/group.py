@@ -1,11 +1,13 @@
 """What every launch mode shares: the `WorkerGroup` protocol the training loop drives, the failures it raises, and
 the registry that picks a mode for a run.
 
-A launch mode is a class in a module of allsync/launch/ registered with `@register_launch_mode`; besides the
-`WorkerGroup` methods it provides
+A launch mode is a class registered with `@register_launch_mode` (in a module of allsync/launch/, or of the run's
+own `run.imports`); besides the `WorkerGroup` methods it provides
 
-    order: int                                   modes are asked in this order
+    name: str                                    what `run.launch` calls it (one mode a name)
     chosen(launched, no_ray, config) -> bool     (static) whether this run is one of its
+    order: int                                   (the modes of allsync/launch/ only) with run.launch unset, the
+                                                 first of them in this order whose `chosen` says so runs
     refusal(config, no_ray, world_size) -> str | None
         (static) what this mode cannot run, said before any work (world_size: the launcher's WORLD_SIZE, or None)
     run(config, problems, max_model_len, train, resume, out_dir) -> int
@@ -81,23 +83,54 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-LAUNCH_MODES: list[type] = []
+LAUNCH_MODES: dict[str, type] = {}  # name -> mode class
 
 
 def register_launch_mode(cls: type) -> type:
-    """Class decorator: `cls` is one of the modes `launch_mode` picks from (in `cls.order`)."""
-    LAUNCH_MODES.append(cls)
-    LAUNCH_MODES.sort(key=lambda mode: mode.order)
+    """Class decorator: `cls` is a launch mode named `cls.name` (run.launch). A name registered twice is refused, and
+    so is an `order` outside allsync/launch/: the automatic choice among the built-in modes never depends on which
+    modules a run imported, or in which order."""
+    if cls.name in LAUNCH_MODES:
+        raise ValueError(
+            f"launch mode {cls.name!r} is registered twice ({LAUNCH_MODES[cls.name].__module__} and {cls.__module__})"
+        )
+    if hasattr(cls, "order") and not cls.__module__.startswith(f"{__package__}."):
+        raise ValueError(
+            f"launch mode {cls.name!r} ({cls.__module__}) has an order: only allsync/launch/'s modes are chosen "
+            "automatically; a run picks another one by name (run.launch)"
+        )
+    LAUNCH_MODES[cls.name] = cls
     return cls
 
 
-def launch_mode(launched: bool, no_ray: bool, config) -> type:
-    """The first registered mode (every module of allsync/launch/ imported) that this run is one of: launched by
-    torchrun / accelerate launch (`launched`), asked for one in-process worker (`no_ray`), its config."""
+def launch_modes() -> dict[str, type]:
+    """The registry once every module of allsync/launch/ is imported (a run's own are imported by run.imports)."""
     package = importlib.import_module("allsync.launch")
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"allsync.launch.{module.name}")
-    for mode in LAUNCH_MODES:
+    return LAUNCH_MODES
+
+
+def launch_mode(launched: bool, no_ray: bool, config) -> type:
+    """The mode config.run.launch names, which must be one this run can be (its `chosen`); with run.launch unset,
+    the first of allsync/launch/'s modes (in their `order`) that this run is one of: launched by torchrun /
+    accelerate launch (`launched`), asked for one in-process worker (`no_ray`), its config. ConfigError naming
+    run.launch otherwise."""
+    from allsync.config.errors import ConfigError
+
+    modes = launch_modes()
+    name = config.run.launch
+    if name is not None:
+        if name not in modes:
+            raise ConfigError(f"run.launch = {name!r}: use one of {', '.join(sorted(modes))} (or leave it unset)")
+        if not modes[name].chosen(launched, no_ray, config):
+            raise ConfigError(
+                f"run.launch = {name}: this run cannot be one (started by a launcher: {launched}, --no-ray: "
+                f"{no_ray}, parallel workers: {config.parallel.workers}); {modes[name].__doc__.splitlines()[0]}"
+            )
+        return modes[name]
+    automatic = sorted((m for m in modes.values() if hasattr(m, "order")), key=lambda m: m.order)
+    for mode in automatic:
         if mode.chosen(launched, no_ray, config):
             return mode
     raise ValueError(f"no launch mode for launched={launched}, no_ray={no_ray}")

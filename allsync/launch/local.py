@@ -12,6 +12,7 @@ from allsync.tasks import Problem
 class LocalGroup:
     """allsync.launch.group.WorkerGroup over one RLWorker in this process."""
 
+    name = "local"
     order = 1
     is_controller = True
 

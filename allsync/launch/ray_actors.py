@@ -22,6 +22,7 @@ class RayGroup:
     between workers over torch.distributed (gloo on CPU), never through the controller. The first worker that
     fails stops them all (WorkerFailure names its rank and error)."""
 
+    name = "ray"
     order = 2
 
     def __init__(

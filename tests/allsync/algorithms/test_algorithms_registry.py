@@ -94,3 +94,46 @@ def test_shapers_add_the_formulas_of_their_settings():
         settings = SimpleNamespace(coef=0.2, groups=which)
         shaped = get("reward_shaping", "length")(lengths, all_wrong, groups, settings)
         assert shaped.tolist() == pytest.approx(expected), which
+
+
+def test_a_name_registered_twice_is_refused_naming_both_modules(monkeypatch):
+    """An extension registered as `grpo` (or any name a registry holds) would replace the built-in for every run that
+    imports it: refused, as tasks and producers are; a new name registers."""
+    for kind, table in REGISTRIES.items():
+        name = next(iter(table))
+        before = table[name]
+        with pytest.raises(ValueError, match=rf"{kind} {name!r} is registered twice \(allsync\.algorithms\.\w+ and"):
+            table[name] = before
+        assert table[name] is before
+    monkeypatch.setitem(alg.ADVANTAGE_ESTIMATORS, "mine", alg.ADVANTAGE_ESTIMATORS["grpo"])
+    assert get("advantage", "mine") is alg.ADVANTAGE_ESTIMATORS["grpo"]
+
+
+def test_a_loss_checks_the_clip_settings_it_reads_and_refuses_the_ones_it_ignores(tiny_bf16, monkeypatch):
+    """PolicyLossEntry.reads: a loss with no lower clip (CISPO's shape) takes any clip_high and refuses a clip_low or
+    clip_c it would ignore; the clipped loss checks all three ranges."""
+    from allsync.config import ConfigError, parse_config
+
+    cispo = alg.PolicyLossEntry(alg.clipped_policy_loss, logged=(), reads=("clip_high",))
+    monkeypatch.setitem(alg.POLICY_LOSSES, "upper_only", cispo)
+
+    def parse(**algorithm):
+        return parse_config({"model": {"base": str(tiny_bf16)}, "algorithm": algorithm})
+
+    assert parse(policy_loss="upper_only", clip_high=5.0).algorithm.clip_high == 5.0
+    for key, value in (("clip_low", 0.5), ("clip_c", 3.0)):
+        with pytest.raises(
+            ConfigError,
+            match=rf"algorithm\.{key} = {value} with algorithm\.policy_loss upper_only: "
+            r"the loss does not read it \(it reads algorithm\.clip_high\)",
+        ):
+            parse(policy_loss="upper_only", **{key: value})
+    for key, value, message in (
+        ("clip_low", 1.0, r"algorithm\.clip_low = 1\.0: must be in \(0, 1\)"),
+        ("clip_high", 0.0, r"algorithm\.clip_high = 0\.0: must be > 0"),
+        ("clip_c", 1.0, r"algorithm\.clip_c = 1\.0: the dual clip constant must be > 1"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse(**{key: value})
+    with pytest.raises(ValueError, match=r"PolicyLossEntry\.reads: \['clip_mid'\] are not clip settings"):
+        alg.PolicyLossEntry(alg.clipped_policy_loss, logged=(), reads=("clip_mid",))

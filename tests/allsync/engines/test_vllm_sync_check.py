@@ -20,16 +20,22 @@ def test_checksum_and_probe_verdicts_on_hand_made_values():
     assert sent == adapter_checksum(dict(reversed(tensors.items())))  # names in sorted order
     assert sent != adapter_checksum({**tensors, "b": torch.ones(3, 2)})  # shape counts
     assert sent != adapter_checksum({"a": tensors["a"]})
-    # the adapter moves the trainer's logprobs by +0.3 and -0.1, the engine's not at all: gap 0.2, effect 0.2
-    assert effect_gap([-1.0, -2.0], [-1.0, -2.0], [-0.7, -2.1], [-1.0, -2.0]) == pytest.approx((0.2, 0.2))
-    check_sync(3, sent, [sent, sent], 0.01, 0.2, 0.05)
-    check_sync(3, sent, [sent], 0.14, 2.0, 0.05)  # a large effect: the bound is 0.05 x 3 = 0.15
+    # the adapter moves the trainer's logprobs by +0.3 and -0.1, the engine's not at all (its base 0.01 off the
+    # trainer's on the second token): gap 0.2, effect 0.2, mismatch 0.005
+    got = effect_gap([-1.0, -2.01], [-1.0, -2.01], [-0.7, -2.1], [-1.0, -2.0])
+    assert got == pytest.approx((0.2, 0.2, 0.005))
+    check_sync(3, sent, [sent, sent], 0.01, 0.2, 0.0, 0.05)  # the bound: 0.05 x 0.2 = 0.01
+    check_sync(3, sent, [sent], 0.1, 2.0, 0.0, 0.05)  # a large effect: 0.05 x 2 = 0.1
+    check_sync(3, sent, [sent], 0.015, 0.2, 0.005, 0.05)  # plus the bases' own difference
+    # a small update whose part the engine drops: 20% of an effect of 1e-3 nats (before: under the 0.05-nat bound)
+    with pytest.raises(AdapterSyncError, match=r"adapter version 5: .* 0\.0002 nats .* 0\.001 .*tolerance = 0\.05"):
+        check_sync(5, sent, [sent], 2e-4, 1e-3, 1e-7, 0.05)
     with pytest.raises(AdapterSyncError, match=r"adapter version 3: engine worker 1 received .* lost or changed"):
-        check_sync(3, sent, [sent, "0" * 64], 0.0, 0.0, 0.05)
-    with pytest.raises(AdapterSyncError, match=r"adapter version 4: .* 0\.2000 nats .* 0\.2000 .*tolerance = 0\.05"):
-        check_sync(4, sent, [sent], 0.2, 0.2, 0.05)
+        check_sync(3, sent, [sent, "0" * 64], 0.0, 0.0, 0.0, 0.05)
+    with pytest.raises(AdapterSyncError, match=r"adapter version 4: .* 0\.2 nats .* 0\.2 .*tolerance = 0\.05"):
+        check_sync(4, sent, [sent], 0.2, 0.2, 0.0, 0.05)
     with pytest.raises(AdapterSyncError):
-        check_sync(4, sent, [sent], float("nan"), 0.0, 0.05)
+        check_sync(4, sent, [sent], float("nan"), 0.0, 0.0, 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +93,34 @@ def test_every_sync_is_checked_and_a_lossy_one_stops_the_step_naming_its_version
     monkeypatch.setattr(engine.llm, "collective_rpc", lying)
     with pytest.raises(AdapterSyncError, match=r"adapter version 4: the engine's logprobs of the sync probe move"):
         worker.step(4)
+
+
+def test_an_engine_that_drops_one_module_kind_is_caught_after_a_small_update(worker, monkeypatch):
+    """A small update (lr 1e-3: the adapter moves the probe by far less than 0.05 nats per token) synced to an engine
+    that drops o_proj's adapter of every layer and reports the checksum of what was sent: caught by the probe, whose
+    bound is a share of the adapter's effect (before: 0.05 x (1 + effect) nats, which such an engine passed). The
+    same update synced whole passes."""
+    torch.manual_seed(1)
+    worker.learner.optimizer.param_groups[0]["base_lr"] = 1e-3
+    engine = worker.engine
+    whole = worker.step(5)
+    assert 0 <= whole["sync_probe_gap"] and engine.received_checksums == [engine.sent_checksum]
+    rpc = engine.llm.collective_rpc
+    seen = {}
+
+    def dropping(method, args=(), **kwargs):
+        lora_id, tensors, config = args
+        claimed = adapter_checksum(tensors)
+        kept = {k: v for k, v in tensors.items() if ".o_proj." not in k}
+        seen["dropped"] = len(tensors) - len(kept)
+        rpc(method, args=(lora_id, kept, config), **kwargs)
+        return [claimed]
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", dropping)
+    with pytest.raises(
+        AdapterSyncError, match=r"adapter version \d+: the engine's logprobs of the sync probe move"
+    ) as info:
+        worker.step(6)
+    assert seen["dropped"] > 0
+    effect = float(str(info.value).split("whose move by ")[1].split(" ")[0])
+    assert effect < 0.05  # a small update: the earlier bound, 0.05 x (1 + effect) nats, let it through

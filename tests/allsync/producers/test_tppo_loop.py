@@ -221,7 +221,7 @@ def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_
 
     learner = worker.learner  # gradients land in its flat buffers (views), zero before a backward
     moved = lambda params: sum(float(p.grad.abs().sum()) for p in params)  # noqa: E731
-    targets = ValueTargets(torch.ones_like(batch.response_mask), batch.response_mask, batch.response_mask.sum(), 0.5)
+    targets = ValueTargets(torch.ones_like(batch.response_mask), batch.response_mask, batch.response_mask.sum())
     loss, share = critic_loss(critic, batch, targets)
     loss.backward()
     assert float(share) > 0 and moved(learner.lora_params) == 0
@@ -234,7 +234,8 @@ def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_
 
 def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
     """algorithm.value_pretrain_steps 3: steps 1-3 train the critic alone (the policy's adapter bit for bit as it
-    started), step 4 both."""
+    started), step 4 both. AdamW steps the critic in the steps whose windows finished a reply (value targets) only:
+    step 1's replies all outlast their first window."""
     config = tppo_config(warm_tiny, lr=1e-2, value_pretrain_steps=3)
     config.reward.function = "reward_functions:length_bonus"  # +1 / -0.5: the critic always has something to learn
     worker = RLWorker(config, problems)
@@ -242,19 +243,21 @@ def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
     snapshot = lambda params: [p.detach().clone() for p in params]  # noqa: E731
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
     policy0, critic0 = snapshot(learner.lora_params), snapshot(learner.value_params)
-    for step in (1, 2, 3):
-        m = worker.step(step)
+    pretraining = [worker.step(step) for step in (1, 2, 3)]
+    m = pretraining[-1]
+    critic_steps = sum(r["value_loss_sum"] > 0 for r in pretraining)  # a step with a finished reply: value targets
+    assert pretraining[0]["value_loss_sum"] == 0 and critic_steps >= 1
     assert same(policy0, learner.lora_params) and m["grad_norm"] == 0.0
     assert not same(critic0, learner.value_params) and m["value_loss_sum"] > 0
     state = learner.optimizer.state
     for p in learner.lora_params:  # AdamW never stepped the policy: its state as allocated (step 0, zero moments)
         assert int(state[p]["step"]) == 0 and not state[p]["exp_avg"].any() and not state[p]["exp_avg_sq"].any()
-    assert all(int(state[p]["step"]) == 3 for p in learner.value_params)
+    assert all(int(state[p]["step"]) == critic_steps for p in learner.value_params)
     policy3 = snapshot(learner.lora_params)
     m = worker.step(4)
     assert not same(policy3, learner.lora_params) and m["grad_norm"] > 0
     assert all(int(state[p]["step"]) == 1 for p in learner.lora_params)
-    assert all(int(state[p]["step"]) == 4 for p in learner.value_params)
+    assert all(int(state[p]["step"]) == critic_steps + (m["value_loss_sum"] > 0) for p in learner.value_params)
     # AdamW's first step moves every coordinate with a gradient by lr * g / |g| (bias-corrected m / sqrt(v) = sign g):
     # exactly the configured size. Had the 3 critic-only steps advanced the policy's count, the size would be
     # lr * (1 - b1) / (1 - b1^4) * sqrt((1 - b2^4) / (1 - b2)) = 0.58 lr (betas 0.9, 0.99).
@@ -341,7 +344,7 @@ def test_the_critic_trains_on_finished_rows_only_with_the_loss_and_gradient_of_e
     batch = build_sequences(prompts, [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32]], worker.tokenizer.pad_token_id)
     mask = batch.response_mask * torch.tensor([[0.0], [1.0], [0.0]])  # the short middle row finished
     returns = torch.full_like(mask, 0.7)
-    targets = ValueTargets(returns, mask, mask.sum(), 0.5)
+    targets = ValueTargets(returns, mask, mask.sum())
 
     def gradient(loss):
         for p in params:
@@ -352,10 +355,10 @@ def test_the_critic_trains_on_finished_rows_only_with_the_loss_and_gradient_of_e
     loss, share = critic_loss(critic, batch, targets)
     selected = gradient(loss)
     full, _ = value_loss(critic(batch), returns, mask, mask.sum(-1) > 0, global_tokens=float(mask.sum()))
-    everything = gradient(0.5 * full)
+    everything = gradient(full)
     assert float(share) == pytest.approx(float(full), rel=1e-5)
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(selected, everything))
-    none = ValueTargets(returns, torch.zeros_like(mask), 0.0, 0.5)
+    none = ValueTargets(returns, torch.zeros_like(mask), 0.0)
     loss, share = critic_loss(critic, batch, none)
     assert float(share) == 0.0 and all(float(g.abs().sum()) == 0 for g in gradient(loss))
 
@@ -396,3 +399,111 @@ def test_value_pretraining_continues_the_windows_from_their_cached_positions(war
     critic_only, moving = per_token[1:3], per_token[4:]  # steps 2-3 continue step 1-2's windows; 5-6 follow updates
     assert history[0]["continuing"] > 0 and max(critic_only) == pytest.approx(1.0), per_token  # decode steps alone
     assert min(moving) > 2, per_token
+
+
+def adamw_state(learner, params) -> list[tuple[int, float, float]]:
+    """(step, sum |exp_avg|, sum |exp_avg_sq|) of each parameter's AdamW state."""
+    state = learner.optimizer.state
+    return [
+        (int(state[p]["step"]), float(state[p]["exp_avg"].abs().sum()), float(state[p]["exp_avg_sq"].abs().sum()))
+        for p in params
+    ]
+
+
+def test_a_minibatch_of_cut_windows_steps_the_policy_and_leaves_the_critic_at_step_0(warm_tiny, problems):
+    """T-PPO's first windows: every reply goes on past the window, so the policy trains on the window's tokens and the
+    critic has no value target. AdamW steps the policy only: the critic's state stays as allocated (step 0, zero
+    moments). Before: the critic stepped with a zero gradient, which advanced its bias correction (its first real
+    update ~0.58x optim.value_lr)."""
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    torch.nn.init.normal_(worker.critic.head.weight, std=0.3)  # values that differ along a reply: advantages != 0
+    learner = worker.learner
+    prompt = worker.encode_prompt(problems[0])
+    cut = [PartialResponse(problems[0], prompt, [20 + i, 21, 22, 23], [0.0] * 4, window_start=0) for i in range(3)]
+    tb = learner.critic_batch([c.episode("window", 0.0, False, 0) for c in cut])
+    critic_before = {k: t.clone() for k, t in worker.critic.trainable_tensors().items()}
+    out = learner.update(tb, worker.adapter_version)
+    assert out["optimizer_steps"] == 1 and out["trained_tokens"] == 12
+    policy = adamw_state(learner, learner.lora_params)
+    assert all(step == 1 for step, _, _ in policy) and any(moments > 0 for _, moments, _ in policy)
+    assert adamw_state(learner, learner.value_params) == [(0, 0.0, 0.0)] * len(learner.value_params)
+    assert all(torch.equal(t, critic_before[k]) for k, t in worker.critic.trainable_tensors().items())
+
+
+def test_a_minibatch_of_filtered_replies_leaves_the_policy_bit_for_bit(warm_tiny, problems):
+    """PPO with DAPO's overlong filter: a minibatch whose replies were all cut at the token budget has value targets
+    (the critic learns from them) but no policy token. After a normal step (the policy's AdamW has momentum), such a
+    minibatch leaves every policy tensor bit for bit and its AdamW state as it was. Before: momentum and weight decay
+    moved the policy."""
+    config = parse_config(
+        {
+            "model": {"base": str(warm_tiny), "quant": {"routed_experts": "nf4"}},
+            "lora": {"rank": 8, "alpha": 16},
+            "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": MAX_NEW},
+            "producer": {"kind": "windows"},
+            "algorithm": {
+                "advantage": "gae",
+                "dynamic_sampling": False,
+                "overlong": {"max_len": MAX_NEW, "cache_len": 4, "filter_truncated": True},
+            },
+            "optim": {"lr": 1e-3, "value_lr": 1e-2, "weight_decay": 0.1},
+            "parallel": {"workers_per_node": 1},
+        }
+    )
+    worker = RLWorker(config, problems)
+    learner = worker.learner
+    prompt = worker.encode_prompt(problems[0])
+
+    def replies(reason: str, rewards: list[float]):
+        return [
+            PartialResponse(problems[0], prompt, [10 + i, 11, 12, 13, 14], [0.0] * 5, window_start=0).episode(
+                reason, reward, reward > 0, 0
+            )
+            for i, reward in enumerate(rewards)
+        ]
+
+    normal = learner.update(learner.critic_batch(replies("stop", [1.0, 0.0, 1.0])), 0)
+    assert normal["optimizer_steps"] == 1 and normal["trained_tokens"] > 0
+    policy_before = {k: t.clone() for k, t in worker.adapter_tensors().items()}
+    state_before = adamw_state(learner, learner.lora_params)
+    critic_before = {k: t.clone() for k, t in worker.critic.trainable_tensors().items()}
+    filtered = learner.update(learner.critic_batch(replies("length", [0.0, 1.0, 0.0])), 1)
+    assert filtered["optimizer_steps"] == 1 and filtered["trained_tokens"] == 0  # the critic's step only
+    assert all(torch.equal(t, policy_before[k]) for k, t in worker.adapter_tensors().items())
+    assert adamw_state(learner, learner.lora_params) == state_before
+    assert any(not torch.equal(t, critic_before[k]) for k, t in worker.critic.trainable_tensors().items())
+
+
+def test_a_critic_batch_refuses_episodes_of_several_segments(warm_tiny, problems):
+    """critic_batch pairs each episode's reward with its row: an episode of two segments (multi-conversation, agents)
+    would shift every later reward onto another row, so it is refused whatever producer made it."""
+    from allsync.episodes import Episode
+
+    worker = RLWorker(tppo_config(warm_tiny), problems)
+    prompt = worker.encode_prompt(problems[0])
+    one = PartialResponse(problems[0], prompt, [10, 11, 12], [0.0] * 3, window_start=0).episode("stop", 1.0, True, 0)
+    two = Episode([one.final, one.final], 0.0, False)
+    with pytest.raises(ValueError, match=r"algorithm\.advantage egae .* episode 1 of this batch has 2 segments"):
+        worker.learner.critic_batch([one, two, one])
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {"algorithm": {"advantage": "gae", "dynamic_sampling": False, "value_coef": 0.5}},
+            r"'algorithm\.value_coef' was removed: .*optim\.value_lr",
+        ),
+        (
+            {
+                "producer": {"kind": "windows"},
+                "algorithm": {"advantage": "gae", "dynamic_sampling": False},
+                "optim": {"value_lr": 0.0},
+            },
+            r"optim\.value_lr = 0 with algorithm\.advantage gae: the critic would never learn",
+        ),
+    ],
+)
+def test_a_critic_that_cannot_learn_or_a_weight_that_does_nothing_is_refused(data, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data, "x.yaml")

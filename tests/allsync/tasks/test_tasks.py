@@ -93,3 +93,25 @@ def test_jsonl_rejects_other_rows(tmp_path):
     path.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n{"question": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_jsonl(path)
+
+
+def test_generated_splits_refuse_a_generator_with_too_few_problems_naming_the_keys():
+    """A generator of 5 distinct problems: 4 held out leave one to train on; 5 leave none and 6 cannot be drawn.
+    Both are refused naming task.heldout_size (before: the loop never returned)."""
+    import random
+
+    from allsync.tasks import Problem, generated_splits
+
+    def draw(rng):
+        n = rng.randrange(5)
+        return Problem(f"say {n}", str(n))
+
+    splits = generated_splits(draw, lambda p: p.prompt, 20, 4, random.Random(0))
+    (left,) = {p.prompt for p in splits.train}
+    assert len(splits.heldout) == 4 and left not in {p.prompt for p in splits.heldout} and len(splits.train) == 20
+    with pytest.raises(ValueError, match=r"task\.heldout_size = 5 holds out every problem .* task\.train_size = 20"):
+        generated_splits(draw, lambda p: p.prompt, 20, 5, random.Random(0))
+    with pytest.raises(
+        ValueError, match=r"task\.heldout_size = 6: the task's generator gives only 5 distinct problems"
+    ):
+        generated_splits(draw, lambda p: p.prompt, 20, 6, random.Random(0))
