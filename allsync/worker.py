@@ -481,6 +481,10 @@ class RLWorker:
         """The LoRA gradients of the last minibatch, after the all-reduce (what every rank applied)."""
         return [p.grad.detach().clone() for p in self.learner.optimized]
 
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """The trained tensors in `gradient_tensors`' order (entry i of one is entry i of the other)."""
+        return [p.detach().clone() for p in self.learner.optimized]
+
     def write_probe(self, directory: str) -> str:
         """A file of this rank's in `directory` (the controller checks that it sees every rank's: checkpoint parts
         are written the same way); returns this host's name."""

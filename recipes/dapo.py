@@ -56,9 +56,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
 
 
 def ensure_base(config: RunConfig) -> None:
-    """The frozen base: an existing checkpoint (`base_for_checks` refused a missing one), or the tiny model after its
-    supervised warm start (built once, then reused while its stored settings equal this allsync's)."""
+    """The frozen base: an existing checkpoint, or the tiny model after its supervised warm start (built
+    once, then reused while its stored settings equal this allsync's)."""
     if not config.model.warm_start:
+        if not (Path(config.model.base) / "config.json").exists():
+            raise ConfigError(
+                f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)"
+            )
         return
     from allsync.warm_start import settings_for_run, warm_start
 
@@ -162,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             config.run.out_dir = args.out_dir
         # the base's config.json and tokenizer, or those of the base the warm start would build: every check that reads
         # them runs before any work (a warm start takes minutes)
-        model_config, tokenizer = base_for_checks(config)
-        config_with_model_checks(config, model_config, args.config)
+        planned = base_for_checks(config)
+        if planned is not None:
+            config_with_model_checks(config, planned[0], args.config)
         mode = launch_mode(launched is not None, args.no_ray, config)  # allsync/launch/: SPMD, local or Ray
         if (problem := mode.refusal(config, args.no_ray, launched[1] if launched else None)) is not None:
             raise ConfigError(f"{args.config}: {problem}")
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             splits, reports = config.task.splits()
         except ValueError as exc:  # evals.datasets.DatasetError names file:row and key
             raise ConfigError(f"{args.config}: task: {exc}") from exc
-        max_model_len = engine_model_len(config, model_config, tokenizer, splits.train + splits.heldout, args.config)
+        if planned is not None:
+            max_model_len = engine_model_len(config, *planned, splits.train + splits.heldout, args.config)
 
         def prepare() -> None:  # on rank 0: it alone sees the controller's out_dir on a multi-node run
             if not resume and (files := earlier_run_files(Path(config.run.out_dir))):
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_base(config)
 
         rank0_first(prepare, launched)
-        if read_config(config.model.base) != model_config:  # the base built or reused is the one checked
+        if read_config(config.model.base) != planned[0]:  # the base built or reused is the one checked
             raise ConfigError(
                 f"{args.config}: model.base = {config.model.base!r} with model.warm_start: its config.json is not the "
                 "one this allsync's warm start writes for these settings (an older allsync built it?); delete it to "
@@ -238,19 +244,18 @@ def rank0_first(build, launched) -> None:
         raise ConfigError(box[0])
 
 
-def base_for_checks(config: RunConfig) -> tuple[dict, object]:
+def base_for_checks(config: RunConfig) -> tuple[dict, object] | None:
     """model.base's config.json and tokenizer; with model.warm_start, those of the base the warm start builds or
     reuses (moe_lora.tiny.planned_tiny: they follow from its settings alone, and a cached base is reused only when
-    its settings are these), nothing written."""
+    its settings are these), nothing written. None when there is no base and none to build (`ensure_base` refuses
+    it, after the config's own refusals)."""
     if config.model.warm_start:
         from allsync.warm_start import settings_for_run
         from moe_lora.tiny import planned_tiny
 
         return planned_tiny(settings_for_run(config).model)
     if not (Path(config.model.base) / "config.json").exists():
-        raise ConfigError(
-            f"model.base = {config.model.base!r}: no checkpoint there (set model.warm_start: true to build the tiny one)"
-        )
+        return None
     from transformers import AutoTokenizer
 
     return read_config(config.model.base), AutoTokenizer.from_pretrained(config.model.base)

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from allsync.config import ConfigError, parse_config
-from tests.allsync.test_update_correctness import PROBLEMS, adapter, groups, trained
+from tests.allsync.test_update_correctness import PROBLEMS, groups, trained
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "dapo.py"
 FIXTURES = ["tests.fixtures.reverse_word", "tests.fixtures.sequence_loss", "tests.fixtures.batch_baseline"]
@@ -86,8 +86,7 @@ def test_the_fixture_estimator_on_two_workers_makes_the_one_worker_update(tiny_b
     samples, index = groups(0, 4, spread=True)
     single = RLWorker(config(1), PROBLEMS)
     flat = lambda tensors: torch.cat([t.detach().flatten() for t in tensors])  # noqa: E731
-    start = flat(adapter(single).values())
-    assert torch.equal(start, flat(single.learner.lora_params))  # the adapter's entries in the gradients' order
+    start = flat(single.parameter_tensors())  # in the gradients' order
     trained(single, samples, index)
     pair = RayGroup(config(2), PROBLEMS)
     try:
@@ -99,15 +98,17 @@ def test_the_fixture_estimator_on_two_workers_makes_the_one_worker_update(tiny_b
                 pair.workers[1].train.remote(samples[6:], index[6:] - 2),
             ]
         )
-        got, got_grad = flat(adapter(pair).values()), flat(pair.call_ranks([0], "gradient_tensors")[0])
+        got, got_grad = (flat(pair.call_ranks([0], method)[0]) for method in ("parameter_tensors", "gradient_tensors"))
     finally:
         pair.shutdown()
-    expected, expected_grad = flat(adapter(single).values()), flat(single.gradient_tensors())
+    expected, expected_grad = flat(single.parameter_tensors()), flat(single.gradient_tensors())
     assert float((got_grad - expected_grad).abs().max()) < 1e-3 * float(expected_grad.abs().max())
     lr, eps = 1e-3, single.learner.optimizer.param_groups[0]["eps"]
     same_sign = expected_grad.sign() == got_grad.sign()
     apart = lr * eps * (got_grad - expected_grad).abs() / ((got_grad.abs() + eps) * (expected_grad.abs() + eps))
-    rounding = torch.finfo(expected.dtype).eps * (expected.abs() + lr)  # the sum's and the step's last bits
+    # the last bits: AdamW's step is ~6 float operations (moments, bias corrections, sqrt, eps, divide), each within
+    # half an ulp of the step, and the sum with the parameter within half an ulp of it
+    rounding = 4 * torch.finfo(expected.dtype).eps * (expected.abs() + lr)
     bound = torch.where(same_sign, apart, torch.full_like(apart, 2 * lr)) + rounding
     diff = (got - expected).abs()
     assert float((expected - start).abs().gt(0.5 * lr).float().mean()) > 0.5  # most entries moved by ~lr

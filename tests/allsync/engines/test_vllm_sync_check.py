@@ -96,12 +96,20 @@ def test_every_sync_is_checked_and_a_lossy_one_stops_the_step_naming_its_version
 
 
 def test_an_engine_that_drops_one_module_kind_is_caught_after_a_small_update(worker, monkeypatch):
-    """A small update (lr 1e-3: the adapter moves the probe by far less than 0.05 nats per token) synced to an engine
+    """A small update (lr 3e-4: the adapter moves the probe by far less than 0.05 nats per token) synced to an engine
     that drops o_proj's adapter of every layer and reports the checksum of what was sent: caught by the probe, whose
     bound is a share of the adapter's effect (before: 0.05 x (1 + effect) nats, which such an engine passed). The
     same update synced whole passes."""
     torch.manual_seed(1)
-    worker.learner.optimizer.param_groups[0]["base_lr"] = 1e-3
+    learner = worker.learner
+    with torch.no_grad():  # a fresh adapter (B = 0, AdamW as allocated): its effect is the next update's alone
+        for name, p in worker.model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+        for state in learner.optimizer.state.values():
+            for tensor in state.values():
+                tensor.zero_()
+    learner.optimizer.param_groups[0]["base_lr"] = 3e-4
     engine = worker.engine
     whole = worker.step(5)
     assert 0 <= whole["sync_probe_gap"] and engine.received_checksums == [engine.sent_checksum]
