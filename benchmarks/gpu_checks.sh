@@ -14,10 +14,10 @@ part() {  # part NAME SECONDS COMMAND...: the command's output in $OUT/NAME.txt,
     echo "rc $?" >> "$OUT/$name.txt"
 }
 # a file a part: a file whose time runs out still leaves the others' failures printed
-part pytest_latent 100 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/moe_lora/test_latent_attention.py
-part pytest_experts 60 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/quant/test_fused_experts.py
-part pytest_graphs 90 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_decode_graphs.py
-part pytest_fp8_gemm 40 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/allsync/engines/test_fp8_linears.py \
+part pytest_latent 100 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short -m "slow or not slow" tests/moe_lora/test_latent_attention.py
+part pytest_experts 60 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short -m "slow or not slow" tests/quant/test_fused_experts.py
+part pytest_graphs 90 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short -m "slow or not slow" tests/allsync/engines/test_decode_graphs.py
+part pytest_fp8_gemm 40 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short -m "slow or not slow" tests/allsync/engines/test_fp8_linears.py \
     tests/benchmarks/test_fp8_linear.py
 # rollout.fp8_linear_kernel scaled_mm in the graphed step (the plan assumes its copies' measured cost gone until this runs)
 part fp8_gemm 80 python3 -m benchmarks.engine_decode --plans nf4 --rows 32,256 --contexts 1024,20480 --steps 6 \

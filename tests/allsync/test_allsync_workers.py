@@ -196,6 +196,7 @@ def test_split_groups_deals_whole_groups_and_renumbers():
     assert second == list("ccdd") and second_index.tolist() == [0, 0, 1, 1]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_disaggregated_generators_receive_the_trained_adapter(warm_tiny):
     """The baseline layout: one generator, one trainer; after a step the generator serves the trainer's adapter."""
     from allsync.launch.disaggregated import DisaggregatedGroup

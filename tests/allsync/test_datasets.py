@@ -125,6 +125,7 @@ def test_bad_files_and_rows_name_file_row_and_key(tmp_path):
         load_rows(tmp_path / "missing.parquet")
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_recipe_trains_on_a_verl_parquet(warm_tiny, tmp_path):
     """task.name dataset: the recipe reads verl-format train/eval files, reports the deduplication, and runs."""
     import subprocess

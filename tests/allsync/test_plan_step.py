@@ -609,6 +609,7 @@ def test_the_671b_plan_needs_the_conversations_of_a_memory_agent(trace_cache, ca
     assert "producer.kind multiconv: give --conversations N" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(trace_cache, tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = [

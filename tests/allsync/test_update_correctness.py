@@ -69,7 +69,10 @@ def trained(worker: RLWorker, samples, index) -> dict:
     return out
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize(
+    "advantage",
+    ["grpo", pytest.param("reinforce_pp_baseline", marks=pytest.mark.slow)],  # issue 70: 13 s each
+)
 def test_two_workers_equal_one_worker_over_several_steps_at_nonzero_lr(tiny_bf16, advantage):
     """Three real RL updates (2 AdamW steps each, lr 1e-3, weight decay 0.1): two Ray workers with half the
     batch each apply the one-worker gradient of the whole batch, and reach its adapter. REINFORCE++-baseline
@@ -276,6 +279,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
         w.producer.collect(3, w.adapter_version)
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
     """Rank 1's reward raises mid-step while rank 0 waits for it in the gradient all-reduce: the controller
     reports rank 1's error at once and stops every worker instead of hanging until gloo's timeout."""

@@ -213,6 +213,7 @@ def _warm_starts_in_processes(runs: dict[str, tuple[int, int]], root: Path) -> d
     return {name: _disk_tensors(root / name)[1] for name in runs}
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_base_does_not_depend_on_the_callers_thread_count(tmp_path):
     """torchrun gives every process OMP_NUM_THREADS=1 and a Ray controller has the machine's cores: the warm
     start computes with its own fixed thread count, so both build the same base. Control: a warm start that
@@ -305,6 +306,7 @@ def test_model_warm_start_shape_sets_the_bases_model_and_is_refused_by_name_when
             parse_config({"model": model})
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_a_short_context_base_reads_long_inputs_in_segments_and_refuses_them_in_one_prompt(tmp_path):
     """model.warm_start_shape.max_position_embeddings (issue 49 item 4, tiny_cpu_memory_long.yaml) gives the base a
     context of 96 positions: config.json and the tokenizer say it, every segmented conversation of six chunks of four

@@ -23,6 +23,7 @@ SMALL = {
 }
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_benchmark_runs_on_the_cpu_and_its_json_fits_the_plans_model(tmp_path):
     out = tmp_path / "decode.json"
     result = main(

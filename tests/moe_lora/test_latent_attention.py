@@ -35,6 +35,7 @@ def interpreted(tiny_bf16):
     )
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_kernel_matches_softmax_attention_over_each_slots_own_positions(interpreted):
     if interpreted is None:
         cases.kernel_matches_reference("cuda")
@@ -42,6 +43,7 @@ def test_the_kernel_matches_softmax_attention_over_each_slots_own_positions(inte
         assert "kernel" not in interpreted, interpreted["kernel"]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_other_kernel_blocks_give_the_same_attention(interpreted):
     if interpreted is None:
         cases.other_blocks_give_the_same_attention("cuda")
@@ -49,6 +51,7 @@ def test_other_kernel_blocks_give_the_same_attention(interpreted):
         assert "blocks" not in interpreted, interpreted["blocks"]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_engine_decodes_with_the_kernel_what_it_decodes_without(tiny_bf16, interpreted):
     if interpreted is None:
         cases.engine_decodes_as_the_torch_path(str(tiny_bf16), "cuda")

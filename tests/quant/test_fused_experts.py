@@ -27,6 +27,7 @@ def interpreted(tiny_bf16):
     return run_interpreted(CASES, checks | {"engine": engine})
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_kernel_multiplies_each_experts_rows_by_its_nf4_weight(interpreted):
     if interpreted is None:
         cases.kernel_matches_dequantized_matmul("cuda")
@@ -34,6 +35,7 @@ def test_the_kernel_multiplies_each_experts_rows_by_its_nf4_weight(interpreted):
         assert "kernel" not in interpreted, interpreted["kernel"]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_other_kernel_blocks_give_the_same_product(interpreted):
     if interpreted is None:
         cases.other_blocks_give_the_same_product("cuda")
@@ -41,6 +43,7 @@ def test_other_kernel_blocks_give_the_same_product(interpreted):
         assert "blocks" not in interpreted, interpreted["blocks"]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_fixed_shape_decode_step_samples_with_the_kernel_what_it_samples_without(tiny_bf16, interpreted):
     if interpreted is None:
         cases.engine_decodes_as_the_dequantized_experts(str(tiny_bf16), "cuda")

@@ -39,6 +39,7 @@ def extension_config(base: Path, out_dir: Path, workers: int = 2) -> dict:
     }
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_fixture_extensions_run_two_steps_at_two_workers(warm_tiny, ray_cluster, tmp_path):
     """recipes/dapo.py with the four fixture modules at two Ray workers (each worker imports run.imports): 2 steps,
     the GSPO loss's own statistic logged under its name, the clipped loss's absent."""

@@ -83,8 +83,9 @@ def ray_run(warm_tiny, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 @pytest.mark.parametrize(
-    "kind", [pytest.param("torchrun", marks=pytest.mark.slow), "accelerate"]
+    "kind", ["torchrun", "accelerate"]
 )  # torchrun stays in the default run through the vLLM rollout and the two-node launch
 def test_spmd_launchers_log_the_ray_metrics(kind, warm_tiny, ray_run, tmp_path):
     out = tmp_path / "out"
@@ -99,6 +100,7 @@ def test_spmd_launchers_log_the_ray_metrics(kind, warm_tiny, ray_run, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-000002"]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_path):
     out = tmp_path / "out"
     done = launch("torchrun", write_config(tmp_path / "ep2.yaml", warm_tiny, out, expert_parallel=2), "--steps", "2")
@@ -175,6 +177,7 @@ def trained_steps(out_dir: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_a_worker_killed_mid_step_is_replaced_and_the_run_logs_the_uninterrupted_metrics(
     warm_tiny, ray_run, ray_cluster, tmp_path
 ):
@@ -278,6 +281,7 @@ def two_node_config(path: Path, base: Path, out_dir: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_two_torchrun_nodes_log_the_ray_metrics(warm_tiny, ray_run, tmp_path):
     """Multi-node SPMD as users start it: one torchrun per node with --nnodes 2 --node_rank i and a shared
     rendezvous endpoint (both "nodes" on this machine). Each process is LOCAL_RANK 0 of its node, and RANK 0's

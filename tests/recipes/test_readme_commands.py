@@ -116,6 +116,7 @@ def run(command: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_cheap_readme_commands_run(tmp_path):
     """FAST's commands, two at a time (each is mostly one core importing torch; `allsync load` reads what the second
     make-tiny wrote, so it waits for it)."""

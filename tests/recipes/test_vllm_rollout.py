@@ -46,6 +46,7 @@ def dense_vllm_config(base, out: Path, workers: int, steps: int, **run) -> dict:
     }
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_vllm_engine_gets_every_update_and_agrees_with_the_trainer(warm_dense, tmp_path):
     out = tmp_path / "run"
     path = tmp_path / "vllm.yaml"
@@ -94,6 +95,7 @@ def test_the_engine_itself_refuses_an_moe_checkpoint_on_cpu(tiny_bf16, warm_dens
         VLLMEngine(str(tiny_bf16), 8, 16.0, max_model_len=64)
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_vllm_engine_under_torchrun_logs_the_ray_metrics(warm_dense, ray_cluster, tmp_path):
     """torchrun --nproc_per_node 2 with rollout.engine vllm: each process runs its own vLLM engine as its rank
     of the launcher's world (external_launcher), gets every update, and the run logs what the Ray mode logs."""

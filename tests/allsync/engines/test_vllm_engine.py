@@ -30,6 +30,7 @@ def run_vllm(checkpoint, tmp_path, *extra_args) -> list[dict]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_vllm_and_transformers_agree_on_tiny_checkpoint(tiny_bf16, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,6 +53,7 @@ def test_vllm_and_transformers_agree_on_tiny_checkpoint(tiny_bf16, tmp_path):
         assert max(abs(a - b) for a, b in zip(ours, r["prompt_logprobs"][1:])) < 1e-3
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 @pytest.mark.parametrize(
     "flags",
     [  # `allsync make-tiny runs/tiny` (README) is tiny_bf16: test_vllm_and_transformers_agree_on_tiny_checkpoint

@@ -36,6 +36,7 @@ def trained_gap(worker: RLWorker) -> tuple[list, dict]:
     return episodes, worker.train(episodes, group_index)
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_a_tool_agents_turns_with_vllm(tmp_path):
     base = make_tiny(tmp_path / "dense-tools", TinySpec(layers=2, dense_layers=2, seed=0, tool_tokens=True))
     producer = {

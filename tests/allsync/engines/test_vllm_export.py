@@ -49,6 +49,7 @@ def assert_vllm_matches_ours(model, checkpoint, results, logprob_tol):
         assert shortfall.max().item() <= 2 * logprob_tol, (prompt, shortfall.tolist())
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_merged_export_served_by_vllm_matches_our_lora_model(tiny_bf16, tmp_path):
     model, adapter = ours_with_random_adapter(tiny_bf16, LoRAConfig(rank=8, alpha=16))  # every target, kv_b_proj too
     merged = export_merged(adapter, tiny_bf16, tmp_path / "merged", dtype="bf16")
@@ -58,6 +59,7 @@ def test_merged_export_served_by_vllm_matches_our_lora_model(tiny_bf16, tmp_path
     assert_vllm_matches_ours(model, tiny_bf16, run_vllm(merged, tmp_path), logprob_tol=0.15)
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_peft_export_hot_loaded_by_vllm_matches_our_lora_model(tmp_path):
     dense = make_tiny(
         tmp_path / "dense", TinySpec(layers=2, dense_layers=2)

@@ -94,6 +94,7 @@ def test_reasoning_gym_task_config_is_checked():
         parse_config({"task": {"dataset": "chain_sum"}})
 
 
+@pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
 def test_the_recipe_trains_on_a_reasoning_gym_task(warm_tiny, tmp_path):
     config = {
         "model": {"base": str(warm_tiny), "quant": {"routed_experts": "nf4"}},
