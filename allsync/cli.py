@@ -302,11 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        code = args.run(args)  # a command's own exit code (`allsync plan`: 1 when the layout does not fit), or None
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
         print(f"allsync {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from allsync.config import load_config_for_planning
 from allsync.plan.activations import RunTraces
 from allsync.plan.command import kept_share
-from allsync.plan.estimate import ATTENTION_KERNEL, EXPERT_KERNEL, GRAPHS, Workload, schedule_with
+from allsync.plan.estimate import ATTENTION_KERNEL, EXPERT_KERNEL, FP8_GEMM, GRAPHS, Workload, schedule_with
 from allsync.plan.fit import Layout
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths
@@ -54,13 +54,17 @@ def _engine(c) -> str:
 
 # the table's columns: the fastest candidate of each schedule, all-sync apart per engine (vLLM's layouts are not
 # wired in; the torch engine's run, eager as measured on an H200, and with rollout.decode_graphs, then the latent
-# attention kernel, then the NF4 expert kernel added, as assumed)
+# attention kernel, then the FP8 GEMMs, then the NF4 expert kernel added, as assumed: the chain
+# allsync.plan.estimate.graphed_variants prices)
 COLUMNS = {
     "all-sync, vLLM": lambda c: c.step.schedule == "all-sync" and _engine(c) == "vllm",
     "all-sync, torch engine": lambda c: c.step.schedule == "all-sync" and _engine(c) == "torch",
     "all-sync, torch engine + decode graphs": lambda c: c.step.schedule == schedule_with([GRAPHS]),
     "+ latent attention kernel": lambda c: c.step.schedule == schedule_with([GRAPHS, ATTENTION_KERNEL]),
-    "+ NF4 expert kernel": lambda c: c.step.schedule == schedule_with([GRAPHS, ATTENTION_KERNEL, EXPERT_KERNEL]),
+    "+ FP8 GEMMs": lambda c: c.step.schedule == schedule_with([GRAPHS, ATTENTION_KERNEL, FP8_GEMM]),
+    "+ NF4 expert kernel": lambda c: (
+        c.step.schedule == schedule_with([GRAPHS, ATTENTION_KERNEL, FP8_GEMM, EXPERT_KERNEL])
+    ),
     **{s: (lambda c, s=s: c.step.schedule == s) for s in SCHEDULES if s != "all-sync"},
 }
 

@@ -185,6 +185,8 @@ def load_config_for_planning(path: str | os.PathLike) -> tuple[RunConfig, Config
     has no plan and raises, but for the parallel section, which the plan's --gpus / --expert-parallel may replace
     (the plan checks the sizes it uses)."""
     data = read_yaml(path)
+    if not data:
+        raise ConfigError(f"{path}: the config is empty: a plan of nothing but the defaults would plan no run of yours")
     import_extensions(run_imports(data), str(path))
     config = _build(RunConfig, data, "", str(path))
 

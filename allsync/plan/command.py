@@ -31,7 +31,8 @@ def parse_size(text: str, flag: str, per_second: bool = False) -> float:
         body = body[:-2]
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", body)
     if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"{flag} {text!r}: give a positive size such as 80GB or 141GiB")
+        example = "a positive rate such as 25GB/s" if per_second else "a positive size such as 80GB or 141GiB"
+        raise ValueError(f"{flag} {text!r}: give {example}")
     return float(match.group(1)) * SIZE_UNITS[match.group(2) or ""]
 
 
@@ -85,8 +86,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         " required for one); --prompt-tokens is then each conversation's prompt",
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink (default %(default)s)")
-    p.add_argument("--interconnect", help="per-GPU all-to-all rates, e.g. nvlink=153GB/s,network=43GB/s (default)")
-    p.add_argument("--host-link", help="GPU-host bandwidth for sleep mode (default 25GB/s)")
+    p.add_argument(
+        "--interconnect",
+        metavar="nvlink=RATE,network=RATE",
+        help="per-GPU all-to-all rates, e.g. nvlink=153GB/s,network=43GB/s (default)",
+    )
+    p.add_argument("--host-link", metavar="RATE", help="GPU-host rate for sleep mode, e.g. 25GB/s (default)")
     p.add_argument("--host-memory", default="2TB", help="host memory of one node (default %(default)s)")
     p.add_argument(
         "--decode-flops-share",
@@ -192,7 +197,8 @@ def model_config_of(run, shape: str | None) -> dict:
     raise ValueError(f"model.base = {run.model.base!r} has no config.json here: name its shape with --shape")
 
 
-def run_plan(args: argparse.Namespace) -> None:
+def run_plan(args: argparse.Namespace) -> int:
+    """Print (and with --json write) the plan; the exit code says whether it fits: 0, or 1 when it does not."""
     from dataclasses import replace
 
     from allsync.config import load_config_for_planning
@@ -303,6 +309,7 @@ def run_plan(args: argparse.Namespace) -> None:
         out["search_refused"] = [{"layout": label, "reason": why} for label, why in refused]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if plan.fits else 1
 
 
 def format_steps(steps, work, hw, fits: bool) -> str:

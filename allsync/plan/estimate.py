@@ -474,8 +474,34 @@ def expert_kernel_reads(run) -> bool:
     return run.model.quant.plan().format_of("routed_experts") == "nf4" and not run.model.quant.double_quant
 
 
+def within_kv_room(run, plan: Plan) -> tuple[object, str | None]:
+    """The torch engine's KV settings cut to what the plan's generate phase has room for, and what was cut (for the
+    step's note): rollout.kv_cache_tokens to the room's whole pages, or full-length slots (no kv_cache_tokens) to
+    the sequences that fit. A config that fits, or vLLM (it sizes its own cache), as given. Priced as given, such a
+    config would be faster than what the loop can run (the plan says it does not fit)."""
+    from moe_lora.mla_decode import KV_PAGE_TOKENS
+
+    r = run.rollout
+    if r.engine != "torch":
+        return run, None
+    if r.kv_cache_tokens is not None:
+        room = plan.kv_cache_tokens // KV_PAGE_TOKENS * KV_PAGE_TOKENS
+        if r.kv_cache_tokens <= room:
+            return run, None
+        cut = replace(r, kv_cache_tokens=max(room, plan.sequence_tokens + KV_PAGE_TOKENS))
+        why = f"priced at the {cut.kv_cache_tokens:,} KV tokens there is room for, not rollout.kv_cache_tokens {r.kv_cache_tokens:,}"
+        return replace(run, rollout=cut), why
+    fit = max(plan.kv_cache_tokens // plan.sequence_tokens, 1)
+    if r.decode_batch_size <= fit:
+        return run, None
+    why = f"priced at the {fit} full-length slots there is room for, not rollout.decode_batch {r.decode_batch_size}"
+    return replace(run, rollout=replace(r, decode_batch=fit)), why
+
+
 def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Hardware, work: Workload) -> list:
-    """All-sync on the plan's layout, and all-sync with in-step overlap where both copies stay on the GPU."""
+    """All-sync on the plan's layout, and all-sync with in-step overlap where both copies stay on the GPU. The torch
+    engine's KV settings as the generate phase has room for (`within_kv_room`)."""
+    run, cut = within_kv_room(run, plan)
     ep, gpus = layout.expert_parallel, layout.gpus
     own_copy = run.rollout.engine == "vllm" and layout.colocation != "shared"
     cost = generator_cost(
@@ -502,6 +528,9 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
         gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, variant, ep)
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
         out[-1].schedule, out[-1].note = schedule, graphed_note(variant)
+    if cut is not None:
+        for step in out:
+            step.note = f"{step.note}; {cut}" if step.note else cut
     r = run.rollout
     # overlap: the engine and the trainer's activations at once; the KV cache gets what the train phase leaves
     overlap_kv = (layout.gpu_memory_bytes - plan.train_bytes) // kv_bytes_per_token(

@@ -43,6 +43,7 @@ from allsync.plan.weights import (
     dequantized_values,
     engine_bytes,
     frozen_bytes,
+    graphed_expert_bytes,
     held_experts,
     lora_values,
     stored_plan,
@@ -291,7 +292,9 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     sleeping = layout.colocation == "sleep" and vllm
     asleep = engine["engine_buffers"]  # what stays of vLLM in sleep mode: its buffers; the rest is in host memory
     train = resident + per_gpu["activations"] + (asleep if sleeping else engine_total)
-    generate_base = resident - (frozen if sleeping else 0) + engine_total + reserve
+    # the graphed decode step's bf16 expert stacks: generation's only (plan.weights.graphed_expert_bytes)
+    per_gpu["decode_graph_experts"] = graphed_expert_bytes(run, model_config, ep)
+    generate_base = resident - (frozen if sleeping else 0) + engine_total + reserve + per_gpu["decode_graph_experts"]
     kv_tokens = max(layout.usable_bytes - generate_base, 0) // kv_token  # inside the margin, as every phase
     per_gpu["kv_cache"] = min(sequences * sequence_tokens, kv_tokens) * kv_token
 

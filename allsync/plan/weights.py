@@ -223,6 +223,19 @@ def critic_bytes(run, model_config: dict) -> dict[str, int]:
     return {"critic": 4 * values * LORA_VALUE_BYTES}
 
 
+def graphed_expert_bytes(run, model_config: dict, expert_parallel: int) -> int:
+    """The torch engine's fixed-shape decode step (rollout.decode_graphs) dequantizes each MoE layer's held routed
+    experts to bf16 stacks (quant.fixed_shape_experts: gate and up [E_held, 2I, H], then down [E_held, H, I]), which
+    the graphs' memory pool holds during generation (freed layer by layer, so one layer's at a time):
+        held x 3 x hidden x moe_intermediate x 2 B      (DeepSeek-V3 at EP 16: 1.41 GB)
+    0 without the graphed step, or with rollout.frozen_expert_kernel triton (the NF4 bytes read in place)."""
+    r = run.rollout
+    if r.engine != "torch" or not r.decode_graphs or r.frozen_expert_kernel == "triton":
+        return 0
+    held = model_config["n_routed_experts"] // max(expert_parallel, 1)
+    return held * 3 * model_config["hidden_size"] * model_config["moe_intermediate_size"] * 2
+
+
 def engine_bytes(model_config: dict, expert_parallel: int) -> dict[str, int]:
     """vLLM's own copy of the base per GPU, by group: the checkpoint's tensors as stored, n_routed_experts / EP
     experts."""

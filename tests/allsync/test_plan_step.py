@@ -273,7 +273,7 @@ def test_the_torch_engine_on_deepseek_v3_keeps_the_latent_cache_and_must_hold_a_
     data["rollout"]["engine"] = "torch"
     config = Path(trace_cache) / "torch.yaml"
     config.write_text(yaml.safe_dump(data))
-    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3", "--draws", "1"]) == 0
+    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3", "--draws", "1"]) == 1  # does not fit
     assert "does not fit: rollout.decode_batch 64 x 21,504 tokens of KV cache" in capsys.readouterr().out
 
 
@@ -325,15 +325,40 @@ def test_decode_graphs_are_planned_as_measured_over_the_fixed_shape_steps_roofli
     shapes = dict(measured=EAGER_H200, fixed_shapes=True, routed_params=params, other_params=other)
     roofline, graphed = DecodeCost(*args, **shapes), DecodeCost(*args, **shapes, graphed=GRAPHED_H200)
     bandwidth = hw.hbm_bytes_per_second * hw.decode_bandwidth_efficiency
-    a2a = 58 * hw.decode_a2a_seconds(16)
     weights, cache = (20e9 + 20e9 + 4 * (params + other)) / bandwidth, 1000 * 70272 / bandwidth
     for batch, w in ((1, 1.63), (32, 1.63), (144, (1.63 + 2.02) / 2), (256, 2.02)):  # below the FLOPs bound
+        a2a = gathered_exchange(hw, batch)
         assert roofline.decode_step_seconds(batch, 1000) == pytest.approx(weights + cache + a2a, rel=1e-9)
         assert graphed.decode_step_seconds(batch, 1000) == pytest.approx(w * weights + 2.84 * cache + a2a, rel=1e-9)
     # the latent kernel's factor on its own positions' stored bytes; the NF4 expert kernel's without the routed copy
     kernels = DecodeCost(*args, **shapes, graphed=GRAPHED_H200, own_positions=True, experts_read_once=True)
     read_once = (20e9 + 20e9 + 4 * other) / bandwidth
-    assert kernels.decode_step_seconds(32, 1000) == pytest.approx(11.3 * read_once + 10.9 * cache + a2a, rel=1e-9)
+    expected = 11.3 * read_once + 10.9 * cache + gathered_exchange(hw, 32)
+    assert kernels.decode_step_seconds(32, 1000) == pytest.approx(expected, rel=1e-9)
+
+
+def gathered_exchange(hw, rows: int) -> float:
+    """The fixed-shape step's exchange at EP 16 over two nodes of 8, counted by hand: each of 58 MoE layers sends
+    its rows to the 7 other ranks of its node (NVLink) and the 8 of the other node (network), 7,168 bf16 values
+    and 8 int64 ids and 8 float32 weights a row, and gets each one's 7,168 bf16 values back."""
+    out, back = 7168 * 2 + 8 * 12, 7168 * 2
+    per_row = 7 / hw.nvlink_bytes_per_second + 8 / hw.network_bytes_per_second
+    return 58 * rows * (out + back) * per_row
+
+
+def test_the_graphed_steps_exchange_is_priced_by_its_bytes_not_deepeps_latency():
+    """The fixed-shape step under EP all-gathers every rank's rows over NCCL (moe_lora.expert_parallel's
+    fixed_shape): at 128 slots and EP 16 over two nodes 49.5 ms a step, against the 18.2 ms of DeepEP's low-latency
+    dispatch and combine that the eager step is priced at (before: the graphed step was too)."""
+    hw = GPUS["h100"]
+    cost = DecodeCost(DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 16, "nf4", fixed_shapes=True)
+    assert cost.gathered_exchange_seconds(128) == pytest.approx(gathered_exchange(hw, 128), rel=1e-12)
+    assert cost.gathered_exchange_seconds(128) == pytest.approx(0.0495, abs=5e-4)
+    assert 58 * hw.decode_a2a_seconds(16) == pytest.approx(0.0182, abs=5e-4)
+    inside = DecodeCost(DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 8, "nf4", fixed_shapes=True)
+    assert inside.gathered_exchange_seconds(128) == pytest.approx(58 * 128 * (2 * 7168 * 2 + 96) * 7 / 153e9)
+    alone = DecodeCost(DEEPSEEK_V3, hw, 20 * 10**9, 20 * 10**9, 70272, 1, "nf4", fixed_shapes=True)
+    assert alone.gathered_exchange_seconds(128) == 0.0
 
 
 def test_fp8_gemms_drop_the_fp8_linears_copies_from_the_graphed_step():
@@ -368,6 +393,19 @@ def test_fp8_gemms_drop_the_fp8_linears_copies_from_the_graphed_step():
     slow = DecodeCost(*args, **kernel, fp8_linear_params=1.4e10)
     both = DecodeCost(*args, **kernel, fp8_linear_params=1.4e10, fp8_linears_read_once=True)
     assert slow.decode_step_seconds(32, 1000) - both.decode_step_seconds(32, 1000) == pytest.approx(saved)
+    # an expert kernel assumed faster than the dequantizing step (w 1.0 < 1.63): the step is never below w x the
+    # bytes it still reads (before: w (B + S) - 1.63 S, below it), and the copies it no longer writes save w's worth
+    from allsync.plan.torch_decode import GraphedDecodeFactors
+
+    fast = GraphedDecodeFactors({**GRAPHED_H200.weights, ("nf4", "triton"): ((32, 1.0), (256, 1.0))}, GRAPHED_H200.kv)
+    assumed = dict(kernel, graphed=fast)
+    fast_both = DecodeCost(*args, **assumed, fp8_linear_params=1.4e10, fp8_linears_read_once=True)
+    fast_slow = DecodeCost(*args, **assumed, fp8_linear_params=1.4e10)
+    still_read = fast_both.fixed_shape_weight_bytes() / bandwidth
+    step = fast_both.decode_step_seconds(32, 1000)
+    cache = 2.84 * 1000 * 70272 / bandwidth
+    assert step == pytest.approx(1.0 * still_read + cache + fast_both.gathered_exchange_seconds(32))
+    assert fast_slow.decode_step_seconds(32, 1000) - step == pytest.approx(4 * 1.4e10 / bandwidth)
 
 
 def test_the_graphed_decode_factors_are_the_h200_measurement_refitted():
@@ -595,7 +633,8 @@ def test_the_agent_plan_counts_a_row_of_every_turn(trace_cache, capsys, tmp_path
     config = tmp_path / "agent.yaml"
     config.write_text(yaml.safe_dump(data))
     out = tmp_path / "plan.json"
-    assert main(["plan", "--config", str(config), "--shape", "deepseek-v3", "--turns", "2", "--json", str(out)]) == 0
+    args = ["plan", "--config", str(config), "--shape", "deepseek-v3", "--turns", "2", "--json", str(out)]
+    assert main(args) == 1  # a vLLM copy beside the trainer without sleep mode: does not fit
     plan = json.loads(out.read_text())
     assert plan["turns"] == 2 and plan["sequence_tokens"] == 1024 + 2 * 4096 + 256
     assert "sequences of 9,472 tokens" in capsys.readouterr().out

@@ -12,8 +12,9 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
     train phase; the torch engine's decode levers move only generation, each the way the H200 measured its graphed
     steps (allsync.plan.torch_decode.GRAPHED_H200): the latent kernel and sharing the room in pages (64 slots) shorten
     it, and so do 128 slots in the same room and FP8 GEMMs for the FP8 linears; the FP8 KV cache (read back through bf16 by the torch path) and the NF4 expert kernel (far from its roofline)
-    lengthen it; FP8 KV and shared-outer LoRA give more KV slots inside the margin (17 -> 30 -> 36); the shipped
-    vLLM layout does not fit at the margin, the torch engine's layouts do."""
+    lengthen it; the FP8 KV cache also brings the old-logprob forward back (the engine then samples from the rounded
+    cache: algorithm.old_logprobs engine is refused); FP8 KV and shared-outer LoRA give more KV slots inside the
+    margin (16 -> 29 -> 34); the shipped vLLM layout does not fit at the margin, the torch engine's layouts do."""
     out, png = tmp_path / "levers.json", tmp_path / "levers.png"
     result = main(["--gpus", "48", "--seeds", "1", "--json", str(out), "--png", str(png)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and png.stat().st_size > 10_000
@@ -23,9 +24,8 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
     for before, after, part, shorter in (
         ("shipped", "balanced", "train", True),
         ("torch engine", "engine logprobs", "train", True),
-        ("engine logprobs", "FP8 KV", "generate", False),  # more slots, but the FP8 latent read back through bf16
         ("shared-outer LoRA", "latent kernel", "generate", True),  # each slot reads its own FP8 positions, once
-        ("streamed rounds", "paged KV", "generate", True),  # 64 slots share the room of 36 full-length rows
+        ("streamed rounds", "paged KV", "generate", True),  # 64 slots share the room of 34 full-length rows
         ("paged KV", "128 slots", "generate", True),  # a step's weights read for twice the rows
         ("128 slots", "FP8 GEMMs", "generate", True),  # the FP8 linears read as stored, without their copies
         ("FP8 GEMMs", "expert kernel", "generate", False),  # the NF4 experts read once, by a slow kernel
@@ -33,8 +33,13 @@ def test_each_stage_adds_its_lever_and_the_waterfall_is_written(tmp_path):
         other = "generate" if part == "train" else "train"
         assert (stages[after]["parts"][part] < stages[before]["parts"][part]) == shorter
         assert stages[after]["parts"][other] == pytest.approx(stages[before]["parts"][other])
+    # FP8 KV: more slots, but the FP8 latent read back through bf16, and the old logprobs recomputed again
+    fp8 = stages["FP8 KV"]
+    assert fp8["parts"]["generate"] > stages["engine logprobs"]["parts"]["generate"]
+    assert fp8["parts"]["train"] == pytest.approx(stages["torch engine"]["parts"]["train"])
+    assert fp8["parts"]["train"] > stages["engine logprobs"]["parts"]["train"]
     slots = [stages[name]["decode_batch"] for name in ("engine logprobs", "FP8 KV", "shared-outer LoRA")]
-    assert slots == [17, 30, 36]  # FP8 KV: more slots in the same room; shared-outer LoRA: more room
+    assert slots == [16, 29, 34]  # FP8 KV: more slots in the same room; shared-outer LoRA: more room
     paged = stages["paged KV"]
     assert paged["decode_batch"] == 64 and paged["kv_cache_tokens"] % 64 == 0 and paged["fits"]
     assert stages["streamed rounds"]["kv_cache_tokens"] is None

@@ -53,6 +53,8 @@ SLOW = [
     "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/merged-as-trained --format merged "
     "--merge-into trained --routed-experts nf4",
 ]
+# commands whose exit code is not 0 by design: `allsync plan` exits 1 for a layout that does not fit (this one)
+EXIT_CODES = {FAST[-1]: 1}
 NOT_RUN = {  # what the tests run another way
     "python -m pytest -q": "the test command itself",
 }
@@ -112,7 +114,8 @@ def tiny(command: str) -> str:
 def run(command: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     done = subprocess.run(tiny(command), shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    expected = EXIT_CODES.get(command, 0)
+    assert done.returncode == expected, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
 
 
