@@ -17,7 +17,7 @@ from moe_lora.lora import LoRAConfig, attach_lora
 from moe_lora.mla_decode import install_mla_decode
 from quant.formats import fp8_gemm, fp8_gemm_linears, fp8_rows_quantize, frozen_linear, quantize_weight
 from quant.loader import QuantPlan, load_frozen_model
-from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequent_stop_token
+from tests.allsync.engines.test_rollout_trainer import E4M3_BOUNDARY, assert_same_rows, frequent_stop_token
 
 PROMPTS = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
 FP8_LINEARS = QuantPlan(routed_experts="nf4", shared_experts="fp8", attention="fp8", dense_mlp="fp8")
@@ -92,7 +92,8 @@ def record(model, rows, seeds, sampling, eos, fixed_step=None):
 def test_the_fixed_shape_step_with_fp8_gemms_samples_what_the_live_slots_sample(model):
     """12 rows in 3 slots ending at different steps, both decodes inside fp8_gemm_linears: the fixed-shape step (what a
     CUDA graph captures) gives the live-slot decode's tokens and reasons, logprobs within 5e-3 (the two differ by
-    float32 noise, which now and then moves a value across an e4m3 rounding boundary: measured 3e-4 at most)."""
+    float32 noise, which now and then moves a value across an e4m3 rounding boundary: measured 3e-4 at most), a row
+    parting from the other only at a near tie (seen on an AVX2-only CPU: a different token)."""
     rows = [p for p in PROMPTS for _ in range(4)]
     sampling = Sampling(temperature=1.0, max_new_tokens=12)
     eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
@@ -100,7 +101,7 @@ def test_the_fixed_shape_step_with_fp8_gemms_samples_what_the_live_slots_sample(
     with fp8_gemm_linears():
         live = record(model, rows, seeds, sampling, eos)
         assert len({len(t) for t in live[0]}) >= 3
-        assert_same_rows(record(model, rows, seeds, sampling, eos, FixedShapeStep), live, atol=5e-3)
+        assert_same_rows(record(model, rows, seeds, sampling, eos, FixedShapeStep), live, **E4M3_BOUNDARY, seeds=seeds)
 
 
 def test_the_engine_multiplies_its_fp8_linears_as_fp8_gemms_only_with_scaled_mm(model, monkeypatch):

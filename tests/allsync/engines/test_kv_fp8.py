@@ -15,7 +15,7 @@ from allsync.engines.slots import FixedShapeStep, decode_in_slots
 from allsync.engines.torch_engine import Sampling, TorchEngine
 from moe_lora.mla_decode import FP8LatentLayer, LatentKVCache, SlotKVCache, fp8_dequantize, fp8_quantize
 from tests.allsync.engines.test_decode_graphs import lora_model
-from tests.allsync.engines.test_rollout_trainer import assert_same_rows, frequent_stop_token
+from tests.allsync.engines.test_rollout_trainer import E4M3_BOUNDARY, assert_same_rows, frequent_stop_token
 
 PROMPTS = [[0, 95, 80, 73], [0, 41, 86, 91, 95, 77, 90], [0, 7, 7]]
 
@@ -79,14 +79,15 @@ def model(tiny_bf16):
 
 def test_fixed_shape_steps_over_an_fp8_cache_sample_what_the_live_slots_sample(model):
     """12 rows in 3 slots ending at different steps over the FP8 cache: the fixed-shape step (what a CUDA graph
-    captures) gives the live-slot decode's tokens and finish reasons, logprobs within float32 noise."""
+    captures) gives the live-slot decode's tokens and finish reasons, logprobs within float32 noise, which may move a
+    quantized value across an e4m3 rounding boundary (E4M3_BOUNDARY), and a row may part at a near tie."""
     rows = [p for p in PROMPTS for _ in range(4)]
     sampling = Sampling(temperature=1.0, max_new_tokens=12)
     eos = frequent_stop_token(model, PROMPTS, 4, sampling, seed=1)
     seeds = torch.randint(0, 2**62, (len(rows),), generator=torch.Generator().manual_seed(1))
     live = record(model, rows, seeds, sampling, eos)
     assert len({len(t) for t in live[0]}) >= 3
-    assert_same_rows(record(model, rows, seeds, sampling, eos, FixedShapeStep), live, atol=2e-5)
+    assert_same_rows(record(model, rows, seeds, sampling, eos, FixedShapeStep), live, **E4M3_BOUNDARY, seeds=seeds)
 
 
 def test_the_fp8_cache_moves_the_logprobs_by_its_rounding(model):
