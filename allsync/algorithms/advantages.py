@@ -2,7 +2,8 @@
 GAE / T-PPO's EGAE, registered by name in ADVANTAGE_ESTIMATORS (algorithm.advantage) as AdvantageEstimator entries.
 
 To add one (one module and its test): its function and an AdvantageEstimator entry saying what it needs,
-registered with `ADVANTAGE_ESTIMATORS["name"] = AdvantageEstimator(...)` in a module imported by allsync.algorithms.
+registered with `ADVANTAGE_ESTIMATORS["name"] = AdvantageEstimator(...)` in a module of your own that the run's
+`run.imports` names (tests/fixtures/batch_baseline.py); a name already registered is refused (selection.Registry).
 A formula over the whole batch declares `batch_sums` (the learner all-reduces them), never per-worker statistics.
 
 All functions are pure torch: no distributed calls, no I/O, inputs are never
@@ -257,7 +258,9 @@ class AdvantageEstimator:
         agree on: batch_sums(rewards [N], group_index [N]) -> float64 [k], sums that add over workers (zeros for a
         worker with no episode). The learner sums them over every worker before any batch is built (every rank
         calls it, kept groups or none) and calls compute(rewards, group_index, sums=total): N workers then compute
-        what one worker holding the whole batch computes. None: the formula is per group (exact on any split).
+        what one worker holding the whole batch computes. None: the formula is per group, exact because each
+        worker holds whole groups (it generates all rollout.group_size samples of its prompts, and dynamic sampling
+        keeps or drops whole groups: allsync.producers.groups); a group cut over two workers would get two baselines.
     """
 
     compute: Callable[..., torch.Tensor]

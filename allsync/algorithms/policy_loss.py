@@ -5,9 +5,11 @@ as a `PolicyLossEntry`: the function, the statistics it logs and the settings it
     nlft      NLFT's weighted likelihood / unlikelihood (allsync.algorithms.nlft; recipes/nlft.py only)
 
 To add one (one module and its test): a function with PolicyLoss's signature returning (loss, {statistic: token
-mean}), registered with `POLICY_LOSSES["name"] = PolicyLossEntry(function, logged=(...), aggregations=(...))` in a
-module imported by allsync.algorithms; the trainer calls it for every micro-batch, the config checks ask its entry
-and the run's metrics log each of its `logged` statistics under its own name (the token mean over every worker).
+mean}), registered with `POLICY_LOSSES["name"] = PolicyLossEntry(function, logged=(...), aggregations=(...),
+reads=(...))` in a module of your own that the run's `run.imports` names (tests/fixtures/sequence_loss.py); a name
+already registered is refused (selection.Registry). The trainer calls it for every micro-batch, the config checks ask
+its entry (the aggregations it takes, the clip settings it reads: one it ignores is refused when set) and the run's
+metrics log each of its `logged` statistics under its own name (the token mean over every worker).
 """
 
 from __future__ import annotations

@@ -127,9 +127,21 @@ class GroupRounds:
     collects the groups wanted with the run's dynamic sampling (`collect_groups`); keeps no state between steps."""
 
     def __init__(self, producer: Any, context: Any, collect_rounds: Callable | None = None):
-        """producer: generate(problems) -> episodes, evaluate(...), close(); context: the ProducerContext;
-        collect_rounds(producer, context, groups_wanted) -> what collect_groups returns, in its place (None:
-        collect_groups; allsync.producers.streamed.collect_streamed for algorithm.sampling_rounds streamed)."""
+        """producer: the episode-group producer, whose contract is
+            generate(problems: list[Problem]) -> list[Episode]
+                rollout.group_size episodes per problem, problem by problem (episodes[i * n:(i + 1) * n] answer
+                problems[i]; they are one group), each with its reward and correctness already scored (context.score)
+                and each segment's engine logprobs and adapter_version (the engine's rollout.adapter_version);
+                called once per sampling round with that round's problems (context.take_problems)
+            evaluate(problems, problem_ids, samples, sampling, memory, score_answers) -> [evals.report.SampleRecord]
+                `samples` answers per held-out problem, scored by score_answers(problems, problem_ids, samples,
+                [(response ids, finish reason)]); memory other than "own" refused unless its episodes carry one
+            close() (optional)
+        (allsync.producers.single_turn.SingleTurn is the smallest; tests/fixtures/hinted_turn.py builds one from
+        outside the package); context: the ProducerContext; collect_rounds(producer, context, groups_wanted) -> what
+        collect_groups returns, in its place (None: collect_groups; allsync.producers.streamed.collect_streamed for
+        algorithm.sampling_rounds streamed). A group is whole on the worker that generated it: dynamic sampling keeps
+        or drops whole groups, and balancing moves rows only after the advantages are computed."""
         self.producer, self.context, self.collect_rounds = producer, context, collect_rounds
 
     def collect(self, groups_wanted: int, version: int) -> tuple[list[Episode], torch.Tensor, dict]:

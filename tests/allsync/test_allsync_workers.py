@@ -219,3 +219,23 @@ def test_disaggregated_generators_receive_the_trained_adapter(warm_tiny):
     assert generator_metrics["sync_bytes"] == sum(t.numel() * t.element_size() for t in trained.values())
     assert trained.keys() == served.keys() and all(torch.equal(trained[k], served[k]) for k in trained)
     assert any(float(t.abs().sum()) > 0 for k, t in trained.items() if "lora_B" in k)  # the step changed B
+
+
+def test_a_worker_collects_whole_groups_whatever_dynamic_sampling_keeps(warm_tiny):
+    """Per-group advantage formulas (GRPO, Dr.GRPO) are exact over several workers because each worker holds whole
+    groups: its producer generates all rollout.group_size samples of a prompt, and dynamic sampling keeps or drops
+    a group whole, over rounds. Each group index a collect returns has exactly group_size episodes, of one prompt."""
+    from allsync.tasks import ArithmeticGenerator, make_splits
+
+    cfg = config(warm_tiny, 1)
+    cfg.rollout.max_new_tokens = 12
+    worker = RLWorker(cfg, make_splits(ArithmeticGenerator(1, 1), 100, 20).train)
+    torch.manual_seed(0)
+    for _ in range(2):
+        episodes, group_index, stats = worker.producer.collect(4, worker.adapter_version)
+        assert stats["sampling_rounds"] >= 1 and len(episodes) == len(group_index) > 0
+        for g in group_index.unique().tolist():
+            members = [e for e, i in zip(episodes, group_index.tolist()) if i == g]
+            assert len(members) == cfg.rollout.group_size
+            assert len({tuple(e.final.prompt_ids) for e in members}) == 1  # one prompt's samples
+            assert len({e.reward for e in members}) > 1  # dynamic sampling kept it: mixed rewards
