@@ -138,11 +138,19 @@ def start_placement(size: int, gpus_per_worker: float = 0):
     from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    own = not os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < size:
+        if not own:  # a placement group the cluster can never hold would wait forever
+            raise RuntimeError(
+                f"the Ray cluster at RAY_ADDRESS has {ray.cluster_resources().get('CPU', 0):g} CPUs and this run needs "
+                f"{size} (one per worker): start it with more (`ray start --num-cpus`) or give fewer workers"
+            )
+        ray.shutdown()  # this process's own Ray, started for a smaller group earlier: started again for this one
     if not ray.is_initialized():
         # the worker's imports (torch, transformers: ~3 s) overlap Ray's start, which mostly waits for its processes
         importing = threading.Thread(target=_import_quietly, args=("allsync.worker",), daemon=True)
         importing.start()
-        if os.environ.get("RAY_ADDRESS"):  # a cluster started with `ray start` (see docs/scaling.md)
+        if not own:  # a cluster started with `ray start` (see docs/scaling.md)
             ray.init(log_to_driver=True, configure_logging=False)
         else:  # a Ray instance of this run's own, even when another runs on the machine (it is joined only by name)
             ray.init(
