@@ -7,10 +7,13 @@ Each worker is a fresh interpreter (`python -m evals.reward_pool SPEC IN_FD OUT_
 that reads JSON requests (a list of samples per line) from a pipe of its own and writes one JSON result line per
 sample, in order, to another; rewards run in its main thread, so math-verify's own timeout (signal.alarm, main
 thread only) works there. The samples are split into one contiguous batch per worker, sent as one request (one
-round trip per batch, not per sample: 5% of the default step). Each sample gets `timeout_s` from the moment its
-worker starts it (the previous result's arrival): a worker that has not answered by then is killed and replaced,
-its sample is a timeout, and the rest of its batch goes to the new worker, so one bad sample costs at most
-timeout_s plus a restart. An exception of any kind
+round trip per batch, not per sample: 5% of the default step). A worker first imports what its reward needs
+(math-verify, the user's module) and says "ready"; its start is not a sample's time (on a loaded machine it took
+longer than a short timeout_s, and the first sample of every fresh worker timed out). It has STARTUP_S for that,
+or the pool raises. Each sample then gets `timeout_s` from the moment its worker starts it (the worker's "ready"
+or the previous result's arrival): a worker that has not answered by then is killed and replaced, its sample is
+a timeout, and the rest of its batch goes to the new worker, so one bad sample costs at most timeout_s plus a
+restart. An exception of any kind
 (math-verify's TimeoutException subclasses BaseException) comes back as an error naming its type, and so does a
 score that is NaN or infinite. User code cannot reach the protocol: the process's stdin is /dev/null, its stdout
 (fd 1: print, C code, child processes such as `echo`) is the parent's stderr, and the protocol pipes are not
@@ -34,6 +37,9 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Callable
+
+STARTUP_S = 300.0  # for a reward process to import its reward and say it is ready (~1 s on an idle 2-core machine)
+READY = "ready"  # a reward process's first line, before any result
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,16 @@ class _Worker:
         self.requests = os.fdopen(request_write, "w", buffering=1)
         self.results = result_read  # read with os.read: a buffered reader would hide lines from the selector
         self.received = b""  # bytes read past the last complete line
+        self.started = time.monotonic()
+        self.ready = False  # its READY line has arrived
+
+    def result_lines(self, lines: list[str]) -> list[str]:
+        """`lines` without the READY line, which marks the worker ready; RuntimeError if results come first."""
+        if not self.ready and lines:
+            if json.loads(lines[0]) != READY:
+                raise RuntimeError(f"reward process sent {lines[0][:200]!r} before it was ready")
+            self.ready, lines = True, lines[1:]
+        return lines
 
     def send(self, samples: list[tuple[str, dict]]) -> None:
         self.requests.write(json.dumps([[response, row] for response, row in samples]) + "\n")
@@ -150,6 +166,15 @@ class RewardPool:
         self.spec, self.processes = spec, max(1, processes)
         self.workers: list[_Worker] = []
 
+    def start(self, processes: int | None = None) -> None:
+        """Start the pool's processes (`processes` of them, all by default) and wait until each is ready: a caller
+        that wants their start out of its first `score` (which otherwise starts them itself)."""
+        while len(self.workers) < (self.processes if processes is None else processes):
+            self.workers.append(_Worker(self.spec))
+        for worker in self.workers:
+            while not worker.ready:
+                _wait_ready(worker)
+
     def score(self, samples: list[tuple[str, dict]]) -> list[RewardResult]:
         """A result per (response, row), in order."""
         results: list[RewardResult | None] = [None] * len(samples)
@@ -161,10 +186,13 @@ class RewardPool:
         selector = selectors.DefaultSelector()
         deadlines: dict[int, float] = {}
 
+        def deadline(worker: _Worker) -> float:  # a sample's time starts once its worker is ready
+            return time.monotonic() + self.spec.timeout_s if worker.ready else worker.started + STARTUP_S
+
         def start(p: int) -> None:  # send worker p what is left of its batch
             self.workers[p].send([samples[i] for i in pending[p]])
             selector.register(self.workers[p].results, selectors.EVENT_READ, p)
-            deadlines[p] = time.monotonic() + self.spec.timeout_s
+            deadlines[p] = deadline(self.workers[p])
 
         def replace(p: int, error: str) -> None:  # worker p failed its current sample: a fresh one takes the rest
             results[pending[p].popleft()] = RewardResult(None, error)
@@ -182,19 +210,24 @@ class RewardPool:
             wait = min(deadlines[p] for p in pending) - time.monotonic()
             for key, _ in selector.select(timeout=max(wait, 0.0)):
                 p = key.data
-                lines = self.workers[p].read_lines()
+                worker = self.workers[p]
+                lines = worker.read_lines()
+                if lines is None and not worker.ready:
+                    raise RuntimeError(f"a reward process exited with code {worker.proc.wait()} before it was ready")
                 if lines is None:  # the process died (e.g. killed by the OS): restart it
-                    replace(p, f"reward process exited with code {self.workers[p].proc.wait()}")
+                    replace(p, f"reward process exited with code {worker.proc.wait()}")
                     continue
-                for line in lines:
+                for line in worker.result_lines(lines):
                     value, error = json.loads(line)
                     results[pending[p].popleft()] = RewardResult(value, error)
-                deadlines[p] = time.monotonic() + self.spec.timeout_s
+                deadlines[p] = deadline(worker)
                 if not pending[p]:
                     selector.unregister(self.workers[p].results)
                     del pending[p]
             now = time.monotonic()
             for p in [p for p in pending if deadlines[p] <= now]:  # still running its sample: a timeout
+                if not self.workers[p].ready:
+                    raise RuntimeError(f"a reward process was not ready within {STARTUP_S:g} s of its start")
                 replace(p, f"timeout after {self.spec.timeout_s:g}s")
         selector.close()
         return results
@@ -211,6 +244,31 @@ class RewardPool:
         self.close()
 
 
+def _wait_ready(worker: _Worker) -> None:
+    """Read what `worker` has sent by the end of its STARTUP_S (only its READY line can come before a request);
+    RuntimeError if it exits or is not ready by then."""
+    import select
+
+    left = worker.started + STARTUP_S - time.monotonic()
+    if left <= 0 or not select.select([worker.results], [], [], left)[0]:
+        raise RuntimeError(f"a reward process was not ready within {STARTUP_S:g} s of its start")
+    lines = worker.read_lines()
+    if lines is None:
+        raise RuntimeError(f"a reward process exited with code {worker.proc.wait()} before it was ready")
+    if worker.result_lines(lines):
+        raise RuntimeError("a reward process sent results before any request")
+
+
+def warm_up(spec: RewardSpec) -> None:
+    """Import what scoring with `spec` will import, so that its first sample's time is its own."""
+    if spec.function is not None:
+        load_function(spec.function)
+    else:
+        import math_verify  # noqa: F401 - the math rewards import it lazily (~1 s)
+
+        import evals.rewards  # noqa: F401
+
+
 def _split(count: int, parts: int) -> list[range]:
     """range(count) in min(parts, count) contiguous batches whose sizes differ by at most one."""
     n = min(parts, count)
@@ -222,11 +280,15 @@ def _split(count: int, parts: int) -> list[range]:
 
 
 def serve(spec: RewardSpec, request_fd: int, result_fd: int) -> None:
-    """A reward process: JSON lines [[response, row], ...] in from request_fd, one JSON line [score | null,
-    error | null] per sample out to result_fd, in order. Neither descriptor is passed on to the processes that user code starts."""
+    """A reward process: once its reward is imported, the JSON line READY to result_fd; then JSON lines
+    [[response, row], ...] in from request_fd, one JSON line [score | null, error | null] per sample out to
+    result_fd, in order. Neither descriptor is passed on to the processes that user code starts."""
     for fd in (request_fd, result_fd):
         os.set_inheritable(fd, False)
     with os.fdopen(request_fd, "r") as requests, os.fdopen(result_fd, "w") as results:
+        warm_up(spec)
+        results.write(json.dumps(READY) + "\n")
+        results.flush()
         for line in requests:
             for response, row in json.loads(line):
                 results.write(json.dumps(list(_guarded(spec, response, row))) + "\n")

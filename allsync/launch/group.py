@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import random
 import socket
 from typing import Protocol
 
@@ -77,10 +78,37 @@ EXIT_RESTART = 75
 WORKER_THREADS = 1
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# where free_port draws from: below Linux's ephemeral range (32768-60999, the ports the kernel hands out for
+# outgoing connections and bind(0)) and above Ray's worker ports (10002-19999), skipping torch's default 29500
+PORTS = [p for p in range(20000, 32768) if not 29400 <= p < 29600]
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port on `host` nothing listens on, for a TCP store another process binds later. Drawn at random from
+    PORTS, never from the ephemeral range: between this pick and that bind (seconds, while workers start), the
+    kernel gives ephemeral ports to every outgoing connection and bind(0) on the machine (Ray's processes make
+    many), which a port found by bind(0) here could go to. Where the ephemeral range starts below PORTS' end
+    (net.ipv4.ip_local_port_range), only the ports below it are drawn."""
+    low = ephemeral_start()
+    ports = [p for p in PORTS if p < low] or PORTS
+    rng = rng or random.SystemRandom()
+    for port in rng.sample(ports, min(len(ports), 64)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port on {host} among 64 drawn from {ports[0]}-{ports[-1]}")
+
+
+def ephemeral_start(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read, Linux's default)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 LAUNCH_MODES: dict[str, type] = {}  # name -> mode class

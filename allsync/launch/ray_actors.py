@@ -153,13 +153,7 @@ def start_placement(size: int, gpus_per_worker: float = 0):
         if not own:  # a cluster started with `ray start` (see docs/scaling.md)
             ray.init(log_to_driver=True, configure_logging=False)
         else:  # a Ray instance of this run's own, even when another runs on the machine (it is joined only by name)
-            ray.init(
-                address="local",
-                num_cpus=max(size, 1),
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-            )
+            start_own_ray(max(size, 1))
         importing.join()
     from allsync.worker import RLWorker  # raises here, in the caller's thread, if the import failed
 
@@ -177,6 +171,33 @@ def start_placement(size: int, gpus_per_worker: float = 0):
         return actor.options(scheduling_strategy=strategy).remote(*args, threads=WORKER_THREADS, **kwargs)
 
     return placement, start
+
+
+RAY_START_ATTEMPTS = 3
+
+
+def start_own_ray(cpus: int, attempts: int = RAY_START_ATTEMPTS) -> None:
+    """ray.init of a local instance of `cpus` CPUs, started again (at most `attempts` times in all) when Ray gives
+    up on its own processes' start: it waits a fixed 30 s for its raylet to register ("The current node timed out
+    during startup"), which a loaded machine can pass; the other errors are raised at once."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(
+                address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False
+            )
+            return
+        except Exception as exc:  # Ray raises a bare Exception for it
+            if not ray_start_timed_out(exc) or attempt == attempts:
+                raise
+            print(f"Ray's start timed out ({exc}); starting it again ({attempt + 1} of {attempts})", flush=True)
+            ray.shutdown()
+
+
+def ray_start_timed_out(exc: BaseException) -> bool:
+    """Whether ray.init's error is its own start's wait running out (TimeoutError, or Ray's bare Exception)."""
+    return isinstance(exc, TimeoutError) or "timed out during startup" in str(exc)
 
 
 def ranks_to_bundles(node_of_bundle: dict[int, str]) -> list[int]:

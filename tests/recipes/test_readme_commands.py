@@ -45,7 +45,7 @@ SLOW = [
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory_single.yaml",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_memory_long.yaml",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_agent_calculator.yaml",
-    "torchrun --nproc_per_node 2 recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20",
+    "torchrun --standalone --nproc_per_node 2 recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20",
     "python recipes/dapo.py --config recipes/configs/tiny_cpu_ep2.yaml --steps 20 --out-dir runs/dapo-tiny-ep2-ray",
     "allsync export runs/dapo-tiny/checkpoints/step-000100 --base runs/tiny-base --out runs/adapter --format peft",
     "allsync check-vllm runs/adapter --base runs/tiny-base --expert-parallel 2",
