@@ -12,6 +12,8 @@ imported (`activate()`, in a process of its own: one engine a subprocess):
 - the three CUDA-only `_moe_C` ops the path calls, in torch (below; their semantics are those of vLLM's CUDA
   sources csrc/moe/moe_align_sum_kernels.cu and moe_lora_align_sum_kernels.cu, and of its tests
   tests/kernels/moe/test_moe_align_block_size.py and tests/lora/test_moe_lora_align_sum.py);
+- the CPU communicator's all_gatherv / reduce_scatterv, which data parallelism over an MoE model calls (vLLM 0.32
+  has them on GPUs only);
 - VLLM_USE_V2_MODEL_RUNNER=0 (with Triton on, vLLM would pick its V2 runner) and the engine core in this process.
 
 Pinned to VLLM_VERSION (the patches name vLLM internals read from it); another version is refused. Tests only:
@@ -149,6 +151,42 @@ def moe_lora_align_block_size(
         num_tokens_post_pad[slot] = total
 
 
+# --- the CPU communicator's variable-size collectives (data parallelism over an MoE model) --------------------------
+
+
+def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+    """CpuCommunicator.all_gatherv: every rank's rows (dim 0; rank r holds sizes[r], equal when None) concatenated in
+    rank order, for a tensor or a list of them (vLLM's all-gather/reduce-scatter dispatch gathers the hidden states,
+    the routing and the token-to-LoRA map at once). gloo gathers equal sizes only: each is padded to the largest."""
+    if dim != 0:
+        raise NotImplementedError(f"all_gatherv over dim {dim}: vLLM's MoE dispatch gathers dim 0")
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        counts = sizes or [t.shape[0]] * self.world_size
+        if t.shape[0] != counts[self.rank_in_group]:
+            raise ValueError(f"rank {self.rank_in_group} holds {t.shape[0]} rows, sizes says {counts}")
+        most = max(counts)
+        padded = t.new_zeros((most, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        out = t.new_empty((self.world_size * most, *t.shape[1:]))
+        self.dist_module.all_gather_into_tensor(out, padded.contiguous(), group=self.device_group)
+        return torch.cat([out[r * most : r * most + n] for r, n in enumerate(counts)])
+
+    return gather(input_) if isinstance(input_, torch.Tensor) else [gather(t) for t in input_]
+
+
+def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+    """CpuCommunicator.reduce_scatterv: the sum over ranks of `input_`, of which this rank keeps its rows along dim
+    (sizes[r] rows for rank r, equal when None); an all-reduce then a slice (the sums are the same numbers)."""
+    moved = input_.movedim(dim, 0).contiguous().clone()
+    counts = sizes or [moved.shape[0] // self.world_size] * self.world_size
+    if sum(counts) != moved.shape[0]:
+        raise ValueError(f"sizes {counts} do not add up to the {moved.shape[0]} rows")
+    self.dist_module.all_reduce(moved, group=self.device_group)
+    start = sum(counts[: self.rank_in_group])
+    return moved[start : start + counts[self.rank_in_group]].movedim(0, dim).contiguous()
+
+
 # --- the switch ------------------------------------------------------------------------------------------------
 
 
@@ -214,3 +252,7 @@ def activate() -> None:
     CpuPlatform.get_punica_wrapper = classmethod(
         lambda cls: "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
     )
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv

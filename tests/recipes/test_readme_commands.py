@@ -57,6 +57,8 @@ SLOW = [
 EXIT_CODES = {FAST[-1]: 1}
 NOT_RUN = {  # what the tests run another way
     "python -m pytest -q": "the test command itself",
+    "torchrun --standalone --nproc_per_node 2 repro.py": "docs/vllm-dp-moe-lora.md's reproduction of a vLLM defect "
+    "on two GPUs; tests/allsync/engines/test_vllm_moe_lora_cpu.py runs it through the CPU harness",
 }
 
 

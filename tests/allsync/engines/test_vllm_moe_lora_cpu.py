@@ -1,6 +1,8 @@
 """The CPU harness for vLLM's MoE-LoRA path (tests/vllm_moe_lora_cpu.py): its torch versions of vLLM's CUDA-only
 `_moe_C` ops against hand-made cases and against their definition, entry by entry."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -162,27 +164,116 @@ def merged_float32(checkpoint, adapter, out):
 LOGPROB_ATOL = 1e-4
 
 
-@pytest.mark.slow  # two vLLM engines (~35 s with the adapter under Triton's interpreter, ~65 s merged)
-@pytest.mark.vllm
-def test_vllms_moe_lora_path_on_the_cpu_generates_what_the_merged_checkpoint_generates(tiny_bf16, tmp_path):
-    """LoRA on every routed expert, served through vLLM's own FusedMoEWithLoRA / PunicaWrapperGPU / fused_moe_lora
-    Triton kernels (the harness), each prompt with and without the adapter in one batch: the adapted rows give the
-    float32 merged checkpoint's greedy tokens and logprobs; the rows without it do not (the adapter matters)."""
-    pytest.importorskip("vllm")
+RANKS_SCRIPT = Path(__file__).with_name("vllm_moe_lora_ranks.py")
+
+
+@pytest.fixture(scope="module")
+def served_alone(tiny_bf16, tmp_path_factory):
+    """The adapter's directory and one process's engine rows for every prompt with ("lora") and without ("base") it."""
     from moe_lora.adapter_io import write_peft_adapter
     from tests.allsync.engines.test_vllm_engine import run_vllm
 
-    adapter = expert_adapter(tiny_bf16)
-    write_peft_adapter(adapter, tmp_path / "adapter", str(tiny_bf16))
-    merged = merged_float32(tiny_bf16, adapter, tmp_path / "merged")
-    served = run_vllm(
-        tiny_bf16, tmp_path, "--lora", tmp_path / "adapter", "--moe-lora-cpu", "--lora-targets", "experts", "--mixed"
-    )
-    want = run_vllm(merged, tmp_path)
-    for lora, base, reference in zip(served["lora"], served["base"], want, strict=True):
-        assert lora["greedy"] == reference["greedy"]
+    tmp = tmp_path_factory.mktemp("moe-lora")
+    write_peft_adapter(expert_adapter(tiny_bf16), tmp / "adapter", str(tiny_bf16))
+    served = run_vllm(tiny_bf16, tmp, "--lora", tmp / "adapter", "--moe-lora-cpu", "--lora-targets", "experts", "--mixed")
+    return tmp / "adapter", served
+
+
+def assert_same_rows(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g["greedy"] == w["greedy"]
         for key in ("greedy_logprobs", "prompt_logprobs"):
-            gaps = [abs(a - b) for a, b in zip(lora[key], reference[key]) if a is not None]
-            assert max(gaps) < LOGPROB_ATOL, key
+            assert max(abs(a - b) for a, b in zip(g[key], w[key]) if a is not None) < LOGPROB_ATOL, key
+
+
+def largest_gap(got: list[dict], want: list[dict]) -> float:
+    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["prompt_logprobs"][1:], w["prompt_logprobs"][1:]))
+
+
+@pytest.mark.slow  # two vLLM engines (~35 s with the adapter under Triton's interpreter, ~65 s merged)
+@pytest.mark.vllm
+def test_vllms_moe_lora_path_on_the_cpu_generates_what_the_merged_checkpoint_generates(
+    tiny_bf16, served_alone, tmp_path
+):
+    """LoRA on every routed expert, served through vLLM's own FusedMoEWithLoRA / PunicaWrapperGPU / fused_moe_lora
+    Triton kernels (the harness), each prompt with and without the adapter in one batch: the adapted rows give the
+    float32 merged checkpoint's greedy tokens and logprobs; the rows without it do not (the adapter matters)."""
+    from moe_lora.adapter_io import read_adapter
+    from quant.checkpoint_io import read_config
+    from tests.allsync.engines.test_vllm_engine import run_vllm
+
+    adapter_dir, served = served_alone
+    merged = merged_float32(tiny_bf16, read_adapter(adapter_dir, read_config(tiny_bf16)), tmp_path / "merged")
+    want = run_vllm(merged, tmp_path)
+    assert_same_rows(served["lora"], want)
+    for base, reference in zip(served["base"], want):
         assert base["greedy"] != reference["greedy"]
-        assert max(abs(a - b) for a, b in zip(base["prompt_logprobs"][1:], reference["prompt_logprobs"][1:])) > 1.0
+    assert largest_gap(served["base"], want) > 1.0
+
+
+def run_ranks(tiny, adapter_dir, out_prefix, *flags) -> None:
+    """vllm_moe_lora_ranks.py on two ranks under torchrun (each process activates the harness before vLLM)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*command, str(RANKS_SCRIPT), str(tiny), str(adapter_dir), str(out_prefix), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def rank_rows(out_prefix, rank: int) -> list[dict]:
+    import json
+
+    return json.loads(Path(f"{out_prefix}.rank{rank}.json").read_text())
+
+
+@pytest.mark.slow  # two vLLM ranks under Triton's interpreter, ~2 min
+@pytest.mark.vllm
+def test_tp2_x_ep2_serves_what_one_process_serves(tiny_bf16, served_alone, tmp_path):
+    """Tensor parallelism 2 with the experts split over the 2 ranks: every prompt with and without the adapter, as
+    one process serves them."""
+    import json
+
+    adapter_dir, served = served_alone
+    run_ranks(tiny_bf16, adapter_dir, tmp_path / "tp", "--layout", "tp")
+    got = json.loads((tmp_path / "tp.json").read_text())
+    assert_same_rows(got["lora"], served["lora"])
+    assert_same_rows(got["base"], served["base"])
+
+
+@pytest.mark.slow  # two vLLM ranks under Triton's interpreter, ~1.5 min each
+@pytest.mark.vllm
+@pytest.mark.parametrize("second", ["base", "idle"])
+def test_dp2_x_ep2_with_a_rank_that_uses_no_adapter_serves_what_one_process_serves(
+    second, tiny_bf16, served_alone, tmp_path
+):
+    """Data parallelism 2 with the experts split over the 2 ranks; rank 0 serves two prompts with the adapter, rank 1
+    two without it (base) or none (idle). With allsync's fix (allsync/engines/vllm_dp_lora.py) rank 0's rows are the
+    one process's; without it they are wrong by up to 13.5 nats (test_the_dp_lora_defect_is_vllms)."""
+    adapter_dir, served = served_alone
+    run_ranks(tiny_bf16, adapter_dir, tmp_path / "dp", "--layout", "dp", "--second", second, "--fix", "--pin")
+    assert_same_rows(rank_rows(tmp_path / "dp", 0), served["lora"][:2])
+    if second == "idle":
+        assert rank_rows(tmp_path / "dp", 1) == []
+    else:
+        assert_same_rows(rank_rows(tmp_path / "dp", 1), served["base"][2:])
+
+
+@pytest.mark.slow  # two vLLM ranks under Triton's interpreter, ~1.5 min
+@pytest.mark.vllm
+def test_the_dp_lora_defect_is_vllms(tiny_bf16, served_alone, tmp_path):
+    """The defect allsync's fix exists for, in vLLM 0.32 as shipped (docs/vllm-dp-moe-lora.md): a DP rank serving only
+    base-model requests drops the adapter from the tokens the other rank's requests route to its experts. When vLLM
+    fixes it, this fails: drop the fix for that version."""
+    adapter_dir, served = served_alone
+    run_ranks(tiny_bf16, adapter_dir, tmp_path / "dp", "--layout", "dp", "--second", "base")
+    assert largest_gap(rank_rows(tmp_path / "dp", 0), served["lora"][:2]) > 1.0
+    assert_same_rows(rank_rows(tmp_path / "dp", 1), served["base"][2:])
