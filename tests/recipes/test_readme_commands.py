@@ -97,19 +97,37 @@ def test_every_readme_command_is_classified():
     assert set(FAST + SLOW) <= set(found), f"no longer in README.md or docs/: {sorted(set(FAST + SLOW) - set(found))}"
 
 
+# what the sandbox's configs run: the commands' code paths, not their results (the README's numbers are measured in
+# BENCHMARKS.md): 2 steps, evaluated and checkpointed at step 2, on 40 held-out problems once each, from bases
+# warm-started for 60 steps (the 750 of the shipped configs took a minute or two for each of the 6 bases)
+TINY_RUN = {"steps": 2, "eval_every": 2, "checkpoint_every": 2, "eval_samples": 1}
+TINY_HELDOUT, TINY_WARM_START_STEPS = 40, 60
+
+
 def sandbox(tmp_path: Path) -> Path:
-    """A directory with a copy of recipes/ whose configs run 2 steps (evaluated and checkpointed at step 2)."""
+    """A directory with a copy of recipes/ whose configs run tiny (TINY_RUN and the rest above)."""
     shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
     for path in (tmp_path / "recipes" / "configs").glob("tiny_cpu*.yaml"):
         config = yaml.safe_load(path.read_text())
-        config.setdefault("run", {}).update(steps=2, eval_every=2, checkpoint_every=2)
+        config.setdefault("run", {}).update(TINY_RUN)
+        if "heldout_size" in config.get("task", {}):
+            config["task"]["heldout_size"] = TINY_HELDOUT
+        if config["model"].get("warm_start"):
+            config["model"]["warm_start_steps"] = TINY_WARM_START_STEPS
         path.write_text(yaml.safe_dump(config, sort_keys=False))
     return tmp_path
+
+
+# recipes/nlft.py made tiny as the training runs are (2 steps each): one seed, one epoch over 10 examples, avg@1
+# (the README's commands ran 3 seeds x 8 epochs over 50 examples, twice SFT and NLFT: about 10 minutes of the lane)
+TINY_NLFT = " --seeds 0 --epochs 1 --examples 10 --heldout-samples 1"
 
 
 def tiny(command: str) -> str:
     """The command with its step counts and the checkpoint it names made tiny; a placeholder config made real."""
     command = re.sub(r"--steps \d+", "--steps 2", command).replace("step-000100", "step-000002")
+    if command.startswith("python recipes/nlft.py"):
+        command += TINY_NLFT
     return command.replace("--config my.yaml", "--config recipes/configs/tiny_cpu.yaml")
 
 
