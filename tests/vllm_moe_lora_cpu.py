@@ -240,9 +240,7 @@ def activate() -> None:
     ops.moe_align_block_size = moe_align_block_size
     ops.moe_sum = moe_sum
     ops.moe_lora_align_block_size = moe_lora_align_block_size
-    CpuPlatform.get_punica_wrapper = classmethod(
-        lambda cls: "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
-    )
+    CpuPlatform.get_punica_wrapper = classmethod(lambda cls: "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU")
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     CpuCommunicator.all_gatherv = all_gatherv

@@ -175,7 +175,9 @@ def served_alone(tiny_bf16, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("moe-lora")
     write_peft_adapter(expert_adapter(tiny_bf16), tmp / "adapter", str(tiny_bf16))
-    served = run_vllm(tiny_bf16, tmp, "--lora", tmp / "adapter", "--moe-lora-cpu", "--lora-targets", "experts", "--mixed")
+    served = run_vllm(
+        tiny_bf16, tmp, "--lora", tmp / "adapter", "--moe-lora-cpu", "--lora-targets", "experts", "--mixed"
+    )
     return tmp / "adapter", served
 
 
@@ -187,7 +189,9 @@ def assert_same_rows(got: list[dict], want: list[dict]) -> None:
 
 
 def largest_gap(got: list[dict], want: list[dict]) -> float:
-    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["prompt_logprobs"][1:], w["prompt_logprobs"][1:]))
+    return max(
+        abs(a - b) for g, w in zip(got, want) for a, b in zip(g["prompt_logprobs"][1:], w["prompt_logprobs"][1:])
+    )
 
 
 @pytest.mark.slow  # two vLLM engines (~35 s with the adapter under Triton's interpreter, ~65 s merged)
