@@ -133,6 +133,28 @@ class _Worker:
             self.ready, lines = True, lines[1:]
         return lines
 
+    def failed_start(self) -> RuntimeError:
+        """The error of a worker that exited, or passed STARTUP_S, before it was ready (either is no sample's fault:
+        its reward cannot be imported, or the machine cannot start it)."""
+        if (code := self.proc.poll()) is not None:
+            return RuntimeError(f"a reward process exited with code {code} before it was ready")
+        return RuntimeError(f"a reward process was not ready within {STARTUP_S:g} s of its start")
+
+    def wait_ready(self) -> None:
+        """Block until the READY line arrives (only it can come before a request); failed_start() if it does not."""
+        import select
+
+        while not self.ready:
+            left = self.started + STARTUP_S - time.monotonic()
+            if left <= 0 or not select.select([self.results], [], [], left)[0]:
+                raise self.failed_start()
+            lines = self.read_lines()
+            if lines is None:
+                self.proc.wait()
+                raise self.failed_start()
+            if self.result_lines(lines):
+                raise RuntimeError("a reward process sent results before any request")
+
     def send(self, samples: list[tuple[str, dict]]) -> None:
         self.requests.write(json.dumps([[response, row] for response, row in samples]) + "\n")
         self.requests.flush()
@@ -172,8 +194,7 @@ class RewardPool:
         while len(self.workers) < (self.processes if processes is None else processes):
             self.workers.append(_Worker(self.spec))
         for worker in self.workers:
-            while not worker.ready:
-                _wait_ready(worker)
+            worker.wait_ready()
 
     def score(self, samples: list[tuple[str, dict]]) -> list[RewardResult]:
         """A result per (response, row), in order."""
@@ -213,7 +234,8 @@ class RewardPool:
                 worker = self.workers[p]
                 lines = worker.read_lines()
                 if lines is None and not worker.ready:
-                    raise RuntimeError(f"a reward process exited with code {worker.proc.wait()} before it was ready")
+                    worker.proc.wait()
+                    raise worker.failed_start()
                 if lines is None:  # the process died (e.g. killed by the OS): restart it
                     replace(p, f"reward process exited with code {worker.proc.wait()}")
                     continue
@@ -227,7 +249,7 @@ class RewardPool:
             now = time.monotonic()
             for p in [p for p in pending if deadlines[p] <= now]:  # still running its sample: a timeout
                 if not self.workers[p].ready:
-                    raise RuntimeError(f"a reward process was not ready within {STARTUP_S:g} s of its start")
+                    raise self.workers[p].failed_start()
                 replace(p, f"timeout after {self.spec.timeout_s:g}s")
         selector.close()
         return results
@@ -242,21 +264,6 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _wait_ready(worker: _Worker) -> None:
-    """Read what `worker` has sent by the end of its STARTUP_S (only its READY line can come before a request);
-    RuntimeError if it exits or is not ready by then."""
-    import select
-
-    left = worker.started + STARTUP_S - time.monotonic()
-    if left <= 0 or not select.select([worker.results], [], [], left)[0]:
-        raise RuntimeError(f"a reward process was not ready within {STARTUP_S:g} s of its start")
-    lines = worker.read_lines()
-    if lines is None:
-        raise RuntimeError(f"a reward process exited with code {worker.proc.wait()} before it was ready")
-    if worker.result_lines(lines):
-        raise RuntimeError("a reward process sent results before any request")
 
 
 def warm_up(spec: RewardSpec) -> None:

@@ -64,8 +64,9 @@ def run_config(base: str, reads_notes: bool = False):
     raw = yaml.safe_load((ROOT / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
     raw["model"]["base"] = base
     raw["task"]["reads_notes"] = reads_notes
-    if reads_notes:  # half the warm start's prompts carry a note: twice the steps give the plain ones the default's
-        # share (at 750 steps the base was right 2.4%)
+    if reads_notes:
+        # half the warm start's prompts carry a note: twice the config's steps give the plain ones the default's share
+        # (at 750 steps the base was right 2.4%)
         raw["model"]["warm_start_steps"] = 2 * raw["model"].get("warm_start_steps", WARM_START_STEPS)
     raw["parallel"] = {"workers_per_node": 1}
     return parse_config(raw)

@@ -34,7 +34,7 @@ def main() -> None:
         from vllm_moe_lora_cpu import activate
 
         activate()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     from allsync.engines.vllm_support import vllm_engine_kwargs
@@ -44,14 +44,25 @@ def main() -> None:
         extra["lora_target_modules"] = args.lora_targets
     llm = LLM(**vllm_engine_kwargs(args.checkpoint, dtype=args.dtype, max_model_len=256, **extra))
     lora = LoRARequest("adapter", 1, args.lora) if args.lora else None
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0, logprobs=0, ignore_eos=True)
-    if args.mixed:  # each prompt with and without the adapter, interleaved in one batch
-        outs = llm.generate([p for p in PROMPTS for _ in (0, 1)], params, lora_request=[lora, None] * len(PROMPTS))
-        result = {"lora": [row(o) for o in outs[0::2]], "base": [row(o) for o in outs[1::2]]}
+    if args.mixed:
+        result = mixed_rows(llm, lora)
     else:
-        result = [row(o) for o in llm.generate(PROMPTS, params, lora_request=lora)]
+        result = [row(o) for o in llm.generate(PROMPTS, greedy_params(), lora_request=lora)]
     with open(args.out, "w") as f:
         json.dump(result, f)
+
+
+def greedy_params():
+    """MAX_TOKENS greedy tokens (past eos) with their logprobs and the prompt's."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0, logprobs=0, ignore_eos=True)
+
+
+def mixed_rows(llm, lora) -> dict:
+    """Every prompt with ("lora") and without ("base") the adapter, interleaved in one batch."""
+    outs = llm.generate([p for p in PROMPTS for _ in (0, 1)], greedy_params(), lora_request=[lora, None] * len(PROMPTS))
+    return {"lora": [row(o) for o in outs[0::2]], "base": [row(o) for o in outs[1::2]]}
 
 
 def row(o) -> dict:

@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2]))  # tests/
-from vllm_moe_lora_cpu import activate  # noqa: E402
+from vllm_moe_lora_cpu import activate
 
 activate()  # before vLLM's import
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm import LLM
+from vllm.lora.request import LoRARequest
 
-from allsync.engines.vllm_support import vllm_engine_kwargs  # noqa: E402
-from tests.allsync.engines.vllm_greedy_check import MAX_TOKENS, PROMPTS, row  # noqa: E402
+from allsync.engines.vllm_support import vllm_engine_kwargs
+from tests.allsync.engines.vllm_greedy_check import PROMPTS, greedy_params, mixed_rows, row
 
 
 def main() -> None:
@@ -56,10 +56,8 @@ def main() -> None:
         )
     )
     lora = LoRARequest("adapter", 1, args.adapter)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0, logprobs=0, ignore_eos=True)
     if args.layout == "tp":
-        outs = llm.generate([p for p in PROMPTS for _ in (0, 1)], params, lora_request=[lora, None] * len(PROMPTS))
-        result = {"lora": [row(o) for o in outs[0::2]], "base": [row(o) for o in outs[1::2]]}
+        result = mixed_rows(llm, lora)
         if rank == 0:
             Path(f"{args.out_prefix}.json").write_text(json.dumps(result))
         return
@@ -69,7 +67,7 @@ def main() -> None:
         hold_adapter(llm, lora)
     mine = PROMPTS[rank * 2 : rank * 2 + 2] if rank == 0 or args.second != "idle" else []
     use = lora if rank == 0 or args.second == "lora" else None
-    outs = llm.generate(mine, params, lora_request=use)
+    outs = llm.generate(mine, greedy_params(), lora_request=use)
     Path(f"{args.out_prefix}.rank{rank}.json").write_text(json.dumps([row(o) for o in outs]))
 
 

@@ -14,7 +14,7 @@ def test_ports_come_from_below_the_ephemeral_range_and_above_rays_worker_ports()
         assert 20000 <= port < min(low, 32768) and not 29400 <= port < 29600
 
 
-def test_a_port_in_use_is_never_returned(tmp_path):
+def test_a_port_in_use_is_never_returned():
     """The draw that would come first is taken by a listener: the next drawn one comes back."""
     first = free_port(rng=random.Random(7))
     with socket.socket() as taken:
