@@ -276,8 +276,10 @@ def test_dp2_x_ep2_with_a_rank_that_uses_no_adapter_serves_what_one_process_serv
 def test_the_dp_lora_defect_is_vllms(tiny_bf16, served_alone, tmp_path):
     """The defect allsync's fix exists for, in vLLM 0.32 as shipped (docs/vllm-dp-moe-lora.md): a DP rank serving only
     base-model requests drops the adapter from the tokens the other rank's requests route to its experts. When vLLM
-    fixes it, this fails: drop the fix for that version."""
+    fixes it, this fails: drop the fix for that version. Rank 1's own base rows are not asserted here: the map it
+    dispatches is its buffer's previous or uninitialized content (the defect's third part), so rank 0 may apply the
+    adapter to them too, differently from run to run (in one of three runs its greedy tokens parted at the third);
+    with the fix they are exact (test_dp2_x_ep2_with_a_rank_that_uses_no_adapter_serves_what_one_process_serves)."""
     adapter_dir, served = served_alone
     run_ranks(tiny_bf16, adapter_dir, tmp_path / "dp", "--layout", "dp", "--second", "base")
     assert largest_gap(rank_rows(tmp_path / "dp", 0), served["lora"][:2]) > 1.0
-    assert_same_rows(rank_rows(tmp_path / "dp", 1), served["base"][2:])
