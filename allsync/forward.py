@@ -248,6 +248,12 @@ def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, m
     return float(diff.sum() / mask.sum().clamp_min(1))
 
 
+def largest_logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |engine - trainer| logprob over response tokens (nats; 0 with none); NaN anywhere makes it NaN."""
+    diff = (engine_logprobs - trainer_logprobs).abs() * mask
+    return float(diff.max()) if diff.numel() else 0.0
+
+
 @dataclass(frozen=True)
 class LossSettings:
     clip_low: float = 0.2

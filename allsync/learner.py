@@ -40,6 +40,7 @@ from allsync.forward import (
     SequenceBatch,
     build_sequences,
     checkpointed_decoder_layers,
+    largest_logprob_gap,
     logprob_gap,
     minibatch_loss,
     response_positions,
@@ -421,6 +422,7 @@ class Learner:
             "entropy_sum": 0.0,
             "kl_ref_sum": 0.0,
             "logprob_gap": 0.0,
+            "logprob_gap_max": 0.0,
             "trained_samples": tb.num_episodes if tb else 0,
             "trained_tokens": 0,
             "nan_steps": 0,
@@ -512,6 +514,9 @@ class Learner:
         # engine_logprobs None: not sampled (recipes/nlft.py's examples)
         if gap is not None and gap.engine_logprobs is not None:
             out["logprob_gap"] = logprob_gap(gap.engine_logprobs, gap.old_logprobs, gap.sequences.response_mask)
+            out["logprob_gap_max"] = largest_logprob_gap(
+                gap.engine_logprobs, gap.old_logprobs, gap.sequences.response_mask
+            )
             if not math.isfinite(out["logprob_gap"]) or out["logprob_gap"] > c.rollout.logprob_gap_warn:
                 print(
                     f"warning: worker {self.rank}: engine/trainer logprob gap {out['logprob_gap']:.4f} nats "

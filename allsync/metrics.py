@@ -88,6 +88,7 @@ def aggregate(per_worker: list[dict]) -> dict:
         "trained_tokens": total("trained_tokens"),
         "loss": total("loss_sum"),
         "logprob_gap": max(m["logprob_gap"] for m in per_worker),
+        "logprob_gap_max": max(m["logprob_gap_max"] for m in per_worker),  # the largest over every token
         "grad_norm": per_worker[0]["grad_norm"],  # the policy's LoRA tensors
         **(
             {"value_grad_norm": per_worker[0]["value_grad_norm"]} if "value_grad_norm" in per_worker[0] else {}

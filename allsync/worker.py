@@ -36,6 +36,7 @@ from allsync.evaluation import RewardError, heldout_records  # noqa: F401 - Rewa
 from allsync.health.faults import FaultInjector, parse_faults
 from allsync.health.monitor import WorkerMonitor
 from allsync.producers.registry import ProducerContext
+from allsync.engines.engine_experts import exchange_engine_blocks
 from allsync.engines.sync_check import check_sync, effect_gap, probe_ids
 from allsync.engines.torch_engine import TorchEngine
 from allsync.forward import build_sequences, forward_logprobs
@@ -141,6 +142,7 @@ class RLWorker:
         self.groups = Groups(rank, 1, self.layout)
         if world_size > 1 and (dist_address is not None or launcher):
             self.groups = connect(rank, world_size, dist_address, config.parallel.resolved_backend(), self.layout)
+        self.groups.engine_lockstep = config.rollout.engine_expert_parallel  # one vLLM engine over the workers
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(base)
@@ -237,7 +239,7 @@ class RLWorker:
             )
         from allsync.engines.vllm_engine import VLLMEngine  # refuses what this machine's vLLM cannot run
 
-        lc = self.config.lora
+        lc, r = self.config.lora, self.config.rollout
         model_len = self.max_model_len or self.config.producer.model_len(
             self.config, self.tokenizer, self.problems, self.model.config.max_position_embeddings
         )
@@ -250,7 +252,11 @@ class RLWorker:
             dtype=self.config.model.compute_dtype,
             max_model_len=model_len,
             launcher=self.launcher,
-            gpu_memory_utilization=self.config.rollout.gpu_memory_utilization,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            expert_parallel=r.engine_expert_parallel,
+            tensor_parallel=r.engine_tensor_parallel,
+            lockstep=self.groups if r.engine_expert_parallel else None,
+            lora_targets=lc.targets,
         )
         moved, _ = self.sync_engine(engine, 0)
         if self.rank == 0:
@@ -353,7 +359,7 @@ class RLWorker:
         with AdapterSyncError naming the version."""
         if isinstance(engine, TorchEngine):
             return engine.load_adapter(None, version), None
-        moved = engine.load_adapter(self.adapter_tensors(), version)
+        moved = engine.load_adapter(self.engine_adapter_tensors(engine), version)
         ids, start = probe_ids(self.tokenizer)
         batch = build_sequences([ids[:start]], [ids[start:]], self.learner.pad_id).to(self.device)
         scored = batch.response_mask > 0
@@ -452,7 +458,7 @@ class RLWorker:
 
     def _evaluate(self, problems: list[Problem], samples: int, memory: str) -> list[dict]:
         ids = list(range(self.rank, len(problems), self.world_size))
-        if not ids and not self.groups.expert_parallel:  # under EP the engine keeps this rank in lockstep
+        if not ids and not self.groups.lockstep:  # the engine keeps this rank in lockstep
             return []
         records = heldout_records(
             self.producer,
@@ -471,6 +477,16 @@ class RLWorker:
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's adapter tensors under PEFT names (its expert block only, under expert parallelism)."""
         return self.state.adapter_tensors()
+
+    def engine_adapter_tensors(self, engine) -> dict[str, torch.Tensor]:
+        """The adapter tensors `engine` serves on this rank: this rank's own, or with the engine's experts sharded over
+        every worker (rollout.engine_expert_parallel) those outside the routed experts and the LoRA of the engine's
+        block of experts, from the rank that trains them (allsync/engines/engine_experts.py)."""
+        if engine.experts is None:
+            return self.adapter_tensors()
+        k, experts = self.layout.ep_size if self.layout is not None else 1, len(engine.experts) * self.world_size
+        g = self.groups
+        return exchange_engine_blocks(self.adapter_tensors(), self.rank, self.world_size, k, experts, g.world, g.device)
 
     def full_adapter_tensors(self) -> dict[str, torch.Tensor] | None:
         """The whole adapter on rank 0 (None on the others), in CPU memory: the controller exports it, and under

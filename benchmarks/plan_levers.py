@@ -9,7 +9,7 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
     shipped         recipes/configs/dapo_math_deepseek_v3_671b.yaml as shipped before the issue: vLLM with its own FP8
                     copy of the base, the trainer's frozen weights asleep in host memory while it generates
                     (--colocation sleep), each worker filling its own quota, each minibatch's rows where they were
-                    generated (not wired into the loop: the checker refuses vLLM's expert parallelism)
+                    generated (not run by the loop: vLLM's copy and the trainer's taking turns is not built)
     balanced        + optim.balance_ranks (lever 4: each minibatch's rows dealt over the workers by tokens)
     global fill     + algorithm.sampling_fill global (the workers fill the batch together)
     torch engine    one copy of the base (lever 1): the trainer's own model generates, EP 16 in lockstep over as many

@@ -263,13 +263,14 @@ def attach_adapter(model: torch.nn.Module, adapter: Adapter) -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------------------------- writing
-def with_all_expert_projections(adapter: Adapter, config: dict) -> Adapter:
-    """vLLM needs, in every MoE layer that has expert LoRA, all three projections of every expert: zeros fill gaps."""
+def with_all_expert_projections(adapter: Adapter, config: dict, experts: range | None = None) -> Adapter:
+    """vLLM needs, in every MoE layer that has expert LoRA, all three projections of every expert it holds (`experts`;
+    None: all of them): zeros fill gaps."""
     specs = expected_tensors(config)
     tensors = dict(adapter.tensors)
     layers = {int(m.split(".")[2]) for m in adapter.modules() if ".mlp.experts." in m}
     for layer in sorted(layers):
-        for e in range(config["n_routed_experts"]):
+        for e in experts if experts is not None else range(config["n_routed_experts"]):
             for proj in ("gate", "up", "down"):
                 module = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
                 if f"{PREFIX}{module}.lora_A.weight" not in tensors:

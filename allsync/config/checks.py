@@ -174,12 +174,25 @@ def check_engine_and_export(c: RunConfig, fail) -> None:
             f"{c.parallel.expert_parallel}: the second frozen copy is the torch engine's, without expert parallelism "
             "(vLLM serves the checkpoint as stored)"
         )
-    if c.parallel.expert_parallel > 1 and c.rollout.engine != "torch":
+    if c.parallel.expert_parallel > 1 and c.rollout.engine == "vllm" and not c.rollout.engine_expert_parallel:
         fail(
-            f"parallel.expert_parallel = {c.parallel.expert_parallel} with rollout.engine {c.rollout.engine}: the sharded "
-            "experts serve generation through the torch engine; vLLM's own expert parallelism is not wired in. Use torch "
-            "(`allsync plan --config ...` says whether the layout fits its GPUs either way)"
+            f"parallel.expert_parallel = {c.parallel.expert_parallel} with rollout.engine vllm and no "
+            "rollout.engine_expert_parallel: each worker's own engine would need every expert's LoRA, and a worker "
+            "trains only its block; set rollout.engine_expert_parallel: true (the engine's experts sharded too; "
+            "`allsync plan` says whether vLLM's copy of the base fits beside the trainer's)"
         )
+    if c.rollout.engine_expert_parallel:
+        p = c.parallel
+        if p.workers < 2 or p.layout != "colocated":
+            fail(
+                f"rollout.engine_expert_parallel with {p.workers} worker(s) and parallel.layout {p.layout}: the engine "
+                "spans the colocated workers; use 2 or more colocated workers"
+            )
+        if p.workers % c.rollout.engine_tensor_parallel:
+            fail(
+                f"rollout.engine_tensor_parallel = {c.rollout.engine_tensor_parallel} does not divide the {p.workers} "
+                "workers (the engine's data parallelism is workers / engine_tensor_parallel)"
+            )
 
 
 def check_algorithm_with_rollout(c: RunConfig, fail) -> None:
@@ -324,7 +337,31 @@ def config_with_model_checks(config: RunConfig, model_config: dict, source: str)
 
         if (reason := unsupported_here(model_config)) is not None:
             raise ConfigError(f"{source}: rollout.engine vllm with model.base {config.model.base}: {reason}")
+        from allsync.engines.vllm_support import triton_lora_kernels
+
+        linear = [t for t in config.lora.targets if t != "routed_experts"]
+        if linear and config.model.compute_dtype == "float32" and triton_lora_kernels():
+            raise ConfigError(
+                f"{source}: lora.targets {linear} with model.compute_dtype float32 and rollout.engine vllm: vLLM's "
+                "Triton LoRA kernels for linear layers take float16 / bfloat16 only (its routed experts' take "
+                "float32); use compute_dtype bfloat16, or lora.targets [routed_experts]"
+            )
     experts = model_config.get("n_routed_experts") or 0
+    if config.rollout.engine_expert_parallel:
+        from allsync.engines.vllm_engine import has_moe_layers
+
+        heads, tp = model_config.get("num_attention_heads", 1), config.rollout.engine_tensor_parallel
+        if heads % tp:
+            raise ConfigError(
+                f"{source}: rollout.engine_tensor_parallel = {tp} does not divide the {heads} attention heads of "
+                f"{config.model.base} (vLLM splits them over the tensor-parallel ranks)"
+            )
+        if not has_moe_layers(model_config) or experts % config.parallel.workers:
+            raise ConfigError(
+                f"{source}: rollout.engine_expert_parallel with model.base {config.model.base}: its "
+                f"{experts} routed experts must split evenly over the {config.parallel.workers} workers"
+                + ("" if has_moe_layers(model_config) else " (it has no MoE layer)")
+            )
     if experts % config.parallel.expert_parallel:
         raise ConfigError(
             f"{source}: parallel.expert_parallel = {config.parallel.expert_parallel} does not divide the "

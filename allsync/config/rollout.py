@@ -78,6 +78,14 @@ class RolloutSection:
     # the run stops naming the version (allsync/engines/sync_check.py).
     # None: 0.05 with the vllm engine (the torch engine shares the trainer's tensors: nothing to check)
     sync_probe_tolerance: float | None = None
+    # vllm under torchrun / accelerate launch: one vLLM engine over all the workers (vLLM's external launcher) with its
+    # routed experts sharded over every worker (wide expert parallelism: worker r holds the contiguous block r of
+    # E / workers, and the LoRA of those experts only), attention tensor-parallel over engine_tensor_parallel workers
+    # and data-parallel over the rest (each worker's own prompts: DP; a TP group generates its workers' prompts
+    # together). The trainer's parallel.expert_parallel may be smaller: each worker's engine block comes from the
+    # worker of its EP group that trains it (allsync/engines/engine_experts.py). False: each worker its own engine
+    engine_expert_parallel: bool = False
+    engine_tensor_parallel: int = 1
 
     @property
     def decode_batch_size(self) -> int:
@@ -158,6 +166,18 @@ class RolloutSection:
                 )
             if not 0 < self.gpu_memory_utilization <= 1:
                 fail(f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]")
+        if (self.engine_expert_parallel or self.engine_tensor_parallel != 1) and self.engine != "vllm":
+            fail(
+                f"rollout.engine_expert_parallel / engine_tensor_parallel with rollout.engine {self.engine}: they lay "
+                "out the vllm engine (the torch engine is the trainer's model, laid out by parallel.expert_parallel)"
+            )
+        if self.engine_tensor_parallel < 1:
+            fail(f"rollout.engine_tensor_parallel = {self.engine_tensor_parallel}: must be >= 1")
+        if self.engine_tensor_parallel > 1 and not self.engine_expert_parallel:
+            fail(
+                f"rollout.engine_tensor_parallel = {self.engine_tensor_parallel} without rollout.engine_expert_parallel: "
+                "the engine spans workers only with its experts sharded over them; set engine_expert_parallel: true"
+            )
         if self.merge_lora and self.engine != "torch":
             fail(
                 f"rollout.merge_lora with rollout.engine {self.engine}: only the torch engine generates with the "

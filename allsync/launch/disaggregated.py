@@ -33,6 +33,7 @@ TRAIN_KEYS = (
     "entropy_sum",
     "kl_ref_sum",
     "logprob_gap",
+    "logprob_gap_max",
     "trained_samples",
     "trained_tokens",
     "nan_steps",

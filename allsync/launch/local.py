@@ -38,6 +38,8 @@ class LocalGroup:
                 "in this process: a lost worker would be this process; use Ray with 2+ workers or torchrun "
                 "--max-restarts, or set them to 0 / null"
             )
+        if config.rollout.engine_expert_parallel:
+            return "rollout.engine_expert_parallel with --no-ray: one in-process worker; launch with torchrun"
         if config.parallel.expert_parallel > 1:
             return (
                 f"parallel.expert_parallel = {config.parallel.expert_parallel} with --no-ray: one in-process worker "

@@ -55,10 +55,17 @@ class Groups:
     rail: object | None = None  # the EP group's ranks at this rank's place on each node, likewise
     waited: float = 0.0
     device: torch.device = torch.device("cpu")
+    engine_lockstep: bool = False  # one rollout engine over all the ranks (rollout.engine_expert_parallel)
 
     @property
     def expert_parallel(self) -> bool:
         return self.layout is not None and self.layout.ep_size > 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Every rank makes every generate call (a rank with nothing of its own submits nothing): the trainer's
+        experts are sharded (the torch engine exchanges tokens) or one engine spans the ranks."""
+        return self.expert_parallel or self.engine_lockstep
 
     def all_reduce(self, tensor: torch.Tensor, group: str = "world", op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In place over `group` (world, ep or edp); time blocked in it goes to `waited`."""

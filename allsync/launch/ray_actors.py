@@ -60,8 +60,16 @@ class RayGroup:
         return not launched
 
     @staticmethod
-    def refusal(config: RunConfig, no_ray: bool, world_size: int | None) -> None:
-        """Ray runs any colocated config (a restart replaces a lost actor)."""
+    def refusal(config: RunConfig, no_ray: bool, world_size: int | None) -> str | None:
+        """Ray runs any colocated config (a restart replaces a lost actor) but one vLLM engine over the workers, which
+        vLLM builds from a launcher's environment (its external launcher: RANK, WORLD_SIZE and the default process
+        group torchrun / accelerate launch set up)."""
+        if config.rollout.engine_expert_parallel:
+            return (
+                "rollout.engine_expert_parallel under Ray: the one vLLM engine over the workers is vLLM's external "
+                "launcher, which torchrun or accelerate launch starts (one process per GPU); launch the recipe with "
+                "torchrun, or set engine_expert_parallel: false"
+            )
         return None
 
     @classmethod

@@ -63,7 +63,7 @@ def collect_groups(
     generated: list[Episode] = []
 
     def round_fn(_round: int) -> GroupBatch:
-        if groups.expert_parallel:
+        if groups.lockstep:
             groups.max_over_ranks(1)  # "I generate another round" (see serve_rounds)
         batch = group_batch(producer.generate(take_problems(groups_wanted)), group_size, a.filter_metric)
         generated.extend(batch.payloads)
@@ -113,10 +113,10 @@ def fill_groups(round_fn, groups_wanted: int, algorithm, groups, rank: int) -> t
 
 
 def serve_rounds(producer, groups) -> None:
-    """Expert parallelism: a rank whose batch is full keeps joining the generation rounds of ranks that are
-    still refilling, with nothing of its own, until every rank is done. Each round every rank calls
-    max_over_ranks once: 1 from a rank that generates, 0 from here."""
-    if not groups.expert_parallel:
+    """Ranks in lockstep (expert parallelism, in the trainer's engine or in vLLM's): a rank whose batch is full
+    keeps joining the generation rounds of ranks that are still refilling, with nothing of its own, until every
+    rank is done. Each round every rank calls max_over_ranks once: 1 from a rank that generates, 0 from here."""
+    if not groups.lockstep:
         return
     while groups.max_over_ranks(0):
         producer.generate([])

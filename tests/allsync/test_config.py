@@ -149,7 +149,8 @@ def test_shipped_configs_validate():
 
     configs = Path(__file__).parents[2] / "recipes" / "configs"
     big_path = configs / "dapo_math_deepseek_v3_671b.yaml"
-    # vLLM's expert parallelism is not wired into the loop yet: the 671B plan (vLLM, EP 16) is refused by name
+    # the 671B plan (vLLM, EP 16) names no rollout.engine_expert_parallel: its two copies of the base taking turns are
+    # not built, so it is refused by name
     with pytest.raises(ConfigError, match=r"expert_parallel = 16 with rollout.engine vllm"):
         load_config(big_path)
     big = parse_config(
@@ -344,3 +345,87 @@ def test_nan_from_yaml_is_refused(tmp_path):
     path.write_text("optim:\n  lr: .nan\n")
     with pytest.raises(ConfigError, match=r"optim\.lr = nan: must be a finite number"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"rollout": {"engine_expert_parallel": True}},
+            r"rollout\.engine_expert_parallel / engine_tensor_parallel with rollout\.engine torch",
+        ),
+        (
+            {"rollout": {"engine": "vllm", "engine_tensor_parallel": 2}},
+            r"rollout\.engine_tensor_parallel = 2 without rollout\.engine_expert_parallel",
+        ),
+        (
+            {"rollout": {"engine": "vllm"}, "parallel": {"expert_parallel": 2}},
+            r"parallel\.expert_parallel = 2 with rollout\.engine vllm and no rollout\.engine_expert_parallel",
+        ),
+        (
+            {
+                "rollout": {"engine": "vllm", "engine_expert_parallel": True},
+                "parallel": {"workers_per_node": 1},
+                "optim": {"minibatches": 1},
+            },
+            r"rollout\.engine_expert_parallel with 1 worker\(s\)",
+        ),
+        (
+            {
+                "rollout": {
+                    "engine": "vllm",
+                    "engine_expert_parallel": True,
+                    "engine_tensor_parallel": 4,
+                    "prompts_per_step": 6,
+                },
+                "parallel": {"workers_per_node": 6},
+            },
+            r"rollout\.engine_tensor_parallel = 4 does not divide the 6 workers",
+        ),
+    ],
+)
+def test_the_engine_layout_is_refused_naming_the_key(data, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data, "x.yaml")
+
+
+def test_an_engine_over_the_workers_needs_experts_that_split_over_them_and_a_launcher(monkeypatch):
+    """What the checkpoint must allow (every worker an equal block of its routed experts), where it is launched
+    (torchrun / accelerate launch, not Ray or one in-process worker), and vLLM's Triton LoRA kernels' dtypes
+    (linear layers: float16 / bfloat16 only), each refused naming the key before anything is built."""
+    from allsync.config import config_with_model_checks
+    from allsync.engines import vllm_support
+    from allsync.launch.local import LocalGroup
+    from allsync.launch.ray_actors import RayGroup
+
+    monkeypatch.setattr(vllm_support, "triton_lora_kernels", lambda: True)  # a GPU, or the CPU harness
+    moe = {"n_routed_experts": 4, "num_hidden_layers": 2, "first_k_dense_replace": 1}
+    rollout = {"engine": "vllm", "engine_expert_parallel": True}
+    c = parse_config({"rollout": rollout, "lora": {"targets": ["routed_experts"]}})
+    config_with_model_checks(c, moe, "x.yaml")
+    with pytest.raises(ConfigError, match=r"its 3 routed experts must split evenly over the 2 workers"):
+        config_with_model_checks(c, {**moe, "n_routed_experts": 3}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"\(it has no MoE layer\)"):
+        config_with_model_checks(c, {**moe, "first_k_dense_replace": 2}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"lora\.targets \['o_proj'\] with model\.compute_dtype float32"):
+        config_with_model_checks(
+            parse_config({"rollout": rollout, "lora": {"targets": ["o_proj", "routed_experts"]}}), moe, "x.yaml"
+        )
+    tp2 = parse_config({"rollout": {**rollout, "engine_tensor_parallel": 2}, "lora": {"targets": ["routed_experts"]}})
+    with pytest.raises(ConfigError, match=r"rollout\.engine_tensor_parallel = 2 does not divide the 3 attention heads"):
+        config_with_model_checks(tp2, {**moe, "num_attention_heads": 3}, "x.yaml")
+    assert "rollout.engine_expert_parallel under Ray" in RayGroup.refusal(c, False, None)
+    assert "rollout.engine_expert_parallel with --no-ray" in LocalGroup.refusal(c, True, None)
+
+
+def test_vllm_target_modules_name_what_vllm_matches():
+    from allsync.engines.vllm_support import vllm_target_modules
+
+    assert vllm_target_modules(["q_a_proj", "kv_a_proj_with_mqa", "shared_experts", "routed_experts"]) == [
+        "down_proj",
+        "experts",
+        "gate_proj",
+        "kv_a_proj_with_mqa",
+        "q_a_proj",
+        "up_proj",
+    ]

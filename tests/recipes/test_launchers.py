@@ -123,7 +123,7 @@ def test_checkpoint_at_ep2_resumes_at_ep1(warm_tiny, ray_run, ray_cluster, tmp_p
         for key, value in want[step].items():
             if key in EXACT:
                 assert got[step][key] == value, (step, key)
-            elif isinstance(value, float) and key != "logprob_gap":  # the same sums in another order: ~1e-7 apart
+            elif isinstance(value, float) and not key.startswith("logprob_gap"):  # the same sums in another order
                 assert math.isclose(got[step][key], value, rel_tol=1e-4, abs_tol=1e-6), (
                     step,
                     key,
