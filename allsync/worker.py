@@ -253,7 +253,6 @@ class RLWorker:
             max_model_len=model_len,
             launcher=self.launcher,
             gpu_memory_utilization=r.gpu_memory_utilization,
-            expert_parallel=r.engine_expert_parallel,
             tensor_parallel=r.engine_tensor_parallel,
             lockstep=self.groups if r.engine_expert_parallel else None,
             lora_targets=lc.targets,

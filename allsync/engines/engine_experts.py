@@ -18,12 +18,14 @@ import re
 
 import torch
 
+from moe_lora.expert_parallel import ExpertLayout
+
 EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 def engine_block(rank: int, world: int, num_experts: int) -> range:
-    per = num_experts // world
-    return range(rank * per, (rank + 1) * per)
+    """The trainer's own layout with every rank in one EP group of W (ExpertLayout: E / W experts a rank)."""
+    return ExpertLayout(world, world, num_experts).experts_of(rank)
 
 
 def block_source(rank: int, world: int, trainer_ep: int) -> int:

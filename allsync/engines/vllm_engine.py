@@ -38,7 +38,7 @@ on CPU the vLLM engine serves dense checkpoints; the torch engine covers the res
 MoE LoRA on the CPU through a harness (tests/vllm_moe_lora_cpu.py, Triton's interpreter): it switches on what a GPU
 has (Triton, the GPU punica wrapper), which is what `vllm_support.triton_lora_kernels` reads, so the same checks hold.
 
-One engine over all the workers (rollout.engine_expert_parallel, `expert_parallel` here): vLLM's external launcher
+One engine over all the workers (rollout.engine_expert_parallel: `lockstep` given here): vLLM's external launcher
 with the launcher's W ranks as TP x DP, expert parallelism over all W (rank r holds engine_experts.engine_block(r)
 and the LoRA of those experts only), allsync's fix of vLLM's LoRA under DP (vllm_dp_lora.py), the TP group's
 requests submitted by each of its ranks (`tensor_parallel_requests`), and the ranks' generate calls agreed
@@ -117,7 +117,6 @@ class VLLMEngine:
         max_model_len: int,
         launcher: bool = False,
         gpu_memory_utilization: float | None = None,
-        expert_parallel: bool = False,
         tensor_parallel: int = 1,
         lockstep=None,
         lora_targets: list[str] | None = None,
@@ -125,11 +124,11 @@ class VLLMEngine:
         """launcher: this process is one rank of torchrun / accelerate launch. vLLM then runs as that rank
         (`external_launcher`: it takes the launcher's default process group as its world, its device from
         LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own.
-        expert_parallel (rollout.engine_expert_parallel, under a launcher): one engine over the launcher's W ranks
+        lockstep (rollout.engine_expert_parallel, under a launcher): the workers' groups
+        (allsync.launch.process_groups.Groups, for `agreed_rounds`); given, one engine spans the launcher's W ranks
         instead, its routed experts sharded over all of them (rank r: engine_experts.engine_block), attention
         tensor-parallel over `tensor_parallel` consecutive ranks and data-parallel over W / tensor_parallel; with
         data parallelism allsync's fix of vLLM 0.32's LoRA under DP (allsync/engines/vllm_dp_lora.py) is applied.
-        lockstep: the workers' groups (allsync.launch.process_groups.Groups), for `agreed_rounds`.
         lora_targets: lora.targets, the only modules vLLM gives LoRA layers (None: every module it can adapt).
         gpu_memory_utilization: rollout.gpu_memory_utilization; on a GPU None derives it from the memory left
         free by the trainer (`memory_share`), and a share that cannot hold the KV cache is refused."""
@@ -138,6 +137,7 @@ class VLLMEngine:
             raise ValueError(f"vLLM engine on {checkpoint}: {reason}")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         world = int(os.environ.get("WORLD_SIZE", "1")) if launcher else 1
+        expert_parallel = lockstep is not None
         if expert_parallel and (world < 2 or world % tensor_parallel):
             raise ValueError(
                 f"rollout.engine_expert_parallel needs a launcher's 2 or more ranks (WORLD_SIZE {world}) that "
