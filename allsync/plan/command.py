@@ -100,6 +100,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "H200, until a GPU measures the decode kernels)",
     )
     p.add_argument(
+        "--vllm-decode-factor",
+        type=float,
+        help="vLLM's decode step over the plan's roofline (default: the slowest of the published DeepSeek-V3 runs "
+        "that state their batch and context, allsync/plan/vllm_decode.py)",
+    )
+    p.add_argument(
+        "--expert-lora-share",
+        type=float,
+        help="share of no-LoRA decode vLLM keeps with LoRA on the routed experts (default 0.62, SGLang's Triton "
+        "MoE-LoRA backend; its fast path reaches 0.78-0.89)",
+    )
+    p.add_argument(
         "--margin",
         type=float,
         default=DEFAULT_MARGIN,
@@ -183,7 +195,19 @@ def hardware_of(args: argparse.Namespace):
     share = args.decode_flops_share
     if share is not None and not 0 < share <= 1:
         raise ValueError(f"--decode-flops-share {share}: a share of the peak, in (0, 1]")
-    return replace(hw, gpus_per_node=args.gpus_per_node, decode_flops_share=share, **links)
+    if args.vllm_decode_factor is not None and args.vllm_decode_factor <= 0:
+        raise ValueError(f"--vllm-decode-factor {args.vllm_decode_factor}: must be > 0")
+    lora_share = args.expert_lora_share
+    if lora_share is not None and not 0 < lora_share <= 1:
+        raise ValueError(f"--expert-lora-share {lora_share}: a share of no-LoRA decode, in (0, 1]")
+    return replace(
+        hw,
+        gpus_per_node=args.gpus_per_node,
+        decode_flops_share=share,
+        vllm_decode_factor=args.vllm_decode_factor,
+        expert_lora_decode_share=lora_share,
+        **links,
+    )
 
 
 def model_config_of(run, shape: str | None) -> dict:
@@ -286,6 +310,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
     out["decode_flops_share"] = hw.decode_flops_share  # None: the training share
+    out["vllm_step_factor"] = hw.vllm_step_factor("routed_experts" in run.lora.targets)  # over the roofline
     out["response_lengths"] = work.lengths.description
     out["kept_groups"], out["conversations"], out["turns"] = work.kept_groups, work.conversations, work.turns
     out["train_efficiency_points"] = {  # (tokens per forward, share of the peak), measured (hardware.py)
@@ -294,7 +319,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if plan.kv_cache_tokens >= plan.sequence_tokens:
         draws = [colocated_steps(run, model_config, layout, plan, hw, replace(work, seed=d)) for d in range(args.draws)]
         steps = mean_over_draws(draws)
-        print(format_steps(steps, work, hw, plan.fits))
+        print(format_steps(steps, work, hw, plan.fits, run))
         out["step_seconds"] = steps[0].seconds
         out["schedules"] = [s.to_json() for s in steps]
     else:
@@ -312,14 +337,17 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def format_steps(steps, work, hw, fits: bool) -> str:
-    """The estimated step time of the planned layout, per schedule that applies to it."""
+def format_steps(steps, work, hw, fits: bool, run=None) -> str:
+    """The estimated step time of the planned layout, per schedule that applies to it (`run`: vLLM's decode factor
+    said where it generates)."""
     head = "estimated step time" + ("" if fits else " (if it fit)")
     lines = [f"{head} on {hw.name} GPUs, responses {work.lengths.description}, prompts {work.prompt_tokens:,} tokens:"]
     if hw.decode_flops_share is None:
         lines.append("  (decode FLOPs at the training share of the peak, measured on an H200; --decode-flops-share)")
     else:
         lines.append(f"  (decode FLOPs at {hw.decode_flops_share:.0%} of the peak: --decode-flops-share, assumed)")
+    if run is not None and run.rollout.engine == "vllm":
+        lines.append(vllm_factor_line(hw, "routed_experts" in run.lora.targets))
     for s in steps:
         built = ("" if s.built else ", modelled, not built") + (f" ({s.note})" if s.note else "")
         parts = ", ".join(f"{k} {v:,.0f} s" for k, v in s.parts.items() if v >= 0.5)
@@ -332,3 +360,18 @@ def format_steps(steps, work, hw, fits: bool) -> str:
             f"GPU time idle ({parts})"
         )
     return "\n".join(lines)
+
+
+def vllm_factor_line(hw, routed_expert_lora: bool) -> str:
+    """How the plan prices vLLM's decode step (allsync/plan/vllm_decode.py)."""
+    from allsync.plan.vllm_decode import EXPERT_LORA_DECODE_SHARE, vllm_decode_factor
+
+    factor = hw.vllm_decode_factor if hw.vllm_decode_factor is not None else vllm_decode_factor()
+    source = "--vllm-decode-factor" if hw.vllm_decode_factor is not None else "published DeepSeek-V3 runs"
+    line = (
+        f"  (vLLM's decode step at {hw.vllm_step_factor(routed_expert_lora):.2f}x the roofline: {factor:.2f} ({source})"
+    )
+    if routed_expert_lora:
+        share = hw.expert_lora_decode_share if hw.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
+        line += f" over {share:.2f}, the share of no-LoRA decode expert LoRA keeps (--expert-lora-share)"
+    return line + ")"

@@ -31,7 +31,14 @@ import numpy as np
 
 from allsync.balance import dealt
 from allsync.plan import schedules
-from allsync.plan.fit import Layout, Plan, decode_cache_is_expanded, kv_bytes_per_token, kv_step_bytes_per_token
+from allsync.plan.fit import (
+    Layout,
+    Plan,
+    decode_cache_is_expanded,
+    engine_expert_parallel,
+    kv_bytes_per_token,
+    kv_step_bytes_per_token,
+)
 from allsync.plan.hardware import Hardware
 from allsync.plan.lengths import ResponseLengths
 from allsync.plan.step_time import (
@@ -255,6 +262,7 @@ def generator_cost(
         graphed=(hw.decode_factors or GRAPHED_H200) if engine == "torch" else None,
         fp8_linears_read_once=engine == "torch" and run.rollout.fp8_linear_kernel == "scaled_mm",
         fp8_linear_params=fp8_gemm_values(model_config, run.model.quant.plan()),
+        engine_factor=hw.vllm_step_factor("routed_experts" in run.lora.targets) if engine == "vllm" else 1.0,
     )
 
 
@@ -504,8 +512,14 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     run, cut = within_kv_room(run, plan)
     ep, gpus = layout.expert_parallel, layout.gpus
     own_copy = run.rollout.engine == "vllm" and layout.colocation != "shared"
+    engine_ep = engine_expert_parallel(run, layout)  # the generator's group: the engine's, ranks in lockstep
     cost = generator_cost(
-        run, model_config, hw, ep, generator_bytes(model_config, ep, own_copy, plan.per_gpu_bytes), own_copy
+        run,
+        model_config,
+        hw,
+        engine_ep,
+        generator_bytes(model_config, engine_ep, own_copy, plan.per_gpu_bytes),
+        own_copy,
     )
     if layout.colocation == "shared":
         routed_format = stored_plan(model_config).format_of("routed_experts")
@@ -520,12 +534,12 @@ def colocated_steps(run, model_config: dict, layout: Layout, plan: Plan, hw: Har
     fixed = {"sleep transfers": plan.sleep_seconds} if plan.sleep_seconds else {}
     if run.rollout.engine == "vllm":
         fixed["adapter sync"] = plan.per_gpu_bytes["lora"] * ADAPTER_LOAD_SECONDS_PER_BYTE
-    gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, cost, ep)
+    gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, cost, engine_ep)
     out = [schedules.all_sync(gen, train, fixed, training.wall + grad_sync)]
     if cost.fixed_shapes:
         out[0].note = graphed_note(cost)
     for schedule, variant in graphed_variants(run, model_config, cost):  # what the settings not set would give
-        gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, variant, ep)
+        gen = generate_phase(run, sampling, work, plan.kv_cache_tokens, variant, engine_ep)
         out.append(schedules.all_sync(gen, train, fixed, training.wall + grad_sync))
         out[-1].schedule, out[-1].note = schedule, graphed_note(variant)
     if cut is not None:

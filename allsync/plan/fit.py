@@ -261,6 +261,16 @@ def tokens_per_forward(run, sequences: int, sequence_tokens: int) -> int:
     return max(sequences // run.optim.minibatches, 1) * sequence_tokens
 
 
+def engine_expert_parallel(run, layout: Layout) -> int:
+    """vLLM's expert-parallel group on `layout`: every GPU with rollout.engine_expert_parallel (one engine over all
+    the workers, each holding n_routed_experts / GPUs experts: allsync/engines/engine_experts.py), else the
+    trainer's (the checker refuses vLLM at a trainer EP above 1 without it, so 1 wherever the loop runs it)."""
+    r = run.rollout
+    if r.engine == "vllm" and r.engine_expert_parallel and layout.colocation != "shared":
+        return layout.gpus
+    return layout.expert_parallel
+
+
 def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan:
     """The Plan of `run` (a RunConfig) on `layout` for the checkpoint `model_config`; `traces`: the run's activation
     traces (the expert-parallel path's when layout.expert_parallel > 1, and the critic's)."""
@@ -280,10 +290,11 @@ def plan_run(run, model_config: dict, layout: Layout, traces: RunTraces) -> Plan
     engine = {name: 0 for name in ENGINE_PARTS}
     reserve = 0
     if vllm:
-        extra = engine_extra_bytes(run, model_config, ep)
+        engine_ep = engine_expert_parallel(run, layout)
+        extra = engine_extra_bytes(run, model_config, engine_ep)
         reserve = extra.pop("engine_reserve")
         engine.update(extra)
-        engine["engine_weights"] = 0 if shared else sum(engine_bytes(model_config, ep).values())
+        engine["engine_weights"] = 0 if shared else sum(engine_bytes(model_config, engine_ep).values())
     per_gpu.update(engine)
 
     kv_token = kv_bytes_per_token(model_config, r.engine, r.kv_cache_dtype)

@@ -14,6 +14,9 @@ Sources:
                                           and NF4's
     decode_bandwidth_efficiency           assumed 0.7 of HBM bandwidth for a decode step's weight and KV reads (not
                                           measured here: the lent GPUs have no vLLM)
+    vLLM's decode step                    the roofline times the factor published DeepSeek-V3 serving runs measure
+                                          against it, over the share of no-LoRA decode expert LoRA keeps (sources
+                                          and numbers in vllm_decode.py)
     decode_flops_share                    assumed: the share of the peak a decode step's FLOPs run at (the weights'
                                           matmuls of its rows, the latent attention's 17 MFLOP a cached token at
                                           DeepSeek-V3's shape); None takes train_efficiency's (the measured training
@@ -66,6 +69,19 @@ class Hardware:
     # the torch engine's graphed decode step over its rooflines (torch_decode.GraphedDecodeFactors); None: as measured
     # on the H200 (torch_decode.GRAPHED_H200). Another: what the step would be with faster kernels (a what-if)
     decode_factors: object | None = None
+    # vLLM's decode step over the roofline (vllm_decode.py); None: the published runs' (vllm_decode_factor())
+    vllm_decode_factor: float | None = None
+    # the share of no-LoRA decode vLLM keeps with LoRA on the routed experts; None: vllm_decode.EXPERT_LORA_DECODE_SHARE
+    expert_lora_decode_share: float | None = None
+
+    def vllm_step_factor(self, routed_expert_lora: bool) -> float:
+        """vLLM's decode step over the plan's roofline: the published runs' factor, over the expert-LoRA share
+        where the routed experts carry LoRA (vllm_decode.py)."""
+        from allsync.plan.vllm_decode import EXPERT_LORA_DECODE_SHARE, vllm_decode_factor
+
+        factor = self.vllm_decode_factor if self.vllm_decode_factor is not None else vllm_decode_factor()
+        share = self.expert_lora_decode_share if self.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
+        return factor / share if routed_expert_lora else factor
 
     def train_efficiency(self, routed_format: str, tokens: float | None = None) -> float:
         """The share of the peak a training forward of `tokens` (padded) tokens reaches (None: the largest measured

@@ -30,7 +30,15 @@ from allsync.config.checks import sampler_unlike_trainer
 from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
 from allsync.plan.activations import RunTraces
 from allsync.plan.estimate import Workload, colocated_steps, generator_bytes, split_steps
-from allsync.plan.fit import COLOCATIONS, Layout, engine_extra_bytes, kv_bytes_per_token, plan_run, tokens_per_forward
+from allsync.plan.fit import (
+    COLOCATIONS,
+    Layout,
+    engine_expert_parallel,
+    engine_extra_bytes,
+    kv_bytes_per_token,
+    plan_run,
+    tokens_per_forward,
+)
 from allsync.plan.hardware import Hardware
 from allsync.plan.schedules import StepTime
 from allsync.plan.weights import critic_bytes, trainer_bytes
@@ -57,12 +65,16 @@ def missing_wiring(run, gpus: int, gpus_per_node: int, expert_parallel: int, lay
     return None
 
 
-def not_built(run, step: StepTime, layout: dict, gpus_per_node: int) -> list[str]:
-    """What of a candidate the loop does not run today: its schedule, its colocation, or what the config checker
-    refuses in the config laid out this way."""
+def not_built(run, step: StepTime, layout: dict, gpus_per_node: int, experts: int = 0) -> list[str]:
+    """What of a candidate the loop does not run today: its schedule, its colocation, vLLM's `experts` routed
+    experts in uneven blocks, or what the config checker refuses in the config laid out this way."""
     out = [] if step.built else [f"the {step.schedule} schedule"]
     if layout.get("colocation") in COLOCATION_NOT_BUILT and run.rollout.engine == "vllm":
         out.append(COLOCATION_NOT_BUILT[layout["colocation"]])
+    engine_ep = layout.get("engine_expert_parallel")
+    if engine_ep and engine_ep > 1 and run.rollout.engine_expert_parallel:
+        uneven = uneven_engine_blocks(experts, engine_ep)
+        out += [uneven] if uneven else []
     if "generators" in layout:
         if layout["generators"] != layout["trainers"]:
             out.append("an uneven split (parallel.layout disaggregated halves the workers)")
@@ -71,6 +83,17 @@ def not_built(run, step: StepTime, layout: dict, gpus_per_node: int) -> list[str
     else:
         refusal = missing_wiring(run, layout["gpus"], gpus_per_node, layout["expert_parallel"], "colocated")
     return out + ([refusal] if refusal else [])
+
+
+def uneven_engine_blocks(experts: int, engine_ep: int) -> str | None:
+    """What the loop lacks for vLLM's `experts` over `engine_ep` GPUs when they do not split evenly (None: they do)."""
+    if experts % engine_ep == 0:
+        return None
+    low = experts // engine_ep
+    return (
+        f"the engine's {experts} routed experts in uneven blocks over {engine_ep} GPUs ({low + 1} or {low} each, as "
+        "vLLM places them; allsync's engine blocks split evenly)"
+    )
 
 
 @dataclass
@@ -93,7 +116,11 @@ class Candidate:
         fp8 = ", FP8" if lay.get("kv_cache") == "fp8" else ""
         paged = f" sharing {lay['kv_cache_tokens']:,} tokens" if lay.get("kv_cache_tokens") else ""
         slots = f" ({lay['decode_batch']} KV slots{paged}{fp8})" if lay.get("decode_batch") else ""
-        return f"engine {lay['engine']}{slots}, EP {lay['expert_parallel']}, colocation {lay['colocation']}{offload}"
+        engine_ep = f" (engine EP {lay['engine_expert_parallel']})" if lay.get("engine_expert_parallel") else ""
+        return (
+            f"engine {lay['engine']}{slots}, EP {lay['expert_parallel']}{engine_ep}, colocation {lay['colocation']}"
+            f"{offload}"
+        )
 
     def to_json(self) -> dict:
         return {**self.step.to_json(), "layout": self.layout, "memory": self.memory, "not_built": self.not_built}
@@ -137,38 +164,55 @@ def planned_with_slots(
     return run, plan
 
 
-def colocated(run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
+def engine_spans(vllm: bool, gpus: int, expert_parallel: int, colocation: str) -> tuple[bool, ...]:
+    """rollout.engine_expert_parallel values a colocated layout can run with: vLLM one engine per worker (every
+    expert in each: only without trainer expert parallelism, or reading the trainer's tensors, colocation shared)
+    and one engine over all the GPUs (experts over every one); the torch engine has no such setting."""
+    if not vllm:
+        return (False,)
+    per_worker = (False,) if expert_parallel == 1 or colocation == "shared" else ()
+    return per_worker + ((True,) if gpus > 1 and colocation != "shared" else ())
+
+
+def colocated(config_run, model_config, hw: Hardware, gpus: int, traces: RunTraces, work: Workload, base: Layout):
     """(candidates, refusals): every expert-parallel size and colocation on `gpus` GPUs."""
     found, refused = [], []
-    colocations = COLOCATIONS if run.rollout.engine == "vllm" else ("resident",)
-    for ep in divisors(gpus, model_config["n_routed_experts"]):
-        for colocation in colocations:
-            layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
-            label = f"EP {ep}, colocation {colocation}"
-            for slots in PAGED_SLOTS:  # more slots than the default only where they share the room in pages
-                here, plan = planned_with_slots(run, model_config, layout, traces, slots=slots)
-                paged = here.rollout.kv_cache_tokens is not None and run.rollout.decode_batch is None
-                if not plan.fits:
-                    if slots == DEFAULT_DECODE_BATCH:
-                        refused.append((label, plan.problems[0]))
-                else:
-                    memory = {"peak_bytes": plan.total_bytes, "sequences_in_kv": plan.sequences_at_once}
-                    described = {
-                        "engine": run.rollout.engine,
-                        "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
-                        "kv_cache_tokens": here.rollout.kv_cache_tokens,
-                        "kv_cache": run.rollout.kv_cache_dtype,
-                        "gpus": gpus,
-                        "expert_parallel": ep,
-                        "colocation": colocation,
-                        "activation_offload": run.optim.activation_offload,
-                    }
-                    for step in colocated_steps(here, model_config, layout, plan, hw, work):
-                        found.append(
-                            Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node))
-                        )
-                if not paged:
-                    break
+    vllm, experts = config_run.rollout.engine == "vllm", model_config["n_routed_experts"]
+    colocations = COLOCATIONS if vllm else ("resident",)
+    for ep, colocation, engine_wide in (
+        (ep, c, w) for ep in divisors(gpus, experts) for c in colocations for w in engine_spans(vllm, gpus, ep, c)
+    ):
+        run = config_run
+        if vllm:
+            run = replace(run, rollout=replace(run.rollout, engine_expert_parallel=engine_wide))
+        layout = replace(base, gpus=gpus, expert_parallel=ep, colocation=colocation)
+        engine_ep = engine_expert_parallel(run, layout)
+        label = f"EP {ep}" + (f" (engine EP {engine_ep})" if vllm else "") + f", colocation {colocation}"
+        for slots in PAGED_SLOTS:  # more slots than the default only where they share the room in pages
+            here, plan = planned_with_slots(run, model_config, layout, traces, slots=slots)
+            paged = here.rollout.kv_cache_tokens is not None and run.rollout.decode_batch is None
+            if not plan.fits:
+                if slots == DEFAULT_DECODE_BATCH:
+                    refused.append((label, plan.problems[0]))
+            else:
+                memory = {"peak_bytes": plan.total_bytes, "sequences_in_kv": plan.sequences_at_once}
+                described = {
+                    "engine": run.rollout.engine,
+                    "decode_batch": here.rollout.decode_batch if run.rollout.engine == "torch" else None,
+                    "kv_cache_tokens": here.rollout.kv_cache_tokens,
+                    "kv_cache": run.rollout.kv_cache_dtype,
+                    "gpus": gpus,
+                    "expert_parallel": ep,
+                    "engine_expert_parallel": engine_ep if vllm else None,
+                    "colocation": colocation,
+                    "activation_offload": run.optim.activation_offload,
+                }
+                for step in colocated_steps(here, model_config, layout, plan, hw, work):
+                    found.append(
+                        Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node, experts))
+                    )
+            if not paged:
+                break
     return found, refused
 
 

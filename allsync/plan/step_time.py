@@ -260,6 +260,8 @@ class DecodeCost:
     fp8_linear_params: float = 0.0
     # the graphed step's measured time over this roofline (torch_decode.GRAPHED_H200); None: the roofline alone
     graphed: GraphedDecodeFactors | None = None
+    # vLLM's step over the roofline (allsync/plan/vllm_decode.py: published runs' factor / the expert-LoRA share)
+    engine_factor: float = 1.0
 
     def touched(self, batch: float) -> float:
         """Share of the held routed experts a decode step's tokens reach: 1 - (1 - k / E)^(B x EP)."""
@@ -306,7 +308,7 @@ class DecodeCost:
         if self.measured is not None:
             measured = self.measured.step_seconds(self.config, batch, context, self.expert_parallel, self.routed_format)
             roofline = max(roofline, measured)
-        return roofline + a2a_seconds
+        return (roofline + a2a_seconds) * self.engine_factor
 
     def gathered_exchange_seconds(self, batch: float) -> float:
         """The fixed-shape step's expert exchange (moe_lora.expert_parallel's `fixed_shape`: equal splits, no host

@@ -190,8 +190,9 @@ def routed_lora_values(config: dict, rank: int, experts: range | None, expert_la
 
 
 def held_experts(model_config: dict, expert_parallel: int) -> range | None:
-    """The routed experts one GPU holds under expert parallelism (a block of n_routed_experts / EP; None: all)."""
-    return range(model_config["n_routed_experts"] // expert_parallel) if expert_parallel > 1 else None
+    """The routed experts the busiest GPU holds under expert parallelism (a block of ceil(n_routed_experts / EP), as
+    vLLM places experts that do not split evenly; the trainer's EP divides them; None: all)."""
+    return range(-(-model_config["n_routed_experts"] // expert_parallel)) if expert_parallel > 1 else None
 
 
 def stored_plan(model_config: dict) -> QuantPlan:

@@ -681,7 +681,7 @@ def test_search_ranks_the_layouts_that_fit_and_says_what_the_loop_does_not_run(t
         peaks = [v for k, v in c["memory"].items() if k.endswith("peak_bytes")]
         assert all(p <= 0.95 * 81089 * 2**20 for p in peaks)
         if c["layout"]["engine"] == "vllm":
-            assert c["not_built"]  # no 671B vLLM layout runs in the loop today (the copies taking turns: issue 71)
+            assert c["not_built"]  # no 671B vLLM layout runs on 48 GPUs (copies taking turns, uneven experts: issue 71)
     # issue 46: the torch engine's layouts beside vLLM's (one copy of the base, as many KV slots as fit), eager and
     # with rollout.decode_graphs, both as measured on an H200 (allsync.plan.torch_decode)
     torch_engine = [c for c in ranked if c["layout"]["engine"] == "torch"]
