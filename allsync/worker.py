@@ -483,9 +483,9 @@ class RLWorker:
         block of experts, from the rank that trains them (allsync/engines/engine_experts.py)."""
         if engine.experts is None:
             return self.adapter_tensors()
-        k, experts = self.layout.ep_size if self.layout is not None else 1, len(engine.experts) * self.world_size
-        g = self.groups
-        return exchange_engine_blocks(self.adapter_tensors(), self.rank, self.world_size, k, experts, g.world, g.device)
+        k, g = self.layout.ep_size if self.layout is not None else 1, self.groups
+        tensors = self.adapter_tensors()
+        return exchange_engine_blocks(tensors, self.rank, self.world_size, k, engine.num_experts, g.world, g.device)
 
     def full_adapter_tensors(self) -> dict[str, torch.Tensor] | None:
         """The whole adapter on rank 0 (None on the others), in CPU memory: the controller exports it, and under

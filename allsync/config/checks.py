@@ -356,10 +356,10 @@ def config_with_model_checks(config: RunConfig, model_config: dict, source: str)
                 f"{source}: rollout.engine_tensor_parallel = {tp} does not divide the {heads} attention heads of "
                 f"{config.model.base} (vLLM splits them over the tensor-parallel ranks)"
             )
-        if not has_moe_layers(model_config) or experts % config.parallel.workers:
+        if not has_moe_layers(model_config) or experts < config.parallel.workers:
             raise ConfigError(
                 f"{source}: rollout.engine_expert_parallel with model.base {config.model.base}: its "
-                f"{experts} routed experts must split evenly over the {config.parallel.workers} workers"
+                f"{experts} routed experts must give each of the {config.parallel.workers} workers one at least"
                 + ("" if has_moe_layers(model_config) else " (it has no MoE layer)")
             )
     if experts % config.parallel.expert_parallel:

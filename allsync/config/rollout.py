@@ -79,8 +79,9 @@ class RolloutSection:
     # None: 0.05 with the vllm engine (the torch engine shares the trainer's tensors: nothing to check)
     sync_probe_tolerance: float | None = None
     # vllm under torchrun / accelerate launch: one vLLM engine over all the workers (vLLM's external launcher) with its
-    # routed experts sharded over every worker (wide expert parallelism: worker r holds the contiguous block r of
-    # E / workers, and the LoRA of those experts only), attention tensor-parallel over engine_tensor_parallel workers
+    # routed experts sharded over every worker (wide expert parallelism: worker r holds the contiguous block r, E /
+    # workers experts or, where they do not split evenly, one more on the first E mod workers, as vLLM places them,
+    # and the LoRA of those experts only), attention tensor-parallel over engine_tensor_parallel workers
     # and data-parallel over the rest (each worker's own prompts: DP; a TP group generates its workers' prompts
     # together). The trainer's parallel.expert_parallel may be smaller: each worker's engine block comes from the
     # worker of its EP group that trains it (allsync/engines/engine_experts.py). False: each worker its own engine

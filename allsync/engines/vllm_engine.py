@@ -48,10 +48,11 @@ requests submitted by each of its ranks (`tensor_parallel_requests`), and the ra
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
-from allsync.engines.engine_experts import engine_block
+from allsync.engines.engine_experts import engine_block, renamed_experts, vllm_lora_names
 from allsync.engines.sync_check import adapter_checksum
 from allsync.engines.torch_engine import Rollout, Sampling
 from allsync.engines.vllm_support import vllm_engine_kwargs, vllm_target_modules
@@ -157,7 +158,19 @@ class VLLMEngine:
 
                 apply_dp_lora_fix()  # before the engine is built; refuses another vLLM version
         rank = int(os.environ.get("RANK", "0"))
-        self.experts = engine_block(rank, world, model_config["n_routed_experts"]) if expert_parallel else None
+        self.num_experts = model_config.get("n_routed_experts") or 0
+        self.experts = engine_block(rank, world, self.num_experts) if expert_parallel else None
+        # where vLLM 0.32's LoRA path reads this rank's experts (engine_experts.vllm_lora_names), checked for it only
+        self.lora_names = vllm_lora_names(rank, world, self.num_experts) if expert_parallel else None
+        if expert_parallel and self.num_experts % world:
+            from allsync.engines.vllm_dp_lora import PATCHED_VLLM, installed_vllm
+
+            if (found := installed_vllm()) != PATCHED_VLLM:
+                raise RuntimeError(
+                    f"vLLM {found}: {self.num_experts} routed experts over {world} engine ranks split unevenly, and "
+                    f"allsync names each rank's expert LoRA where vLLM {PATCHED_VLLM}'s LoRA path reads it "
+                    "(docs/vllm-dp-moe-lora.md): use that version, or a worker count that divides the experts"
+                )
         self.lockstep = lockstep
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -301,6 +314,8 @@ class VLLMEngine:
 
         # vLLM wants all three projections of every expert it holds (this rank's block under expert parallelism)
         served = with_all_expert_projections(adapter, read_config(self.checkpoint), self.experts)
+        if self.lora_names is not None:  # each held expert's LoRA where vLLM reads it (the identity when even)
+            served = replace(served, tensors=renamed_experts(served.tensors, self.lora_names))
         lora_id = version + 1  # vLLM's adapter ids start at 1
         config = adapter_config_json(served, self.checkpoint)
         self.sent_checksum = adapter_checksum(served.tensors)

@@ -233,6 +233,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from allsync.plan.lengths import parse_lengths
     from allsync.plan.schedules import mean_over_draws
     from allsync.plan.search import format_search, search
+    from allsync.plan.vllm_decode import vllm_step_factor
 
     run, refusal = load_config_for_planning(args.config)
     if args.prompts_per_step is not None:
@@ -310,7 +311,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     out = {**plan.to_json(), "refused": str(refusal) if refusal else None, "hardware": hw.name}
     out["decode_flops_share"] = hw.decode_flops_share  # None: the training share
-    out["vllm_step_factor"] = hw.vllm_step_factor("routed_experts" in run.lora.targets)  # over the roofline
+    out["vllm_step_factor"] = vllm_step_factor(hw, "routed_experts" in run.lora.targets)  # over the roofline
     out["response_lengths"] = work.lengths.description
     out["kept_groups"], out["conversations"], out["turns"] = work.kept_groups, work.conversations, work.turns
     out["train_efficiency_points"] = {  # (tokens per forward, share of the peak), measured (hardware.py)
@@ -364,13 +365,11 @@ def format_steps(steps, work, hw, fits: bool, run=None) -> str:
 
 def vllm_factor_line(hw, routed_expert_lora: bool) -> str:
     """How the plan prices vLLM's decode step (allsync/plan/vllm_decode.py)."""
-    from allsync.plan.vllm_decode import EXPERT_LORA_DECODE_SHARE, vllm_decode_factor
+    from allsync.plan.vllm_decode import EXPERT_LORA_DECODE_SHARE, vllm_decode_factor, vllm_step_factor
 
     factor = hw.vllm_decode_factor if hw.vllm_decode_factor is not None else vllm_decode_factor()
     source = "--vllm-decode-factor" if hw.vllm_decode_factor is not None else "published DeepSeek-V3 runs"
-    line = (
-        f"  (vLLM's decode step at {hw.vllm_step_factor(routed_expert_lora):.2f}x the roofline: {factor:.2f} ({source})"
-    )
+    line = f"  (vLLM's decode step at {vllm_step_factor(hw, routed_expert_lora):.2f}x the roofline: {factor:.2f} ({source})"
     if routed_expert_lora:
         share = hw.expert_lora_decode_share if hw.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
         line += f" over {share:.2f}, the share of no-LoRA decode expert LoRA keeps (--expert-lora-share)"

@@ -51,6 +51,7 @@ from allsync.plan.step_time import (
     train_passes,
 )
 from allsync.plan.torch_decode import EAGER_H200, GRAPHED_H200
+from allsync.plan.vllm_decode import vllm_step_factor
 from allsync.plan.weights import (
     FROZEN_PARTS,
     LORA_VALUE_BYTES,
@@ -262,7 +263,7 @@ def generator_cost(
         graphed=(hw.decode_factors or GRAPHED_H200) if engine == "torch" else None,
         fp8_linears_read_once=engine == "torch" and run.rollout.fp8_linear_kernel == "scaled_mm",
         fp8_linear_params=fp8_gemm_values(model_config, run.model.quant.plan()),
-        engine_factor=hw.vllm_step_factor("routed_experts" in run.lora.targets) if engine == "vllm" else 1.0,
+        engine_factor=vllm_step_factor(hw, "routed_experts" in run.lora.targets) if engine == "vllm" else 1.0,
     )
 
 

@@ -69,19 +69,10 @@ class Hardware:
     # the torch engine's graphed decode step over its rooflines (torch_decode.GraphedDecodeFactors); None: as measured
     # on the H200 (torch_decode.GRAPHED_H200). Another: what the step would be with faster kernels (a what-if)
     decode_factors: object | None = None
-    # vLLM's decode step over the roofline (vllm_decode.py); None: the published runs' (vllm_decode_factor())
+    # vLLM's decode step over the roofline; None: the published runs' (vllm_decode.vllm_step_factor)
     vllm_decode_factor: float | None = None
     # the share of no-LoRA decode vLLM keeps with LoRA on the routed experts; None: vllm_decode.EXPERT_LORA_DECODE_SHARE
     expert_lora_decode_share: float | None = None
-
-    def vllm_step_factor(self, routed_expert_lora: bool) -> float:
-        """vLLM's decode step over the plan's roofline: the published runs' factor, over the expert-LoRA share
-        where the routed experts carry LoRA (vllm_decode.py)."""
-        from allsync.plan.vllm_decode import EXPERT_LORA_DECODE_SHARE, vllm_decode_factor
-
-        factor = self.vllm_decode_factor if self.vllm_decode_factor is not None else vllm_decode_factor()
-        share = self.expert_lora_decode_share if self.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
-        return factor / share if routed_expert_lora else factor
 
     def train_efficiency(self, routed_format: str, tokens: float | None = None) -> float:
         """The share of the peak a training forward of `tokens` (padded) tokens reaches (None: the largest measured

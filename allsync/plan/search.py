@@ -65,16 +65,12 @@ def missing_wiring(run, gpus: int, gpus_per_node: int, expert_parallel: int, lay
     return None
 
 
-def not_built(run, step: StepTime, layout: dict, gpus_per_node: int, experts: int = 0) -> list[str]:
-    """What of a candidate the loop does not run today: its schedule, its colocation, vLLM's `experts` routed
-    experts in uneven blocks, or what the config checker refuses in the config laid out this way."""
+def not_built(run, step: StepTime, layout: dict, gpus_per_node: int) -> list[str]:
+    """What of a candidate the loop does not run today: its schedule, its colocation, or what the config checker
+    refuses in the config laid out this way."""
     out = [] if step.built else [f"the {step.schedule} schedule"]
     if layout.get("colocation") in COLOCATION_NOT_BUILT and run.rollout.engine == "vllm":
         out.append(COLOCATION_NOT_BUILT[layout["colocation"]])
-    engine_ep = layout.get("engine_expert_parallel")
-    if engine_ep and engine_ep > 1 and run.rollout.engine_expert_parallel:
-        uneven = uneven_engine_blocks(experts, engine_ep)
-        out += [uneven] if uneven else []
     if "generators" in layout:
         if layout["generators"] != layout["trainers"]:
             out.append("an uneven split (parallel.layout disaggregated halves the workers)")
@@ -83,17 +79,6 @@ def not_built(run, step: StepTime, layout: dict, gpus_per_node: int, experts: in
     else:
         refusal = missing_wiring(run, layout["gpus"], gpus_per_node, layout["expert_parallel"], "colocated")
     return out + ([refusal] if refusal else [])
-
-
-def uneven_engine_blocks(experts: int, engine_ep: int) -> str | None:
-    """What the loop lacks for vLLM's `experts` over `engine_ep` GPUs when they do not split evenly (None: they do)."""
-    if experts % engine_ep == 0:
-        return None
-    low = experts // engine_ep
-    return (
-        f"the engine's {experts} routed experts in uneven blocks over {engine_ep} GPUs ({low + 1} or {low} each, as "
-        "vLLM places them; allsync's engine blocks split evenly)"
-    )
 
 
 @dataclass
@@ -208,9 +193,7 @@ def colocated(config_run, model_config, hw: Hardware, gpus: int, traces: RunTrac
                     "activation_offload": run.optim.activation_offload,
                 }
                 for step in colocated_steps(here, model_config, layout, plan, hw, work):
-                    found.append(
-                        Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node, experts))
-                    )
+                    found.append(Candidate(step, described, memory, not_built(here, step, described, hw.gpus_per_node)))
             if not paged:
                 break
     return found, refused

@@ -164,3 +164,11 @@ def published_factors() -> tuple[tuple[PublishedDecode, float], ...]:
 def vllm_decode_factor() -> float:
     """F (module docstring): the largest factor of the stated runs."""
     return max(factor for _, factor in published_factors())
+
+
+def vllm_step_factor(hw, routed_expert_lora: bool) -> float:
+    """vLLM's decode step over the plan's roofline on `hw` (a Hardware): its vllm_decode_factor or the published
+    runs', over its expert_lora_decode_share or EXPERT_LORA_DECODE_SHARE where the routed experts carry LoRA."""
+    factor = hw.vllm_decode_factor if hw.vllm_decode_factor is not None else vllm_decode_factor()
+    share = hw.expert_lora_decode_share if hw.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
+    return factor / share if routed_expert_lora else factor

@@ -389,8 +389,9 @@ def test_the_engine_layout_is_refused_naming_the_key(data, message):
         parse_config(data, "x.yaml")
 
 
-def test_an_engine_over_the_workers_needs_experts_that_split_over_them_and_a_launcher(monkeypatch):
-    """What the checkpoint must allow (every worker an equal block of its routed experts), where it is launched
+def test_an_engine_over_the_workers_needs_an_expert_for_each_and_a_launcher(monkeypatch):
+    """What the checkpoint must allow (every worker a block of its routed experts: 3 over 2 split 2 and 1, as vLLM
+    places them; 1 over 2 leaves a worker none), where it is launched
     (torchrun / accelerate launch, not Ray or one in-process worker), and vLLM's Triton LoRA kernels' dtypes
     (linear layers: float16 / bfloat16 only), each refused naming the key before anything is built."""
     from allsync.config import config_with_model_checks
@@ -403,8 +404,9 @@ def test_an_engine_over_the_workers_needs_experts_that_split_over_them_and_a_lau
     rollout = {"engine": "vllm", "engine_expert_parallel": True}
     c = parse_config({"rollout": rollout, "lora": {"targets": ["routed_experts"]}})
     config_with_model_checks(c, moe, "x.yaml")
-    with pytest.raises(ConfigError, match=r"its 3 routed experts must split evenly over the 2 workers"):
-        config_with_model_checks(c, {**moe, "n_routed_experts": 3}, "x.yaml")
+    config_with_model_checks(c, {**moe, "n_routed_experts": 3}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"its 1 routed experts must give each of the 2 workers one at least"):
+        config_with_model_checks(c, {**moe, "n_routed_experts": 1}, "x.yaml")
     with pytest.raises(ConfigError, match=r"\(it has no MoE layer\)"):
         config_with_model_checks(c, {**moe, "first_k_dense_replace": 2}, "x.yaml")
     with pytest.raises(ConfigError, match=r"lora\.targets \['o_proj'\] with model\.compute_dtype float32"):
