@@ -18,6 +18,10 @@ data) with:
                     false: the engine is the trainer's model, its FP8 linears dequantized (the reference of the two below)
     fp8-gemm        fp8-linears + rollout.fp8_linear_kernel scaled_mm: the engine multiplies them as FP8 GEMMs
     fp8-gemm-tis    fp8-gemm + algorithm.tis {level: token, cap: 2}
+    fp8-copy        rollout.engine_formats every group fp8: the engine holds the base as DeepSeek-V3's checkpoint stores
+                    it (vLLM's FP8 copy, issue 71), the trainer its NF4 experts and bf16 rest
+    fp8-copy-tis    fp8-copy + algorithm.tis {level: token, cap: 2}
+    fp8-copy-r3-tis fp8-copy-tis + algorithm.routing_replay
 `--variants a,b` runs some of them; `--previous FILE` adds the variants of an earlier run's JSON that were not run.
 `--moe-layers N`: the default model with N MoE layers after its dense one (the default base has 1, whose router reads
 the dense layer's output, the same in both formats: no token can change experts there), warm-started like the
@@ -45,6 +49,7 @@ FP8_LINEARS = {
     "shared_experts": "fp8",
     "dense_mlp": "fp8",
 }  # as DeepSeek-V3's checkpoint stores them
+FP8_COPY = {"routed_experts": "fp8", **FP8_LINEARS}  # vLLM's copy of V3: every quantizable weight as stored (FP8)
 
 
 class Variant(NamedTuple):
@@ -68,6 +73,9 @@ VARIANTS = {
     "fp8-linears": Variant({}, None, quant=FP8_LINEARS),
     "fp8-gemm": Variant({}, None, quant=FP8_LINEARS, fp8_linear_kernel="scaled_mm"),
     "fp8-gemm-tis": Variant({}, TOKEN_TIS, quant=FP8_LINEARS, fp8_linear_kernel="scaled_mm"),
+    "fp8-copy": Variant(FP8_COPY, None),
+    "fp8-copy-tis": Variant(FP8_COPY, TOKEN_TIS),
+    "fp8-copy-r3-tis": Variant(FP8_COPY, TOKEN_TIS, True),
 }
 
 
@@ -119,8 +127,9 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (accuracy, gap) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
-        accuracy.plot(list(r["heldout"]), list(r["heldout"].values()), marker="o", label=name)
-        gap.plot(list(r["logprob_gap"]), list(r["logprob_gap"].values()), label=name)
+        # steps are ints in a fresh run and strings in one read back from JSON (--previous)
+        accuracy.plot([int(k) for k in r["heldout"]], list(r["heldout"].values()), marker="o", label=name)
+        gap.plot([int(k) for k in r["logprob_gap"]], list(r["logprob_gap"].values()), label=name)
     accuracy.set(xlabel="RL step", ylabel="held-out accuracy (avg@4)", title="held-out accuracy")
     gap.set(xlabel="RL step", ylabel="nats", yscale="log", title="engine - trainer logprob gap")
     accuracy.legend()

@@ -263,8 +263,8 @@ def tokens_per_forward(run, sequences: int, sequence_tokens: int) -> int:
 
 def engine_expert_parallel(run, layout: Layout) -> int:
     """vLLM's expert-parallel group on `layout`: every GPU with rollout.engine_expert_parallel (one engine over all
-    the workers, each holding n_routed_experts / GPUs experts: allsync/engines/engine_experts.py), else the
-    trainer's (the checker refuses vLLM at a trainer EP above 1 without it, so 1 wherever the loop runs it)."""
+    the workers, the busiest holding ceil(n_routed_experts / GPUs) experts: allsync/engines/engine_experts.py), else
+    the trainer's (the checker refuses vLLM at a trainer EP above 1 without it, so 1 wherever the loop runs it)."""
     r = run.rollout
     if r.engine == "vllm" and r.engine_expert_parallel and layout.colocation != "shared":
         return layout.gpus
