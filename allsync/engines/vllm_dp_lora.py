@@ -115,14 +115,20 @@ def installed_vllm() -> str:
     raise RuntimeError("vLLM is not installed")
 
 
+def require_patched_vllm(why: str) -> None:
+    """RuntimeError "vLLM <installed>: <why>" unless the installed vLLM is PATCHED_VLLM: what allsync does around
+    vLLM 0.32's defects (docs/vllm-dp-moe-lora.md) is refused on a version it was not checked on."""
+    if (found := installed_vllm()) != PATCHED_VLLM:
+        raise RuntimeError(f"vLLM {found}: {why}")
+
+
 def apply_dp_lora_fix() -> None:
     """Patch this process's vLLM (once). RuntimeError on another vLLM version than PATCHED_VLLM: the fix names its
     internals, so a run with data parallelism and LoRA on routed experts is refused there until it is checked."""
-    if (found := installed_vllm()) != PATCHED_VLLM:
-        raise RuntimeError(
-            f"vLLM {found}: allsync's fix for LoRA on routed experts under data parallelism was written for vLLM "
-            f"{PATCHED_VLLM} (docs/vllm-dp-moe-lora.md): use that version, or no data parallelism in the engine"
-        )
+    require_patched_vllm(
+        "allsync's fix for LoRA on routed experts under data parallelism was written for vLLM "
+        f"{PATCHED_VLLM} (docs/vllm-dp-moe-lora.md): use that version, or no data parallelism in the engine"
+    )
     from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin

@@ -160,17 +160,18 @@ class VLLMEngine:
         rank = int(os.environ.get("RANK", "0"))
         self.num_experts = model_config.get("n_routed_experts") or 0
         self.experts = engine_block(rank, world, self.num_experts) if expert_parallel else None
-        # where vLLM 0.32's LoRA path reads this rank's experts (engine_experts.vllm_lora_names), checked for it only
-        self.lora_names = vllm_lora_names(rank, world, self.num_experts) if expert_parallel else None
+        # experts that do not split evenly: each held expert's LoRA under the index vLLM 0.32's LoRA path reads it
+        # at (engine_experts.vllm_lora_names; where they split evenly that is its own), checked for that version only
+        self.lora_names = None
         if expert_parallel and self.num_experts % world:
-            from allsync.engines.vllm_dp_lora import PATCHED_VLLM, installed_vllm
+            from allsync.engines.vllm_dp_lora import PATCHED_VLLM, require_patched_vllm
 
-            if (found := installed_vllm()) != PATCHED_VLLM:
-                raise RuntimeError(
-                    f"vLLM {found}: {self.num_experts} routed experts over {world} engine ranks split unevenly, and "
-                    f"allsync names each rank's expert LoRA where vLLM {PATCHED_VLLM}'s LoRA path reads it "
-                    "(docs/vllm-dp-moe-lora.md): use that version, or a worker count that divides the experts"
-                )
+            require_patched_vllm(
+                f"{self.num_experts} routed experts over {world} engine ranks split unevenly, and allsync names each "
+                f"rank's expert LoRA where vLLM {PATCHED_VLLM}'s LoRA path reads it (docs/vllm-dp-moe-lora.md): use "
+                "that version, or a worker count that divides the experts"
+            )
+            self.lora_names = vllm_lora_names(rank, world, self.num_experts)
         self.lockstep = lockstep
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -314,7 +315,7 @@ class VLLMEngine:
 
         # vLLM wants all three projections of every expert it holds (this rank's block under expert parallelism)
         served = with_all_expert_projections(adapter, read_config(self.checkpoint), self.experts)
-        if self.lora_names is not None:  # each held expert's LoRA where vLLM reads it (the identity when even)
+        if self.lora_names is not None:  # uneven blocks: each held expert's LoRA where vLLM reads it
             served = replace(served, tensors=renamed_experts(served.tensors, self.lora_names))
         lora_id = version + 1  # vLLM's adapter ids start at 1
         config = adapter_config_json(served, self.checkpoint)

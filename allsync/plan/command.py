@@ -365,12 +365,12 @@ def format_steps(steps, work, hw, fits: bool, run=None) -> str:
 
 def vllm_factor_line(hw, routed_expert_lora: bool) -> str:
     """How the plan prices vLLM's decode step (allsync/plan/vllm_decode.py)."""
-    from allsync.plan.vllm_decode import EXPERT_LORA_DECODE_SHARE, vllm_decode_factor, vllm_step_factor
+    from allsync.plan.vllm_decode import factor_and_share, vllm_step_factor
 
-    factor = hw.vllm_decode_factor if hw.vllm_decode_factor is not None else vllm_decode_factor()
+    factor, share = factor_and_share(hw)
     source = "--vllm-decode-factor" if hw.vllm_decode_factor is not None else "published DeepSeek-V3 runs"
-    line = f"  (vLLM's decode step at {vllm_step_factor(hw, routed_expert_lora):.2f}x the roofline: {factor:.2f} ({source})"
+    step = vllm_step_factor(hw, routed_expert_lora)
+    line = f"  (vLLM's decode step at {step:.2f}x the roofline: {factor:.2f} ({source})"
     if routed_expert_lora:
-        share = hw.expert_lora_decode_share if hw.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
         line += f" over {share:.2f}, the share of no-LoRA decode expert LoRA keeps (--expert-lora-share)"
     return line + ")"

@@ -1,6 +1,6 @@
 """vLLM's decode step priced from published DeepSeek-V3 serving runs: the plan's roofline (step_time.DecodeCost) times
-the factor those runs measure against it (`vllm_decode_factor`), divided by the share of no-LoRA decode that LoRA on the routed experts
-keeps.
+the factor those runs measure against it (`vllm_decode_factor`), divided by the share of no-LoRA decode that LoRA on
+the routed experts keeps.
 
     vLLM step(B, C) = roofline(B, C) x F / EXPERT_LORA_DECODE_SHARE   (LoRA on routed experts)
                     = roofline(B, C) x F                              (otherwise)
@@ -10,9 +10,9 @@ the same step (DeepSeek-V3's FP8 weights, its EP group's share of the routed exp
 cache, the same GPU's peaks: an H800 has the H100's HBM and bf16 FLOP/s): below 1 where the run is faster than the
 roofline (which prices decode FLOPs at the training forward's measured share of the peak and the expert exchange
 serially, where the runs overlap two micro-batches). F is the largest (slowest) factor of the runs whose batch and
-context are stated, without MTP (`published_factors`: 0.58-0.73, F = 0.73, LMSYS's 96 H100; tests/allsync/test_plan_vllm_decode.py recomputes them):
-a conservative reading, as the runs that state them are SGLang's, DeepSeek's and RTP-LLM's engines, and vLLM's
-own figure (llm-d's wide EP on H200) states neither.
+context are stated, without MTP (`published_factors`: 0.58-0.73, F = 0.73, LMSYS's 96 H100;
+tests/allsync/test_plan_vllm_decode.py recomputes them): a conservative reading, as the runs that state them are
+SGLang's, DeepSeek's and RTP-LLM's engines, and vLLM's own figure (llm-d's wide EP on H200) states neither.
 
 The expert-LoRA share: no vLLM source gives one. SGLang's Triton MoE-LoRA backend (the same design as vLLM's
 fused_moe_lora Triton kernels) keeps 62-65% of no-LoRA decode; its fast path 78-89% on Kimi-K2.5 (DeepSeek-V3's
@@ -166,9 +166,15 @@ def vllm_decode_factor() -> float:
     return max(factor for _, factor in published_factors())
 
 
-def vllm_step_factor(hw, routed_expert_lora: bool) -> float:
-    """vLLM's decode step over the plan's roofline on `hw` (a Hardware): its vllm_decode_factor or the published
-    runs', over its expert_lora_decode_share or EXPERT_LORA_DECODE_SHARE where the routed experts carry LoRA."""
+def factor_and_share(hw) -> tuple[float, float]:
+    """(F, S) on `hw` (a Hardware): its vllm_decode_factor or the published runs', its expert_lora_decode_share or
+    EXPERT_LORA_DECODE_SHARE."""
     factor = hw.vllm_decode_factor if hw.vllm_decode_factor is not None else vllm_decode_factor()
     share = hw.expert_lora_decode_share if hw.expert_lora_decode_share is not None else EXPERT_LORA_DECODE_SHARE
+    return factor, share
+
+
+def vllm_step_factor(hw, routed_expert_lora: bool) -> float:
+    """vLLM's decode step over the plan's roofline on `hw`: F, over S where the routed experts carry LoRA."""
+    factor, share = factor_and_share(hw)
     return factor / share if routed_expert_lora else factor
