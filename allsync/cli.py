@@ -185,7 +185,7 @@ def _plan_text(plan) -> str:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    from allsync.evaluation import EvalArgs
+    from allsync.run.evaluation import EvalArgs
 
     d = EvalArgs("", "", "", "")
     p = sub.add_parser(
@@ -229,7 +229,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
-    from allsync.evaluation import EvalArgs, evaluate_cli
+    from allsync.run.evaluation import EvalArgs, evaluate_cli
 
     given = {f.name: getattr(args, f.name) for f in fields(EvalArgs) if f.name != "plan"}
     evaluate_cli(EvalArgs(**given, plan=_quant_plan(args)))

@@ -4,7 +4,7 @@ An episode is a list of segments with one reward. A segment is one conversation 
 its prompt ids, its response ids, a per-token loss mask (0 on tokens the model did not choose, such as
 tool observations), the engine's logprobs, its finish reason, its kind and the adapter version that
 produced it. A single-turn sample is the one-segment episode; multi-conversation memory writes, tool-agent
-turns and T-PPO windows are other producers' episodes (allsync/producers/). The update (allsync/learner.py)
+turns and T-PPO windows are other producers' episodes (allsync/producers/). The update (allsync/update/learner.py)
 sees only the rows of `flatten(episodes)`: one row per segment, its episode's id, whether it is the answer.
 """
 

@@ -53,7 +53,8 @@ from allsync.plan.torch_decode import expected_touched
 from benchmarks.v3_layer_memory import PLANS, REAL_V3_TWO_LAYERS, TARGETS, Memory, free, v3_config, write_checkpoint
 from moe_lora.latent_attention import KernelBlocks, kernel_blocks
 from quant.fused_experts import ExpertBlocks, expert_blocks
-from moe_lora.mla_decode import LatentKVCache, SlotKVCache, fp8_latent_bytes, install_mla_decode
+from moe_lora.kv_caches import LatentKVCache, SlotKVCache, fp8_latent_bytes
+from moe_lora.mla_decode import install_mla_decode
 from quant.checkpoint_io import atomic_write_text
 from quant.formats import fp8_gemm_linears
 from quant.loader import byte_report, load_frozen_model
@@ -116,7 +117,7 @@ def weight_bytes_touched(model, rows: int) -> int:
 def kv_bytes_read(config, rows: int, context: int, element_bytes: int, fp8: bool = False) -> int:
     """R C (kv_lora_rank + d_rope) x element bytes per MLA layer: the latent each step attends over (fp8: the
     kv_lora_rank values one byte each, a float32 scale per 128 of them, d_rope in the compute dtype:
-    moe_lora.mla_decode.fp8_latent_bytes)."""
+    moe_lora.kv_caches.fp8_latent_bytes)."""
     rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
     per_token = fp8_latent_bytes(rank, rope, element_bytes) if fp8 else (rank + rope) * element_bytes
     return rows * context * per_token * config.num_hidden_layers

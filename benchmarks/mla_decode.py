@@ -8,8 +8,8 @@ Two decoder layers (one dense, one MoE) with DeepSeek-V3's head dims (q_lora_ran
 steps, with
 
     transformers  its latent cache, re-expanded through kv_b_proj at every step (what the engine did for V3)
-    expanded      keys and values expanded once per token (moe_lora.mla_decode.ExpandedKVCache)
-    latent        the latent cache read in latent space (moe_lora.mla_decode.LatentKVCache)
+    expanded      keys and values expanded once per token (moe_lora.kv_caches.ExpandedKVCache)
+    latent        the latent cache read in latent space (moe_lora.kv_caches.LatentKVCache)
 
 Per decode step: the median time of --steps steps (after one to warm up) and the cache's bytes per token and layer. The three give the same tokens (tests/allsync/engines/test_rollout_trainer.py).
 """
@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, install_mla_decode
+from moe_lora.kv_caches import ExpandedKVCache, LatentKVCache
+from moe_lora.mla_decode import install_mla_decode
 from moe_lora.tiny import TinySpec, make_tiny
 from quant.checkpoint_io import atomic_write_text
 from quant.loader import QuantPlan, load_frozen_model

@@ -9,7 +9,7 @@ token chosen so that the replies are long-tailed (the token whose first appearan
 falls nearest a third of --max-new-tokens), in a KV room of --room-rows rows at full length (prompt +
 --max-new-tokens positions each):
     full length   --room-rows slots, each with room for a row at full length (rollout.kv_cache_tokens unset)
-    paged         --slots slots sharing the same room in pages of 64 positions (moe_lora.mla_decode.SlotKVCache):
+    paged         --slots slots sharing the same room in pages of 64 positions (moe_lora.kv_caches.SlotKVCache):
                   a row takes pages as it grows, the latest admitted is preempted when they run out
 Reported per arm: decode forwards, rows per forward (decode fill of the room), positions computed (a preempted row's
 second prefill included), the wall time (median of --repeats, the arms alternating) and samples per second; the
@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from allsync.engines.slots import decode_in_slots
 from allsync.engines.torch_engine import Sampling
-from moe_lora.mla_decode import KV_PAGE_TOKENS, install_mla_decode
+from moe_lora.kv_caches import KV_PAGE_TOKENS
+from moe_lora.mla_decode import install_mla_decode
 from moe_lora.tiny import TinySpec, make_tiny
 from quant.checkpoint_io import atomic_write_text
 from quant.loader import QuantPlan, load_frozen_model

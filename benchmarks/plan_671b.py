@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from allsync.config import load_config_for_planning
 from allsync.plan.activations import RunTraces
 from allsync.plan.command import kept_share
-from allsync.plan.estimate import ATTENTION_KERNEL, EXPERT_KERNEL, FP8_GEMM, GRAPHS, Workload, schedule_with
+from allsync.plan.estimate import ATTENTION_KERNEL, EXPERT_KERNEL, FP8_GEMM, GRAPHS, schedule_with
+from allsync.plan.generation import Workload
 from allsync.plan.fit import Layout
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths

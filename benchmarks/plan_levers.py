@@ -27,7 +27,7 @@ responses lognormal, median 6,000 tokens, cap 20,480; half the groups kept; a 10
                     queued behind the last in the slots, so a step waits for one tail instead of one per round)
     paged KV        + rollout.kv_cache_tokens (64 slots sharing the KV room in pages of 64 positions, a row preempted
                     when they run out: as many rows at once as their real lengths fit, not as many as fit at full
-                    length; moe_lora.mla_decode.SlotKVCache)
+                    length; moe_lora.kv_caches.SlotKVCache)
     128 slots       the same room shared by 128 slots (allsync.plan.search.PAGED_SLOTS: a decode step's weights read
                     for twice the rows, more preemptions): recipes/configs/dapo_math_deepseek_v3_671b_torch_engine.yaml
     FP8 GEMMs       + rollout.fp8_linear_kernel scaled_mm (quant.formats.fp8_gemm: the FP8 attention, shared experts
@@ -62,7 +62,8 @@ from allsync.config import load_config_for_planning
 from allsync.config.algorithm import TISSection
 from allsync.plan.activations import RunTraces
 from allsync.plan.command import kept_share
-from allsync.plan.estimate import Workload, colocated_steps
+from allsync.plan.estimate import colocated_steps
+from allsync.plan.generation import Workload
 from allsync.plan.fit import Layout, plan_run
 from allsync.plan.hardware import hardware
 from allsync.plan.lengths import DEFAULT_LENGTHS, parse_lengths

@@ -103,7 +103,7 @@ def profile(steps: int, warmup: int, base: str) -> dict:
 
     import allsync
     from allsync.config import parse_config
-    from allsync.worker import RLWorker
+    from allsync.run.worker import RLWorker
 
     tree = Path(allsync.__file__).resolve().parents[1]
     raw = yaml.safe_load((tree / "recipes" / "configs" / "tiny_cpu.yaml").read_text())

@@ -9,7 +9,7 @@ column by column with carries, then 0-3 restatements, 72-172 tokens), from a wea
 each `python recipes/dapo.py` from that base, stopped by run.time_limit_minutes = --minutes:
     DAPO    the config as shipped: 32 problems x 4 samples a step, group baselines
     PPO     producer.kind windows without a window: --pool problems x 1 whole responses a step, GAE with the
-            critic (allsync/critic.py), gamma 1, lambda 1, value_lam 1, the critic alone for the first 5 steps
+            critic (allsync/update/critic.py), gamma 1, lambda 1, value_lam 1, the critic alone for the first 5 steps
             (640 responses)
     T-PPO   the same pool, but every step generates --window more tokens of each in-flight response and trains
             those; EGAE bootstraps the responses cut at the window; the critic alone for the first 20 steps

@@ -50,12 +50,12 @@ def default_config():
 
 def shaped_reward(config, completions: list[str], completion_ids: list[list[int]], answer: list[str]) -> list[float]:
     """The default run's reward of each completion: the task's score plus the shapers the config turns on, through the
-    worker's own list (allsync.scoring.reward_shapings), with lengths counted eos included, as the torch engine counts
+    worker's own list (allsync.run.scoring.reward_shapings), with lengths counted eos included, as the torch engine counts
     them. No group ids: a config with the group length reward is refused by that shaper."""
     import torch
 
     from allsync.algorithms import get
-    from allsync.scoring import reward_shapings
+    from allsync.run.scoring import reward_shapings
     from evals.rewards import is_correct_score, score
 
     scores = [score(config.reward.name, text, truth) for text, truth in zip(completions, answer)]

@@ -5,9 +5,9 @@ longest first after balancing the rows over the ranks (issue 48, lever 4).
 
 Under expert parallelism the ranks of a group run their j-th forwards together (their MoE layers exchange tokens),
 so each forward lasts as long as the largest of the group's j-th forwards. The learner packs a minibatch's rows into
-forwards of at most optim.max_tokens_per_forward padded tokens (allsync.forward.token_budget_chunks): longest first
+forwards of at most optim.max_tokens_per_forward padded tokens (allsync.update.sequences.token_budget_chunks): longest first
 since this benchmark, consecutive rows in row order before (`in_row_order`, kept here as the baseline); with
-optim.balance_ranks the rows first move so that every rank holds nearly the same tokens (allsync/balance.py).
+optim.balance_ranks the rows first move so that every rank holds nearly the same tokens (allsync/update/balance.py).
 
 Each of --ep ranks (torch.multiprocessing, gloo, the tiny DeepSeek-V3 with its 8 routed experts split over them,
 LoRA rank 8, float32) holds --rows responses of long-tailed lengths (lognormal, median 40 tokens, sigma 0.8, at most
@@ -74,9 +74,9 @@ ARMS = ("row order", "longest first", "balanced")
 
 
 def balanced_forwards(lengths: list[list[int]], budget: int) -> list[list[int]]:
-    """Each rank's forwards' padded positions after optim.balance_ranks: the forwards allsync.balance.assign_episodes
+    """Each rank's forwards' padded positions after optim.balance_ranks: the forwards allsync.update.balance.assign_episodes
     packs over every rank's rows and deals in turns (one row an episode), which each rank runs as dealt."""
-    from allsync.balance import dealt
+    from allsync.update.balance import dealt
 
     shares = dealt(lengths, len(lengths), budget)
     return [padded([lengths[w][i] for w, i in taken], groups) for taken, groups in shares]
@@ -84,7 +84,7 @@ def balanced_forwards(lengths: list[list[int]], budget: int) -> list[list[int]]:
 
 def positions_report(ep: int, rows: int, budget: int) -> dict:
     """The deterministic part: padded and lockstep positions of every arm."""
-    from allsync.forward import token_budget_chunks
+    from allsync.update.sequences import token_budget_chunks
 
     out = {}
     lengths = [rank_lengths(r, rows) for r in range(ep)]
@@ -108,10 +108,11 @@ def positions_report(ep: int, rows: int, budget: int) -> dict:
 
 def run_rank(rank: int, ep: int, address: str, checkpoint: str, rows: int, budget: int, repeats: int, results) -> None:
     """One rank: its experts' shard, its rows, the update's forwards + backwards of both packings, timed."""
-    from allsync.balance import balanced
-    from allsync.forward import build_sequences, forward_logprobs, token_budget_chunks
-    from allsync.train_batch import TrainBatch
-    from allsync.launch.process_groups import connect
+    from allsync.update.balance import balanced
+    from allsync.update.forward import forward_logprobs
+    from allsync.update.sequences import build_sequences, token_budget_chunks
+    from allsync.update.train_batch import TrainBatch
+    from allsync.distributed.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
     from moe_lora.lora import LoRAConfig, attach_lora, seeded_init_
     from quant.checkpoint_io import read_config

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     from allsync.config import parse_config
     from allsync.tasks import Problem
     from allsync.warm_start import settings_for_run, warm_start
-    from allsync.worker import RLWorker
+    from allsync.run.worker import RLWorker
 
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
     raw["parallel"]["workers_per_node"] = 1

@@ -133,7 +133,8 @@ def train_step_bytes(
 ) -> dict:
     """One forward+backward of -mean(token logprob) on one sequence of `seq` random tokens; offload: the forward's
     saved tensors in (pinned) host memory (optim.activation_offload)."""
-    from allsync.forward import SequenceBatch, checkpointed_decoder_layers, forward_pass, saved_on_host
+    from allsync.update.forward import checkpointed_decoder_layers, forward_pass, saved_on_host
+    from allsync.update.sequences import SequenceBatch
 
     optimizer.zero_grad(set_to_none=True)
     free(memory)

@@ -23,7 +23,7 @@ all-to-all of the output gradient with the splits swapped (`_AllToAll`), and the
 back with it.
 
 Every rank of an EP group must enter every MoE layer the same number of times (forward and backward), also
-with no tokens of its own: the callers keep the ranks in lockstep (allsync.worker, allsync.engines.torch_engine).
+with no tokens of its own: the callers keep the ranks in lockstep (allsync.run.worker, allsync.engines.torch_engine).
 The collectives are a process group's own `alltoall_base` (works on the bare gloo groups allsync builds,
 where `dist.all_to_all_single(group=...)` and the autograd functional collectives do not; NCCL on GPUs).
 """

@@ -127,6 +127,24 @@ def adapter_copy(model: nn.Module, routed_experts: bool = True) -> nn.Module:
     return copy.deepcopy(model, memo=shared)
 
 
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Name -> Parameter of every trainable tensor of `model`: the LoRA factors attached to it."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def set_adapter_parameters(
+    model: nn.Module, tensors: dict[str, nn.Parameter], what: str = "these LoRA tensors"
+) -> None:
+    """Each Parameter of `tensors` set as `model`'s of that name, the frozen weights untouched: the adapter a model's
+    LoRA modules run is swapped (a second policy's, or another model's shared tensors). The names must be exactly
+    `adapter_parameters(model)`'s, checked before any change."""
+    if sorted(tensors) != sorted(adapter_parameters(model)):
+        raise ValueError(f"{what} are not the LoRA tensors this model's modules hold (other names)")
+    for name, p in tensors.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, p)
+
+
 def seeded_init_(model: nn.Module, seed: int) -> None:
     """Re-draw every A (PEFT's init, see init_lora_a_) from a generator seeded by (seed, PEFT key), and zero
     every B: each tensor's start depends only on the seed and its name, not on the process's RNG or on which

@@ -9,10 +9,10 @@ joins the cluster at RAY_ADDRESS when set). SPMD mode (the launcher set RANK and
 is one worker, rank 0 also does the controller's work, and Ray is never started. --no-ray: one worker in this
 process. The modes live in allsync/launch/.
 
-This one loop runs every algorithm and producer. Per step, on every worker (allsync/worker.py): the producer
+This one loop runs every algorithm and producer. Per step, on every worker (allsync/run/worker.py): the producer
 (allsync/producers/, producer.kind: single-turn groups, T-PPO windows, multi-conversation episodes, tool agents)
 makes episodes with the current adapter and scores them (rewards + shaping, dynamic sampling keeping groups with
-mixed rewards) -> the learner (allsync/learner.py) turns them into advantages (algorithm.advantage: group
+mixed rewards) -> the learner (allsync/update/learner.py) turns them into advantages (algorithm.advantage: group
 baselines, or a critic's GAE / EGAE) and makes minibatch updates of the LoRA tensors with the policy loss
 (algorithm.policy_loss; gradients all-reduced) -> adapter sync to the engine. This script is the controller: it
 validates the config, builds (or reuses) the warm-started base, starts the workers, evaluates held-out accuracy,
@@ -38,7 +38,7 @@ from allsync.config import (
     load_config,
 )
 from allsync.metrics import MetricsLog, aggregate, plot_run
-from allsync.checkpoint import (
+from allsync.run.checkpoint import (
     CheckpointStateError,
     earlier_run_files,
     latest_good_checkpoint,

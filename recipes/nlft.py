@@ -43,17 +43,12 @@ from allsync.algorithms import nlft_signed_weights
 from allsync.algorithms.nlft import salient_tokens
 from allsync.config import WARM_START_STEPS, parse_config
 from allsync.engines.torch_engine import Sampling
-from allsync.forward import (
-    build_sequences,
-    response_positions,
-    to_response_layout,
-    to_sequence_layout,
-)
-from allsync.train_batch import TrainBatch
+from allsync.update.sequences import build_sequences, response_positions, to_response_layout, to_sequence_layout
+from allsync.update.train_batch import TrainBatch
 from allsync.tasks import Problem, make_splits
 from allsync.tasks.arithmetic import judgment, standard_note, with_note
 from allsync.tasks.problems import answer_examples
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 from evals.rewards import answer_of, score
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +165,7 @@ def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: in
     learner = worker.learner
     learner.loss_settings = replace(learner.loss_settings, policy_loss="nlft")  # this recipe's loss, not a config key
     order = torch.Generator().manual_seed(seed)
-    peak, version, salient, trained = 0, 0, 0, 0
+    peak, salient, trained = 0, 0, 0
     start = time.perf_counter()
     for _ in range(epochs):
         perm = torch.randperm(len(rows), generator=order).tolist()
@@ -185,9 +180,9 @@ def train(worker: RLWorker, rows: list[dict], method: str, epochs: int, seed: in
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                learner.update(tb, version)
+                learner.update(worker.policy, tb)
             peak = max(peak, sum(saved.values()))
-            version += 1
+            worker.policy.version += 1
     return time.perf_counter() - start, peak, salient / max(trained, 1)
 
 

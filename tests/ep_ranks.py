@@ -84,7 +84,7 @@ def run_rank(
     results,
     ranks_per_node: int | None = None,
 ) -> None:
-    from allsync.launch.process_groups import connect
+    from allsync.distributed.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
 
     torch.set_num_threads(1)
@@ -167,7 +167,7 @@ def run_model_rank(
 ) -> None:
     """Rank `rank` of the whole tiny model under EP: logits of its own sequences, then every LoRA gradient
     after the loop's reductions (replicated tensors over all ranks, expert blocks over the EDP group)."""
-    from allsync.launch.process_groups import connect
+    from allsync.distributed.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, expert_parameters, shard_experts
     from quant.checkpoint_io import read_config
 
@@ -191,7 +191,7 @@ def run_saved_bytes_rank(
     """Rank `rank` of the tiny model under EP, bf16 compute, LoRA on every default target: the bytes the trainer's
     forward of `tokens` tokens saves for backward on this rank (allsync.plan.activations.saved_per_layer), routed
     tokens dispatched to the ranks holding their experts."""
-    from allsync.launch.process_groups import connect
+    from allsync.distributed.process_groups import connect
     from allsync.plan.activations import saved_per_layer
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
     from moe_lora.lora import LoRAConfig, attach_lora
@@ -221,7 +221,7 @@ def run_decode_rank(
     slots in lockstep, with the live-slot step, with the fixed-shape step and with the fixed-shape step over 4 shared
     pages: (tokens, logprobs, reasons) of each."""
     from allsync.engines.slots import FixedShapeStep, decode_in_slots
-    from allsync.launch.process_groups import connect
+    from allsync.distributed.process_groups import connect
     from moe_lora.expert_parallel import ExpertLayout, shard_experts
     from moe_lora.mla_decode import install_mla_decode
     from quant.checkpoint_io import read_config

@@ -7,7 +7,7 @@ old logprobs are pi_old's. Each trained token's policy loss is multiplied by a d
     sequence level   w   = min(prod_t pi_old(y_t) / pi_engine(y_t), cap) over the row's trained tokens
 
 (1 where engine = trainer). For the clipped surrogate with A scaled by w > 0 this is the same as scaling each
-token's loss by w, which is how the trainer applies it (allsync.forward.minibatch_loss).
+token's loss by w, which is how the trainer applies it (allsync.update.loss.minibatch_loss).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Shapers added to the task's score are registered in REWARD_SHAPERS under one signature,
     shaper(lengths [N] response tokens, correct [N] bool, group_index [N] or None, settings) -> [N] float64,
-where `settings` is the config section that turns the shaper on (allsync.scoring.reward_shapings says which).
+where `settings` is the config section that turns the shaper on (allsync.run.scoring.reward_shapings says which).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class AlgorithmSection:
 
     @property
     def uses_critic(self) -> bool:
-        """The estimator learns a critic (PPO's gae, T-PPO's egae; allsync/critic.py); group baselines (grpo, drgrpo) do not."""
+        """The estimator learns a critic (PPO's gae, T-PPO's egae; allsync/update/critic.py); group baselines (grpo, drgrpo) do not."""
         return self.estimator.needs_critic
 
     def check_clips(self, reads: tuple[str, ...], fail) -> None:

@@ -371,9 +371,9 @@ def config_with_model_checks(config: RunConfig, model_config: dict, source: str)
 
 def check_kv_room(config: RunConfig, model_len: int, source: str) -> None:
     """rollout.kv_cache_tokens admits the longest row the producer builds (model_len positions: prompt and reply):
-    its pages of KV_PAGE_TOKENS and the one the engine keeps free (moe_lora.mla_decode.SlotKVCache), else the first
+    its pages of KV_PAGE_TOKENS and the one the engine keeps free (moe_lora.kv_caches.SlotKVCache), else the first
     generate would fail. ConfigError naming the key."""
-    from moe_lora.mla_decode import KV_PAGE_TOKENS
+    from moe_lora.kv_caches import KV_PAGE_TOKENS
 
     tokens = config.rollout.kv_cache_tokens
     if tokens is None:

@@ -13,7 +13,7 @@ class OptimSection:
     grad_clip: float = 1.0
     minibatches: int = 1  # optimizer steps per RL step (split of the batch)
     warmup_steps: int = 0
-    value_lr: float = 1e-3  # the critic's adapter and value head (gae / egae; allsync/critic.py)
+    value_lr: float = 1e-3  # the critic's adapter and value head (gae / egae; allsync/update/critic.py)
     # padded tokens (rows x longest row) per forward pass: the logprob passes and each minibatch's forward+backward
     # run in row groups of at most this many (gradients accumulate exactly); None: all rows at once
     max_tokens_per_forward: int | None = None
@@ -22,7 +22,7 @@ class OptimSection:
     # on GPUs) and comes back when backward needs it; with activation_checkpointing: the layers' inputs
     activation_offload: bool = False
     # before the update, the rows of each minibatch move between the workers so that each holds nearly the same tokens
-    # (whole episodes, longest-processing-time rule; allsync/balance.py): expert-parallel ranks, which run their
+    # (whole episodes, longest-processing-time rule; allsync/update/balance.py): expert-parallel ranks, which run their
     # forwards in lockstep, and every minibatch's gradient all-reduce wait less for the worker with the most. The same
     # token-mean update (float sums in another order)
     balance_ranks: bool = False

@@ -28,7 +28,7 @@ class RolloutSection:
     # run sets a worker's whole round (32 prompts x 4)
     decode_batch: int | None = None
     # torch engine: the KV room of a worker's slots, in tokens, shared by them in pages of 64 positions
-    # (moe_lora.mla_decode.SlotKVCache): a row takes pages as it grows and gives them back when it ends, a row is
+    # (moe_lora.kv_caches.SlotKVCache): a row takes pages as it grows and gives them back when it ends, a row is
     # admitted when its prompt fits the free pages with one to spare per live row, and when a step's rows need more
     # pages than are free the latest admitted is preempted and later prefilled again with the tokens it had (vLLM's
     # policy). decode_batch slots then hold as many rows as their actual lengths fit. None: every slot has room for
@@ -42,7 +42,7 @@ class RolloutSection:
     decode_graphs: bool = False
     # torch engine: what its KV slots store. auto: the compute dtype. fp8: MLA's latent with c_s in float8_e4m3fn (a
     # float32 scale per 128 values) and k_rope as computed, 656 bytes a token and layer at DeepSeek-V3's shape against
-    # 1,152 (moe_lora.mla_decode.FP8LatentLayer): 1.76x the sequences in the same memory; sampling reads the rounded
+    # 1,152 (moe_lora.kv_caches.FP8LatentLayer): 1.76x the sequences in the same memory; sampling reads the rounded
     # cache, so the engine's logprobs move off the trainer's by what logprob_gap reports (algorithm.tis corrects it)
     kv_cache_dtype: str = "auto"
     # torch engine: how a decode step attends to MLA's latent in the KV slots. torch: the live slots' latent read up

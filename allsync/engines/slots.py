@@ -1,6 +1,6 @@
 """Continuous batching over KV slots: the torch engine's decode loop.
 
-A fixed pool of slots (moe_lora.mla_decode.SlotKVCache: each slot a row's cache, preallocated) and a queue of rows
+A fixed pool of slots (moe_lora.kv_caches.SlotKVCache: each slot a row's cache, preallocated) and a queue of rows
 (prompt, seed). Every iteration:
     admission  while slots are free and rows wait, the next rows are prefilled (each distinct prompt of a run of
                equal ones once, right-padded: a row attends only to its own earlier tokens, so no mask) and their
@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 from transformers import TopPLogitsWarper
 
-from moe_lora.mla_decode import ExpandedKVCache, LatentKVCache, SavedRow, SlotKVCache
+from moe_lora.kv_caches import ExpandedKVCache, LatentKVCache, SavedRow, SlotKVCache
 from quant.modules import fixed_shapes
 
 _HASH = 0x45D9F3B  # the multiplier of a well-mixing 32-bit integer hash; < 2^27, so int64 products never overflow

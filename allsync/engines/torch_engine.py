@@ -19,7 +19,7 @@ moe_lora/mla_decode.py). It keeps one step's [B, V] scores at a time and gathers
 goes, where keeping every step's logits would hold [B, L, V] (about 10 GB per sequence at V = 129,280 and 20k
 tokens).
 
-Under expert parallelism (`lockstep`: the workers' allsync.launch.process_groups.Groups) every rank's MoE layers
+Under expert parallelism (`lockstep`: the workers' allsync.distributed.process_groups.Groups) every rank's MoE layers
 exchange tokens, so every rank must make every forward: the ranks agree at each iteration of the slot loop
 whether any admits rows (a prefill forward on every rank) and whether any has live rows (a decode forward on every
 rank); a rank without either forwards a one-token dummy, as generate's `synced_gpus` does. A producer whose number
@@ -37,7 +37,8 @@ import torch
 from allsync.engines.graphs import graphed_step
 from allsync.engines.slots import decode_in_slots
 from moe_lora.lora import lora_merged, lora_modules
-from moe_lora.mla_decode import KV_PAGE_TOKENS, expanded_cache_fits, install_mla_decode
+from moe_lora.kv_caches import KV_PAGE_TOKENS, expanded_cache_fits
+from moe_lora.mla_decode import install_mla_decode
 from moe_lora.routing import moe_layers, recording
 from quant.formats import fp8_gemm_linears
 
@@ -103,7 +104,7 @@ class TorchEngine:
         (rollout.merge_lora): generate with W + s B A formed once per call (moe_lora.lora.lora_merged). decode_graphs
         (rollout.decode_graphs): decode steps in fixed shapes, captured as CUDA graphs (allsync/engines/graphs.py).
         kv_cache_dtype (rollout.kv_cache_dtype): fp8 keeps the KV slots' MLA latent in FP8
-        (moe_lora.mla_decode.FP8LatentLayer; the latent cache even where the expanded one would be smaller).
+        (moe_lora.kv_caches.FP8LatentLayer; the latent cache even where the expanded one would be smaller).
         attention_kernel (rollout.attention_kernel): triton attends to the latent slots with moe_lora.latent_attention's
         kernel, each slot's own positions as stored. frozen_expert_kernel (rollout.frozen_expert_kernel): triton
         multiplies the routed experts of the fixed-shape step with quant.fused_experts' kernel, reading their NF4.
@@ -268,7 +269,7 @@ def draw_seeds(count: int) -> torch.Tensor:
 @dataclass
 class KeptRows:
     """What a generate call with keep=True leaves for the next one: per row the caller may continue (its prompt and
-    tokens), its cached positions but the last (moe_lora.mla_decode.SavedRow) and the routing recorded for them; the
+    tokens), its cached positions but the last (moe_lora.kv_caches.SavedRow) and the routing recorded for them; the
     policy they were computed under (TorchEngine.policy_state)."""
 
     policy: tuple

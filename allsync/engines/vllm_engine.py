@@ -126,7 +126,7 @@ class VLLMEngine:
         (`external_launcher`: it takes the launcher's default process group as its world, its device from
         LOCAL_RANK, and a tensor-parallel group of one), so every rank has an engine of its own.
         lockstep (rollout.engine_expert_parallel, under a launcher): the workers' groups
-        (allsync.launch.process_groups.Groups, for `agreed_rounds`); given, one engine spans the launcher's W ranks
+        (allsync.distributed.process_groups.Groups, for `agreed_rounds`); given, one engine spans the launcher's W ranks
         instead, its routed experts sharded over all of them (rank r: engine_experts.engine_block), attention
         tensor-parallel over `tensor_parallel` consecutive ranks and data-parallel over W / tensor_parallel; with
         data parallelism allsync's fix of vLLM 0.32's LoRA under DP (allsync/engines/vllm_dp_lora.py) is applied.

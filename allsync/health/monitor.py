@@ -22,7 +22,7 @@ EVENTS_KEPT = 4096  # the most recent phases kept for inspection (benchmarks); b
 @dataclass
 class Timeline:
     """Phases as (phase, start, end) in wall-clock seconds, and busy time: the time inside phases minus
-    the time blocked in the process groups' collectives (allsync.launch.process_groups.Groups: the learner's
+    the time blocked in the process groups' collectives (allsync.distributed.process_groups.Groups: the learner's
     all-reduces, waiting for other workers plus the transfer itself; the MoE all-to-alls of expert parallelism run
     inside forward and backward and stay busy time). A worker that
     finishes its share first and waits in the all-reduce for a slower one is idle for that wait, so

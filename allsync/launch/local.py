@@ -18,7 +18,7 @@ class LocalGroup:
 
     def __init__(self, config: RunConfig, problems: list[Problem], max_model_len: int | None = None, attempt: int = 0):
         """attempt: how many times the run has restarted its workers (allsync.health.faults: drills fire in attempt 0)."""
-        from allsync.worker import RLWorker
+        from allsync.run.worker import RLWorker
 
         self.size = 1
         self.worker = RLWorker(config, problems, max_model_len=max_model_len, attempt=attempt)

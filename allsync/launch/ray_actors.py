@@ -156,14 +156,14 @@ def start_placement(size: int, gpus_per_worker: float = 0):
         ray.shutdown()  # this process's own Ray, started for a smaller group earlier: started again for this one
     if not ray.is_initialized():
         # the worker's imports (torch, transformers: ~3 s) overlap Ray's start, which mostly waits for its processes
-        importing = threading.Thread(target=_import_quietly, args=("allsync.worker",), daemon=True)
+        importing = threading.Thread(target=_import_quietly, args=("allsync.run.worker",), daemon=True)
         importing.start()
         if not own:  # a cluster started with `ray start` (see docs/scaling.md)
             ray.init(log_to_driver=True, configure_logging=False)
         else:  # a Ray instance of this run's own, even when another runs on the machine (it is joined only by name)
             start_own_ray(max(size, 1))
         importing.join()
-    from allsync.worker import RLWorker  # raises here, in the caller's thread, if the import failed
+    from allsync.run.worker import RLWorker  # raises here, in the caller's thread, if the import failed
 
     bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     placement = placement_group([bundle] * size, strategy="PACK")

@@ -9,7 +9,7 @@ import threading
 
 from allsync.config import RunConfig
 from allsync.launch.group import EXIT_RESTART, WORKER_THREADS, register_launch_mode
-from allsync.launch.process_groups import TIMEOUT, disconnect
+from allsync.distributed.process_groups import TIMEOUT, disconnect
 from allsync.tasks import Problem
 
 
@@ -40,7 +40,7 @@ class SPMDGroup:
 
     def __init__(self, config: RunConfig, problems: list[Problem], max_model_len: int | None = None, attempt: int = 0):
         """attempt: the elastic launcher's restart count (TORCHELASTIC_RESTART_COUNT)."""
-        from allsync.worker import RLWorker
+        from allsync.run.worker import RLWorker
 
         state = spmd_state(config)
         self.rank, self.size = state.process_index, state.num_processes

@@ -2,7 +2,7 @@
 
 `trace_saved_bytes` builds a two-layer model with the checkpoint's per-token shapes (one dense decoder layer, one MoE
 layer whose experts are the top-k a token is routed to, so every expert row a token makes exists) with the run's
-LoRA, runs the trainer's own forward (allsync.forward.forward_pass) on T = 32 and 64 tokens under
+LoRA, runs the trainer's own forward (allsync.update.forward.forward_pass) on T = 32 and 64 tokens under
 `torch.autograd.graph.saved_tensors_hooks`, and counts the distinct storages saved in each layer that are not weights.
 The slope over T is the bytes per token, the rest a per-layer constant. Attention is counted as a fused GPU kernel
 (flash / memory-efficient) saves it: q, k, v, the output and a float32 log-sum-exp per head and token; the CPU's
@@ -181,9 +181,10 @@ def one_rank_expert_dispatch(model):
 
 def saved_per_layer(model, tokens: int, checkpointing: bool, critic: bool = False) -> dict[str, int]:
     """Bytes of the distinct non-weight storages the trainer's forward saves for backward, by where they are saved:
-    layer0, layer1, ..., post (after the last layer). critic: `model` is an allsync.critic.Critic, whose forward (its
+    layer0, layer1, ..., post (after the last layer). critic: `model` is an allsync.update.critic.Critic, whose forward (its
     values) is traced instead of the policy's."""
-    from allsync.forward import SequenceBatch, checkpointed_decoder_layers, forward_pass
+    from allsync.update.forward import checkpointed_decoder_layers, forward_pass
+    from allsync.update.sequences import SequenceBatch
 
     weights, seen, saved = weight_storages(model), set(), collections.Counter()
     where = ["pre"]
@@ -226,7 +227,7 @@ def trace_saved_bytes(
     """SavedBytes of the run's LoRA on `config`'s shapes, traced (module docstring). Builds the two-layer checkpoint in
     a temporary directory (DeepSeek-V3's shapes: 2.2 GB, about a minute on 2 cores). expert_parallel: the routed
     tokens go through the expert-parallel dispatch (`one_rank_expert_dispatch`), as every layout with EP > 1 trains.
-    critic: the PPO / T-PPO critic's forward (allsync.critic.Critic over the policy's frozen weights) instead of the
+    critic: the PPO / T-PPO critic's forward (allsync.update.critic.Critic over the policy's frozen weights) instead of the
     policy's."""
     return trace_paths(config, lora_rank, targets, compute_dtype, (expert_parallel,), critic)[expert_parallel]
 
@@ -251,7 +252,7 @@ def trace_paths(
         model = load_frozen_model(str(base), QuantPlan.uniform("bf16"), compute_dtype=dtype, progress=False)
     attach_lora(model, LoRAConfig(lora_rank, 2 * lora_rank, tuple(targets)))
     if critic:
-        from allsync.critic import Critic
+        from allsync.update.critic import Critic
 
         model = Critic(model, seed=0)
     out = {}

@@ -227,7 +227,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from allsync.config import load_config_for_planning
     from allsync.plan.activations import RunTraces
-    from allsync.plan.estimate import Workload, colocated_steps
+    from allsync.plan.estimate import colocated_steps
+    from allsync.plan.generation import Workload
     from allsync.plan.fit import Layout, format_plan, plan_run
     from allsync.plan.hardware import TRAIN_EFFICIENCY_POINTS
     from allsync.plan.lengths import parse_lengths

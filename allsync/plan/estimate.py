@@ -1,6 +1,6 @@
 """A step's seconds for one layout: each GPU's sequences drawn from the response lengths, generated on a simulated
-continuous-batching engine, trained by the roofline of step_time.py, and put together by each schedule of
-schedules.py.
+continuous-batching engine (generation.py), trained by the roofline of step_time.py (training.py), and put together
+by each schedule of schedules.py; the engine's variants (decode graphs, kernels) priced side by side.
 
 Per step and GPU (all-sync, colocated):
     sequences      q = rollout.prompts_per_step / GPUs prompts x rollout.group_size per sampling round
@@ -25,11 +25,10 @@ trainer; the adapter crosses the network to each generator and is loaded there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from allsync.balance import dealt
 from allsync.plan import schedules
 from allsync.plan.fit import (
     Layout,
@@ -39,383 +38,26 @@ from allsync.plan.fit import (
     kv_bytes_per_token,
     kv_step_bytes_per_token,
 )
-from allsync.plan.hardware import Hardware
-from allsync.plan.lengths import ResponseLengths
-from allsync.plan.step_time import (
-    ADMISSION_HEADROOM_TOKENS,
-    DecodeCost,
-    allreduce_seconds,
-    forward_seconds,
-    generation_timeline,
-    decode_attention_flops_per_token,
-    train_passes,
+from allsync.plan.generation import (
+    ADAPTER_LOAD_SECONDS_PER_BYTE,
+    Workload,
+    generate,
+    generate_phase,
+    generator_bytes,
+    generator_cost,
+    sampling_rounds,
 )
-from allsync.plan.torch_decode import EAGER_H200, GRAPHED_H200
-from allsync.plan.vllm_decode import vllm_step_factor
+from allsync.plan.hardware import Hardware
+from allsync.plan.step_time import (
+    DecodeCost,
+)
+from allsync.plan.training import grad_sync_seconds, train_phase
 from allsync.plan.weights import (
-    FROZEN_PARTS,
     LORA_VALUE_BYTES,
-    dequantized_values,
-    fp8_gemm_values,
-    engine_bytes,
     held_experts,
     lora_values,
-    routed_lora_values,
     stored_plan,
 )
-
-ADAPTER_LOAD_SECONDS_PER_BYTE = 0.055 / 199.0e6  # benchmarks/vllm_adapter_sync.py, in memory (BENCHMARKS.md)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What a step asks for, independent of the layout."""
-
-    lengths: ResponseLengths
-    prompt_tokens: int
-    kept_groups: float = 1.0  # share of generated groups dynamic sampling keeps
-    seed: int = 0
-    conversations: int = 1  # per episode (multi-conversation producers; their prompts are prompt_tokens each)
-    turns: int = 1  # per episode of a tool agent: replies appended to one row, observations between them
-    observation_tokens: int = 0  # per observation (an agent's producer.max_observation_tokens)
-
-    @property
-    def waves(self) -> int:
-        """Generate calls an episode makes one after another: its conversations or its turns."""
-        return max(self.conversations, self.turns)
-
-    def wave_prompt_tokens(self, previous: list[float]) -> int:
-        """The prompt of a wave whose episode's earlier replies average `previous` tokens each: an agent's row grows
-        by each reply and observation; a conversation starts from its own prompt."""
-        if self.turns == 1:
-            return self.prompt_tokens
-        return round(self.prompt_tokens + sum(previous) + len(previous) * self.observation_tokens)
-
-
-@dataclass
-class Sampling:
-    """One step's dynamic sampling over every GPU: the groups each GPU generates in each round it runs, as one
-    [groups, group_size] array of response lengths per conversation (one for single-turn episodes; multi-
-    conversation episodes generate their conversations one after another), and the sequences it trains."""
-
-    rounds: list[list[list[np.ndarray]]]  # per GPU, per round it generates in, per conversation
-    trained: list[np.ndarray]  # per GPU: response lengths of every trained sequence
-    fill: str  # algorithm.sampling_fill
-    # per GPU: the groups of the round after its last (what streamed rounds begin before the step ends), None where
-    # it ran algorithm.max_sampling_rounds; single-turn only (the first conversation's)
-    spare: list[np.ndarray | None] | None = None
-
-    @property
-    def round_count(self) -> int:
-        return max(len(r) for r in self.rounds)
-
-
-def conversation_caps(run, conversations: int) -> list[int]:
-    """Each conversation's response cap: producer.memory_tokens for the memory conversations of a multi-conversation
-    episode, rollout.max_new_tokens for its last (the answer) and for single-turn episodes."""
-    memory = getattr(run.producer, "memory_tokens", run.rollout.max_new_tokens)
-    return [memory] * (conversations - 1) + [run.rollout.max_new_tokens]
-
-
-def sampling_rounds(run, gpus: int, work: Workload) -> Sampling:
-    """Each GPU's rounds and trained sequences (module docstring): response lengths from work.lengths (cut at each
-    conversation's cap), each group kept with probability work.kept_groups (numpy's generator seeded with
-    work.seed, so a plan is reproducible)."""
-    rng = np.random.default_rng(work.seed)
-    r, a = run.rollout, run.algorithm
-    quota = r.prompts_per_step // gpus
-    dynamic = a.dynamic_sampling and work.kept_groups < 1
-    max_rounds = a.max_sampling_rounds if dynamic else 1
-    caps = conversation_caps(run, work.conversations) if work.turns == 1 else [r.max_new_tokens] * work.turns
-    drawn = [
-        [
-            [work.lengths.draw(quota * r.group_size, cap, rng).reshape(quota, r.group_size) for cap in caps]
-            for _ in range(max_rounds)
-        ]
-        for _ in range(gpus)
-    ]
-    kept = rng.random((gpus, max_rounds, quota)) < work.kept_groups if dynamic else np.ones((gpus, 1, quota), bool)
-    cumulative = kept.sum(axis=2).cumsum(axis=1)  # [gpus, rounds]: groups kept after each round
-    if a.sampling_fill == "global":
-        enough = cumulative.sum(axis=0) >= quota * gpus
-        runs = np.full(gpus, int(np.argmax(enough)) + 1 if enough.any() else max_rounds)
-    else:
-        done = cumulative >= quota
-        runs = np.where(done.any(axis=1), done.argmax(axis=1) + 1, max_rounds)
-    trained = []
-    for i in range(gpus):
-        if work.turns > 1:  # one row per episode: every reply and the observations between them
-            rows = [sum(drawn[i][j]) + (work.turns - 1) * work.observation_tokens for j in range(runs[i])]
-        else:  # one row per conversation
-            rows = [np.concatenate(drawn[i][j], axis=1) for j in range(runs[i])]
-        episodes = np.concatenate([rows[j][kept[i, j]] for j in range(runs[i])])  # [kept groups, rows of a group]
-        trained.append(episodes[:quota].ravel())
-    spare = [drawn[i][runs[i]][0] if runs[i] < max_rounds else None for i in range(gpus)]
-    return Sampling([drawn[i][: runs[i]] for i in range(gpus)], trained, a.sampling_fill, spare)
-
-
-def lockstep_seconds(ranks: list[list[float]]) -> float:
-    """Seconds of ranks that run their j-th pieces of work together (an expert-parallel group's forwards or decode
-    batches; a rank with fewer runs idle ones): sum over j of max over ranks of t[r, j], a missing piece 0."""
-    pieces = max((len(t) for t in ranks), default=0)
-    return sum(max(t[j] if j < len(t) else 0.0 for t in ranks) for j in range(pieces))
-
-
-def generation_seconds(sampling: Sampling, round_chunks: list[list[list[float]]], expert_parallel: int) -> np.ndarray:
-    """Each GPU's generate seconds from the seconds of each decode batch of each round on it (`generate_chunks`;
-    vLLM's continuous batching is one per round and conversation): its own rounds one after another; the ranks of
-    an EP group run their j-th batches together (a rank whose quota is full keeps serving its group's rounds), so
-    each costs the group's slowest; with global filling every round waits for every GPU:
-        round(g, r) = sum over batches j of max over ranks i in g of t[i, r, j]
-        worker fill: sum over r of round(g, r);   global: sum over r of max over g of round(g, r)"""
-    gpus, count, group = len(round_chunks), sampling.round_count, max(expert_parallel, 1)
-    per_round = np.zeros((gpus // group, count))
-    for g in range(gpus // group):
-        members = round_chunks[g * group : (g + 1) * group]
-        for r in range(count):
-            per_round[g, r] = lockstep_seconds([rounds[r] if r < len(rounds) else [] for rounds in members])
-    if sampling.fill == "global":
-        return np.full(gpus, per_round.max(axis=0).sum())
-    return np.repeat(per_round.sum(axis=1), group)
-
-
-def streams_rounds(run) -> bool:
-    """algorithm.sampling_rounds streamed on the torch engine (the only one that streams them)."""
-    return run.algorithm.sampling_rounds == "streamed" and run.rollout.engine == "torch"
-
-
-def streamed_chunks(run, sampling: Sampling, work: Workload, cost: DecodeCost) -> list:
-    """[gpu][round] -> decode batch seconds, as round_chunks, of rounds streamed through the slots
-    (allsync/producers/streamed.py): one round per GPU, its rounds' groups queued one after another and the next
-    round's (`Sampling.spare`) behind them, ending when the last row of the rounds the batch needs ends (the spare
-    round's rows take the slots that free before then, and are dropped)."""
-    out = []
-    for rounds, spare in zip(sampling.rounds, sampling.spare or [None] * len(sampling.rounds)):
-        needed = np.concatenate([waves[0] for waves in rounds])
-        groups = needed if spare is None else np.concatenate([needed, spare])
-        slots = run.rollout.decode_batch_size
-        room, headroom = torch_kv_room(run, groups, work.prompt_tokens)
-        finish = generation_timeline(groups.ravel(), work.prompt_tokens, room, cost, slots, headroom)
-        out.append([[float(finish[: needed.size].max(initial=0.0))]])
-    return out
-
-
-def generate_phase(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: DecodeCost, ep: int) -> np.ndarray:
-    """Each GPU's generate seconds (generation_seconds): its rounds one after another, or streamed through its slots
-    (`streams_rounds`, `streamed_chunks`: one round that holds them all)."""
-    if streams_rounds(run):
-        one_round = Sampling([[[np.concatenate([w[0] for w in r])]] for r in sampling.rounds], [], sampling.fill)
-        return generation_seconds(one_round, streamed_chunks(run, sampling, work, cost), ep)
-    return generation_seconds(sampling, round_chunks(run, sampling, work, kv_tokens, cost), ep)
-
-
-def generator_bytes(model_config: dict, ep: int, own_copy: bool, trainer_parts: dict | None) -> dict[str, int]:
-    """The frozen weights a generator reads every decode step, by part: vLLM's own copy of the base (own_copy), or
-    the trainer's frozen parts (`trainer_parts`: weights.trainer_bytes or a Plan's per_gpu_bytes)."""
-    if own_copy:
-        return engine_bytes(model_config, ep)
-    return {k: trainer_parts[k] for k in FROZEN_PARTS}
-
-
-def generator_cost(
-    run,
-    model_config: dict,
-    hw: Hardware,
-    ep: int,
-    weights: dict[str, int],
-    own_copy: bool,
-    decode_graphs: bool | None = None,
-) -> DecodeCost:
-    """A decode step's costs over the generator's `weights` (generator_bytes), in the formats they are held in;
-    decode_graphs: the torch engine's CUDA graphs of fixed-shape steps (None: rollout.decode_graphs)."""
-    fmt = (
-        stored_plan(model_config).format_of("routed_experts")
-        if own_copy
-        else run.model.quant.plan().format_of("routed_experts")
-    )
-    routed = weights.get("routed_experts", 0)
-    engine, kv_dtype = run.rollout.engine, run.rollout.kv_cache_dtype
-    kernel = run.rollout.attention_kernel if engine == "torch" else "torch"
-    expanded = decode_cache_is_expanded(model_config, engine, kv_dtype)
-    kv = kv_step_bytes_per_token(model_config, engine, kv_dtype, kernel)
-    attention = decode_attention_flops_per_token(model_config, latent=not expanded)
-    measured = EAGER_H200 if engine == "torch" else None  # the torch engine as measured (eager), torch_decode.py
-    graphs = engine == "torch" and (run.rollout.decode_graphs if decode_graphs is None else decode_graphs)
-    # the quantized weights a fixed-shape step dequantizes (the torch engine holds the trainer's)
-    routed_values, other_values = dequantized_values(
-        model_config, run.model.quant.plan(), held_experts(model_config, ep)
-    )
-    return DecodeCost(
-        model_config,
-        hw,
-        routed,
-        sum(weights.values()) - routed,
-        kv,
-        ep,
-        fmt,
-        attention,
-        measured,
-        graphs,
-        routed_values,
-        other_values,
-        own_positions=kernel == "triton",
-        experts_read_once=engine == "torch" and run.rollout.frozen_expert_kernel == "triton",
-        graphed=(hw.decode_factors or GRAPHED_H200) if engine == "torch" else None,
-        fp8_linears_read_once=engine == "torch" and run.rollout.fp8_linear_kernel == "scaled_mm",
-        fp8_linear_params=fp8_gemm_values(model_config, run.model.quant.plan()),
-        engine_factor=vllm_step_factor(hw, "routed_experts" in run.lora.targets) if engine == "vllm" else 1.0,
-    )
-
-
-def slot_room(slots: int, groups: np.ndarray, prompt_tokens: int) -> int:
-    """KV room that never stops the torch engine's `slots` slots from admitting `groups`' rows: each slot holds a row
-    at full length."""
-    return (slots + 1) * (prompt_tokens + int(groups.max(initial=0)) + ADMISSION_HEADROOM_TOKENS)
-
-
-def torch_kv_room(run, groups: np.ndarray, prompt_tokens: int) -> tuple[int, int]:
-    """(KV room in tokens, admission headroom per running row) of the torch engine's slots: slot_room's when each
-    slot holds a row at full length; with rollout.kv_cache_tokens the pages the slots share (moe_lora.mla_decode.
-    SlotKVCache), less half a page per slot (a row's last page is half empty on average) but never less than the
-    longest row and its page (the engine refuses a room that cannot admit one; the plan says so, fit.paged_problems),
-    a page of headroom a row (the engine admits a row when its pages and one more per live row are free)."""
-    from moe_lora.mla_decode import KV_PAGE_TOKENS
-
-    slots, tokens = run.rollout.decode_batch_size, run.rollout.kv_cache_tokens
-    if tokens is None:
-        return slot_room(slots, groups, prompt_tokens), ADMISSION_HEADROOM_TOKENS
-    longest = prompt_tokens + int(groups.max(initial=0)) + KV_PAGE_TOKENS
-    return max(tokens - slots * KV_PAGE_TOKENS // 2, longest), KV_PAGE_TOKENS
-
-
-def generate_chunks(run, groups: np.ndarray, prompt_tokens: int, kv_tokens: int, cost: DecodeCost) -> list[float]:
-    """Seconds of generating `groups` ([groups, group_size] response lengths), continuous batching: vLLM's within
-    its KV room, the torch engine's over rollout.decode_batch slots that each hold a sequence at full length (the
-    plan refuses a batch that does not fit), so it admits a row whenever a slot frees and never preempts, or that
-    share rollout.kv_cache_tokens in pages (`torch_kv_room`), preempting as vLLM does."""
-    if run.rollout.engine == "torch":
-        room, headroom = torch_kv_room(run, groups, prompt_tokens)
-        slots = run.rollout.decode_batch_size
-        return [generate(groups, prompt_tokens, room, cost, slots, headroom)[0]]
-    return [generate(groups, prompt_tokens, kv_tokens, cost)[0]]
-
-
-def round_chunks(run, sampling: Sampling, work: Workload, kv_tokens: int, cost: DecodeCost) -> list:
-    """[gpu][round] -> the seconds of every decode batch of the round, its conversations (or an agent's turns, each
-    prompted with the row so far: Workload.wave_prompt_tokens) one after another."""
-
-    def batches(waves: list[np.ndarray]) -> list[float]:
-        out = []
-        for w, wave in enumerate(waves):
-            prompt = work.wave_prompt_tokens([float(v.mean()) for v in waves[:w]])
-            out += generate_chunks(run, wave, prompt, kv_tokens, cost)
-        return out
-
-    return [[batches(waves) for waves in rounds] for rounds in sampling.rounds]
-
-
-def generate(
-    groups: np.ndarray,
-    prompt_tokens: int,
-    kv_tokens: int,
-    cost: DecodeCost,
-    max_sequences: int = 1024,
-    headroom: int = ADMISSION_HEADROOM_TOKENS,
-) -> tuple[float, np.ndarray]:
-    """(seconds until the GPU's last response, each group's finish seconds sorted)."""
-    finish = generation_timeline(groups.ravel(), prompt_tokens, kv_tokens, cost, max_sequences, headroom)
-    finish = finish.reshape(groups.shape).max(axis=1)
-    return float(finish.max()), np.sort(finish)
-
-
-def grad_sync_seconds(run, model_config: dict, hw: Hardware, gpus: int, ep: int) -> float:
-    """One all-reduce of the LoRA gradients: the per-expert routed factors' over gpus / ep replicas, the rest (the
-    factors a shared_outer layer's experts share included) over all GPUs."""
-    targets = tuple(run.lora.targets)
-    experts = held_experts(model_config, ep)
-    held = lora_values(model_config, run.lora.rank, targets, experts, run.lora.expert_layout)
-    routed = 0
-    if "routed_experts" in targets:
-        routed = routed_lora_values(model_config, run.lora.rank, experts, run.lora.expert_layout)[0]
-    replicas = gpus // ep
-    link = hw.link_bytes_per_second(gpus)
-    return allreduce_seconds((held - routed) * LORA_VALUE_BYTES, gpus, link) + allreduce_seconds(
-        routed * LORA_VALUE_BYTES, replicas, link
-    )
-
-
-@dataclass
-class Training:
-    """A train phase: each GPU's busy seconds, the phase's wall seconds (waits included), each GPU's seconds per
-    trained sequence (its share of its forwards)."""
-
-    busy: np.ndarray
-    wall: float
-    per_sequence: list[np.ndarray]
-
-
-def train_phase(
-    run,
-    model_config,
-    hw,
-    ep: int,
-    routed_format: str,
-    sequences: list[np.ndarray],
-    prompt_tokens: int,
-    offloaded_per_token: float = 0.0,
-) -> Training:
-    """The train phase of GPUs holding `sequences` (each GPU's response lengths, in the order it trains them), as
-    the learner runs it: optim.minibatches contiguous parts, each packed longest first into forwards whose padded size
-    (rows x longest) stays within optim.max_tokens_per_forward (allsync.forward.token_budget_chunks; one forward of
-    the part without a budget); with optim.balance_ranks each minibatch's rows first go to the GPUs as
-    allsync.balance.dealt deals them (one row an episode): with a budget in forwards packed globally and dealt in
-    turns, which the GPUs run as dealt; without one by the longest-processing-time rule. Expert-parallel ranks run
-    their j-th forwards together (a rank with fewer runs idle ones), so each costs the group's slowest; every
-    minibatch ends in a gradient all-reduce over all GPUs:
-        wall = sum over minibatches m of max over EP groups g of sum over forwards j of max over ranks r in g t[r,m,j]
-    (EP 1: groups of one). Activation offload copies each forward's saved bytes out and back over the host link."""
-    from allsync.forward import token_budget_chunks
-
-    o = run.optim
-    a = run.algorithm
-    passes = train_passes(o.activation_checkpointing, o.minibatches, a.kl_coef > 0, a.uses_critic, a.old_logprobs)
-    gpus = len(sequences)
-    times = [[[] for _ in range(o.minibatches)] for _ in range(gpus)]  # [gpu][minibatch] -> seconds per forward
-    per_sequence = [np.zeros(len(responses)) for responses in sequences]
-    # parts[gpu][m]: (tokens, the GPU that generated the row, its index there) of the rows GPU gpu trains in minibatch m
-    parts = []
-    for i, responses in enumerate(sequences):
-        tokens = np.asarray(responses, dtype=np.int64) + prompt_tokens
-        bounds = np.cumsum([0] + [len(p) for p in np.array_split(tokens, o.minibatches)])
-        parts.append([[(int(tokens[j]), i, j) for j in range(a, b)] for a, b in zip(bounds, bounds[1:])])
-    forwards = [[None] * o.minibatches for _ in range(gpus)]  # [gpu][m]: the dealt forwards' rows (None: its own)
-    if run.optim.balance_ranks and gpus > 1:  # allsync/balance.py: each minibatch's rows spread by their tokens
-        for m in range(o.minibatches):
-            shares = dealt([[row[0] for row in p[m]] for p in parts], gpus, o.max_tokens_per_forward)
-            moved = [[parts[w][m][i] for w, i in taken] for taken, _ in shares]
-            for i, (rows, (_, groups)) in enumerate(zip(moved, shares)):
-                parts[i][m], forwards[i][m] = rows, groups
-    for i in range(gpus):
-        for m, part in enumerate(parts[i]):
-            lengths = [row[0] for row in part]
-            groups = (
-                forwards[i][m] if forwards[i][m] is not None else token_budget_chunks(lengths, o.max_tokens_per_forward)
-            )
-            for rows in groups:
-                longest = max(lengths[r] for r in rows)
-                t = forward_seconds(model_config, hw, routed_format, passes, ep, len(rows), longest)
-                t += 2 * len(rows) * longest * offloaded_per_token / hw.host_link_bytes_per_second
-                times[i][m].append(t)
-                for r in rows:
-                    _, gpu, j = part[r]
-                    per_sequence[gpu][j] = t / len(rows)
-    busy = np.array([sum(sum(m) for m in gpu) for gpu in times])
-    group = max(ep, 1)
-    wall = sum(
-        max(lockstep_seconds([times[r][m] for r in range(g, min(g + group, gpus))]) for g in range(0, gpus, group))
-        for m in range(o.minibatches)
-    )
-    return Training(busy, wall, per_sequence)
 
 
 GRAPHS = "rollout.decode_graphs"
@@ -488,7 +130,7 @@ def within_kv_room(run, plan: Plan) -> tuple[object, str | None]:
     step's note): rollout.kv_cache_tokens to the room's whole pages, or full-length slots (no kv_cache_tokens) to
     the sequences that fit. A config that fits, or vLLM (it sizes its own cache), as given. Priced as given, such a
     config would be faster than what the loop can run (the plan says it does not fit)."""
-    from moe_lora.mla_decode import KV_PAGE_TOKENS
+    from moe_lora.kv_caches import KV_PAGE_TOKENS
 
     r = run.rollout
     if r.engine != "torch":

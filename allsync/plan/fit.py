@@ -142,12 +142,12 @@ class Plan:
 
 def decode_cache_is_expanded(model_config: dict, engine: str, kv_cache_dtype: str = "auto") -> bool:
     """The decoder keeps MLA's keys and values expanded: the torch engine where that is no larger than the latent
-    (moe_lora.mla_decode.expanded_cache_fits, the engine's own rule: the tiny models) and its cache is not FP8.
+    (moe_lora.kv_caches.expanded_cache_fits, the engine's own rule: the tiny models) and its cache is not FP8.
     Otherwise (vLLM always, the torch engine at DeepSeek-V3's 128 heads or with rollout.kv_cache_dtype fp8) it keeps
     the latent and attends in latent space."""
     from types import SimpleNamespace
 
-    from moe_lora.mla_decode import expanded_cache_fits
+    from moe_lora.kv_caches import expanded_cache_fits
 
     fits = expanded_cache_fits(SimpleNamespace(**model_config))
     return engine == "torch" and kv_cache_dtype == "auto" and fits
@@ -156,10 +156,10 @@ def decode_cache_is_expanded(model_config: dict, engine: str, kv_cache_dtype: st
 def kv_bytes_per_token(model_config: dict, engine: str = "vllm", kv_cache_dtype: str = "auto") -> int:
     """KV-cache bytes per token: MLA's latent (allsync.engines.vllm_support.mla_kv_bytes_per_token), or where the
     decoder keeps them expanded (`decode_cache_is_expanded`) its keys and values, H x (d_nope + d_rope + d_v) per
-    layer (bf16); the torch engine's FP8 latent (rollout.kv_cache_dtype fp8) moe_lora.mla_decode.fp8_latent_bytes per
+    layer (bf16); the torch engine's FP8 latent (rollout.kv_cache_dtype fp8) moe_lora.kv_caches.fp8_latent_bytes per
     layer (DeepSeek-V3: 61 x 656)."""
     from allsync.engines.vllm_support import mla_kv_bytes_per_token
-    from moe_lora.mla_decode import fp8_latent_bytes
+    from moe_lora.kv_caches import fp8_latent_bytes
 
     c = model_config
     if decode_cache_is_expanded(model_config, engine, kv_cache_dtype):
@@ -236,8 +236,8 @@ def engine_extra_bytes(run, model_config: dict, expert_parallel: int) -> dict[st
 
 def paged_problems(rollout, kv_tokens: int, kv_token: int, sequence_tokens: int, problems: list[str]) -> None:
     """rollout.kv_cache_tokens (the torch engine's slots sharing pages) against the generate phase's room and one
-    full-length row (moe_lora.mla_decode.SlotKVCache admits one when its pages and one more are free)."""
-    from moe_lora.mla_decode import KV_PAGE_TOKENS
+    full-length row (moe_lora.kv_caches.SlotKVCache admits one when its pages and one more are free)."""
+    from moe_lora.kv_caches import KV_PAGE_TOKENS
 
     tokens = rollout.kv_cache_tokens
     if tokens > kv_tokens:

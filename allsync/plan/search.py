@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from allsync.config.checks import sampler_unlike_trainer
 from allsync.engines.torch_engine import DEFAULT_DECODE_BATCH
 from allsync.plan.activations import RunTraces
-from allsync.plan.estimate import Workload, colocated_steps, generator_bytes, split_steps
+from allsync.plan.estimate import colocated_steps, split_steps
+from allsync.plan.generation import Workload, generator_bytes
 from allsync.plan.fit import (
     COLOCATIONS,
     Layout,
@@ -129,7 +130,7 @@ def planned_with_slots(
     each with room for a row at full length where that many fit, else `slots` slots sharing the generate phase's KV
     room in pages (rollout.kv_cache_tokens, whole pages; at least 1 slot where not one row fits); not `paged`: as
     many full-length slots as fit, at most DEFAULT_DECODE_BATCH (at least 1). Any other run as it is."""
-    from moe_lora.mla_decode import KV_PAGE_TOKENS
+    from moe_lora.kv_caches import KV_PAGE_TOKENS
 
     plan = plan_run(run, model_config, layout, traces)
     r = run.rollout

@@ -12,7 +12,7 @@ so a sequence of S tokens costs S x F(c = S / 2) (F is linear in c). Training a 
 model `passes` times: forward 1, backward 2 (input gradients only: the base is frozen; LoRA's share is < 1%), the
 recomputed forward of activation checkpointing 1, the old-logprob forward of a step with several minibatches 1, the
 reference forward of a KL penalty 1; a critic's value forward 1, its forward 1 and backward 2 (recompute 1).
-The learner trains rows packed into forwards padded to their longest row (`forward_seconds`; estimate.train_phase
+The learner trains rows packed into forwards padded to their longest row (`forward_seconds`; training.train_phase
 packs them): seconds = FLOPs / (peak x hardware.train_efficiency at the forward's padded tokens), the efficiency
 measured on the real layers (hardware.py), plus the MoE all-to-all (`a2a_seconds_per_token`): per routed token and
 MoE layer, a copy of the hidden state (bf16) to each other GPU holding one of its experts and back (hierarchically,
@@ -148,7 +148,7 @@ def train_passes(
 ) -> tuple[int, int]:
     """(FLOP passes, all-to-all passes) of training one sequence: forward 1 + backward 2 (+ recompute, + old-logprob
     forward when a step has several minibatches and algorithm.old_logprobs is recompute, + reference forward with a
-    KL penalty); the backward moves the all-to-all's bytes once. A critic (PPO / T-PPO, allsync/critic.py) runs the
+    KL penalty); the backward moves the all-to-all's bytes once. A critic (PPO / T-PPO, allsync/update/critic.py) runs the
     frozen model again: its values before the update (a forward), then its own forward and backward (+ recompute)."""
     forwards = 1 + int(checkpointing) + int(minibatches > 1 and old_logprobs == "recompute") + int(kl)
     flops, a2a = forwards + 2, forwards + 1

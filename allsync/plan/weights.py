@@ -214,7 +214,7 @@ def trainer_bytes(run, model_config: dict, expert_parallel: int, quant: QuantPla
 
 
 def critic_bytes(run, model_config: dict) -> dict[str, int]:
-    """PPO / T-PPO's critic (allsync/critic.py) per GPU: its adapter (the policy's rank and targets but the routed
+    """PPO / T-PPO's critic (allsync/update/critic.py) per GPU: its adapter (the policy's rank and targets but the routed
     experts, replicated) and its value head (hidden + 1), with gradients and AdamW's two moments, all float32:
     4 x values x 4 B. {} without a critic."""
     if not run.algorithm.uses_critic:

@@ -10,6 +10,6 @@
 
 To add a producer: one module here, or one of your own named in run.imports, with its settings class under
 `@register_producer`, subclassing ProducerDefaults (registry.py says what it provides); every module of this folder
-is imported when a config is read. The update (allsync/learner.py) consumes episodes and never knows which producer
+is imported when a config is read. The update (allsync/update/learner.py) consumes episodes and never knows which producer
 made them: what it asks of one (the loss's aggregation, the rows that train) it asks the settings.
 """

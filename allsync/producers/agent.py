@@ -6,7 +6,7 @@ a next prompt whose text extends the current row's text (prompt + replies + obse
 appended to the same row, its new tokens (the observations) with loss mask 0; a prompt that does not
 extend it (the environment reset the context, as a memory agent does) starts a new segment. The
 engine's own reply ids are never re-encoded, so their logprobs stay valid. The reward at done trains
-every reply token of every segment (allsync/learner.py).
+every reply token of every segment (allsync/update/learner.py).
 
 Errors (an environment that raises, takes longer than producer.step_timeout_s or returns a malformed observation)
 are reported with the episode's row; with reward.on_error fail the step stops, with wrong the episode ends

@@ -14,7 +14,7 @@ The memory is passed on as token ids (the reply's ids between the tags), never d
 so every segment's prompt holds exactly the tokens the engine produced and its logprobs stay valid. A
 write without a closing tag is passed on as it is: cut at memory_tokens ("truncated"), or ended early
 ("malformed"); a reply without an opening tag leaves an empty memory ("malformed"). Each conversation
-is a new segment of the episode; the reward of the final answer trains them all (allsync/learner.py).
+is a new segment of the episode; the reward of the final answer trains them all (allsync/update/learner.py).
 """
 
 from __future__ import annotations

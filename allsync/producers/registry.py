@@ -40,7 +40,7 @@ class ProducerContext:
     score: Callable  # (problems, responses, group_index or None) -> (rewards, correct, reward errors)
     samples_per_step: int  # this worker's samples per step (prompts_per_step / workers x group_size)
     groups: Any = (
-        None  # allsync.launch.process_groups.Groups: rank, world size, the all-reduce dynamic sampling fills with
+        None  # allsync.distributed.process_groups.Groups: rank, world size, the all-reduce dynamic sampling fills with
     )
     # () -> a function that puts take_problems' position and torch's generator back where they are now (streamed
     # rounds give back the rounds they began but did not need: allsync/producers/streamed.py)

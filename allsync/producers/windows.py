@@ -4,7 +4,7 @@ Each step the pool's responses (prompt + response so far) get `producer.window` 
 current adapter (without a window: the whole response, PPO). Responses that end (eos or
 rollout.max_new_tokens) are finished and leave the pool; new samples (group_size per problem) refill it
 to prompts_per_step / workers x group_size. Each step's episodes are the pool's responses so far, their loss masks on
-this window's tokens (finish reason "window" while they go on), so the update (allsync/learner.py's critic batch)
+this window's tokens (finish reason "window" while they go on), so the update (allsync/update/learner.py's critic batch)
 trains each token once, by the adapter that generated it.
 """
 

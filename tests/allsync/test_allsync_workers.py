@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-import allsync.learner as update_module
+import allsync.update.optimizer as update_module
 from allsync.config import parse_config
 from allsync.metrics import aggregate
 from allsync.launch.local import LocalGroup
 from allsync.launch.ray_actors import RayGroup
 from allsync.tasks import Problem
 from allsync.episodes import Episode
-from allsync.worker import RewardError, RLWorker
+from allsync.run.worker import RewardError, RLWorker
 
 PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in range(10)]
 
@@ -117,7 +117,7 @@ def test_held_out_evaluation_is_not_counted_as_the_next_steps_generation_work(ti
 
 
 def test_an_evaluation_moves_neither_the_next_steps_samples_nor_its_own(tiny_bf16):
-    """Evaluation draws from its own random stream (RLWorker.own_random_stream): a run evaluated after step 1 (as one
+    """Evaluation draws from its own random stream (allsync.run.randomness.own_random_stream): a run evaluated after step 1 (as one
     stopped with --steps 1 is, before its checkpoint) samples at step 2 what a run that never evaluated samples, and
     the same adapter evaluated twice answers alike. Before, the evaluation drew from the run's stream, so the
     671B rehearsal's resumed step 2 sampled other responses than the run that never stopped."""
@@ -232,7 +232,7 @@ def test_a_worker_collects_whole_groups_whatever_dynamic_sampling_keeps(warm_tin
     worker = RLWorker(cfg, make_splits(ArithmeticGenerator(1, 1), 100, 20).train)
     torch.manual_seed(0)
     for _ in range(2):
-        episodes, group_index, stats = worker.producer.collect(4, worker.adapter_version)
+        episodes, group_index, stats = worker.producer.collect(4, worker.policy.version)
         assert stats["sampling_rounds"] >= 1 and len(episodes) == len(group_index) > 0
         for g in group_index.unique().tolist():
             members = [e for e, i in zip(episodes, group_index.tolist()) if i == g]

@@ -1,7 +1,7 @@
-"""allsync/balance.py's assignment of a minibatch's episodes to the workers (optim.balance_ranks), on hand examples."""
+"""allsync/update/balance.py's assignment of a minibatch's episodes to the workers (optim.balance_ranks), on hand examples."""
 
-from allsync.balance import assign_episodes, dealt_forwards
-from allsync.forward import token_budget_chunks
+from allsync.update.balance import assign_episodes, dealt_forwards
+from allsync.update.sequences import token_budget_chunks
 
 
 def test_without_a_budget_each_episode_goes_to_the_worker_with_the_fewest_tokens():

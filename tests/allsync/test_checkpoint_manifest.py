@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from allsync.checkpoint import (
+from allsync.run.checkpoint import (
     MANIFEST,
     CheckpointStateError,
     latest_good_checkpoint,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from allsync.checkpoint import (
+from allsync.run.checkpoint import (
     CheckpointStateError,
     optimizer_state_from_files,
     optimizer_state_to_files,
@@ -100,7 +100,7 @@ def test_a_rank_whose_probe_the_controller_cannot_see_is_named(tmp_path):
     """Multi-node runs write checkpoint parts into the controller's run.out_dir from every node: each rank writes a
     probe there first, and a rank whose file the controller does not see (its node has another filesystem at that
     path: here, its file went to another directory) is named with its host."""
-    from allsync.checkpoint import unseen_probes, write_probe
+    from allsync.run.checkpoint import unseen_probes, write_probe
 
     seen, elsewhere = tmp_path / "controller-view", tmp_path / "node-1-view"
     hosts = [write_probe(seen, 0), write_probe(elsewhere, 1), write_probe(seen, 2)]

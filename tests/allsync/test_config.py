@@ -258,7 +258,7 @@ def test_length_reward_is_checked():
 def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, monkeypatch):
     """model.compute_copy is refused before the copies are made when they would take more than half of the
     device's free memory, naming the key."""
-    import allsync.worker as worker_module
+    import allsync.run.worker as worker_module
     from allsync.config import ConfigError
     from allsync.tasks import Problem
 

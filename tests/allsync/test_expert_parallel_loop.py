@@ -148,7 +148,7 @@ def test_shared_outer_at_ep4_over_two_nodes_trains_the_adapter_of_four_replicate
 def test_a_token_budget_and_activation_checkpointing_at_ep2_give_the_ep1_adapter(warm_tiny, replicated):
     """Under expert parallelism every rank runs as many forwards as the rank with the most row groups (idle rows
     for the rest), and recomputed decoder layers redo their all-to-alls in backward in the same order on every
-    rank; with optim.balance_ranks each minibatch's rows first move between the ranks (allsync/balance.py); with
+    rank; with optim.balance_ranks each minibatch's rows first move between the ranks (allsync/update/balance.py); with
     algorithm.old_logprobs engine no rank runs an old-logprob pass (a rank with no rows neither): three steps end at
     the unsplit EP=1 adapter (which recomputed its old logprobs; measured 1.0e-6 of its norm apart), every step
     training the same tokens in all, the engine's logprobs within 1e-6 nats of the first minibatch's."""

@@ -90,10 +90,10 @@ def test_the_expert_parallel_trace_predicts_what_real_ranks_save(tiny_bf16, worl
 
 def test_the_critic_is_traced_and_counted(trace_cache, tmp_path):
     """PPO / T-PPO: the critic's adapter (every target but the routed experts) and head with gradients and AdamW's
-    moments are the trainable tensors allsync.critic.Critic really holds, x 4; its forward is traced too, and the
+    moments are the trainable tensors allsync.update.critic.Critic really holds, x 4; its forward is traced too, and the
     plan's activations are the larger of the two forwards (their graphs live one at a time)."""
     from allsync.config import parse_config
-    from allsync.critic import Critic
+    from allsync.update.critic import Critic
     from allsync.plan.activations import RunTraces
     from allsync.plan.fit import Layout, plan_run
     from allsync.plan.weights import critic_bytes

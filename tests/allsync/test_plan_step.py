@@ -89,7 +89,7 @@ def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_ran
     forwards together, so the phase is the sum over j of the slowest (the longest forwards of every rank run
     together); without expert parallelism each GPU runs on and the minibatch's all-reduce waits for the slowest GPU."""
     from allsync.config import parse_config
-    from allsync.plan.estimate import train_phase
+    from allsync.plan.training import train_phase
     from allsync.plan.step_time import forward_seconds
 
     run = parse_config({"model": {"base": "/nonexistent"}, "optim": {"max_tokens_per_forward": 4096, "minibatches": 1}})
@@ -111,9 +111,9 @@ def test_the_train_phase_packs_rows_as_the_learner_and_waits_for_the_slowest_ran
 
 def test_balanced_ranks_spread_each_minibatchs_rows_by_their_tokens_before_packing():
     """optim.balance_ranks: the rows of a minibatch go to the GPUs by the longest-processing-time rule (the learner's
-    allsync.balance.assign_episodes) before each GPU packs its own longest first; every row is still priced once."""
+    allsync.update.balance.assign_episodes) before each GPU packs its own longest first; every row is still priced once."""
     from allsync.config import parse_config
-    from allsync.plan.estimate import train_phase
+    from allsync.plan.training import train_phase
     from allsync.plan.step_time import forward_seconds
 
     settings = {"model": {"base": "/nonexistent"}, "optim": {"max_tokens_per_forward": 4096, "minibatches": 1}}
@@ -174,7 +174,7 @@ def test_the_torch_engine_admits_a_row_whenever_one_of_its_slots_frees():
     """Continuous batching over rollout.decode_batch slots (issue 46): with 2 slots, rows of 5, 2, 7, 1 tokens
     (prompts of 10) finish at 5, 2 + 7 (row 2 took row 1's slot at step 2) and 5 + 1 (row 3 took row 0's), each
     admission a prefill; static batches of 2 would have taken 5 + 7 steps."""
-    from allsync.plan.estimate import generate_chunks
+    from allsync.plan.generation import generate_chunks
 
     run = SimpleNamespace(rollout=SimpleNamespace(engine="torch", decode_batch_size=2, kv_cache_tokens=None))
     lengths = np.array([[5], [2], [7], [1]])
@@ -188,7 +188,7 @@ def test_slots_sharing_pages_hold_rows_at_their_real_lengths():
     2,000 tokens in pages hold all four at once (their contexts never pass 1,200 together) and finish when 4
     full-length slots (3,200 tokens) do, at step 700; 2 full-length slots take 900 steps. 4 slots sharing 1,000
     tokens run out and preempt (a row prefilled again with its tokens): slower than 2,000, faster than 2 slots."""
-    from allsync.plan.estimate import generate_chunks
+    from allsync.plan.generation import generate_chunks
 
     def seconds(slots, tokens=None):
         run = SimpleNamespace(rollout=SimpleNamespace(engine="torch", decode_batch_size=slots, kv_cache_tokens=tokens))
@@ -516,7 +516,7 @@ def test_dynamic_sampling_runs_rounds_until_the_quota_is_kept():
     """Each round generates the worker's quota of groups; a worker stops once it has kept its quota (worker fill),
     or all stop once the workers together have (global); at most max_sampling_rounds; the quota's first kept groups
     train."""
-    from allsync.plan.estimate import Workload, sampling_rounds
+    from allsync.plan.generation import Workload, sampling_rounds
 
     lengths = parse_lengths("lognormal:median=50,sigma=0.5")
     every = sampling_rounds(sampling_run(dynamic=False), 8, Workload(lengths, 10, kept_groups=1.0))
@@ -533,7 +533,7 @@ def test_dynamic_sampling_runs_rounds_until_the_quota_is_kept():
 
 
 def test_rounds_wait_for_the_slowest_rank_of_an_expert_parallel_group_or_of_all_with_global_filling():
-    from allsync.plan.estimate import Sampling, generation_seconds
+    from allsync.plan.generation import Sampling, generation_seconds
 
     seconds = [[[1.0], [5.0]], [[2.0]], [[3.0], [1.0], [1.0]], [[4.0]]]  # GPUs 0-3: each round's decode batches
     rounds = [[[np.zeros((1, 1))]] * len(r) for r in seconds]
@@ -555,7 +555,7 @@ def test_streamed_rounds_end_a_step_sooner_than_sequential_rounds_and_train_the_
     the slowest GPU by at least 5%; a step of one round has no spare round."""
     from dataclasses import replace
 
-    from allsync.plan.estimate import Workload, generate_phase, sampling_rounds
+    from allsync.plan.generation import Workload, generate_phase, sampling_rounds
     from allsync.plan.hardware import hardware
     from allsync.plan.step_time import DecodeCost
 
@@ -587,7 +587,7 @@ def test_streamed_rounds_end_a_step_sooner_than_sequential_rounds_and_train_the_
 
 
 def test_a_multi_conversation_episode_generates_its_conversations_in_turn_and_trains_them_all():
-    from allsync.plan.estimate import Workload, conversation_caps, sampling_rounds
+    from allsync.plan.generation import Workload, conversation_caps, sampling_rounds
 
     run = sampling_run(
         dynamic=False, producer={"kind": "multiconv", "memory_tokens": 30}, task={"name": "memory_recall", "chunks": 2}
@@ -603,7 +603,7 @@ def test_a_multi_conversation_episode_generates_its_conversations_in_turn_and_tr
 def test_a_tool_agents_turns_grow_one_row_that_trains_once():
     """An agent episode: each turn a generate call prompted with the row so far (the replies before it and an
     observation after each), the whole row trained as one sequence."""
-    from allsync.plan.estimate import Workload, sampling_rounds
+    from allsync.plan.generation import Workload, sampling_rounds
 
     run = sampling_run(
         dynamic=False,

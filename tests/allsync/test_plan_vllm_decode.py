@@ -7,7 +7,7 @@ import pytest
 
 from allsync.cli import main
 from allsync.config import load_config_for_planning
-from allsync.plan.estimate import generator_bytes, generator_cost
+from allsync.plan.generation import generator_bytes, generator_cost
 from allsync.plan.fit import Layout, engine_expert_parallel
 from allsync.plan.hardware import GPUS
 from allsync.plan.search import not_built

@@ -4,7 +4,8 @@ values and gradients as the full log-softmax, entropy included."""
 import pytest
 import torch
 
-from allsync.forward import build_sequences, forward_pass, token_logprobs
+from allsync.update.forward import forward_pass, token_logprobs
+from allsync.update.sequences import build_sequences
 from moe_lora.lora import LoRAConfig, attach_lora
 from quant.loader import QuantPlan, load_frozen_model
 

@@ -11,10 +11,11 @@ from allsync.config import parse_config
 from allsync.launch.group import WorkerFailure
 from allsync.launch.ray_actors import RayGroup
 from allsync.engines.torch_engine import Rollout
-from allsync.forward import logprob_gap
+from allsync.update.batches import recomputes_old_logprobs, reuses_update_forward
+from allsync.update.sequences import logprob_gap
 from allsync.tasks import Problem
 from allsync.episodes import Episode
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 
 PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in range(10)]
 
@@ -64,8 +65,8 @@ def adapter(worker_or_group) -> dict[str, torch.Tensor]:
 
 
 def trained(worker: RLWorker, samples, index) -> dict:
-    out = worker.train(samples, index)
-    worker.adapter_version += 1
+    out = worker.learner.train(worker.policy, samples, index)
+    worker.policy.version += 1
     return out
 
 
@@ -152,37 +153,37 @@ def test_an_empty_minibatch_is_no_optimizer_step(tiny_bf16):
     samples, index = groups(0, 1, size=1)
     out = trained(w, samples, index)
     assert (out["optimizer_steps"], out["empty_minibatches"]) == (1, 1)
-    assert {int(s["step"]) for s in w.learner.optimizer.state.values()} == {1}
+    assert {int(s["step"]) for s in w.policy.optimizer.state.values()} == {1}
 
     before = adapter(w)
-    tb = w.learner.episode_batch(*groups(1, 2))
+    tb = w.learner.batches.episode_batch(*groups(1, 2))
     tb.sequences.response_mask.zero_()  # e.g. the overlong filter masked every response
-    out = w.learner.update(tb, w.adapter_version)
+    out = w.learner.update(w.policy, tb)
     assert (out["optimizer_steps"], out["empty_minibatches"]) == (0, 2)
     assert all(torch.equal(t, before[k]) for k, t in adapter(w).items())
-    assert {int(s["step"]) for s in w.learner.optimizer.state.values()} == {1}
+    assert {int(s["step"]) for s in w.policy.optimizer.state.values()} == {1}
 
 
 def test_a_fully_masked_batch_with_one_minibatch_is_no_step_and_no_error(tiny_bf16):
     """One minibatch takes its old logprobs from the update's forward; a batch whose tokens are all masked runs no
     forward, so there are none: no optimizer step, no logprob gap (before: a TypeError on the missing logprobs)."""
     w = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS)
-    tb = w.learner.episode_batch(*groups(0, 2))
+    tb = w.learner.batches.episode_batch(*groups(0, 2))
     assert tb.old_logprobs is None
     tb.sequences.response_mask.zero_()  # e.g. the overlong filter masked every response
-    out = w.learner.update(tb, w.adapter_version)
+    out = w.learner.update(w.policy, tb)
     assert (out["optimizer_steps"], out["empty_minibatches"], out["logprob_gap"]) == (0, 1, 0.0)
 
 
 def test_a_non_finite_gradient_with_a_finite_loss_skips_the_step(tiny_bf16):
     w = RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS)
     before = adapter(w)
-    w.learner.params[0].register_hook(lambda g: g * float("inf"))  # e.g. a bf16 overflow in one layer's backward
+    w.policy.params[0].register_hook(lambda g: g * float("inf"))  # e.g. a bf16 overflow in one layer's backward
     out = trained(w, *groups(0, 2))
     assert out["nan_steps"] == 1 and out["optimizer_steps"] == 0 and out["loss_sum"] != 0
     assert all(torch.equal(t, before[k]) for k, t in adapter(w).items())
-    state = w.learner.optimizer.state  # AdamW never stepped: its state as allocated, step 0 and zero moments
-    assert all(int(state[p]["step"]) == 0 and not state[p]["exp_avg"].any() for p in w.learner.optimized)
+    state = w.policy.optimizer.state  # AdamW never stepped: its state as allocated, step 0 and zero moments
+    assert all(int(state[p]["step"]) == 0 and not state[p]["exp_avg"].any() for p in w.policy.optimized)
 
 
 def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
@@ -190,7 +191,7 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
     At step 1 (B = 0) the policy is the reference, so KL = 0 exactly; at step 2 it is > 0 and the
     penalty changes the update."""
     from quant.loader import QuantPlan, load_frozen_model
-    from allsync.forward import forward_logprobs
+    from allsync.update.forward import forward_logprobs
 
     plain, with_kl = (
         RLWorker(config(tiny_bf16, minibatches=1), PROBLEMS),
@@ -205,7 +206,7 @@ def test_kl_to_the_reference_changes_the_update_and_is_logged(tiny_bf16):
     a, b = adapter(plain), adapter(with_kl)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-6
 
-    tb = with_kl.learner.episode_batch(*batches[0])
+    tb = with_kl.learner.batches.episode_batch(*batches[0])
     base = load_frozen_model(tiny_bf16, QuantPlan(routed_experts="nf4"), compute_dtype=torch.float32)
     with torch.no_grad():
         reference = forward_logprobs(base, tb.sequences)
@@ -242,7 +243,7 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(tiny_bf16
         monkeypatch.setattr(
             w.scorer, "rewards", lambda problems, responses, group_index=None: (rewards, correct, 0)
         )  # 0 reward errors
-        samples, group_index, stats = w.producer.collect(3, w.adapter_version)
+        samples, group_index, stats = w.producer.collect(3, w.policy.version)
         kept[metric] = (stats["groups_kept"], stats["sampling_cap_hits"], len(samples))
     assert kept["acc"] == (1, 1, 3)  # 1 of 3 wanted kept: trained on (partial), the cap hit logged
     assert kept["reward"] == (3, 0, 9)
@@ -263,7 +264,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
             0,
         ),
     )
-    samples, group_index, stats = w.producer.collect(3, w.adapter_version)
+    samples, group_index, stats = w.producer.collect(3, w.policy.version)
     assert (stats["groups_kept"], stats["groups_wanted"], stats["sampling_cap_hits"], stats["sampling_rounds"]) == (
         2,
         3,
@@ -276,7 +277,7 @@ def test_sampling_cap_trains_on_the_groups_kept_or_fails_when_asked(tiny_bf16, m
 
     w.config.algorithm.on_sampling_cap = "error"
     with pytest.raises(RuntimeError, match=r"kept only 2 after 2 rounds.*algorithm\.on_sampling_cap: error"):
-        w.producer.collect(3, w.adapter_version)
+        w.producer.collect(3, w.policy.version)
 
 
 @pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one
@@ -309,7 +310,7 @@ def test_a_worker_that_raises_stops_the_others_and_is_named(tiny_bf16):
 def peak_saved_bytes(worker: RLWorker, samples, index) -> int:
     """The most bytes autograd saves for one backward during an update (distinct storages per forward+backward
     of a micro-batch): the activation memory the update needs at once."""
-    peak, backward = [0], worker.learner._backward_minibatch
+    peak, backward = [0], worker.learner.backward
 
     def counted(*args):
         storages: dict[int, int] = {}
@@ -322,7 +323,7 @@ def peak_saved_bytes(worker: RLWorker, samples, index) -> int:
             backward(*args)
         peak[0] = max(peak[0], sum(storages.values()))
 
-    worker.learner._backward_minibatch = counted
+    worker.learner.backward = counted
     trained(worker, samples, index)
     return peak[0]
 
@@ -353,7 +354,7 @@ def test_a_token_budget_and_activation_checkpointing_give_the_unsplit_update(tin
         return RLWorker(c, PROBLEMS)
 
     plain, split = worker(), worker(**optim)
-    want, got = plain.learner.episode_batch(samples, index), split.learner.episode_batch(samples, index)
+    want, got = plain.learner.batches.episode_batch(samples, index), split.learner.batches.episode_batch(samples, index)
     if "max_tokens_per_forward" in optim:
         assert (
             len(split.learner.passes.forward_chunks(got.sequences)) >= 4
@@ -424,13 +425,13 @@ def test_one_minibatch_takes_the_old_logprobs_from_its_own_forward(tiny_bf16, op
     for w in workers:
         for key, value in optim.items():
             setattr(w.config.optim, key, value)
-    reused, separate = (w.learner.episode_batch(samples, index) for w in workers)
-    assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
+    reused, separate = (w.learner.batches.episode_batch(samples, index) for w in workers)
+    assert reuses_update_forward(workers[0].config) and reused.old_logprobs is None
     separate.old_logprobs = workers[1].learner.passes.current_logprobs(separate.sequences)
     passes = []
     original = workers[0].learner.passes.current_logprobs
     workers[0].learner.passes.current_logprobs = lambda *a: passes.append(1) or original(*a)
-    outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
+    outs = [w.learner.update(w.policy, tb) for w, tb in zip(workers, (reused, separate))]
     assert not passes  # no logprob pass besides the update's forward
     # the gap the update reports is the separate pass's: its own logprobs are the old ones, bit for bit
     gap = logprob_gap(separate.engine_logprobs, separate.old_logprobs, separate.sequences.response_mask)
@@ -467,13 +468,13 @@ def test_old_logprobs_from_the_torch_engine_skip_the_forward_and_give_the_recomp
     samples, index = groups(0, 4)
     recompute = RLWorker(config(tiny_bf16), PROBLEMS)
     engine = RLWorker(config(tiny_bf16, old_logprobs="engine"), PROBLEMS)
-    batch = recompute.learner.episode_batch(samples, index)
+    batch = recompute.learner.batches.episode_batch(samples, index)
     with_engine_logprobs(samples, batch.old_logprobs, batch.sequences.response_mask)
     passes = []
     original = engine.learner.passes.current_logprobs
     engine.learner.passes.current_logprobs = lambda *a: passes.append(1) or original(*a)
     outs = [trained(w, samples, index) for w in (recompute, engine)]
-    assert not passes and not engine.learner.recomputes_old_logprobs
+    assert not passes and not recomputes_old_logprobs(engine.config)
     for key in (
         "loss_sum",
         "loss_stat_clipfrac_high",
@@ -489,13 +490,13 @@ def test_old_logprobs_from_the_torch_engine_skip_the_forward_and_give_the_recomp
 
     samples, index = groups(1, 4)  # engine logprobs 0: the gap is the first minibatch's mean |trainer logprob|
     fresh = RLWorker(config(tiny_bf16, old_logprobs="engine"), PROBLEMS)
-    tb = fresh.learner.episode_batch(samples, index)
+    tb = fresh.learner.batches.episode_batch(samples, index)
     first = tb.minibatch(tb.minibatch_rows(2)[0])
     expected = float(
         (fresh.learner.passes.current_logprobs(first.sequences).abs() * first.sequences.response_mask).sum()
     )
     expected /= float(first.sequences.response_mask.sum())
-    assert fresh.learner.update(tb, 0)["logprob_gap"] == pytest.approx(expected, rel=1e-5) and expected > 1.0
+    assert fresh.learner.update(fresh.policy, tb)["logprob_gap"] == pytest.approx(expected, rel=1e-5) and expected > 1.0
 
 
 def test_old_logprobs_engine_is_refused_where_the_engine_is_not_the_trainer(tiny_bf16):
@@ -534,20 +535,20 @@ def test_tis_weights_the_update_by_the_engines_logprobs_and_is_logged(tiny_bf16)
     samples, index = groups(5, 2)
     plain = RLWorker(config(tiny_bf16, lr=0.0), PROBLEMS)
     corrected = RLWorker(config(tiny_bf16, lr=0.0, tis={"level": "token", "cap": 2.0}), PROBLEMS)
-    batch = corrected.learner.episode_batch(samples, index)
+    batch = corrected.learner.batches.episode_batch(samples, index)
     mask = batch.sequences.response_mask
     expected_mean = float((batch.old_logprobs.exp() * mask).sum() / mask.sum())  # engine logprobs 0 in `groups`
-    out = corrected.train(samples, index)
+    out = corrected.learner.train(corrected.policy, samples, index)
     assert out["tis_sum"] / out["trained_tokens"] == pytest.approx(expected_mean, rel=1e-4) and expected_mean < 0.5
-    assert out["tis_capped_sum"] == 0.0 and "tis_sum" not in plain.train(samples, index)
+    assert out["tis_capped_sum"] == 0.0 and "tis_sum" not in plain.learner.train(plain.policy, samples, index)
 
     for episode, row in zip(samples, range(len(samples))):  # the engine computed exactly the trainer's logprobs
         n = len(episode.final.response_ids)
         start = int(mask[row].nonzero()[0])
         episode.final.engine_logprobs = batch.old_logprobs[row, start : start + n].tolist()
-    same = corrected.train(samples, index)
+    same = corrected.learner.train(corrected.policy, samples, index)
     assert same["tis_sum"] == pytest.approx(same["trained_tokens"], rel=1e-6) and same["tis_capped_sum"] == 0.0
-    plain.train(samples, index)
+    plain.learner.train(plain.policy, samples, index)
     for a, b in zip(plain.gradient_tensors(), corrected.gradient_tensors()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
 
@@ -566,16 +567,16 @@ def test_adamw_state_is_held_before_the_engine_is_built_and_a_resume_loads_into_
     then, not allocated by the first optimizer.step() after the engine took that memory for its KV cache. The
     preallocated state is what AdamW's first step makes (the same update), and a resume copies the saved state into
     those tensors (no second copy of the moments)."""
-    from allsync.worker import RLWorker as Worker
+    from allsync.run.worker import RLWorker as Worker
 
     seen = {}
     make_engine = Worker._make_engine
 
     def spied(self):
-        state = self.learner.optimizer.state
+        state = self.policy.optimizer.state
         seen["moment_bytes"] = sum(
             state[p][name].numel() * state[p][name].element_size()
-            for p in self.learner.optimized
+            for p in self.policy.optimized
             if p in state
             for name in ("exp_avg", "exp_avg_sq")
         )
@@ -584,24 +585,23 @@ def test_adamw_state_is_held_before_the_engine_is_built_and_a_resume_loads_into_
     monkeypatch.setattr(Worker, "_make_engine", spied)
     samples, index = groups(0, 4)
     fresh = Worker(config(tiny_bf16, minibatches=1), PROBLEMS)
-    adapter_bytes = sum(p.numel() * p.element_size() for p in fresh.learner.optimized)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in fresh.policy.optimized)
     assert seen["moment_bytes"] == 2 * adapter_bytes > 0
     # the same update as a lazily initialized AdamW: a learner whose state is dropped before its first step
     lazy = Worker(config(tiny_bf16, minibatches=1), PROBLEMS)
-    lazy.learner.optimizer.state.clear()
+    lazy.policy.optimizer.state.clear()
     for w in (fresh, lazy):
         trained(w, samples, index)
-    for a, b in zip(fresh.learner.optimized, lazy.learner.optimized):
+    for a, b in zip(fresh.policy.optimized, lazy.policy.optimized):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     fresh.save_state(str(tmp_path))
     resumed = Worker(config(tiny_bf16, minibatches=1), PROBLEMS)
     held = {
-        id(p): {n: t.data_ptr() for n, t in resumed.learner.optimizer.state[p].items()}
-        for p in resumed.learner.optimized
+        id(p): {n: t.data_ptr() for n, t in resumed.policy.optimizer.state[p].items()} for p in resumed.policy.optimized
     }
     resumed.load_state(str(tmp_path))
-    for p, q in zip(resumed.learner.optimized, fresh.learner.optimized):
-        state, want = resumed.learner.optimizer.state[p], fresh.learner.optimizer.state[q]
+    for p, q in zip(resumed.policy.optimized, fresh.policy.optimized):
+        state, want = resumed.policy.optimizer.state[p], fresh.policy.optimizer.state[q]
         assert {n: t.data_ptr() for n, t in state.items()} == held[id(p)]  # loaded in place
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(state[name], want[name], atol=0, rtol=0)

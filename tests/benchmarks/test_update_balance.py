@@ -4,7 +4,7 @@ spawns real expert-parallel ranks."""
 import pytest
 
 from benchmarks.update_balance import in_row_order, lockstep_positions, main, padded, positions_report, rank_lengths
-from allsync.forward import token_budget_chunks
+from allsync.update.sequences import token_budget_chunks
 
 
 def test_positions_count_the_padding_and_the_group_waits_for_the_largest_forward():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe_lora.latent_attention import latent_decode_attention
-from moe_lora.mla_decode import fp8_dequantize, fp8_quantize
+from moe_lora.kv_caches import fp8_dequantize, fp8_quantize
 
 
 def reference(query, latent, counts, scaling, rank):

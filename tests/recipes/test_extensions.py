@@ -82,7 +82,7 @@ def test_the_fixture_estimator_on_two_workers_makes_the_one_worker_update(tiny_b
             }
         )
 
-    from allsync.worker import RLWorker
+    from allsync.run.worker import RLWorker
 
     samples, index = groups(0, 4, spread=True)
     single = RLWorker(config(1), PROBLEMS)
@@ -104,7 +104,7 @@ def test_the_fixture_estimator_on_two_workers_makes_the_one_worker_update(tiny_b
         pair.shutdown()
     expected, expected_grad = flat(single.parameter_tensors()), flat(single.gradient_tensors())
     assert float((got_grad - expected_grad).abs().max()) < 1e-3 * float(expected_grad.abs().max())
-    lr, eps = 1e-3, single.learner.optimizer.param_groups[0]["eps"]
+    lr, eps = 1e-3, single.policy.optimizer.param_groups[0]["eps"]
     same_sign = expected_grad.sign() == got_grad.sign()
     apart = lr * eps * (got_grad - expected_grad).abs() / ((got_grad.abs() + eps) * (expected_grad.abs() + eps))
     # the last bits: AdamW's step is ~6 float operations (moments, bias corrections, sqrt, eps, divide), each within

@@ -46,9 +46,10 @@ def test_every_probability_is_at_the_policys_temperature_and_each_worker_is_shut
     import torch
 
     from allsync.algorithms import nlft_signed_weights
-    from allsync.forward import build_sequences, forward_logprobs, response_positions, to_response_layout
+    from allsync.update.forward import forward_logprobs
+    from allsync.update.sequences import build_sequences, response_positions, to_response_layout
     from allsync.tasks import Problem
-    from allsync.worker import RLWorker
+    from allsync.run.worker import RLWorker
 
     config = nlft.run_config(str(warm_tiny))
     config.rollout.temperature = 0.5

@@ -83,7 +83,7 @@ def test_kimi_group_length_reward_oracle():
 def test_length_reward_in_the_worker_is_coef_times_the_group_reward(tiny_bf16):
     from allsync.config import parse_config
     from allsync.tasks import Problem
-    from allsync.worker import RLWorker
+    from allsync.run.worker import RLWorker
 
     problems = [Problem("what is 1+1?", "2"), Problem("what is 2+2?", "4")]
     config = parse_config(

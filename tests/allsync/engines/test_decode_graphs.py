@@ -17,7 +17,8 @@ from allsync.engines.slots import FixedShapeStep, decode_forward, decode_in_slot
 from allsync.engines.torch_engine import Sampling, TorchEngine, sample_routing
 from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora
 from moe_lora.lora_layers import LoRAExperts, LoRALinear
-from moe_lora.mla_decode import ExpandedKVCache, SlotKVCache, install_mla_decode
+from moe_lora.kv_caches import ExpandedKVCache, SlotKVCache
+from moe_lora.mla_decode import install_mla_decode
 from moe_lora.routing import recording
 from quant.fixed_shape_experts import fixed_shape_experts
 from quant.loader import QuantPlan, load_frozen_model

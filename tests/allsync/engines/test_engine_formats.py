@@ -6,7 +6,7 @@ import pytest
 from allsync.config import ConfigError, parse_config
 from allsync.metrics import aggregate
 from allsync.tasks import Problem
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 
 PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in range(10)]
 

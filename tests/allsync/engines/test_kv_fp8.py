@@ -1,4 +1,4 @@
-"""Issue 48 lever 3: the torch engine's KV slots in FP8 (rollout.kv_cache_dtype fp8, moe_lora.mla_decode.FP8LatentLayer).
+"""Issue 48 lever 3: the torch engine's KV slots in FP8 (rollout.kv_cache_dtype fp8, moe_lora.kv_caches.FP8LatentLayer).
 
 The latent's c_s in float8_e4m3fn with a float32 scale per 128 values, k_rope as computed: each value within e4m3's
 rounding of its group's scale; 656 bytes a token and layer at DeepSeek-V3's latent width in bf16; the fixed-shape
@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from allsync.config import ConfigError, parse_config
 from allsync.engines.slots import FixedShapeStep, decode_in_slots
 from allsync.engines.torch_engine import Sampling, TorchEngine
-from moe_lora.mla_decode import FP8LatentLayer, LatentKVCache, SlotKVCache, fp8_dequantize, fp8_quantize
+from moe_lora.kv_caches import FP8LatentLayer, LatentKVCache, SlotKVCache, fp8_dequantize, fp8_quantize
 from tests.allsync.engines.test_decode_graphs import lora_model
 from tests.allsync.engines.test_rollout_trainer import E4M3_BOUNDARY, assert_same_rows, frequent_stop_token
 

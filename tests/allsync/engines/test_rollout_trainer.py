@@ -7,7 +7,8 @@ import torch
 
 from allsync.engines.torch_engine import Sampling, TorchEngine, check_plain_logits
 from evals.generation import cut_at_eos, left_pad
-from allsync.forward import build_sequences, forward_logprobs, scatter_response_values
+from allsync.update.forward import forward_logprobs
+from allsync.update.sequences import build_sequences, scatter_response_values
 from quant.loader import QuantPlan, load_frozen_model
 
 
@@ -259,7 +260,7 @@ def test_a_paged_engine_records_each_rows_routing_once_through_preemptions(model
 
 
 def test_a_paged_pool_refuses_room_for_less_than_one_row():
-    from moe_lora.mla_decode import SlotKVCache
+    from moe_lora.kv_caches import SlotKVCache
 
     with pytest.raises(ValueError, match="cannot admit one row of 200 positions"):
         SlotKVCache(4, 200, pages=4)
@@ -338,7 +339,7 @@ def test_the_latent_cache_samples_what_transformers_samples_at_deepseek_v3_head_
 def test_a_latent_cache_continues_a_sequence_with_several_new_tokens(v3_heads_model):
     """A forward of 3 new tokens onto a latent cache of 5 (the causal offset mask of `absorbed_attention`, no
     attention mask given) gives the logits of one forward of all 8 tokens."""
-    from moe_lora.mla_decode import LatentKVCache
+    from moe_lora.kv_caches import LatentKVCache
 
     model = v3_heads_model
     ids = torch.tensor([[0, 95, 80, 73, 11, 41, 86, 7]])
@@ -397,7 +398,7 @@ def test_merged_lora_generates_the_unmerged_policy(tiny_bf16):
 def test_expanded_cache_fits_only_where_it_is_no_larger():
     from transformers import DeepseekV3Config
 
-    from moe_lora.mla_decode import expanded_cache_fits
+    from moe_lora.kv_caches import expanded_cache_fits
 
     v3 = DeepseekV3Config()  # DeepSeek-V3's shape: 128 heads x 320 values against 576 latent ones
     assert (v3.num_attention_heads, v3.kv_lora_rank) == (128, 512) and not expanded_cache_fits(v3)
@@ -413,7 +414,7 @@ def test_the_reserved_cache_layer_holds_what_concatenation_holds():
     decode step within the reserve writes in place (no new buffer)."""
     from transformers.cache_utils import DynamicLayer
 
-    from moe_lora.mla_decode import ReservedLayer
+    from moe_lora.kv_caches import ReservedLayer
 
     gen = torch.Generator().manual_seed(0)
     ours, ref = ReservedLayer(reserve=3), DynamicLayer()

@@ -6,10 +6,10 @@ import torch
 
 from allsync.config import ConfigError, parse_config
 from allsync.engines.torch_engine import Sampling
-from allsync.forward import build_sequences
+from allsync.update.sequences import build_sequences
 from allsync.metrics import aggregate
 from allsync.tasks import Problem
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 from moe_lora.routing import moe_layers, recording, replaying
 
 PROBLEMS = [Problem(f"what is {a}+{b}?", str(a + b)) for a in range(10) for b in range(10)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from allsync.config import parse_config
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 from moe_lora.tiny import TinySpec, make_tiny
 from tests.allsync.producers.test_agent import MULTIPLY, PROBLEMS
 
@@ -32,8 +32,8 @@ def vllm_config(base, **sections) -> dict:
 
 def trained_gap(worker: RLWorker) -> tuple[list, dict]:
     torch.manual_seed(0)
-    episodes, group_index, _ = worker.producer.collect(2, worker.adapter_version)
-    return episodes, worker.train(episodes, group_index)
+    episodes, group_index, _ = worker.producer.collect(2, worker.policy.version)
+    return episodes, worker.learner.train(worker.policy, episodes, group_index)
 
 
 @pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one

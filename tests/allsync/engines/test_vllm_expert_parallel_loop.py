@@ -72,7 +72,7 @@ def torch_engine_greedy(config: dict, out_dir: Path) -> list[str]:
 
     from allsync.config import parse_config
     from allsync.engines.torch_engine import Sampling
-    from allsync.evaluation import EvalArgs, make_eval_engine
+    from allsync.run.evaluation import EvalArgs, make_eval_engine
     from allsync.tasks.problems import encode_prompt
     from moe_lora.adapter_io import read_adapter
     from quant.checkpoint_io import read_config

@@ -84,10 +84,11 @@ def test_vllm_samples_of_identical_prompts_draw_different_streams_and_are_reprod
 @pytest.mark.vllm
 def test_vllm_logprobs_at_temperature_07_equal_the_trainers(engine, dense_ckpt):
     """Issue 9 "vLLM at temperature != 1": vLLM's processed logprobs of its own samples, with a non-zero
-    adapter, against allsync.forward.forward_logprobs at the same temperature (tolerance of the RL-loop test:
+    adapter, against allsync.update.forward.forward_logprobs at the same temperature (tolerance of the RL-loop test:
     mean |engine - trainer| < 1e-3 nats). At T = 1, or without the adapter, the trainer's numbers are far from
     them: the check sees both."""
-    from allsync.forward import build_sequences, forward_logprobs, scatter_response_values
+    from allsync.update.forward import forward_logprobs
+    from allsync.update.sequences import build_sequences, scatter_response_values
     from moe_lora.lora import LoRAConfig, adapters_disabled, attach_lora, lora_state_dict
     from quant.loader import QuantPlan, load_frozen_model
 

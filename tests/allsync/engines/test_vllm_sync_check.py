@@ -41,7 +41,7 @@ def test_checksum_and_probe_verdicts_on_hand_made_values():
 @pytest.fixture(scope="module")
 def worker(warm_dense):
     from allsync.config import parse_config
-    from allsync.worker import RLWorker
+    from allsync.run.worker import RLWorker
 
     config = parse_config(
         {
@@ -101,15 +101,15 @@ def test_an_engine_that_drops_one_module_kind_is_caught_after_a_small_update(wor
     bound is a share of the adapter's effect (before: 0.05 x (1 + effect) nats, which such an engine passed). The
     same update synced whole passes."""
     torch.manual_seed(1)
-    learner = worker.learner
+    policy = worker.policy
     with torch.no_grad():  # a fresh adapter (B = 0, AdamW as allocated): its effect is the next update's alone
         for name, p in worker.model.named_parameters():
             if "lora_B" in name:
                 p.zero_()
-        for state in learner.optimizer.state.values():
+        for state in policy.optimizer.state.values():
             for tensor in state.values():
                 tensor.zero_()
-    learner.optimizer.param_groups[0]["base_lr"] = 3e-4
+    policy.optimizer.param_groups[0]["base_lr"] = 3e-4
     engine = worker.engine
     whole = worker.step(5)
     assert 0 <= whole["sync_probe_gap"] and engine.received_checksums == [engine.sent_checksum]

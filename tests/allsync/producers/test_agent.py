@@ -16,7 +16,7 @@ from allsync.envs.calculator import Calculator
 from allsync.tasks.calculator import calculator_teacher_examples as teacher_examples, estimate
 from allsync.envs.tool_calls import ToolCall, format_tool_calls, parse_tool_calls
 from allsync.tasks import CalculatorGenerator, Problem, calculator_splits
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 from moe_lora.tiny import TinySpec, build_tokenizer, make_tiny
 
 MULTIPLY = {
@@ -183,7 +183,7 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
     worker = RLWorker(agent_config(tiny_tools), PROBLEMS)
     try:
         torch.manual_seed(0)
-        episodes, group_index, stats = worker.producer.collect(2, worker.adapter_version)
+        episodes, group_index, stats = worker.producer.collect(2, worker.policy.version)
         tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
         output = tokenizer(
             "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>42<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
@@ -205,7 +205,7 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
                 "<｜begin▁of▁sentence｜># Tools\nmultiply: a times b\n<｜User｜>Start over: "
             )
         assert all(e.reward in (0.0, 1.0) and e.correct == (e.reward > 0) for e in episodes)
-        metrics = worker.train(episodes, group_index)
+        metrics = worker.learner.train(worker.policy, episodes, group_index)
         assert metrics["logprob_gap"] < 1e-3  # each row is exactly the context the engine replied in
     finally:
         worker.shutdown()
@@ -225,13 +225,13 @@ def test_environment_errors_name_the_row_or_score_wrong(tiny_tools, kwargs, mess
     try:
         start = time.time()
         with pytest.raises(EnvError, match=r"on row 'What is 2\*3\?': " + message):
-            worker.producer.collect(2, worker.adapter_version)
+            worker.producer.collect(2, worker.policy.version)
         assert time.time() - start < 30  # the 60 s step was abandoned at its timeout: nothing hangs
     finally:
         worker.shutdown()
     worker = RLWorker(agent_config(tiny_tools, on_error="wrong", timeout=0.5), problems)
     try:
-        episodes, _, _ = worker.producer.collect(2, worker.adapter_version)
+        episodes, _, _ = worker.producer.collect(2, worker.policy.version)
         assert all(e.reward == 0.0 and e.info["env_errors"] == 1 for e in episodes)
     finally:
         worker.shutdown()
@@ -243,7 +243,7 @@ def test_an_episode_past_max_turns_is_an_ordinary_wrong_outcome(tiny_tools):
     problems = [Problem("What is 2*3?", "6", {"env_kwargs": {"never_done": True}})]
     worker = RLWorker(agent_config(tiny_tools, on_error="fail"), problems)
     try:
-        episodes, _, _ = worker.producer.collect(2, worker.adapter_version)
+        episodes, _, _ = worker.producer.collect(2, worker.policy.version)
         assert [(e.reward, e.info["max_turns_reached"], e.info["turns"], e.info["env_errors"]) for e in episodes] == [
             (0.0, 1, 3, 0)
         ] * 4
@@ -287,7 +287,7 @@ def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_t
     tokenizer = AutoTokenizer.from_pretrained(tiny_tools)
     try:
         torch.manual_seed(0)
-        episodes, group_index, stats = worker.producer.collect(2, worker.adapter_version)
+        episodes, group_index, stats = worker.producer.collect(2, worker.policy.version)
         for e in episodes:
             (segment,) = e.segments
             first = segment.loss_mask.index(0)
@@ -300,7 +300,7 @@ def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_t
             )
             assert text.endswith(closing) and "the output: 12 12" in text and text.count("12") < 100
             assert e.info["turns"] == 2
-        assert worker.train(episodes, group_index)["logprob_gap"] < 1e-3
+        assert worker.learner.train(worker.policy, episodes, group_index)["logprob_gap"] < 1e-3
     finally:
         worker.shutdown()
 
@@ -325,7 +325,7 @@ def test_the_engines_context_holds_an_agents_longest_row(tiny_tools):
     assert model_len == first + 2 * (5 + 24) + 5  # 3 turns of 5 new tokens, 2 observations of at most 24
     worker = RLWorker(config, problems)
     try:
-        episodes, _, _ = worker.producer.collect(2, worker.adapter_version)
+        episodes, _, _ = worker.producer.collect(2, worker.policy.version)
         assert all(len(s.prompt_ids) + len(s.response_ids) <= model_len for e in episodes for s in e.segments)
         assert (
             max(len(s.prompt_ids) + len(s.response_ids) for e in episodes for s in e.segments) > first + 5

@@ -14,7 +14,7 @@ from allsync.producers.multiconv import extract_memory, find_ids
 from allsync.tasks.conversations import MEMORY_CLOSE, MEMORY_OPEN, conversation_ids
 from allsync.tasks.memory_recall import memory_teacher_examples as teacher_examples
 from allsync.tasks import MemoryRecallGenerator, memory_recall_problem, memory_recall_splits
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 
 OPEN, CLOSE, EOS = [7, 8], [9], 1
 
@@ -135,7 +135,7 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
     worker = RLWorker(memory_config(tiny_bf16), problems)
     try:
         torch.manual_seed(0)
-        episodes, group_index, stats = worker.producer.collect(2, worker.adapter_version)
+        episodes, group_index, stats = worker.producer.collect(2, worker.policy.version)
         assert len(episodes) == 4 and all(len(e.segments) == 3 for e in episodes)
         assert [s.kind for s in episodes[0].segments] == ["memory", "memory", "answer"]
         open_ids, close_ids = worker.producer.producer.open_ids, worker.producer.producer.close_ids
@@ -148,7 +148,7 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
                 memory, _ = extract_memory(before.response_ids, open_ids, close_ids, eos, before.finish_reason)
                 assert find_ids(after.prompt_ids, memory) != -1 if memory else True
                 assert len(before.response_ids) <= 5  # rollout.memory_tokens
-        metrics = worker.train(episodes, group_index)
+        metrics = worker.learner.train(worker.policy, episodes, group_index)
         assert metrics["logprob_gap"] < 1e-3
         assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0
     finally:
@@ -164,11 +164,11 @@ def test_old_logprobs_from_the_engine_keep_every_segments_gap(tiny_bf16):
     worker = RLWorker(config, problems)
     try:
         torch.manual_seed(0)
-        episodes, group_index, _ = worker.producer.collect(2, worker.adapter_version)
+        episodes, group_index, _ = worker.producer.collect(2, worker.policy.version)
         worker.learner.passes.current_logprobs = lambda *a: pytest.fail(
             "no old-logprob forward with old_logprobs engine"
         )
-        metrics = worker.train(episodes, group_index)
+        metrics = worker.learner.train(worker.policy, episodes, group_index)
         assert metrics["optimizer_steps"] == 2 and metrics["logprob_gap"] < 1e-3
         assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0
         assert metrics["logprob_gap_memory_sum"] / metrics["logprob_gap_memory_tokens"] < 1e-3
@@ -193,7 +193,7 @@ def test_episode_batch_spreads_one_advantage_over_the_segments(tiny_bf16, credit
     episodes, group_index = synthetic_episodes()
     worker = RLWorker(memory_config(tiny_bf16, credit=credit, weighting=weighting), [])
     try:
-        tb = worker.learner.episode_batch(episodes, group_index)
+        tb = worker.learner.batches.episode_batch(episodes, group_index)
         mask = tb.sequences.response_mask
         assert tb.episode_of_row.tolist() == [0, 0, 0, 1, 1, 1]
         trained = mask.sum(-1).tolist()
@@ -221,7 +221,7 @@ def test_a_worker_with_no_trained_token_computes_no_gap(tiny_bf16):
     config.algorithm.overlong = OverlongSection(max_len=6, cache_len=2, filter_truncated=True)
     worker = RLWorker(config, [])
     try:
-        out = worker.learner.train(episodes, group_index, 0)
+        out = worker.learner.train(worker.policy, episodes, group_index)
         assert out["optimizer_steps"] == 0 and out["empty_minibatches"] == 1 and out["trained_tokens"] == 0
         assert out["logprob_gap_memory_tokens"] == out["logprob_gap_answer_tokens"] == 0.0
         assert out["logprob_gap_memory_sum"] == out["logprob_gap_answer_sum"] == 0.0
@@ -236,7 +236,7 @@ def test_a_worker_with_no_trained_token_computes_no_gap(tiny_bf16):
             return all_reduce(tensor, group)
 
         worker.learner.all_reduce = with_another_workers_counts
-        out = worker.learner.train(episodes, group_index, 0)
+        out = worker.learner.train(worker.policy, episodes, group_index)
         assert out["optimizer_steps"] == 1 and out["trained_tokens"] == 0
         assert out["logprob_gap_memory_tokens"] == out["logprob_gap_answer_tokens"] == 0.0
     finally:

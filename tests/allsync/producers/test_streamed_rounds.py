@@ -9,7 +9,7 @@ from allsync.config import ConfigError, parse_config
 from allsync.engines.slots import decode_in_slots
 from allsync.engines.torch_engine import Sampling
 from allsync.tasks import ArithmeticGenerator, make_splits
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 from moe_lora.mla_decode import install_mla_decode
 from quant.loader import QuantPlan, load_frozen_model
 

@@ -9,7 +9,8 @@ from allsync.algorithms import egae, whiten_advantages, whitening_sums
 from allsync.config import ConfigError, parse_config
 from allsync.metrics import aggregate
 from allsync.tasks import ArithmeticGenerator, make_splits
-from allsync.forward import (
+from allsync.update.batches import reuses_update_forward
+from allsync.update.sequences import (
     build_sequences,
     logprob_gap,
     response_positions,
@@ -17,7 +18,7 @@ from allsync.forward import (
     to_sequence_layout,
 )
 from allsync.producers.windows import PartialResponse
-from allsync.worker import RLWorker
+from allsync.run.worker import RLWorker
 
 WINDOW, MAX_NEW = 4, 12  # "Answer: N<eos>" takes 6-7 tokens: every response spans two windows
 
@@ -52,13 +53,13 @@ def test_layouts_move_response_tokens_to_column_zero_and_back():
 
 def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_tiny, problems):
     worker = RLWorker(tppo_config(warm_tiny), problems)
-    torch.nn.init.normal_(worker.critic.head.weight, std=0.3)  # a critic with nonzero values
+    torch.nn.init.normal_(worker.policy.critic.head.weight, std=0.3)  # a critic with nonzero values
     prompt = worker.encode_prompt(problems[0])
     finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
     cut = PartialResponse(problems[0], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0)
     episodes = [finished.episode("stop", 1.0, True, 0), cut.episode("window", 0.0, False, 0)]
     assert episodes[0].final.loss_mask == [0, 0, 0, 0, 1, 1]  # the latest window's tokens
-    tb = worker.learner.critic_batch(episodes)
+    tb = worker.learner.batches.critic_batch(episodes, worker.policy.critic)
 
     full = build_sequences([prompt, prompt], [finished.response_ids, cut.response_ids], worker.tokenizer.pad_token_id)
     index, valid = response_positions(full.response_mask)
@@ -66,7 +67,7 @@ def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
     assert policy.tolist() == [[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]]  # this window's tokens only
     assert tb.value_mask[0].sum() == 6 and tb.value_mask[1].sum() == 0  # the critic learns from finished ones only
     with torch.no_grad():
-        values = worker.critic(full)
+        values = worker.policy.critic(full)
     v = to_response_layout(values, index, valid)
     adv = to_response_layout(tb.advantages, index, valid)
     raw, _ = egae(
@@ -79,7 +80,9 @@ def test_critic_batch_bootstraps_cut_responses_and_rewards_finished_ones(warm_ti
     expected = whiten_advantages(raw, policy, whitening_sums(raw, policy)).float()  # over this window's tokens
     assert torch.allclose(adv, expected, atol=1e-5) and (adv * policy).sum().abs() < 1e-4
     worker.learner.config.algorithm.whiten = "scale"  # the same batch, only scaled: each token keeps its sign
-    scaled = to_response_layout(worker.learner.critic_batch(episodes).advantages, index, valid)
+    scaled = to_response_layout(
+        worker.learner.batches.critic_batch(episodes, worker.policy.critic).advantages, index, valid
+    )
     expected = whiten_advantages(raw, policy, whitening_sums(raw, policy), center=False).float()
     assert torch.allclose(scaled, expected, atol=1e-5) and torch.equal(scaled.sign(), (raw * policy).sign())
     cut_sum, cut_tokens, finished_sum, finished_tokens = tb.critic_sums["advantage_split_sums"].tolist()
@@ -130,7 +133,7 @@ def test_windows_continue_responses_train_each_token_once_and_report_staleness(w
     assert min(per_token) > 1
     finished = sum(m["samples_generated"] for m in history)
     assert finished >= pool_size and sum(m["response_tokens"] for m in history) >= finished * 5
-    assert worker.adapter_version == 4
+    assert worker.policy.version == 4
 
 
 def test_window_state_survives_a_checkpoint(warm_tiny, problems, tmp_path):
@@ -158,12 +161,12 @@ def test_on_resume_the_configs_optim_settings_win_over_the_saved_ones(warm_tiny,
     changed.optim.value_lr, changed.optim.betas, changed.optim.weight_decay = 2e-3, [0.8, 0.95], 0.1
     b = RLWorker(changed, problems)
     b.load_state(str(tmp_path))
-    groups = b.learner.optimizer.param_groups
+    groups = b.policy.optimizer.param_groups
     assert [(g["base_lr"], g["betas"], g["weight_decay"]) for g in groups] == [
         (5e-3, (0.8, 0.95), 0.1),
         (2e-3, (0.8, 0.95), 0.1),
     ]
-    assert b.learner.optimizer.state_dict()["state"]  # the moments came back
+    assert b.policy.optimizer.state_dict()["state"]  # the moments came back
     note = capsys.readouterr().err
     assert (
         "note: resumed with this config's optim settings: param group 0 base_lr: 0.01 -> 0.005; param group 0 betas: (0.9, 0.99) -> (0.8, 0.95)"
@@ -181,24 +184,24 @@ def test_the_critics_gradient_has_its_own_clip_and_norm(warm_tiny, problems):
     config.reward.function = "reward_functions:length_bonus"  # +1 / -0.5: never all zero, as the weak base's 0/1 can be
     worker = RLWorker(config, problems)
     m = [worker.step(step) for step in (1, 2, 3)][-1]  # responses finished in step 3: both models get a gradient
-    learner = worker.learner
+    trained = worker.policy
     norm = lambda params: float(torch.nn.utils.get_total_norm([p.grad for p in params]))  # noqa: E731 - after the clip
     assert m["optimizer_steps"] == 1 and m["grad_norm"] > 1e-3 and m["value_grad_norm"] > 1e-3
-    assert norm(learner.lora_params) == pytest.approx(1e-6, rel=1e-3)
-    assert norm(learner.value_params) == pytest.approx(1e-6, rel=1e-3)
+    assert norm(trained.lora_params) == pytest.approx(1e-6, rel=1e-3)
+    assert norm(trained.value_params) == pytest.approx(1e-6, rel=1e-3)
 
 
 def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_tiny, problems):
     """The critic is the frozen base under its own LoRA (no routed-expert adapter) plus a head: the same frozen
     storage as the policy, its own A/B tensors; fresh, it values the base's features (B = 0); the value loss's
     gradient reaches only its adapter and head, the policy loss's only the policy's."""
-    from allsync.critic import ValueTargets, critic_loss
-    from allsync.forward import forward_pass
+    from allsync.update.critic import ValueTargets, critic_loss
+    from allsync.update.forward import forward_pass
     from moe_lora.lora import LoRAExperts, LoRALinear, adapters_disabled
     from quant.modules import FrozenExperts
 
     worker = RLWorker(tppo_config(warm_tiny), problems)
-    policy, critic = worker.model, worker.critic
+    policy, critic = worker.model, worker.policy.critic
     frozen_policy = {id(p) for p in policy.parameters() if not p.requires_grad}
     frozen_critic = {id(p) for p in critic.model.parameters() if not p.requires_grad}
     assert frozen_critic and frozen_critic <= frozen_policy  # embeddings, norms, routers: shared, not copied
@@ -207,8 +210,8 @@ def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_
     assert shared and all(a.base is b.base and a.lora_A is not b.lora_A for a, b in shared)
     assert not any(isinstance(m, LoRAExperts) for m in critic.model.modules())
     assert any(isinstance(m, FrozenExperts) for m in critic.model.modules())
-    policy_ids = {id(p) for p in worker.learner.lora_params}
-    assert not policy_ids & {id(p) for p in worker.learner.value_params}
+    policy_ids = {id(p) for p in worker.policy.lora_params}
+    assert not policy_ids & {id(p) for p in worker.policy.value_params}
     assert all(not torch.equal(a.lora_A, b.lora_A) for a, b in shared)  # drawn apart
 
     torch.nn.init.normal_(critic.head.weight, std=0.3)
@@ -219,17 +222,17 @@ def test_the_critic_shares_the_frozen_base_and_trains_only_its_own_adapter(warm_
         expected = critic.head(hidden[:, :-1].float()).squeeze(-1)
         assert torch.allclose(critic(batch), expected, atol=1e-5)  # B = 0: the base's features
 
-    learner = worker.learner  # gradients land in its flat buffers (views), zero before a backward
+    trained = worker.policy  # gradients land in its flat buffers (views), zero before a backward
     moved = lambda params: sum(float(p.grad.abs().sum()) for p in params)  # noqa: E731
     targets = ValueTargets(torch.ones_like(batch.response_mask), batch.response_mask, batch.response_mask.sum())
     loss, share = critic_loss(critic, batch, targets)
     loss.backward()
-    assert float(share) > 0 and moved(learner.lora_params) == 0
+    assert float(share) > 0 and moved(trained.lora_params) == 0
     b_grads = [m.lora_B.grad for m in critic.model.modules() if isinstance(m, LoRALinear)]
     assert all(float(g.abs().sum()) > 0 for g in b_grads)  # every adapter of the critic
-    learner.flat_grad.zero_()
+    trained.flat_grad.zero_()
     (-forward_pass(policy, batch).logprobs.mean()).backward()
-    assert moved(learner.value_params) == 0 and moved(learner.lora_params) > 0
+    assert moved(trained.value_params) == 0 and moved(trained.lora_params) > 0
 
 
 def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
@@ -239,30 +242,30 @@ def test_value_pretraining_moves_only_the_critic_then_both(warm_tiny, problems):
     config = tppo_config(warm_tiny, lr=1e-2, value_pretrain_steps=3)
     config.reward.function = "reward_functions:length_bonus"  # +1 / -0.5: the critic always has something to learn
     worker = RLWorker(config, problems)
-    learner = worker.learner
+    trained = worker.policy
     snapshot = lambda params: [p.detach().clone() for p in params]  # noqa: E731
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
-    policy0, critic0 = snapshot(learner.lora_params), snapshot(learner.value_params)
+    policy0, critic0 = snapshot(trained.lora_params), snapshot(trained.value_params)
     pretraining = [worker.step(step) for step in (1, 2, 3)]
     m = pretraining[-1]
     critic_steps = sum(r["value_loss_sum"] > 0 for r in pretraining)  # a step with a finished reply: value targets
     assert pretraining[0]["value_loss_sum"] == 0 and critic_steps >= 1
-    assert same(policy0, learner.lora_params) and m["grad_norm"] == 0.0
-    assert not same(critic0, learner.value_params) and m["value_loss_sum"] > 0
-    state = learner.optimizer.state
-    for p in learner.lora_params:  # AdamW never stepped the policy: its state as allocated (step 0, zero moments)
+    assert same(policy0, trained.lora_params) and m["grad_norm"] == 0.0
+    assert not same(critic0, trained.value_params) and m["value_loss_sum"] > 0
+    state = trained.optimizer.state
+    for p in trained.lora_params:  # AdamW never stepped the policy: its state as allocated (step 0, zero moments)
         assert int(state[p]["step"]) == 0 and not state[p]["exp_avg"].any() and not state[p]["exp_avg_sq"].any()
-    assert all(int(state[p]["step"]) == critic_steps for p in learner.value_params)
-    policy3 = snapshot(learner.lora_params)
+    assert all(int(state[p]["step"]) == critic_steps for p in trained.value_params)
+    policy3 = snapshot(trained.lora_params)
     m = worker.step(4)
-    assert not same(policy3, learner.lora_params) and m["grad_norm"] > 0
-    assert all(int(state[p]["step"]) == 1 for p in learner.lora_params)
-    assert all(int(state[p]["step"]) == critic_steps + (m["value_loss_sum"] > 0) for p in learner.value_params)
+    assert not same(policy3, trained.lora_params) and m["grad_norm"] > 0
+    assert all(int(state[p]["step"]) == 1 for p in trained.lora_params)
+    assert all(int(state[p]["step"]) == critic_steps + (m["value_loss_sum"] > 0) for p in trained.value_params)
     # AdamW's first step moves every coordinate with a gradient by lr * g / |g| (bias-corrected m / sqrt(v) = sign g):
     # exactly the configured size. Had the 3 critic-only steps advanced the policy's count, the size would be
     # lr * (1 - b1) / (1 - b1^4) * sqrt((1 - b2^4) / (1 - b2)) = 0.58 lr (betas 0.9, 0.99).
-    moves = torch.cat([(p.detach() - p0).abs().flatten() for p, p0 in zip(learner.lora_params, policy3)])
-    grads = torch.cat([p.grad.abs().flatten() for p in learner.lora_params])  # the step's (clipped) gradient
+    moves = torch.cat([(p.detach() - p0).abs().flatten() for p, p0 in zip(trained.lora_params, policy3)])
+    grads = torch.cat([p.grad.abs().flatten() for p in trained.lora_params])  # the step's (clipped) gradient
     moved_by = moves[grads > 1e-4]  # AdamW's eps (1e-8) is < 1e-4 of these gradients
     assert moved_by.numel() > 0 and torch.allclose(moved_by, torch.full_like(moved_by, 1e-2), rtol=1e-3)
 
@@ -271,10 +274,10 @@ def test_the_critic_learns_monte_carlo_returns_by_default(warm_tiny, problems):
     """value_lam 1 (decoupled GAE): a finished response's value targets are its reward at every token, whatever the
     critic says; the advantages keep algorithm.lam's bootstrap."""
     worker = RLWorker(tppo_config(warm_tiny), problems)
-    torch.nn.init.normal_(worker.critic.head.weight, std=0.3)
+    torch.nn.init.normal_(worker.policy.critic.head.weight, std=0.3)
     prompt = worker.encode_prompt(problems[0])
     finished = PartialResponse(problems[0], prompt, [10, 11, 12, 13, 14, 15], [0.0] * 6, window_start=4)
-    tb = worker.learner.critic_batch([finished.episode("stop", 1.0, True, 0)])
+    tb = worker.learner.batches.critic_batch([finished.episode("stop", 1.0, True, 0)], worker.policy.critic)
     returns = tb.returns[tb.value_mask > 0]
     assert returns.tolist() == pytest.approx([1.0] * 6, abs=1e-6)
     assert worker.config.algorithm.lam == 0.95 and tb.advantages.abs().sum() > 0
@@ -335,10 +338,10 @@ def test_the_critic_trains_on_finished_rows_only_with_the_loss_and_gradient_of_e
     none): the loss and the critic's gradient equal value_loss over every row's values; a micro-batch with no
     target still runs one (masked) row and moves nothing."""
     from allsync.algorithms import value_loss
-    from allsync.critic import ValueTargets, critic_loss
+    from allsync.update.critic import ValueTargets, critic_loss
 
     worker = RLWorker(tppo_config(warm_tiny), problems)
-    critic, params = worker.critic, worker.learner.value_params
+    critic, params = worker.policy.critic, worker.policy.value_params
     torch.nn.init.normal_(critic.head.weight, std=0.3)
     prompts = [worker.encode_prompt(p) for p in problems[:3]]
     batch = build_sequences(prompts, [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32]], worker.tokenizer.pad_token_id)
@@ -375,16 +378,16 @@ def test_one_minibatch_with_a_critic_takes_the_old_logprobs_from_its_own_forward
         PartialResponse(problems[1], prompt, [20, 21, 22, 23], [0.0] * 4, window_start=0),
     ]
     episodes = [responses[0].episode("stop", 1.0, True, 0), responses[1].episode("window", 0.0, False, 0)]
-    reused, separate = (w.learner.critic_batch(episodes) for w in workers)
-    assert workers[0].learner.reuses_update_forward and reused.old_logprobs is None
+    reused, separate = (w.learner.batches.critic_batch(episodes, w.policy.critic) for w in workers)
+    assert reuses_update_forward(workers[0].config) and reused.old_logprobs is None
     separate.old_logprobs = workers[1].learner.passes.current_logprobs(separate.sequences)
-    outs = [w.learner.update(tb, 0) for w, tb in zip(workers, (reused, separate))]
+    outs = [w.learner.update(w.policy, tb) for w, tb in zip(workers, (reused, separate))]
     # the gap the update reports is the separate pass's: its own logprobs are the old ones, bit for bit
     gap = logprob_gap(separate.engine_logprobs, separate.old_logprobs, separate.sequences.response_mask)
     assert outs[0]["logprob_gap"] == gap
     for key in ("loss_sum", "value_loss_sum", "grad_norm", "value_grad_norm", "trained_tokens"):
         assert outs[0][key] == outs[1][key], key
-    trained = [w.learner.lora_params + w.learner.value_params for w in workers]
+    trained = [w.policy.lora_params + w.policy.value_params for w in workers]
     assert all(torch.equal(a, b) for a, b in zip(*trained))
 
 
@@ -401,9 +404,9 @@ def test_value_pretraining_continues_the_windows_from_their_cached_positions(war
     assert min(moving) > 2, per_token
 
 
-def adamw_state(learner, params) -> list[tuple[int, float, float]]:
-    """(step, sum |exp_avg|, sum |exp_avg_sq|) of each parameter's AdamW state."""
-    state = learner.optimizer.state
+def adamw_state(policy, params) -> list[tuple[int, float, float]]:
+    """(step, sum |exp_avg|, sum |exp_avg_sq|) of each parameter's AdamW state (policy: a PolicyState)."""
+    state = policy.optimizer.state
     return [
         (int(state[p]["step"]), float(state[p]["exp_avg"].abs().sum()), float(state[p]["exp_avg_sq"].abs().sum()))
         for p in params
@@ -416,18 +419,20 @@ def test_a_minibatch_of_cut_windows_steps_the_policy_and_leaves_the_critic_at_st
     moments). Before: the critic stepped with a zero gradient, which advanced its bias correction (its first real
     update ~0.58x optim.value_lr)."""
     worker = RLWorker(tppo_config(warm_tiny), problems)
-    torch.nn.init.normal_(worker.critic.head.weight, std=0.3)  # values that differ along a reply: advantages != 0
+    torch.nn.init.normal_(
+        worker.policy.critic.head.weight, std=0.3
+    )  # values that differ along a reply: advantages != 0
     learner = worker.learner
     prompt = worker.encode_prompt(problems[0])
     cut = [PartialResponse(problems[0], prompt, [20 + i, 21, 22, 23], [0.0] * 4, window_start=0) for i in range(3)]
-    tb = learner.critic_batch([c.episode("window", 0.0, False, 0) for c in cut])
-    critic_before = {k: t.clone() for k, t in worker.critic.trainable_tensors().items()}
-    out = learner.update(tb, worker.adapter_version)
+    tb = learner.batches.critic_batch([c.episode("window", 0.0, False, 0) for c in cut], worker.policy.critic)
+    critic_before = {k: t.clone() for k, t in worker.policy.critic.trainable_tensors().items()}
+    out = learner.update(worker.policy, tb)
     assert out["optimizer_steps"] == 1 and out["trained_tokens"] == 12
-    policy = adamw_state(learner, learner.lora_params)
+    policy = adamw_state(worker.policy, worker.policy.lora_params)
     assert all(step == 1 for step, _, _ in policy) and any(moments > 0 for _, moments, _ in policy)
-    assert adamw_state(learner, learner.value_params) == [(0, 0.0, 0.0)] * len(learner.value_params)
-    assert all(torch.equal(t, critic_before[k]) for k, t in worker.critic.trainable_tensors().items())
+    assert adamw_state(worker.policy, worker.policy.value_params) == [(0, 0.0, 0.0)] * len(worker.policy.value_params)
+    assert all(torch.equal(t, critic_before[k]) for k, t in worker.policy.critic.trainable_tensors().items())
 
 
 def test_a_minibatch_of_filtered_replies_leaves_the_policy_bit_for_bit(warm_tiny, problems):
@@ -462,16 +467,21 @@ def test_a_minibatch_of_filtered_replies_leaves_the_policy_bit_for_bit(warm_tiny
             for i, reward in enumerate(rewards)
         ]
 
-    normal = learner.update(learner.critic_batch(replies("stop", [1.0, 0.0, 1.0])), 0)
+    normal = learner.update(
+        worker.policy, learner.batches.critic_batch(replies("stop", [1.0, 0.0, 1.0]), worker.policy.critic)
+    )
     assert normal["optimizer_steps"] == 1 and normal["trained_tokens"] > 0
     policy_before = {k: t.clone() for k, t in worker.adapter_tensors().items()}
-    state_before = adamw_state(learner, learner.lora_params)
-    critic_before = {k: t.clone() for k, t in worker.critic.trainable_tensors().items()}
-    filtered = learner.update(learner.critic_batch(replies("length", [0.0, 1.0, 0.0])), 1)
+    state_before = adamw_state(worker.policy, worker.policy.lora_params)
+    critic_before = {k: t.clone() for k, t in worker.policy.critic.trainable_tensors().items()}
+    worker.policy.version += 1  # as the worker counts its updates
+    filtered = learner.update(
+        worker.policy, learner.batches.critic_batch(replies("length", [0.0, 1.0, 0.0]), worker.policy.critic)
+    )
     assert filtered["optimizer_steps"] == 1 and filtered["trained_tokens"] == 0  # the critic's step only
     assert all(torch.equal(t, policy_before[k]) for k, t in worker.adapter_tensors().items())
-    assert adamw_state(learner, learner.lora_params) == state_before
-    assert any(not torch.equal(t, critic_before[k]) for k, t in worker.critic.trainable_tensors().items())
+    assert adamw_state(worker.policy, worker.policy.lora_params) == state_before
+    assert any(not torch.equal(t, critic_before[k]) for k, t in worker.policy.critic.trainable_tensors().items())
 
 
 def test_a_critic_batch_refuses_episodes_of_several_segments(warm_tiny, problems):
@@ -484,7 +494,7 @@ def test_a_critic_batch_refuses_episodes_of_several_segments(warm_tiny, problems
     one = PartialResponse(problems[0], prompt, [10, 11, 12], [0.0] * 3, window_start=0).episode("stop", 1.0, True, 0)
     two = Episode([one.final, one.final], 0.0, False)
     with pytest.raises(ValueError, match=r"algorithm\.advantage egae .* episode 1 of this batch has 2 segments"):
-        worker.learner.critic_batch([one, two, one])
+        worker.learner.batches.critic_batch([one, two, one], worker.policy.critic)
 
 
 @pytest.mark.parametrize(

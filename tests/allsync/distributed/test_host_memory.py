@@ -1,10 +1,10 @@
-"""What a CPU worker keeps of its freed heap (allsync/launch/devices.py): enough for one worker to reuse its
+"""What a CPU worker keeps of its freed heap (allsync/distributed/devices.py): enough for one worker to reuse its
 activations, never so much that the workers sharing a machine keep more than an eighth of it idle between them."""
 
 import subprocess
 import sys
 
-from allsync.launch.devices import KEPT_FREE_BYTES, kept_free_bytes
+from allsync.distributed.devices import KEPT_FREE_BYTES, kept_free_bytes
 
 GIB = 2**30
 
@@ -22,7 +22,7 @@ def test_a_worker_process_hands_back_what_it_does_not_keep():
     machine with enough workers that this is under 300 MiB (16 on 24 GiB)."""
     code = """
 import os
-from allsync.launch.devices import keep_freed_host_memory, kept_free_bytes
+from allsync.distributed.devices import keep_freed_host_memory, kept_free_bytes
 host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 workers = host // (8 * 300 * 2**20) + 1
 assert keep_freed_host_memory(workers)

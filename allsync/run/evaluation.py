@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from allsync.config import RewardSection, RunConfig
-from allsync.launch.devices import worker_device
+from allsync.distributed.devices import worker_device
 from allsync.engines.torch_engine import Sampling
 from allsync.producers.single_turn import engine_answers
 from allsync.tasks import Problem, encode_prompt, reward_row

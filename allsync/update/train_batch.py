@@ -1,5 +1,5 @@
-"""TrainBatch: what the learner's minibatch loop trains on (allsync/learner.py builds it; allsync/balance.py moves its
-rows between workers)."""
+"""TrainBatch: what the learner's minibatch loop trains on (batches.py builds it from episodes; balance.py moves its rows
+between workers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from allsync.algorithms import episode_token_counts, episodes_with_tokens
-from allsync.forward import SequenceBatch
+from allsync.update.sequences import SequenceBatch
 
 
 @dataclass
@@ -20,7 +20,7 @@ class TrainBatch:
     token count of the row's whole episode."""
 
     sequences: SequenceBatch
-    old_logprobs: torch.Tensor | None  # None: the update's own forward gives them (Learner.reuses_update_forward)
+    old_logprobs: torch.Tensor | None  # None: the update's own forward gives them (batches.reuses_update_forward)
     advantages: torch.Tensor
     returns: torch.Tensor | None = None
     value_mask: torch.Tensor | None = None  # response tokens of finished responses (the critic learns from those)
@@ -32,7 +32,7 @@ class TrainBatch:
         None  # [B, L-1] response tokens the engine chose (before credit and overlong masks)
     )
     segment_kinds: list[str] | None = None  # per row: answer | memory | turn
-    # the row groups of its forwards when optim.balance_ranks dealt them (allsync/balance.py); None: forward_chunks
+    # the row groups of its forwards when optim.balance_ranks dealt them (allsync/update/balance.py); None: forward_chunks
     forward_groups: list[list[int]] | None = None
     # a critic's step sums that add up over workers: value_fit_sums (its values before the update against its
     # targets) and split_advantage_sums (the raw advantages of cut and finished responses)

@@ -1,8 +1,8 @@
-"""A worker's part of a training checkpoint (the files in allsync/checkpoint.py's layout).
+"""A worker's part of a training checkpoint (the files in allsync/run/checkpoint.py's layout).
 
-    state = ShardedTrainingState(model, learner, layout, rank, config)
-    state.save(directory, adapter_version, rank_meta)       # every rank: the whole adapter + AdamW from rank 0
-    adapter_version, rank_meta = state.load(directory)      # every rank: its own block back
+    state = ShardedTrainingState(model, policy, groups, layout, rank, config)
+    state.save(directory, rank_meta)      # every rank: the whole adapter + AdamW + version from rank 0
+    rank_meta = state.load(directory)     # every rank: its own block back, the policy's version set
 
 Under expert parallelism each rank holds the routed-expert LoRA tensors (and their AdamW moments) of its
 block of E/k experts only. The files never depend on parallel.expert_parallel: on save the ranks of the first
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from allsync.checkpoint import (
+from allsync.run.checkpoint import (
     CRITIC_PREFIX,
     optimizer_state_from_files,
     optimizer_state_to_files,
@@ -28,17 +28,19 @@ from allsync.checkpoint import (
     write_state,
 )
 from allsync.config import RunConfig
-from allsync.learner import load_adamw_state_in_place
+from allsync.update.optimizer import load_adamw_state_in_place
+from allsync.update.policy_state import PolicyState
 from moe_lora.lora import PEFT_PREFIX, LoRAExperts, expert_slots, load_lora_state_dict, lora_state_dict
 
 
 class ShardedTrainingState:
     """The adapter and optimizer state of one worker, gathered whole for the files and sharded back at load."""
 
-    def __init__(self, model, learner, layout, rank: int, config: RunConfig):
-        """The expert-parallel gathers go through the learner's process groups (`learner.groups`, the ones its
-        gradients are reduced over)."""
-        self.model, self.learner, self.layout, self.rank, self.config = model, learner, layout, rank, config
+    def __init__(self, model, policy: PolicyState, groups, layout, rank: int, config: RunConfig):
+        """policy: the one policy's state (allsync/update/policy_state.py) whose LoRA tensors are attached to `model`;
+        groups: the process groups its gradients are reduced over (the expert-parallel gathers go through them)."""
+        self.model, self.policy, self.groups, self.layout = model, policy, groups, layout
+        self.rank, self.config = rank, config
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's adapter tensors under PEFT names (its expert block only, under expert parallelism)."""
@@ -64,19 +66,19 @@ class ShardedTrainingState:
         if self.rank >= self.layout.ep_size:
             return None
         flat = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
-        pieces = [p.split([b.numel() for b in blocks]) for p in self.learner.groups.all_gather(flat.cpu(), "ep")]
+        pieces = [p.split([b.numel() for b in blocks]) for p in self.groups.all_gather(flat.cpu(), "ep")]
         if self.rank != 0:
             return None
         return [torch.cat([piece[i].view(b.shape) for piece in pieces]) for i, b in enumerate(blocks)]
 
     def expert_state_ids(self) -> list[int]:
         """Optimizer-state indices (into the flattened param groups) of the routed-expert LoRA tensors."""
-        sharded = {id(p) for p in self.learner.expert_params}
-        return [i for i, p in enumerate(self.learner.optimized) if id(p) in sharded]
+        sharded = {id(p) for p in self.policy.expert_params}
+        return [i for i, p in enumerate(self.policy.optimized) if id(p) in sharded]
 
     def full_optimizer_state(self) -> dict | None:
         """AdamW's state_dict with each expert tensor's moments gathered to [E, ...] (rank 0; None elsewhere)."""
-        state = self.learner.optimizer.state_dict()
+        state = self.policy.optimizer.state_dict()
         if self.layout is None:
             return state if self.rank == 0 else None
         entries = [
@@ -105,9 +107,10 @@ class ShardedTrainingState:
                     state["state"][i][name] = v[mine.start : mine.stop].clone()
         return state
 
-    def save(self, directory: str | Path, adapter_version: int, rank_meta: dict) -> None:
-        """The whole adapter, AdamW state and critic from rank 0 (expert blocks gathered); this rank's RNG
-        states and `rank_meta` (data position, producer state) from every rank."""
+    def save(self, directory: str | Path, rank_meta: dict) -> None:
+        """The policy from rank 0: the whole adapter (expert blocks gathered), AdamW state, critic and version; from
+        every rank its RNG states, the policy's count of consecutive non-finite steps and `rank_meta` (data position,
+        producer state)."""
         directory = Path(directory)
         adapter_tensors, optimizer_state = self.full_adapter_tensors(), self.full_optimizer_state()
         if self.rank == 0:
@@ -117,17 +120,22 @@ class ShardedTrainingState:
             adapter = Adapter(adapter_tensors, lc.rank, lc.alpha, lc.use_rslora)
             write_peft_adapter(adapter, directory / "adapter", self.config.model.base, overwrite=True)
             tensors, meta = optimizer_state_to_files(optimizer_state)
-            if self.learner.critic is not None:
-                critic = self.learner.critic.trainable_tensors()
+            if self.policy.critic is not None:
+                critic = self.policy.critic.trainable_tensors()
                 tensors.update({CRITIC_PREFIX + k: v.detach().clone() for k, v in critic.items()})
-            write_state(directory, "trainer", tensors, {"optimizer": meta, "adapter_version": adapter_version})
+            write_state(directory, "trainer", tensors, {"optimizer": meta, "adapter_version": self.policy.version})
         rng_tensors, rng = rng_state()
-        write_state(directory, f"rank{self.rank}", rng_tensors, {"rng": rng, **rank_meta})
+        write_state(
+            directory,
+            f"rank{self.rank}",
+            rng_tensors,
+            {"rng": rng, "consecutive_nan": self.policy.consecutive_nan, **rank_meta},
+        )
 
-    def load(self, directory: str | Path) -> tuple[int, dict]:
+    def load(self, directory: str | Path) -> dict:
         """Back into the model and optimizer: the adapter (this rank's expert block), AdamW's state (this
-        config's optim settings win over the saved ones, each change named), the critic, then this rank's
-        RNG states. Returns (adapter version, this rank's saved meta)."""
+        config's optim settings win over the saved ones, each change named), the critic and the policy's version and
+        count of non-finite steps, then this rank's RNG states. Returns this rank's saved meta."""
         directory = Path(directory)
         trainer_tensors, trainer = read_state(directory, "trainer")
         mine_tensors, mine = read_state(directory, f"rank{self.rank}")
@@ -138,13 +146,14 @@ class ShardedTrainingState:
         )
         saved = optimizer_state_from_files(trainer_tensors, trainer["optimizer"])
         load_adamw_state_in_place(
-            self.learner.optimizer, self.shard_optimizer_state(saved), str(directory / "trainer.safetensors")
+            self.policy.optimizer, self.shard_optimizer_state(saved), str(directory / "trainer.safetensors")
         )
-        changed = self.learner.apply_optim_settings()
+        changed = self.policy.apply_optim_settings()
         if changed and self.rank == 0:
             print(f"note: resumed with this config's optim settings: {'; '.join(changed)}", file=sys.stderr)
-        if self.learner.critic is not None:
+        if self.policy.critic is not None:
             critic = {k[len(CRITIC_PREFIX) :]: v for k, v in trainer_tensors.items() if k.startswith(CRITIC_PREFIX)}
-            self.learner.critic.load_trainable(critic, str(directory / "trainer.safetensors"))
+            self.policy.critic.load_trainable(critic, str(directory / "trainer.safetensors"))
         set_rng_state(mine_tensors, mine["rng"])
-        return trainer["adapter_version"], mine
+        self.policy.version, self.policy.consecutive_nan = trainer["adapter_version"], mine["consecutive_nan"]
+        return mine

@@ -15,7 +15,7 @@ that every worker holds nearly the same tokens:
 A minibatch holds the same rows as without balancing and its loss shares use counts all-reduced over every worker, so
 the update is the same token-mean loss: only where each row's gradient is computed moves (float sums in another
 order). With a token budget each worker runs the forwards dealt to it (TrainBatch.forward_groups), not its own
-packing (allsync.forward.token_budget_chunks).
+packing (allsync.update.sequences.token_budget_chunks).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import heapq
 
 import torch
 
-from allsync.forward import SequenceBatch, token_budget_chunks
+from allsync.update.sequences import SequenceBatch, token_budget_chunks
+from allsync.update.train_batch import TrainBatch
+from moe_lora.expert_parallel import all_to_all
 
 # a minibatch's per-token tensors ([rows, width - 1]; TrainBatch.minibatch keeps these), moved with their rows
 PER_TOKEN = ("old_logprobs", "advantages", "returns", "value_mask", "ref_logprobs", "engine_logprobs")
@@ -155,9 +157,6 @@ def balanced(mb, groups, pad_id: int, device, budget: int | None = None):
     """This worker's share of one minibatch after balancing (module docstring): a TrainBatch, or None when it trains
     no row of it. Every worker calls it for every minibatch (mb None: no rows of its own); budget:
     optim.max_tokens_per_forward."""
-    from allsync.train_batch import TrainBatch
-    from moe_lora.expert_parallel import all_to_all
-
     schema = batch_schema(mb, groups, pad_id)
     n = len(mb) if mb is not None else 0
     lengths = mb.sequences.attention_mask.sum(-1).tolist() if n else []

@@ -1,4 +1,4 @@
-"""The trainer's forward passes besides the update's own (forward.minibatch_loss): the current policy's logprobs, the
+"""The trainer's forward passes besides the update's own (loss.minibatch_loss): the current policy's logprobs, the
 critic's values and the reference policy's logprobs of a batch, computed in row groups of at most
 optim.max_tokens_per_forward padded tokens and, under expert parallelism, in lockstep with the other ranks (a rank
 with fewer groups runs idle rows, whose MoE layers serve the others' tokens), with the step's routing replay
@@ -10,15 +10,16 @@ from contextlib import contextmanager
 
 import torch
 
-from allsync.forward import SequenceBatch, build_sequences, forward_logprobs, token_budget_chunks
-from allsync.train_batch import TrainBatch
+from allsync.update.forward import forward_logprobs
+from allsync.update.sequences import SequenceBatch, build_sequences, token_budget_chunks
+from allsync.update.train_batch import TrainBatch
 from moe_lora.lora import adapters_disabled
 
 
 class ForwardPasses:
-    def __init__(self, model, critic, config, groups, pad_id: int, device: torch.device):
-        """critic: allsync.critic.Critic or None; groups: allsync.launch.process_groups.Groups."""
-        self.model, self.critic, self.config, self.groups = model, critic, config, groups
+    def __init__(self, model, config, groups, pad_id: int, device: torch.device):
+        """groups: allsync.distributed.process_groups.Groups."""
+        self.model, self.config, self.groups = model, config, groups
         self.pad_id, self.device = pad_id, device
 
     def idle_batch(self) -> TrainBatch:
@@ -28,7 +29,7 @@ class ForwardPasses:
         seqs.response_mask.zero_()
         zeros = torch.zeros_like(seqs.response_mask)
         kl = zeros if self.config.algorithm.kl_coef else None
-        critic = (zeros, zeros) if self.critic is not None else (None, None)
+        critic = (zeros, zeros) if self.config.algorithm.uses_critic else (None, None)
         return TrainBatch(seqs, zeros, zeros, *critic, ref_logprobs=kl, engine_logprobs=zeros)
 
     def forward_chunks(self, batch: SequenceBatch) -> list[list[int]]:
@@ -72,9 +73,9 @@ class ForwardPasses:
         return logprobs
 
     @torch.no_grad()
-    def current_values(self, batch: SequenceBatch) -> torch.Tensor:
-        """The critic's values of the batch, before any update."""
-        return self.chunked(batch, self.critic)
+    def current_values(self, batch: SequenceBatch, critic) -> torch.Tensor:
+        """The critic's (allsync.update.critic.Critic) values of the batch, before any update."""
+        return self.chunked(batch, critic)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor | None:
@@ -104,8 +105,6 @@ class ForwardPasses:
         compares the engine's experts with that pass's only, not with later minibatches' or the reference's."""
         if (routing := getattr(self.model, "routing_replay", None)) is not None:
             routing.counting = False
-
-    # ------------------------------------------------------------------------------ the update
 
 
 def placed_rows(parts: list[torch.Tensor], row_groups: list[list[int]], like: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from allsync.algorithms import get
-from allsync.evaluation import score_texts
+from allsync.run.evaluation import score_texts
 from allsync.tasks import Problem
 from evals.reward_pool import RewardPool
 
@@ -32,7 +32,7 @@ class Scorer:
         self, problems: list[Problem], responses: list[list[int]]
     ) -> tuple[list[float], list[bool], int]:
         """(scores, correct, errors) from reward.name / reward.function in the reward processes
-        (allsync.evaluation.score_texts: reward.on_error decides what a failed sample does)."""
+        (allsync.run.evaluation.score_texts: reward.on_error decides what a failed sample does)."""
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         return score_texts(self.pool, self.config.reward, problems, texts, where=f" of worker {self.rank}")
 

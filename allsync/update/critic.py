@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from allsync.algorithms import value_loss
-from allsync.forward import SequenceBatch
+from allsync.update.sequences import SequenceBatch
 from moe_lora.lora import adapter_copy, seeded_init_
 
 
@@ -49,7 +49,7 @@ class Critic(nn.Module):
 
     def forward(self, batch: SequenceBatch) -> torch.Tensor:
         """V at every position but the last, [B, L-1]: position t values tokens_{<=t}, aligned with the policy's
-        token logprobs (allsync.forward.forward_pass)."""
+        token logprobs (allsync.update.forward.forward_pass)."""
         out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return self.head(out.last_hidden_state[:, :-1].float()).squeeze(-1)
 

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from quant.checkpoint_io import atomic_write_text
 
 OPTIMIZER_PREFIX = "optimizer.state."
-CRITIC_PREFIX = "critic."  # the critic's adapter and value head (allsync/critic.py)
+CRITIC_PREFIX = "critic."  # the critic's adapter and value head (allsync/update/critic.py)
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "allsync-checkpoint-manifest"
 MANIFEST_VERSION = 1
