@@ -276,6 +276,11 @@ class RLWorker:
         self.timeline.record("train", t)
         return metrics
 
+    def train(self, episodes: list[Episode], group_index: torch.Tensor) -> dict:
+        """The update of this worker's policy on `episodes`, without train_phase's staleness check, timing and version
+        step: drives the learner from the controller side (tests, benchmarks) over any launch mode."""
+        return self.learner.train(self.policy, episodes, group_index)
+
     def receive_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> int:
         """Load LoRA tensors trained elsewhere (a generator of the disaggregated layout); returns bytes received."""
         t = time.time()

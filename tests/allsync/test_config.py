@@ -258,7 +258,8 @@ def test_length_reward_is_checked():
 def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, monkeypatch):
     """model.compute_copy is refused before the copies are made when they would take more than half of the
     device's free memory, naming the key."""
-    import allsync.run.worker as worker_module
+    import allsync.run.engine_link as engine_link
+    from allsync.run.worker import RLWorker
     from allsync.config import ConfigError
     from allsync.tasks import Problem
 
@@ -270,9 +271,9 @@ def test_a_compute_copy_larger_than_half_the_free_memory_is_refused(tiny_bf16, m
             "parallel": {"workers_per_node": 1},
         }
     )
-    monkeypatch.setattr(worker_module, "free_device_bytes", lambda device: 1_000_000)
+    monkeypatch.setattr(engine_link, "free_device_bytes", lambda device: 1_000_000)
     with pytest.raises(ConfigError, match="model.compute_copy: a torch.float32 copy of the frozen weights needs"):
-        worker_module.RLWorker(config, [Problem("1+1", "2")])
+        RLWorker(config, [Problem("1+1", "2")])
 
 
 def float_settings() -> list[tuple[dict, str]]:

@@ -13,7 +13,7 @@ def trained_alone(base, batches) -> dict[str, torch.Tensor]:
     worker = RLWorker(config(base), PROBLEMS)
     try:
         for samples, index in batches:
-            worker.learner.train(worker.policy, samples, index)
+            worker.train(samples, index)
             worker.policy.version += 1
         return {name: p.detach().clone() for name, p in worker.policy.adapter.items()}
     finally:

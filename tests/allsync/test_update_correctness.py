@@ -65,7 +65,7 @@ def adapter(worker_or_group) -> dict[str, torch.Tensor]:
 
 
 def trained(worker: RLWorker, samples, index) -> dict:
-    out = worker.learner.train(worker.policy, samples, index)
+    out = worker.train(samples, index)
     worker.policy.version += 1
     return out
 
@@ -538,17 +538,17 @@ def test_tis_weights_the_update_by_the_engines_logprobs_and_is_logged(tiny_bf16)
     batch = corrected.learner.batches.episode_batch(samples, index)
     mask = batch.sequences.response_mask
     expected_mean = float((batch.old_logprobs.exp() * mask).sum() / mask.sum())  # engine logprobs 0 in `groups`
-    out = corrected.learner.train(corrected.policy, samples, index)
+    out = corrected.train(samples, index)
     assert out["tis_sum"] / out["trained_tokens"] == pytest.approx(expected_mean, rel=1e-4) and expected_mean < 0.5
-    assert out["tis_capped_sum"] == 0.0 and "tis_sum" not in plain.learner.train(plain.policy, samples, index)
+    assert out["tis_capped_sum"] == 0.0 and "tis_sum" not in plain.train(samples, index)
 
     for episode, row in zip(samples, range(len(samples))):  # the engine computed exactly the trainer's logprobs
         n = len(episode.final.response_ids)
         start = int(mask[row].nonzero()[0])
         episode.final.engine_logprobs = batch.old_logprobs[row, start : start + n].tolist()
-    same = corrected.learner.train(corrected.policy, samples, index)
+    same = corrected.train(samples, index)
     assert same["tis_sum"] == pytest.approx(same["trained_tokens"], rel=1e-6) and same["tis_capped_sum"] == 0.0
-    plain.learner.train(plain.policy, samples, index)
+    plain.train(samples, index)
     for a, b in zip(plain.gradient_tensors(), corrected.gradient_tensors()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
 

@@ -33,7 +33,7 @@ def vllm_config(base, **sections) -> dict:
 def trained_gap(worker: RLWorker) -> tuple[list, dict]:
     torch.manual_seed(0)
     episodes, group_index, _ = worker.producer.collect(2, worker.policy.version)
-    return episodes, worker.learner.train(worker.policy, episodes, group_index)
+    return episodes, worker.train(episodes, group_index)
 
 
 @pytest.mark.slow  # issue 70: whole runs of many seconds go to the slow lane, which CI runs after the default one

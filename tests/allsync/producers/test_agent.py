@@ -205,7 +205,7 @@ def test_observations_extend_the_row_masked_and_a_new_context_starts_a_segment(t
                 "<｜begin▁of▁sentence｜># Tools\nmultiply: a times b\n<｜User｜>Start over: "
             )
         assert all(e.reward in (0.0, 1.0) and e.correct == (e.reward > 0) for e in episodes)
-        metrics = worker.learner.train(worker.policy, episodes, group_index)
+        metrics = worker.train(episodes, group_index)
         assert metrics["logprob_gap"] < 1e-3  # each row is exactly the context the engine replied in
     finally:
         worker.shutdown()
@@ -300,7 +300,7 @@ def test_a_cut_observation_keeps_the_templates_closing_tokens_and_the_row(tiny_t
             )
             assert text.endswith(closing) and "the output: 12 12" in text and text.count("12") < 100
             assert e.info["turns"] == 2
-        assert worker.learner.train(worker.policy, episodes, group_index)["logprob_gap"] < 1e-3
+        assert worker.train(episodes, group_index)["logprob_gap"] < 1e-3
     finally:
         worker.shutdown()
 

@@ -148,7 +148,7 @@ def test_memory_is_passed_on_as_the_engines_token_ids(tiny_bf16):
                 memory, _ = extract_memory(before.response_ids, open_ids, close_ids, eos, before.finish_reason)
                 assert find_ids(after.prompt_ids, memory) != -1 if memory else True
                 assert len(before.response_ids) <= 5  # rollout.memory_tokens
-        metrics = worker.learner.train(worker.policy, episodes, group_index)
+        metrics = worker.train(episodes, group_index)
         assert metrics["logprob_gap"] < 1e-3
         assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0
     finally:
@@ -168,7 +168,7 @@ def test_old_logprobs_from_the_engine_keep_every_segments_gap(tiny_bf16):
         worker.learner.passes.current_logprobs = lambda *a: pytest.fail(
             "no old-logprob forward with old_logprobs engine"
         )
-        metrics = worker.learner.train(worker.policy, episodes, group_index)
+        metrics = worker.train(episodes, group_index)
         assert metrics["optimizer_steps"] == 2 and metrics["logprob_gap"] < 1e-3
         assert metrics["logprob_gap_memory_tokens"] > 0 and metrics["logprob_gap_answer_tokens"] > 0
         assert metrics["logprob_gap_memory_sum"] / metrics["logprob_gap_memory_tokens"] < 1e-3
@@ -221,7 +221,7 @@ def test_a_worker_with_no_trained_token_computes_no_gap(tiny_bf16):
     config.algorithm.overlong = OverlongSection(max_len=6, cache_len=2, filter_truncated=True)
     worker = RLWorker(config, [])
     try:
-        out = worker.learner.train(worker.policy, episodes, group_index)
+        out = worker.train(episodes, group_index)
         assert out["optimizer_steps"] == 0 and out["empty_minibatches"] == 1 and out["trained_tokens"] == 0
         assert out["logprob_gap_memory_tokens"] == out["logprob_gap_answer_tokens"] == 0.0
         assert out["logprob_gap_memory_sum"] == out["logprob_gap_answer_sum"] == 0.0
@@ -236,7 +236,7 @@ def test_a_worker_with_no_trained_token_computes_no_gap(tiny_bf16):
             return all_reduce(tensor, group)
 
         worker.learner.all_reduce = with_another_workers_counts
-        out = worker.learner.train(worker.policy, episodes, group_index)
+        out = worker.train(episodes, group_index)
         assert out["optimizer_steps"] == 1 and out["trained_tokens"] == 0
         assert out["logprob_gap_memory_tokens"] == out["logprob_gap_answer_tokens"] == 0.0
     finally:

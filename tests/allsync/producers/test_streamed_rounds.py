@@ -121,7 +121,7 @@ def three_steps(base, rounds: str, rollout: dict | None = None) -> tuple[list[di
         metrics, after = [], []
         for step in (1, 2, 3):
             metrics.append(worker.step(step))
-            after.append((worker.position, torch.get_rng_state()))
+            after.append((worker.data.position, torch.get_rng_state()))
         return metrics, after, worker.full_adapter_tensors()
     finally:
         worker.shutdown()
