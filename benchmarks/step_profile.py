@@ -71,11 +71,11 @@ class PhaseMeter:
         learner = worker.learner
         self._wrap(worker.scorer, "rewards", "reward")  # the producers call it through scorer.score_episodes
         self._wrap(worker.engine, "generate", "generate")
-        self._wrap(learner, "_backward_minibatch", "train")
+        self._wrap(learner, "backward", "train")
         self._wrap(learner.passes, "current_logprobs", "train")
         self._wrap(learner.passes, "reference_logprobs", "train")
-        self._wrap(learner.optimizer, "step", "optimizer")
-        self._wrap(learner, "_total_grad_norm", "optimizer")
+        self._wrap(worker.policy.optimizer, "step", "optimizer")
+        self._wrap(learner, "total_grad_norm", "optimizer")
         self._wrap(worker.engine, "load_adapter", "sync")
 
     def _wrap(self, owner, name: str, phase: str) -> None:

@@ -30,8 +30,8 @@ class SavedBytes:
     """Wraps a Learner's micro-batch backward and keeps the most bytes autograd saved during one of them."""
 
     def __init__(self, learner):
-        self.peak, self.backward = 0, learner._backward_minibatch
-        learner._backward_minibatch = self
+        self.peak, self.backward = 0, learner.backward
+        learner.backward = self
 
     def __call__(self, *args):
         storages: dict[int, int] = {}
