@@ -168,7 +168,6 @@ class RLWorker:
         self.state = ShardedTrainingState(self.model, self.policy, self.groups, self.layout, rank, config)
         # seeded after building: how many numbers attach_lora drew depends on the experts this rank holds
         seed_everything(config.run.seed * 1000 + rank)
-        self.problems = problems
         self.data = ProblemStream(problems, rank, world_size, self.tokenizer)
         self.scorer = Scorer(config, self.tokenizer, rank, self.monitor)  # the reward processes and shaping
         self.max_model_len = max_model_len
@@ -196,7 +195,7 @@ class RLWorker:
     def _make_engine(self):
         """The engine rollout.engine names (allsync/run/engine_link.py); a vLLM engine of context max_model_len (None:
         what the producer needs for `problems`) gets this rank's adapter, version 0, before it generates."""
-        model_len = engine_context(self.config, self.tokenizer, self.problems, self.model, self.max_model_len)
+        model_len = engine_context(self.config, self.tokenizer, self.data.problems, self.model, self.max_model_len)
         engine = build_engine(
             self.config, self.model, self.tokenizer, self.device, self.groups, self.launcher, model_len
         )
